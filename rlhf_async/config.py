@@ -1,0 +1,335 @@
+"""Typed job configuration: nested dataclasses, loaded from TOML with dotted overrides.
+
+Every problem (unknown key, wrong type, bad value) is collected and raised together in one
+`ConfigError`. The reference file `configs/reference.toml` is rendered from these classes
+by `render_reference()`, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; `problems` lists every issue as 'key.path: what is wrong'."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
+
+
+def opt(default: Any, help: str, *, choices: tuple[Any, ...] | None = None,
+        ge: float | None = None, gt: float | None = None, le: float | None = None) -> Any:
+    """A config field with its help text and accepted values (used by validation and docs)."""
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+STRATEGIES = ("flattening", "interleaving", "separation", "auto")
+
+
+@dataclass
+class RunConfig:
+    name: str = opt("", "run directory name under output_dir; empty = a UTC timestamp")
+    seed: int = opt(0, "seed for every keyed random stream (sampling, shuffling, init)", ge=0)
+    output_dir: str = opt("runs", "where run directories are created")
+    cache_dir: str = opt("runs/cache", "where SFT and reward-model artefacts are cached")
+    eval_prompts: int = opt(256, "held-out prompts for the SFT-vs-final comparison", ge=1)
+    progress: bool = opt(True, "print a compact progress line per step to stderr")
+    plot: bool = opt(True, "write metrics.png at the end of the run")
+
+
+@dataclass
+class ModelConfig:
+    path: str = opt("", "local Hugging Face model directory for the actor; empty = built-in")
+    arch: str = opt("gpt2", "architecture of the built-in tiny model", choices=("gpt2", "llama"))
+    hidden: int = opt(64, "hidden size of the built-in model", ge=8)
+    layers: int = opt(2, "transformer layers of the built-in model", ge=1)
+    heads: int = opt(4, "attention heads of the built-in model", ge=1)
+    dropout: float = opt(0.0, "dropout of the built-in model", ge=0.0, le=0.9)
+    max_positions: int = opt(64, "context length of the built-in model", ge=8)
+
+
+@dataclass
+class TaskConfig:
+    name: str = opt("sort_digits", "built-in task", choices=("sort_digits",))
+    min_len: int = opt(3, "shortest prompt (digits)", ge=2)
+    max_len: int = opt(6, "longest prompt (digits)", ge=2)
+    num_digits: int = opt(10, "digit alphabet size", ge=2, le=10)
+
+
+@dataclass
+class SFTConfig:
+    steps: int = opt(250, "supervised fine-tuning steps on synthetic demonstrations", ge=0)
+    batch_size: int = opt(64, "demonstrations per SFT step", ge=1)
+    lr: float = opt(3e-3, "SFT learning rate", gt=0.0)
+
+
+@dataclass
+class RewardModelConfig:
+    steps: int = opt(400, "Bradley-Terry training steps", ge=0)
+    batch_size: int = opt(64, "preference pairs per step", ge=1)
+    lr: float = opt(1e-3, "reward-model learning rate", gt=0.0)
+    label_noise: float = opt(0.1, "temperature of the noisy labeller: P(a>b)=sigmoid(dh/t)", gt=0.0)
+    heldout_pairs: int = opt(1024, "held-out pairs for reward-model accuracy", ge=1)
+
+
+@dataclass
+class AlgoConfig:
+    name: str = opt("ppo", "RL algorithm", choices=("ppo", "grpo", "rloo"))
+    kl_coef: float = opt(0.02, "weight of the KL penalty to the reference", ge=0.0)
+    kl_estimator: str = opt("k1", "per-token KL estimator", choices=("k1", "k3"))
+    kl_mode: str = opt("reward", "where the KL penalty goes", choices=("reward", "loss"))
+    clip_eps: float = opt(0.2, "PPO ratio clip", gt=0.0)
+    value_clip: float = opt(0.2, "PPO value clip", gt=0.0)
+    vf_coef: float = opt(0.5, "value-loss weight (ppo)", ge=0.0)
+    entropy_coef: float = opt(0.0, "entropy bonus weight", ge=0.0)
+    gamma: float = opt(1.0, "discount (ppo GAE)", ge=0.0, le=1.0)
+    lam: float = opt(0.95, "GAE lambda (ppo)", ge=0.0, le=1.0)
+    whiten_advantages: bool = opt(True, "whiten advantages over the global batch (ppo)")
+    group_size: int = opt(4, "responses sampled per prompt (grpo/rloo need >= 2)", ge=1)
+    is_cap: float = opt(0.0, "truncated importance-sampling cap vs behaviour log-probs; 0 = off",
+                        ge=0.0)
+    max_staleness: int = opt(0, "weight versions generation may run ahead of training", ge=0)
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = opt(8, "response length limit (tokens, EOS included)", ge=1)
+    temperature: float = opt(1.0, "sampling temperature (also used for training log-probs)",
+                             gt=0.0)
+    top_k: int = opt(0, "sample from the k most likely tokens; 0 = all", ge=0)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = opt(60, "RL steps (one global batch each)", ge=1)
+    prompts_per_step: int = opt(32, "prompts per global batch (x group_size samples)", ge=1)
+    epochs: int = opt(2, "passes over each batch", ge=1)
+    minibatches: int = opt(2, "optimizer steps per epoch", ge=1)
+    lr: float = opt(5e-4, "actor learning rate", gt=0.0)
+    critic_lr: float = opt(1e-3, "critic learning rate (ppo)", gt=0.0)
+    grad_clip: float = opt(1.0, "global gradient-norm clip; 0 = off", ge=0.0)
+    weight_decay: float = opt(0.0, "AdamW weight decay", ge=0.0)
+    publish_every: int = opt(1, "publish weights to generators every N steps", ge=1)
+
+
+@dataclass
+class WeightSyncConfig:
+    bucket_mb: float = opt(100.0, "flattened bucket size for weight broadcasts (MB)", gt=0.0)
+
+
+@dataclass
+class PlacementConfig:
+    strategy: str = opt("flattening", "placement strategy", choices=STRATEGIES)
+    device: str = opt("cpu", "device kind", choices=("cpu", "cuda"))
+    devices: int = opt(1, "devices (CPU slots or GPUs) for the job", ge=1)
+    actor: list[int] = opt([], "explicit device ids for the actor; empty = strategy decides")
+    critic: list[int] = opt([], "explicit device ids for the critic")
+    reward: list[int] = opt([], "explicit device ids for the reward model")
+    reference: list[int] = opt([], "explicit device ids for the reference model")
+    generator: list[int] = opt([], "explicit device ids for generator shadows (separation)")
+
+
+@dataclass
+class JobConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+
+
+def _section_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is list:
+        return f"list of {typing.get_args(tp)[0].__name__}"
+    return {int: "integer", float: "number", bool: "true/false", str: "string"}.get(tp, str(tp))
+
+
+def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
+    """Check `value` against a field type; returns (ok, value converted where lossless)."""
+    if typing.get_origin(tp) is list:
+        inner = typing.get_args(tp)[0]
+        if not isinstance(value, list):
+            return False, value
+        items = [_coerce(inner, v) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if tp is str:
+        return isinstance(value, str), value
+    return False, value
+
+
+def _check_value(path: str, f: dataclasses.Field, value: Any) -> list[str]:
+    m = f.metadata
+    out = []
+    if m.get("choices") is not None and value not in m["choices"]:
+        out.append(f"{path}: {value!r} is not one of {', '.join(map(repr, m['choices']))}")
+    values = value if isinstance(value, list) else [value]
+    for v in values:
+        if m.get("ge") is not None and v < m["ge"]:
+            out.append(f"{path}: {v!r} is below the minimum {m['ge']}")
+        if m.get("gt") is not None and v <= m["gt"]:
+            out.append(f"{path}: {v!r} must be greater than {m['gt']}")
+        if m.get("le") is not None and v > m["le"]:
+            out.append(f"{path}: {v!r} is above the maximum {m['le']}")
+    return out
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str, problems: list[str]) -> Any:
+    types_ = _section_types(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            problems.append(f"{path}: unknown key; accepted: {', '.join(fields)}")
+            continue
+        tp = types_[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                problems.append(f"{path}: expected a table/section, got {value!r}")
+                continue
+            kwargs[key] = _build(tp, value, path + ".", problems)
+            continue
+        ok, converted = _coerce(tp, value)
+        if not ok:
+            problems.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
+            continue
+        bad = _check_value(path, fields[key], converted)
+        problems.extend(bad)
+        if not bad:
+            kwargs[key] = converted
+    return cls(**kwargs)
+
+
+def _cross_checks(cfg: JobConfig) -> list[str]:
+    out = []
+    if cfg.task.min_len > cfg.task.max_len:
+        out.append(f"task.min_len: {cfg.task.min_len} exceeds task.max_len {cfg.task.max_len}")
+    if cfg.algo.name in ("grpo", "rloo") and cfg.algo.group_size < 2:
+        out.append(f"algo.group_size: {cfg.algo.name} needs >= 2 responses per prompt")
+    if cfg.generation.max_new_tokens < cfg.task.max_len + 1:
+        out.append(f"generation.max_new_tokens: {cfg.generation.max_new_tokens} cannot hold "
+                   f"a full answer; needs >= task.max_len + 1 = {cfg.task.max_len + 1}")
+    samples = cfg.train.prompts_per_step * cfg.algo.group_size
+    if samples < cfg.train.minibatches:
+        out.append(f"train.minibatches: {cfg.train.minibatches} exceeds the {samples} samples "
+                   "per step")
+    if cfg.placement.strategy == "flattening" and cfg.train.prompts_per_step % cfg.placement.devices:
+        out.append(f"train.prompts_per_step: {cfg.train.prompts_per_step} must divide evenly "
+                   f"over placement.devices = {cfg.placement.devices}")
+    if cfg.model.path and not Path(cfg.model.path).is_dir():
+        out.append(f"model.path: {cfg.model.path!r} is not a directory")
+    if cfg.model.hidden % cfg.model.heads:
+        out.append(f"model.hidden: {cfg.model.hidden} must be divisible by model.heads")
+    return out
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'a.b=value' -> (['a', 'b'], value); the value is read as TOML, else as a bare string."""
+    if "=" not in item:
+        raise ConfigError([f"override {item!r}: expected key.path=value"])
+    key, raw = item.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key.strip().split("."), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Load TOML (optional) then apply dotted overrides; raise ConfigError listing all problems."""
+    data: dict[str, Any] = {}
+    problems: list[str] = []
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError([f"config file {str(path)!r}: not found"]) from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError([f"config file {str(path)!r}: not valid TOML ({e})"]) from None
+    for item in overrides or []:
+        try:
+            keys, value = parse_override(item)
+        except ConfigError as e:
+            problems.extend(e.problems)
+            continue
+        node = data
+        for k in keys[:-1]:
+            nxt = node.setdefault(k, {})
+            if not isinstance(nxt, dict):
+                problems.append(f"override {item!r}: {k} is not a section")
+                break
+            node = nxt
+        else:
+            node[keys[-1]] = value
+    cfg = _build(JobConfig, data, "", problems)
+    if not problems:
+        problems.extend(_cross_checks(cfg))
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def render_reference() -> str:
+    """The reference TOML: every section and key with its default and help text."""
+    lines = ["# rlhf-async reference configuration: every key with its default.",
+             "# Generated by rlhf_async.config.render_reference(); do not edit by hand.", ""]
+    root = JobConfig()
+    for sec in dataclasses.fields(JobConfig):
+        lines.append(f"[{sec.name}]")
+        obj = getattr(root, sec.name)
+        for f in dataclasses.fields(obj):
+            m = f.metadata
+            note = m["help"]
+            if m.get("choices"):
+                note += f" ({' | '.join(map(str, m['choices']))})"
+            lines.append(f"# {note}")
+            lines.append(f"{f.name} = {_toml_value(getattr(obj, f.name))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    out = Path(__file__).resolve().parent.parent / "configs" / "reference.toml"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(render_reference())
+

@@ -1,0 +1,60 @@
+from pathlib import Path
+
+import pytest
+
+from rlhf_async.config import ConfigError, JobConfig, load_config, render_reference
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_load_and_reference_file_matches_generated():
+    assert load_config(None, []) == JobConfig()
+    committed = (REPO / "configs" / "reference.toml").read_text()
+    assert committed == render_reference(), "regenerate: python -m rlhf_async.config"
+    assert load_config(REPO / "configs" / "reference.toml", []) == JobConfig()
+
+
+def test_overrides_are_typed():
+    cfg = load_config(None, ["algo.name=grpo", "train.lr=1e-5", "train.steps=3",
+                             "run.name=abc", "placement.actor=[0,1]", "algo.is_cap=2"])
+    assert cfg.algo.name == "grpo" and cfg.train.lr == 1e-5 and cfg.train.steps == 3
+    assert cfg.run.name == "abc" and cfg.placement.actor == [0, 1]
+    assert isinstance(cfg.algo.is_cap, float) and cfg.algo.is_cap == 2.0
+
+
+def test_toml_file_then_override(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[train]\nsteps = 7\n[algo]\nname = "rloo"\n')
+    cfg = load_config(f, ["train.steps=9"])
+    assert cfg.train.steps == 9 and cfg.algo.name == "rloo"
+
+
+def test_all_problems_reported_together(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[train]\nstep = 7\nlr = "fast"\n[algo]\nname = "dpo"\n[nope]\nx = 1\n')
+    with pytest.raises(ConfigError) as ei:
+        load_config(f, ["generation.temperature=-1", "placement.strategy=spread", "oops"])
+    probs = ei.value.problems
+    text = str(ei.value)
+    for needle in ["train.step: unknown key", "train.lr: expected number", "algo.name: 'dpo'",
+                   "nope: unknown key", "generation.temperature", "placement.strategy: 'spread'",
+                   "override 'oops'"]:
+        assert any(needle in p for p in probs), (needle, probs)
+    assert "accepted" in text and "'ppo'" in text
+    assert len(probs) == 7
+
+
+def test_cross_field_checks():
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["algo.name=grpo", "algo.group_size=1", "task.min_len=7"])
+    joined = "\n".join(ei.value.problems)
+    assert "algo.group_size" in joined and "task.min_len" in joined
+
+
+def test_bad_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml", [])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad, [])
