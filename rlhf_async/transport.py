@@ -1,0 +1,217 @@
+"""ZeroMQ transport: typed endpoints, validated channels, one owner for sockets and tasks.
+
+Data queues are PUSH/PULL with high-water marks, so a full downstream queue makes the
+upstream `send` wait (backpressure) instead of growing memory; control is ROUTER/DEALER.
+Closing drops unsent messages (linger=0): callers that must deliver keep running until
+their peer acknowledged (the coordinator's stop does that for pipelines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any, AsyncIterator, Coroutine
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from rlhf_async.protocol import DEFAULT_MAX_BYTES, MAX_HEADER_BYTES, Message, ProtocolError, decode, encode
+
+SOCKET_TYPES = {"push": zmq.PUSH, "pull": zmq.PULL, "router": zmq.ROUTER, "dealer": zmq.DEALER}
+IPC_PATH_MAX = 100  # sockaddr_un holds ~107 bytes; keep a margin
+
+
+class EndpointError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One socket: its type, address (ipc:// or tcp://), whether it binds, and its HWM."""
+
+    type: str
+    address: str
+    bind: bool = False
+    hwm: int = 16
+    identity: str | None = None  # DEALER routing id, so a ROUTER can address this peer
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.type not in SOCKET_TYPES:
+            problems.append(f"type {self.type!r} not one of {sorted(SOCKET_TYPES)}")
+        if not isinstance(self.address, str) or not self.address.startswith(("ipc://", "tcp://")):
+            problems.append(f"address {self.address!r} must start with ipc:// or tcp://")
+        elif self.address.startswith("ipc://") and len(self.address) - 6 > IPC_PATH_MAX:
+            problems.append(f"ipc path is {len(self.address) - 6} chars, limit {IPC_PATH_MAX}; "
+                            "use a shorter directory")
+        if type(self.hwm) is not int or self.hwm < 1:
+            problems.append(f"hwm {self.hwm!r} must be an int >= 1")
+        if type(self.bind) is not bool:
+            problems.append(f"bind {self.bind!r} must be true or false")
+        if problems:
+            raise EndpointError("endpoint: " + "; ".join(problems))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Endpoint:
+        unknown = set(d) - {"type", "address", "bind", "hwm", "identity"}
+        if unknown or "type" not in d or "address" not in d:
+            raise EndpointError(f"endpoint {d!r}: needs type and address, accepts "
+                                "bind, hwm, identity")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def ipc_address(directory: str, name: str) -> str:
+    """`ipc://DIR/NAME`, or an EndpointError when the path is too long for a unix socket."""
+    return Endpoint("pull", f"ipc://{os.path.join(directory, name)}").address
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class _RateLimitedLog:
+    """At most one warning per `interval` seconds; the rest are counted as suppressed."""
+
+    def __init__(self, log: Any, interval: float = 5.0) -> None:
+        self.log, self.interval, self.last, self.suppressed = log, interval, -1e9, 0
+
+    def warning(self, event: str, **kw: Any) -> None:
+        now = time.monotonic()
+        if now - self.last < self.interval:
+            self.suppressed += 1
+            return
+        self.log.warning(event, suppressed=self.suppressed, **kw)
+        self.last, self.suppressed = now, 0
+
+
+class Channel:
+    """A validated socket: send/recv `Message`s; malformed input is counted and skipped."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, endpoint: Endpoint, transport: Transport):
+        self.sock, self.endpoint, self._t = sock, endpoint, transport
+        self._routed = endpoint.type == "router"
+
+    async def send(self, msg: Message, *, to: bytes | None = None,
+                   timeout: float | None = None) -> None:
+        """Send `msg` (to peer `to` on a ROUTER); waits while the peer queue is at its HWM."""
+        frames: list[Any] = encode(msg)
+        if self._routed:
+            if to is None:
+                raise ValueError("a router channel needs `to` (the peer identity)")
+            frames.insert(0, to)
+        if timeout is not None and not await self.sock.poll(timeout * 1000, zmq.POLLOUT):
+            raise TimeoutError(f"send on {self.endpoint.address} timed out after {timeout}s")
+        await self.sock.send_multipart(frames, copy=False)
+
+    async def recv(self, timeout: float | None = None) -> Message:
+        return (await self.recv_from(timeout))[1]
+
+    async def recv_from(self, timeout: float | None = None) -> tuple[bytes, Message]:
+        """Next valid message and its sender identity (b"" unless this is a ROUTER)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not await self.sock.poll(left * 1000, zmq.POLLIN):
+                    raise TimeoutError(f"no message on {self.endpoint.address} in {timeout}s")
+            frames = await self.sock.recv_multipart(copy=False)
+            peer = b""
+            if self._routed:
+                peer, frames = frames[0].bytes, frames[1:]
+            try:
+                return peer, decode(frames, self._t.max_bytes)
+            except ProtocolError as e:
+                self._t.reject(e, self.endpoint.address)
+
+    def __aiter__(self) -> AsyncIterator[Message]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[Message]:
+        while True:
+            yield await self.recv()
+
+
+class Transport:
+    """Owns a zmq context, its channels and background tasks; `close` always cleans up."""
+
+    def __init__(self, *, counters: Counter[str] | None = None,
+                 max_bytes: int = DEFAULT_MAX_BYTES, log: Any = None) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.counters: Counter[str] = counters if counters is not None else Counter()
+        self.max_bytes = max_bytes
+        self.log = log or structlog.get_logger()
+        self._reject_log = _RateLimitedLog(self.log)
+        self._channels: list[Channel] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    def channel(self, endpoint: Endpoint) -> Channel:
+        sock = self.ctx.socket(SOCKET_TYPES[endpoint.type])
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, endpoint.hwm)
+        sock.setsockopt(zmq.RCVHWM, endpoint.hwm)
+        # Per-frame cap enforced by libzmq itself: a peer sending more is disconnected.
+        sock.setsockopt(zmq.MAXMSGSIZE, max(self.max_bytes, MAX_HEADER_BYTES))
+        if endpoint.identity:
+            sock.setsockopt(zmq.IDENTITY, endpoint.identity.encode())
+        try:
+            if endpoint.bind:
+                if endpoint.address.startswith("ipc://"):
+                    os.makedirs(os.path.dirname(endpoint.address[6:]) or ".", exist_ok=True)
+                sock.bind(endpoint.address)
+            else:
+                sock.connect(endpoint.address)
+        except zmq.ZMQError as e:
+            sock.close(0)
+            verb = "bind" if endpoint.bind else "connect"
+            raise EndpointError(f"cannot {verb} {endpoint.address}: {e}") from None
+        chan = Channel(sock, endpoint, self)
+        self._channels.append(chan)
+        return chan
+
+    def reject(self, error: ProtocolError, where: str) -> None:
+        self.counters["rejected"] += 1
+        self.counters[f"rejected.{error.reason}"] += 1
+        self._reject_log.warning("message_rejected", reason=error.reason, error=str(error),
+                                 endpoint=where, total=self.counters["rejected"])
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Run `coro` as a background task owned (and cancelled on close) by this transport."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.log.error("background_task_failed", task=task.get_name(),
+                           exc_info=task.exception())
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for chan in self._channels:
+            chan.sock.close(linger=0)
+        self.ctx.term()
+
+    async def __aenter__(self) -> Transport:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
