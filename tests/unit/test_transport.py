@@ -4,10 +4,17 @@ import pytest
 import torch
 import zmq
 
+from rlhf_async.log import configure_logging
 from rlhf_async.protocol import Message, encode
 from rlhf_async.transport import Endpoint, EndpointError, Transport, free_tcp_port, ipc_address
 
 pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture(autouse=True)
+def _logs_to_current_stderr():
+    # Another test may have bound structlog to a captured stream that is closed by now.
+    configure_logging("warning")
 
 
 @pytest.fixture()
