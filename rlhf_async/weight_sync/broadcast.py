@@ -1,0 +1,236 @@
+"""Bucketed broadcast of actor weights: trainer rank 0 -> every generator (gloo or NCCL).
+
+Why this shape: the sender packs the byte stream of `plan.py` into two reusable bucket
+buffers and keeps one broadcast in flight while packing the next bucket, so the copy cost
+hides behind the wire. Receivers land every bucket straight in one staging buffer as large
+as the model and only then expose the weights, so a transfer that fails half way never
+leaves a generator with a mix of two versions. The same code serves gloo (CPU tensors) and
+NCCL (CUDA tensors); only the device of the buffers and the backend object differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from rlhf_async.log import get_logger
+from rlhf_async.weight_sync.errors import WeightSyncError, WeightSyncPlanError
+from rlhf_async.weight_sync.group import BroadcastGroup, open_store
+from rlhf_async.weight_sync.module import load_into_module
+from rlhf_async.weight_sync.plan import (
+    ALIGN,
+    Layout,
+    as_bytes,
+    build_layout,
+    pack_bucket,
+    parse_plan,
+    pieces_per_bucket,
+    plan_dict,
+    views,
+)
+from rlhf_async.weight_sync.spec import GroupSpec
+
+log = get_logger(component="weight_sync")
+
+DEFAULT_BUCKET_MB = 64.0
+
+
+@dataclasses.dataclass
+class ReceivedWeights:
+    """Weights of one update, as views into the receiver's staging buffer.
+
+    Valid until the next `receive` on the same receiver: apply them first.
+    """
+
+    version: int
+    tensors: dict[str, torch.Tensor]
+
+    def load_into(self, module: torch.nn.Module, *, strict: bool = True) -> int:
+        """Copy into `module` by name (all-or-nothing); returns the new version."""
+        load_into_module(module, self.tensors, strict=strict)
+        return self.version
+
+
+def _default_device(backend: str, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_device(backend: str, device: torch.device) -> None:
+    if backend == "nccl" and device.type != "cuda":
+        raise WeightSyncError(f"backend 'nccl' needs a CUDA device, got {device}")
+    if backend == "gloo" and device.type != "cpu":
+        raise WeightSyncError(f"backend 'gloo' is used with CPU tensors here, got {device}")
+
+
+def _check_matches(layout: Layout, tensors: Mapping[str, torch.Tensor]) -> None:
+    problems = []
+    if list(tensors) != [s.name for s in layout.slots]:
+        problems.append("tensor names or their order differ from the plan")
+    else:
+        for s in layout.slots:
+            t = tensors[s.name]
+            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
+                problems.append(f"{s.name}: {t.dtype}{list(t.shape)} vs plan {s.dtype}{list(s.shape)}")
+    if problems:
+        raise WeightSyncPlanError("send() got tensors that do not match the plan: " + "; ".join(problems))
+
+
+class TorchBroadcastSender:
+    """Rank 0 of the group. Order: prepare -> connect -> (plan -> send)* -> close."""
+
+    def __init__(
+        self, backend: str = "gloo", *, device: torch.device | str | None = None,
+        bucket_mb: float = DEFAULT_BUCKET_MB,
+    ) -> None:
+        self.backend = backend
+        self.device = _default_device(backend, device)
+        _check_device(backend, self.device)
+        if not bucket_mb > 0:
+            raise WeightSyncError(f"bucket_mb must be > 0, got {bucket_mb!r}")
+        self.bucket_bytes = max(ALIGN, int(bucket_mb * 2**20) // ALIGN * ALIGN)
+        self.buffers_allocated = 0
+        self._store: torch.distributed.TCPStore | None = None
+        self._group: BroadcastGroup | None = None
+        self._layout: Layout | None = None
+        self._pieces: list[list[tuple[int, int, int, int]]] = []
+        self._buffers: list[torch.Tensor] = []
+
+    def prepare(self, spec: GroupSpec) -> GroupSpec:
+        """Host the rendezvous store (once); returns the spec with the real port to ship."""
+        if spec.backend != self.backend:
+            raise WeightSyncError(f"spec backend {spec.backend!r} != sender's {self.backend!r}")
+        if self._store is None or spec.master_port not in (0, self._store.port):
+            self._store = open_store(spec, is_master=True, who=spec.describe(0))
+        return dataclasses.replace(spec, master_port=self._store.port)
+
+    def connect(self, spec: GroupSpec) -> None:
+        """Build (or rebuild, for a new epoch) the group; blocks until every rank joined."""
+        spec = self.prepare(spec)
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+        assert self._store is not None
+        self._group = BroadcastGroup(self._store, spec, 0, self.device)
+
+    def plan(self, tensors: Mapping[str, torch.Tensor], version: int) -> dict[str, Any]:
+        """Plan of one update, to ship to every receiver before (or while) calling `send`."""
+        group = self._require_group()
+        layout = build_layout(tensors, self.bucket_bytes)
+        if self._layout is None or layout.signature != self._layout.signature:
+            self._layout, self._pieces = layout, pieces_per_bucket(layout)
+        return plan_dict(self._layout, version, group.spec.group_name)
+
+    def send(self, tensors: Mapping[str, torch.Tensor], plan: Mapping[str, Any]) -> None:
+        """Broadcast `tensors` as laid out by `plan` (from this sender's `plan`)."""
+        group, layout = self._require_group(), self._layout
+        if layout is None or plan.get("group") != group.spec.group_name:
+            raise WeightSyncPlanError("send() needs a plan made by this sender's plan()")
+        _check_matches(layout, tensors)
+        self._ensure_buffers(min(self.bucket_bytes, layout.total_bytes))
+        sources = [as_bytes(tensors[s.name].to(self.device)) for s in layout.slots]  # [nbytes]
+        version, n = plan["version"], len(self._pieces)
+        inflight: list[torch.distributed.Work | None] = [None, None]
+        with torch.no_grad():
+            for i, (lo, size) in enumerate(layout.buckets):
+                slot = i % 2
+                if inflight[slot] is not None:  # that buffer is still on the wire
+                    group.wait(inflight[slot], f"broadcast of bucket {i - 1}/{n} (v{version})")
+                buf = self._buffers[slot][:size]
+                pack_bucket(buf, self._pieces[i], sources)
+                inflight[slot] = group.broadcast(buf)
+            for j, work in enumerate(inflight):
+                if work is not None:
+                    group.wait(work, f"broadcast of final buckets (v{version}, bucket slot {j})")
+        log.debug("weights_sent", version=version, bytes=layout.total_bytes, buckets=n)
+
+    def _ensure_buffers(self, nbytes: int) -> None:
+        if self._buffers and self._buffers[0].numel() >= nbytes:
+            return
+        self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in "ab"]
+        self.buffers_allocated += 1
+
+    def _require_group(self) -> BroadcastGroup:
+        if self._group is None:
+            raise WeightSyncError("weight sender is not connected: call connect(spec) first")
+        return self._group
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
+        self._group, self._store = None, None
+
+
+class TorchBroadcastReceiver:
+    """A generator's end. Order: connect -> (receive -> load_into)* -> close."""
+
+    def __init__(self, backend: str = "gloo", *, device: torch.device | str | None = None) -> None:
+        self.backend = backend
+        self.device = _default_device(backend, device)
+        _check_device(backend, self.device)
+        self.buffers_allocated = 0
+        self._store: torch.distributed.TCPStore | None = None
+        self._store_addr: tuple[str, int] | None = None
+        self._group: BroadcastGroup | None = None
+        self._staging: torch.Tensor | None = None
+
+    def connect(self, spec: GroupSpec, rank: int) -> None:
+        """Join the group as `rank` (>= 1); blocks until every rank joined or times out.
+
+        Start it on the generators before the trainer's `connect` (in a thread from async
+        code) so no side waits on a reply from the other while holding the rendezvous.
+        """
+        if spec.backend != self.backend:
+            raise WeightSyncError(f"spec backend {spec.backend!r} != receiver's {self.backend!r}")
+        if rank < 1:
+            raise WeightSyncError(f"receivers take ranks >= 1 (rank 0 is the sender), got {rank}")
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+        addr = (spec.master_addr, spec.master_port)
+        if self._store is None or self._store_addr != addr:
+            self._store = open_store(spec, is_master=False, who=spec.describe(rank))
+            self._store_addr = addr
+        self._group = BroadcastGroup(self._store, spec, rank, self.device)
+
+    def prepare(self, plan: Mapping[str, Any]) -> None:
+        """Reserve the staging buffer for `plan` ahead of the first update (optional)."""
+        _, _, layout = parse_plan(plan)
+        self._ensure_staging(layout.total_bytes)
+
+    def receive(self, plan: Mapping[str, Any]) -> ReceivedWeights:
+        """Receive one update described by `plan`; returns it once every bucket arrived."""
+        version, group_name, layout = parse_plan(plan)
+        group = self._group
+        if group is None:
+            raise WeightSyncError("weight receiver is not connected: call connect(spec, rank)")
+        if group_name != group.spec.group_name:
+            raise WeightSyncPlanError(
+                f"plan is for weight-sync group '{group_name}', this receiver is in "
+                f"'{group.spec.group_name}'"
+            )
+        staging = self._ensure_staging(layout.total_bytes)
+        buckets = layout.buckets
+        works = [group.broadcast(staging[lo : lo + size]) for lo, size in buckets]
+        for i, work in enumerate(works):
+            group.wait(work, f"receive of bucket {i + 1}/{len(buckets)} (v{version})")
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return ReceivedWeights(version, views(staging, layout))
+
+    def _ensure_staging(self, nbytes: int) -> torch.Tensor:
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self.buffers_allocated += 1
+        return self._staging
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
+        self._group, self._store, self._store_addr = None, None, None

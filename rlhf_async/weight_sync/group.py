@@ -1,0 +1,138 @@
+"""A standalone broadcast group built from a TCPStore, outside torch's global state.
+
+Why not `torch.distributed.init_process_group`/`new_group`: trainer and generators are
+independent OS processes that may already own a default group (DDP among trainer ranks,
+tensor parallelism inside a generator). The weight-sync group has to exist beside those,
+be torn down and rebuilt when a generator restarts, and never touch the global registry.
+So we build the backend object directly (`ProcessGroupGloo` / `ProcessGroupNCCL` over a
+`PrefixStore`), the way vLLM's stateless groups do; each epoch gets its own store prefix
+so a rebuilt group never reads keys of the dead one.
+
+Before creating the backend every rank writes a "joined" key and waits for all the others
+with a deadline. That turns "gloo hangs then fails somewhere in connectFullMesh" into a
+`WeightSyncTimeout` naming exactly which ranks never came.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+from torch.distributed import BroadcastOptions, PrefixStore, TCPStore
+
+from rlhf_async.log import get_logger
+from rlhf_async.weight_sync.errors import WeightSyncError, WeightSyncTimeout
+from rlhf_async.weight_sync.spec import GroupSpec
+
+log = get_logger(component="weight_sync")
+
+_POLL_S = 0.02
+
+
+def open_store(spec: GroupSpec, *, is_master: bool, who: str) -> TCPStore:
+    """The TCPStore of the rendezvous: hosted by the sender, joined by receivers."""
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    try:
+        return TCPStore(
+            spec.master_addr, spec.master_port, None, is_master, timeout, wait_for_workers=False
+        )
+    except RuntimeError as exc:  # DistNetworkError / DistStoreError derive from it
+        if is_master:
+            raise WeightSyncError(
+                f"{who} could not host the weight-sync store on "
+                f"{spec.master_addr}:{spec.master_port}: {_first_line(exc)}"
+            ) from None
+        raise WeightSyncTimeout(
+            f"{who} could not reach the weight-sync store of {spec.describe(0)} at "
+            f"{spec.master_addr}:{spec.master_port} within {spec.timeout_s:g} s "
+            f"(group '{spec.group_name}'): {_first_line(exc)}"
+        ) from None
+
+
+class BroadcastGroup:
+    """One epoch of a weight-sync group: rank 0 broadcasts, everyone else receives."""
+
+    def __init__(self, store: TCPStore, spec: GroupSpec, rank: int, device: torch.device) -> None:
+        if not 0 <= rank < spec.world_size:
+            raise WeightSyncError(f"rank {rank} outside world_size {spec.world_size}")
+        self.spec, self.rank, self.device = spec, rank, device
+        self.timeout = datetime.timedelta(seconds=spec.timeout_s)
+        prefix = PrefixStore(f"weight_sync/{spec.group_name}/", store)
+        self._join(prefix)
+        self._pg = self._make_backend(prefix)
+        self._opts = BroadcastOptions()
+        self._opts.rootRank = 0
+        self._opts.rootTensor = 0
+        log.info("weight_sync_group_ready", group=spec.group_name, rank=rank,
+                 world_size=spec.world_size, backend=spec.backend)
+
+    def _join(self, store: PrefixStore) -> None:
+        spec = self.spec
+        store.set(f"joined/{self.rank}", spec.describe(self.rank))
+        deadline = time.monotonic() + spec.timeout_s
+        pending = [r for r in range(spec.world_size) if r != self.rank]
+        while pending:
+            pending = [r for r in pending if not store.check([f"joined/{r}"])]
+            if pending and time.monotonic() > deadline:
+                missing = ", ".join(spec.describe(r) for r in pending)
+                verb = "did" if len(pending) == 1 else "do"
+                raise WeightSyncTimeout(
+                    f"{missing} {verb} not join weight-sync group '{spec.group_name}' within "
+                    f"{spec.timeout_s:g} s (waiting: {spec.describe(self.rank)})"
+                )
+            if pending:
+                time.sleep(_POLL_S)
+
+    def _make_backend(self, store: PrefixStore) -> torch.distributed.ProcessGroup:
+        spec = self.spec
+        try:
+            if spec.backend == "nccl":
+                from torch.distributed import ProcessGroupNCCL
+
+                torch.cuda.set_device(self.device)
+                opts = ProcessGroupNCCL.Options()
+                opts._timeout = self.timeout
+                return ProcessGroupNCCL(store, self.rank, spec.world_size, opts)
+            from torch.distributed import ProcessGroupGloo
+
+            return ProcessGroupGloo(store, self.rank, spec.world_size, self.timeout)
+        except (RuntimeError, ImportError) as exc:
+            raise WeightSyncError(
+                f"{spec.describe(self.rank)} could not build the {spec.backend} backend of "
+                f"weight-sync group '{spec.group_name}': {_first_line(exc)}"
+            ) from None
+
+    def broadcast(self, buf: torch.Tensor) -> torch.distributed.Work:
+        """Start broadcasting `buf` (contiguous, on `device`) from rank 0; returns the handle."""
+        return self._pg.broadcast([buf], self._opts)
+
+    def wait(self, work: torch.distributed.Work, what: str) -> None:
+        """Wait for `work`; failures become typed errors naming the group and the step."""
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as exc:
+            msg = _first_line(exc)
+            cls = WeightSyncTimeout if "timed out" in msg.lower() or "timeout" in msg.lower() \
+                else WeightSyncError
+            raise cls(
+                f"{what} failed on {self.spec.describe(self.rank)} in weight-sync group "
+                f"'{self.spec.group_name}' (timeout {self.spec.timeout_s:g} s): {msg}"
+            ) from None
+
+    def close(self) -> None:
+        pg, self._pg = getattr(self, "_pg", None), None
+        if pg is None:
+            return
+        try:
+            if self.spec.backend == "nccl":
+                pg.abort()  # a dead peer would make a graceful NCCL shutdown block
+            else:
+                pg.shutdown()
+        except RuntimeError as exc:
+            log.warning("weight_sync_close_failed", group=self.spec.group_name, error=str(exc))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
