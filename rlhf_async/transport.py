@@ -100,6 +100,7 @@ class Channel:
     def __init__(self, sock: zmq.asyncio.Socket, endpoint: Endpoint, transport: Transport):
         self.sock, self.endpoint, self._t = sock, endpoint, transport
         self._routed = endpoint.type == "router"
+        self.linger_ms = 0  # how long close() may still flush queued messages
 
     async def send(self, msg: Message, *, to: bytes | None = None,
                    timeout: float | None = None) -> None:
@@ -207,7 +208,7 @@ class Transport:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for chan in self._channels:
-            chan.sock.close(linger=0)
+            chan.sock.close(linger=chan.linger_ms)
         self.ctx.term()
 
     async def __aenter__(self) -> Transport:

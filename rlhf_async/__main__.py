@@ -1,0 +1,5 @@
+import sys
+
+from rlhf_async.cli import main
+
+sys.exit(main())

@@ -1,0 +1,198 @@
+"""`rlhf-async` command line: run, demo, status, stop, version.
+
+Expected user errors print one line on stderr and exit non-zero (2 for bad arguments);
+they never show a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import psutil
+
+from rlhf_async import __version__
+from rlhf_async.log import configure_logging
+
+DEFAULT_RUN_DIR = Path("runs/demo")
+EXIT_USAGE, EXIT_ERROR, EXIT_INTERRUPTED = 2, 1, 130
+DEMO_SETTINGS: dict[str, type] = {"messages": int, "floats": int, "hwm": int, "sources": int,
+                                  "transport": str}
+
+
+class UserError(Exception):
+    """An expected problem with the user's input or environment: one line, no traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="rlhf-async", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run the training job (for now: the pipeline demo)")
+    run.add_argument("config", nargs="?", help="JSON config file (optional)")
+    run.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    run.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
+
+    demo = sub.add_parser("demo", help="source -> transform -> sink pipeline over ZeroMQ")
+    demo.add_argument("--messages", type=int, default=10000, help="messages per source")
+    demo.add_argument("--floats", type=int, default=256, help="float32 values per message")
+    demo.add_argument("--hwm", type=int, default=64, help="queue high-water mark")
+    demo.add_argument("--sources", type=int, default=1)
+    demo.add_argument("--transport", choices=("ipc", "tcp"), default="ipc")
+    demo.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
+
+    for name, text in (("status", "show a running coordinator's nodes"),
+                       ("stop", "stop a running coordinator and its nodes")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
+        p.add_argument("--timeout", type=float, default=5.0)
+        if name == "status":
+            p.add_argument("--json", action="store_true", help="print the raw status as JSON")
+
+    sub.add_parser("version", help="print the version")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    handlers = {"run": _cmd_run, "demo": _cmd_demo, "status": _cmd_status,
+                "stop": _cmd_stop, "version": _cmd_version}
+    try:
+        return handlers[args.command](args)
+    except UserError as e:
+        print(f"rlhf-async {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def _cmd_version(args: argparse.Namespace) -> int:
+    print(f"rlhf-async {__version__}")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    """The main job. Until the RLHF job lands, it runs the pipeline demo with the settings
+    from CONFIG (a JSON mapping) and key=value overrides."""
+    settings = _demo_settings(args.config, args.overrides)
+    return _run_pipeline_demo(args.run_dir, **settings)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    for name in ("messages", "floats", "hwm", "sources"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    return _run_pipeline_demo(args.run_dir, messages=args.messages, floats=args.floats,
+                              hwm=args.hwm, sources=args.sources, transport=args.transport)
+
+
+def _demo_settings(config: str | None, overrides: list[str]) -> dict[str, Any]:
+    if config is not None and "=" in config:  # `run key=value` without a config file
+        overrides, config = [config, *overrides], None
+    settings: dict[str, Any] = {}
+    if config is not None:
+        try:
+            loaded = json.loads(Path(config).read_text())
+        except OSError as e:
+            raise UserError(f"cannot read config {config}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise UserError(f"config {config} is not valid JSON: {e}") from None
+        if not isinstance(loaded, dict):
+            raise UserError(f"config {config} must be a JSON object")
+        settings.update(loaded)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"override {item!r} must look like key=value")
+        settings[key] = value
+    accepted = ", ".join(sorted(DEMO_SETTINGS))
+    out: dict[str, Any] = {}
+    for key, value in settings.items():
+        if key not in DEMO_SETTINGS:
+            raise UserError(f"unknown setting {key!r}; accepted: {accepted}")
+        try:
+            out[key] = DEMO_SETTINGS[key](value)
+        except ValueError:
+            raise UserError(f"setting {key}={value!r} must be {DEMO_SETTINGS[key].__name__}") \
+                from None
+    if out.get("transport", "ipc") not in ("ipc", "tcp"):
+        raise UserError(f"transport={out['transport']!r}; accepted: ipc, tcp")
+    bad = [k for k, v in out.items() if isinstance(v, int) and v < 1]
+    if bad:
+        raise UserError(f"settings must be >= 1: {', '.join(bad)}")
+    return out
+
+
+def _run_pipeline_demo(run_dir: Path, **settings: Any) -> int:
+    from nodes.demo_pipeline import run_demo
+    from rlhf_async.coordinator import NodeEvent
+    from rlhf_async.runtime import run_loop
+
+    configure_logging("warning")
+
+    def progress(event: NodeEvent) -> None:
+        if event.kind == "progress":
+            p = event.payload
+            print(f"progress: {p['received']}/{p['expect']} messages", flush=True)
+        elif event.kind == "node_dead":
+            print(f"node {event.node_id} died: {event.payload['reason']}", flush=True)
+
+    print(f"demo: {settings or 'defaults'}; run dir {run_dir}", flush=True)
+    result = run_loop(run_demo(run_dir, on_event=progress, handle_signals=True, **settings))
+    if "stopped" in result:
+        print(f"stopped before the end: {result['stopped']}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    lost = settings.get("messages", 10000) * settings.get("sources", 1) - result["received"]
+    print(f"summary: {result['received']} messages, {result['bytes'] / 1e6:.1f} MB in "
+          f"{result['seconds']:.2f} s: {result['mb_per_s']:.1f} MB/s, "
+          f"{result['msgs_per_s']:.0f} msg/s; lost {lost}, out of order "
+          f"{result['out_of_order']}, wrong values {result['bad_values']}")
+    return 0 if lost == 0 and result["out_of_order"] == 0 and result["bad_values"] == 0 else 1
+
+
+def _coordinator_call(run_dir: Path, kind: str, timeout: float) -> Any:
+    from rlhf_async.coordinator import CoordinatorError, call_coordinator, read_coordinator_file
+    from rlhf_async.runtime import run_loop
+
+    try:
+        info = read_coordinator_file(run_dir)
+    except CoordinatorError as e:
+        raise UserError(str(e)) from None
+    pid = info.get("pid")
+    if isinstance(pid, int) and not psutil.pid_exists(pid):
+        raise UserError(f"no coordinator running in {run_dir} (stale file: pid {pid} is gone)")
+    try:
+        return run_loop(call_coordinator(info["control"], kind, timeout=timeout))
+    except TimeoutError:
+        raise UserError(f"coordinator at {info['control']} did not answer in {timeout}s") \
+            from None
+    except CoordinatorError as e:
+        raise UserError(str(e)) from None
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    status = _coordinator_call(args.run_dir, "status", args.timeout)
+    if args.json:
+        print(json.dumps(status, indent=1))
+        return 0
+    print(f"coordinator pid {status['pid']} at {status['control']}, up {status['uptime_s']} s"
+          + (" (stopping)" if status["stopping"] else ""))
+    print(f"{'node':<16} {'role':<12} {'pid':>8} {'state':<9} {'seen':>7} {'restarts':>8}")
+    for node_id, n in status["nodes"].items():
+        print(f"{node_id:<16} {n['role']:<12} {n['pid'] or '-':>8} {n['state']:<9} "
+              f"{n['last_seen_s']:>6}s {n['restarts']:>8}")
+    return 0
+
+
+def _cmd_stop(args: argparse.Namespace) -> int:
+    _coordinator_call(args.run_dir, "stop", args.timeout)
+    print(f"stop requested; the coordinator in {args.run_dir} is shutting its nodes down")
+    return 0

@@ -1,0 +1,138 @@
+"""Node: what a node program sees. Sockets, stop/pause state, commands, events, logs, counters."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import time
+from collections import Counter
+from typing import Any, Awaitable, Callable
+
+import psutil
+import structlog
+
+from rlhf_async.protocol import Message
+from rlhf_async.runtime.spec import NodeSpec
+from rlhf_async.transport import Channel, Transport
+
+# A command handler gets the command's payload and returns a msgpack-able reply.
+Handler = Callable[[Any], Any | Awaitable[Any]]
+BUILTIN_COMMANDS = ("pause", "resume", "stop", "status")
+
+
+class Node:
+    """Handed to `async def main(node)`; built by the runtime, one per process."""
+
+    def __init__(self, spec: NodeSpec, transport: Transport, control: Channel) -> None:
+        self.spec = spec
+        self.transport = transport
+        self.counters: Counter[str] = transport.counters
+        self.log = structlog.get_logger().bind(role=spec.role, node_id=spec.node_id)
+        self.info: dict[str, Any] = {}  # free-form app state reported by the status command
+        self._control = control
+        self._stop = asyncio.Event()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self.stop_reason = ""
+        self._started = time.monotonic()
+        self._channels = {name: transport.channel(ep) for name, ep in spec.endpoints.items()}
+        self._handlers: dict[str, Handler] = {
+            "pause": lambda _: self._set_paused(True),
+            "resume": lambda _: self._set_paused(False),
+            "stop": lambda payload: self.request_stop(f"command: {payload or 'stop'}"),
+            "status": lambda _: self.status(),
+        }
+
+    @property
+    def node_id(self) -> str:
+        return self.spec.node_id
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return self.spec.params
+
+    def socket(self, name: str) -> Channel:
+        """The channel of the spec's data endpoint `name` (opened before `main` starts)."""
+        if name not in self._channels:
+            raise KeyError(f"node {self.node_id} has no endpoint {name!r}; "
+                           f"spec endpoints: {sorted(self._channels)}")
+        return self._channels[name]
+
+    # stop / pause
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    async def wait_stop(self) -> None:
+        await self._stop.wait()
+
+    def request_stop(self, reason: str = "requested") -> dict[str, Any]:
+        if not self._stop.is_set():
+            self.stop_reason = reason
+            self.log.info("stopping", reason=reason)
+            self._stop.set()
+            self._resumed.set()  # a paused loop must wake up to see the stop
+        return {"stopping": True}
+
+    @property
+    def paused(self) -> bool:
+        return not self._resumed.is_set()
+
+    async def wait_resumed(self) -> None:
+        """Returns at once unless paused; call it once per iteration of a node's main loop."""
+        await self._resumed.wait()
+
+    def _set_paused(self, paused: bool) -> dict[str, Any]:
+        if paused and not self.stopping:
+            self._resumed.clear()
+        else:
+            self._resumed.set()
+        self.log.info("paused" if self.paused else "resumed")
+        return {"paused": self.paused}
+
+    # commands and events
+    def on_command(self, kind: str, handler: Handler) -> None:
+        """Register `handler(payload) -> reply` for `coordinator.command(node_id, kind, ...)`."""
+        if kind in BUILTIN_COMMANDS:
+            raise ValueError(f"command {kind!r} is built in ({', '.join(BUILTIN_COMMANDS)})")
+        self._handlers[kind] = handler
+
+    async def emit(self, kind: str, payload: Any = None, *, step: int = 0,
+                   weight_version: int = 0) -> None:
+        """Send an app-level event (msgpack-able payload) to the coordinator."""
+        await self._control.send(Message("event", meta={"name": kind, "payload": payload},
+                                         source=self.node_id, step=step,
+                                         weight_version=weight_version))
+
+    async def handle_command(self, msg: Message) -> None:
+        name, payload = msg.meta.get("name"), msg.meta.get("payload")
+        handler = self._handlers.get(name) if isinstance(name, str) else None
+        if handler is None:
+            meta = {"ok": False, "error": f"unknown command {name!r}; "
+                                          f"known: {sorted(self._handlers)}"}
+        else:
+            try:
+                result = handler(payload)
+                if inspect.isawaitable(result):
+                    result = await result
+                meta = {"ok": True, "result": result}
+            except Exception as e:  # a failing handler must not kill the node
+                self.log.exception("command_failed", command=name)
+                meta = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        reply = msg.reply("reply", meta=meta)
+        reply.source = self.node_id
+        try:
+            await self._control.send(reply, timeout=self.spec.orphan_timeout_s)
+        except TypeError as e:  # handler returned something msgpack cannot encode
+            reply.meta = {"ok": False, "error": f"reply of {name!r} is not msgpack-able: {e}"}
+            await self._control.send(reply, timeout=self.spec.orphan_timeout_s)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id, "role": self.spec.role, "pid": os.getpid(),
+            "paused": self.paused, "stopping": self.stopping,
+            "uptime_s": round(time.monotonic() - self._started, 3),
+            "rss_bytes": psutil.Process().memory_info().rss,
+            "counters": dict(self.counters), "info": self.info,
+        }

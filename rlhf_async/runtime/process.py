@@ -1,0 +1,132 @@
+"""Node process entry: load the spec, open sockets, handshake, run `main(node)`, clean up.
+
+Exit codes: 0 finished or stopped, 1 the node program raised, 2 bad spec or entry point,
+3 the coordinator went silent for `orphan_timeout_s` (no orphans after a coordinator crash).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import inspect
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import torch
+
+from rlhf_async.log import configure_logging
+from rlhf_async.protocol import Message
+from rlhf_async.runtime.loop import run_loop
+from rlhf_async.runtime.node import Node
+from rlhf_async.runtime.spec import NodeSpec, SpecError
+from rlhf_async.transport import Endpoint, Transport
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_SPEC, EXIT_ORPHANED = 0, 1, 2, 3
+NodeMain = Callable[[Node], Awaitable[None]]
+
+
+def resolve_entry(entry: str) -> NodeMain:
+    module_name, _, fn_name = entry.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise SpecError(f"entry {entry!r} cannot be loaded: {e}") from None
+    if not inspect.iscoroutinefunction(fn):
+        raise SpecError(f"entry {entry!r} must be an `async def` function taking a Node")
+    return fn  # type: ignore[no-any-return]
+
+
+async def _control_loop(node: Node, heard: list[float]) -> None:
+    async for msg in node._control:
+        heard[0] = time.monotonic()
+        if msg.kind == "command":
+            node.transport.spawn(node.handle_command(msg), name=f"command-{msg.id}")
+
+
+async def _heartbeat_loop(node: Node, heard: list[float], orphaned: asyncio.Event) -> None:
+    spec = node.spec
+    while True:
+        silent = time.monotonic() - heard[0]
+        if silent > spec.orphan_timeout_s:
+            node.log.error("coordinator_lost", silent_s=round(silent, 1))
+            orphaned.set()
+            node.request_stop("coordinator lost")
+            return
+        beat = Message("heartbeat", source=node.node_id, meta={"paused": node.paused})
+        try:
+            await node._control.send(beat, timeout=spec.heartbeat_s)
+        except TimeoutError:
+            pass  # control queue full: the coordinator is not reading; the check above decides
+        await asyncio.sleep(spec.heartbeat_s)
+
+
+async def _run_main(node: Node, fn: NodeMain) -> int:
+    main_task = asyncio.ensure_future(fn(node))
+    stop_task = asyncio.ensure_future(node.wait_stop())
+    await asyncio.wait({main_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    if not main_task.done():  # stop requested: give main a grace period, then cancel it
+        await asyncio.wait({main_task}, timeout=node.spec.stop_grace_s)
+        main_task.cancel()
+    stop_task.cancel()
+    try:
+        await main_task
+    except asyncio.CancelledError:
+        pass
+    except Exception:
+        node.log.exception("node_program_failed", entry=node.spec.entry)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+async def serve(spec: NodeSpec) -> int:
+    fn = resolve_entry(spec.entry)
+    async with Transport(max_bytes=spec.max_message_bytes) as transport:
+        control = transport.channel(
+            Endpoint("dealer", spec.control, hwm=1000, identity=spec.node_id))
+        control.linger_ms = 500  # let the goodbye reach the coordinator
+        node = Node(spec, transport, control)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, node.request_stop, signal.Signals(sig).name)
+        heard, orphaned = [time.monotonic()], asyncio.Event()
+        transport.spawn(_control_loop(node, heard), name="control")
+        transport.spawn(_heartbeat_loop(node, heard, orphaned), name="heartbeat")
+        hello = {"pid": os.getpid(), "role": spec.role, "host": os.uname().nodename}
+        await control.send(Message("register", source=spec.node_id, meta=hello))
+        await control.send(Message("ready", source=spec.node_id, meta=hello))
+        node.log.info("node_ready", pid=os.getpid(), entry=spec.entry)
+        rc = await _run_main(node, fn)
+        if orphaned.is_set():
+            rc = EXIT_ORPHANED
+        bye = {"rc": rc, "reason": node.stop_reason or "finished"}
+        try:
+            await control.send(Message("stop", source=spec.node_id, meta=bye), timeout=0.5)
+        except TimeoutError:
+            pass
+        node.log.info("node_exit", **bye)
+        return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlhf_async.runtime")
+    parser.add_argument("--spec", required=True, type=Path, help="node spec JSON file")
+    args = parser.parse_args(argv)
+    try:
+        spec = NodeSpec.read(args.spec)
+        if not spec.control:
+            raise SpecError(f"node spec {args.spec}: control endpoint is empty")
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_SPEC
+    configure_logging(spec.log_level)
+    torch.set_num_threads(spec.num_threads)
+    try:
+        return run_loop(serve(spec))
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_SPEC

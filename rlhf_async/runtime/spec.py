@@ -1,0 +1,104 @@
+"""NodeSpec: everything a node process needs, as plain data that round-trips through JSON."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from rlhf_async.protocol import DEFAULT_MAX_BYTES
+from rlhf_async.transport import Endpoint, EndpointError
+
+_ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_NODE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class SpecError(ValueError):
+    """A node spec is invalid; the message lists every problem."""
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    role: str
+    node_id: str
+    entry: str  # "package.module:async_function", called as `await fn(node)`
+    endpoints: dict[str, Endpoint] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"  # device slot, e.g. "cpu:0" or "cuda:1"; interpreted by node programs
+    env: dict[str, str] = field(default_factory=dict)
+    num_threads: int = 1  # torch.set_num_threads in the node process
+    control: str = ""  # coordinator control endpoint; the coordinator fills it in
+    heartbeat_s: float = 0.5
+    orphan_timeout_s: float = 10.0  # exit when the coordinator is silent this long
+    stop_grace_s: float = 1.0  # after a stop request, main gets this long before cancel
+    max_message_bytes: int = DEFAULT_MAX_BYTES
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("role", "node_id", "entry", "device", "control", "log_level"):
+            if not isinstance(getattr(self, name), str):
+                problems.append(f"{name} must be a string")
+        if isinstance(self.node_id, str) and not _NODE_ID.match(self.node_id):
+            problems.append(f"node_id {self.node_id!r} must match {_NODE_ID.pattern}")
+        if isinstance(self.entry, str) and not _ENTRY.match(self.entry):
+            problems.append(f"entry {self.entry!r} must look like 'package.module:function'")
+        if type(self.num_threads) is not int or self.num_threads < 1:
+            problems.append(f"num_threads {self.num_threads!r} must be an int >= 1")
+        for name in ("heartbeat_s", "orphan_timeout_s", "stop_grace_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                problems.append(f"{name} {value!r} must be a number > 0")
+        if not isinstance(self.params, dict):
+            problems.append("params must be a mapping")
+        if not isinstance(self.env, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
+            problems.append("env must map strings to strings")
+        if not isinstance(self.endpoints, dict) or not all(
+                isinstance(v, Endpoint) for v in self.endpoints.values()):
+            problems.append("endpoints must map names to Endpoint")
+        if problems:
+            raise SpecError(f"node spec {self.node_id!r}: " + "; ".join(problems))
+
+    def with_control(self, address: str) -> NodeSpec:
+        return replace(self, control=address)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["endpoints"] = {k: v.to_dict() for k, v in self.endpoints.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any) -> NodeSpec:
+        if not isinstance(d, dict):
+            raise SpecError(f"node spec must be a mapping, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        problems = [f"unknown field {k!r}" for k in d if k not in known]
+        problems += [f"missing field {k!r}" for k in ("role", "node_id", "entry") if k not in d]
+        endpoints = {}
+        raw_endpoints = d.get("endpoints", {})
+        if not isinstance(raw_endpoints, dict):
+            problems.append("endpoints must be a mapping of name -> endpoint")
+            raw_endpoints = {}
+        for name, ep in raw_endpoints.items():
+            try:
+                endpoints[name] = Endpoint.from_dict(ep) if isinstance(ep, dict) else ep
+            except (EndpointError, TypeError) as e:
+                problems.append(f"endpoints.{name}: {e}")
+        if problems:
+            raise SpecError(f"node spec {d.get('node_id')!r}: " + "; ".join(problems))
+        return cls(**{**d, "endpoints": endpoints})
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def read(cls, path: Path) -> NodeSpec:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except OSError as e:
+            raise SpecError(f"cannot read node spec {path}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise SpecError(f"node spec {path} is not JSON: {e}") from None
