@@ -85,7 +85,7 @@ class RewardModelConfig:
 @dataclass
 class AlgoConfig:
     name: str = opt("ppo", "RL algorithm", choices=("ppo", "grpo", "rloo"))
-    kl_coef: float = opt(0.02, "weight of the KL penalty to the reference", ge=0.0)
+    kl_coef: float = opt(0.05, "weight of the KL penalty to the reference", ge=0.0)
     kl_estimator: str = opt("k1", "per-token KL estimator", choices=("k1", "k3"))
     kl_mode: str = opt("reward", "where the KL penalty goes", choices=("reward", "loss"))
     clip_eps: float = opt(0.2, "PPO ratio clip", gt=0.0)

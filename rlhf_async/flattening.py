@@ -1,0 +1,116 @@
+"""Flattening: every device holds all four models and runs generate -> score -> train.
+
+One process per device (CPU slot or GPU); each takes its contiguous shard of the global
+batch; gradients are summed over ranks (gloo on CPU, NCCL on GPU). With one device the
+loop runs in the calling process. Rank 0 writes metrics.jsonl and the final policy.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rlhf_async.config import JobConfig
+from rlhf_async.generation import SamplingParams
+from rlhf_async.metrics import MetricsWriter, Progress
+from rlhf_async.models import frozen_copy, save_policy
+from rlhf_async.roles import Learner, generate, score
+from rlhf_async.task import EOS, PAD, SortDigitsTask
+from rlhf_async.task.pretrain import Artefacts, load_reward_model, load_sft
+
+
+@dataclass
+class FlatteningResult:
+    metrics_path: Path
+    policy_dir: Path
+    seconds: float
+
+
+def sampling_params(cfg: JobConfig) -> SamplingParams:
+    g = cfg.generation
+    return SamplingParams(g.max_new_tokens, EOS, PAD, g.temperature, g.top_k)
+
+
+def _device(cfg: JobConfig, rank: int) -> torch.device:
+    if cfg.placement.device == "cuda":
+        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+def rl_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: int) -> None:
+    """The flattened hot loop; identical on every rank except who writes files."""
+    device = _device(cfg, rank)
+    task = SortDigitsTask(cfg.task)
+    actor = load_sft(art.sft_dir).to(device)
+    reference = frozen_copy(actor)
+    reward_model = frozen_copy(load_reward_model(art.rm_dir)).to(device)
+    critic = load_reward_model(art.rm_dir).to(device) if cfg.algo.name == "ppo" else None
+    learner = Learner(actor, critic, cfg.algo, cfg.train, cfg.run.seed,
+                      cfg.generation.temperature)
+    params, seed, T = sampling_params(cfg), cfg.run.seed, cfg.generation.temperature
+    writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
+    progress = Progress(cfg.train.steps, cfg.run.progress and rank == 0)
+    for step in range(cfg.train.steps):
+        prompts = task.prompt_batch(seed, "train", step, cfg.train.prompts_per_step,
+                                    cfg.algo.group_size).shard(rank, world).to(device)
+        t0 = time.perf_counter()
+        batch = generate(actor, prompts, params, seed, step, learner.version)
+        t1 = time.perf_counter()
+        batch = score(reward_model, reference, batch, T, task.hidden_scores)
+        t2 = time.perf_counter()
+        metrics = learner.train_step(batch)
+        t3 = time.perf_counter()
+        if writer is not None:
+            record = {"step": step, **metrics, "time_generate": t1 - t0, "time_score": t2 - t1,
+                      "time_train": t3 - t2, "samples_per_s": metrics["samples"] / (t3 - t0)}
+            writer.write(record)
+            progress.update(record)
+    if writer is not None:
+        writer.close()
+        save_policy(actor, run_dir / "policy",
+                    {"algo": cfg.algo.name, "steps": cfg.train.steps, "version": learner.version})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world: int, port: int, threads: int, cfg: JobConfig, art: Artefacts,
+            run_dir: Path) -> None:
+    torch.set_num_threads(threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    backend = "nccl" if cfg.placement.device == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(_device(cfg, rank))
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        rl_loop(cfg, art, run_dir, rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_flattening(cfg: JobConfig, art: Artefacts, run_dir: Path) -> FlatteningResult:
+    """Run the RL phase over `placement.devices` processes (in-process when 1)."""
+    world = cfg.placement.devices
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    if world == 1:
+        rl_loop(cfg, art, run_dir, 0, 1)
+    else:
+        threads = max(1, (os.cpu_count() or 1) // world)
+        mp.spawn(_worker, args=(world, _free_port(), threads, cfg, art, run_dir),
+                 nprocs=world, join=True)
+    return FlatteningResult(run_dir / "metrics.jsonl", run_dir / "policy",
+                            time.perf_counter() - t0)

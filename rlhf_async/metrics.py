@@ -1,0 +1,73 @@
+"""Run metrics: one JSON object per step in metrics.jsonl, and a compact progress line.
+
+Metrics are data, kept apart from logs: the JSONL file is what plots and benchmarks read.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+PROGRESS_KEYS = (("reward", "rm"), ("hidden_score", "hidden"), ("kl", "kl"),
+                 ("policy_loss", "pg"), ("value_loss", "vf"), ("entropy", "ent"),
+                 ("response_length", "len"), ("samples_per_s", "smp/s"))
+
+
+class MetricsWriter:
+    """Appends one JSON line per record, flushed at once so a crash loses nothing."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = self.path.open("a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record, sort_keys=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    lines = Path(path).read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def format_progress(record: dict[str, Any], total_steps: int) -> str:
+    parts = [f"step {record['step'] + 1}/{total_steps}"]
+    for key, label in PROGRESS_KEYS:
+        if key in record:
+            parts.append(f"{label} {record[key]:.3f}" if abs(record[key]) < 100
+                         else f"{label} {record[key]:.0f}")
+    return " | ".join(parts)
+
+
+class Progress:
+    """One line per step on stderr (rewritten in place on a terminal)."""
+
+    def __init__(self, total_steps: int, enabled: bool = True, stream: IO[str] | None = None):
+        self.total, self.enabled = total_steps, enabled
+        self.stream = stream or sys.stderr
+        self.t0 = time.perf_counter()
+
+    def update(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        line = f"[rl {time.perf_counter() - self.t0:6.1f}s] {format_progress(record, self.total)}"
+        self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def summarize(records: list[dict[str, Any]], keys: tuple[str, ...], last: int = 5) -> dict:
+    """Mean of each key over the first and the last `last` records."""
+    out: dict[str, float] = {}
+    for k in keys:
+        vals = [r[k] for r in records if k in r]
+        if vals:
+            out[f"{k}_first"] = sum(vals[:last]) / len(vals[:last])
+            out[f"{k}_last"] = sum(vals[-last:]) / len(vals[-last:])
+    return out

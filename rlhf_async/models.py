@@ -1,0 +1,169 @@
+"""The four RLHF models over Hugging Face transformers: actor, critic, reward, reference.
+
+Actor and reference are causal LMs. Critic and reward model are an LM trunk (AutoModel)
+plus a linear head: per-token values for the critic, one score per sequence (read at the
+last valid token) for the reward model. A user's model loads from a local directory
+(`model.path`); the built-in one is a tiny GPT-2 or Llama built from config in code.
+Nothing is fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, GPT2Config,
+                          LlamaConfig, PretrainedConfig, PreTrainedModel)
+
+from rlhf_async.config import ConfigError, ModelConfig
+
+HEAD_FILE = "value_head.safetensors"
+
+
+def tiny_config(cfg: ModelConfig, vocab_size: int, pad_id: int, bos_id: int,
+                eos_id: int) -> PretrainedConfig:
+    """The built-in model's HF config (no hub access)."""
+    special = {"pad_token_id": pad_id, "bos_token_id": bos_id, "eos_token_id": eos_id}
+    if cfg.arch == "llama":
+        return LlamaConfig(vocab_size=vocab_size, hidden_size=cfg.hidden,
+                           intermediate_size=cfg.hidden * 4, num_hidden_layers=cfg.layers,
+                           num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
+                           max_position_embeddings=cfg.max_positions,
+                           attention_dropout=cfg.dropout, **special)
+    return GPT2Config(vocab_size=vocab_size, n_positions=cfg.max_positions, n_embd=cfg.hidden,
+                      n_layer=cfg.layers, n_head=cfg.heads, resid_pdrop=cfg.dropout,
+                      embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, **special)
+
+
+def load_actor(cfg: ModelConfig, vocab_size: int, special: tuple[int, int, int],
+               seed: int) -> PreTrainedModel:
+    """The initial actor: from `cfg.path` if set, else a fresh tiny model seeded by `seed`."""
+    if cfg.path:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(cfg.path, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ConfigError([f"model.path: cannot load a causal LM from {cfg.path!r} ({e})"]) \
+                from None
+        if model.config.vocab_size < vocab_size:
+            raise ConfigError([f"model.path: vocabulary of {model.config.vocab_size} tokens is "
+                               f"smaller than the task's {vocab_size}"])
+        return model.float()
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(tiny_config(cfg, vocab_size, *special))
+
+
+class ScalarHeadModel(nn.Module):
+    """LM trunk + linear head -> one scalar per position. Used as critic and reward model."""
+
+    def __init__(self, trunk: PreTrainedModel) -> None:
+        super().__init__()
+        self.trunk = trunk
+        self.head = nn.Linear(trunk.config.hidden_size, 1)
+        nn.init.zeros_(self.head.bias)
+        nn.init.normal_(self.head.weight, std=1.0 / (trunk.config.hidden_size + 1) ** 0.5)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor,
+                position_ids: Tensor) -> Tensor:
+        out = self.trunk(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids)
+        return self.head(out.last_hidden_state).squeeze(-1)  # [B, T]
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        self.trunk.save_pretrained(path)
+        save_file({k: v.contiguous() for k, v in self.head.state_dict().items()},
+                  str(path / HEAD_FILE))
+
+    @classmethod
+    def load(cls, path: str | Path) -> ScalarHeadModel:
+        model = cls(AutoModel.from_pretrained(str(path), local_files_only=True).float())
+        model.head.load_state_dict(load_file(str(Path(path) / HEAD_FILE)))
+        return model
+
+
+def scalar_model_from_actor(actor: PreTrainedModel, seed: int) -> ScalarHeadModel:
+    """A fresh trunk with the actor's architecture and weights (the LM head dropped)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        trunk = AutoModel.from_config(copy.deepcopy(actor.config))
+        state = {k.split(".", 1)[1]: v for k, v in actor.state_dict().items()
+                 if k.split(".", 1)[0] == actor.base_model_prefix}
+        trunk.load_state_dict(state, strict=False)
+        return ScalarHeadModel(trunk)
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def sequence_inputs(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
+                    response_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Concatenate left-padded prompts [B, P] and right-padded responses [B, R].
+
+    Returns input_ids, attention_mask, position_ids, each [B, P + R]; positions count only
+    real tokens, so a sample's numbers do not depend on how much padding its batch has.
+    """
+    ids = torch.cat([prompt_ids, response_ids], dim=1)
+    mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+    pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    return ids, mask, pos
+
+
+def response_logits(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
+                    response_ids: Tensor, response_mask: Tensor) -> Tensor:
+    """Logits that predict each response token. -> [B, R, V]."""
+    ids, mask, pos = sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    P, R = prompt_ids.shape[1], response_ids.shape[1]
+    logits = actor(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    return logits[:, P - 1: P + R - 1]
+
+
+def response_values(critic: ScalarHeadModel, prompt_ids: Tensor, prompt_mask: Tensor,
+                    response_ids: Tensor, response_mask: Tensor) -> Tensor:
+    """V(state before each response token). -> [B, R]."""
+    ids, mask, pos = sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    P, R = prompt_ids.shape[1], response_ids.shape[1]
+    return critic(ids, mask, pos)[:, P - 1: P + R - 1]
+
+
+def sequence_scores(reward_model: ScalarHeadModel, prompt_ids: Tensor, prompt_mask: Tensor,
+                    response_ids: Tensor, response_mask: Tensor) -> Tensor:
+    """One score per sequence, read at its last real token. -> [B]."""
+    ids, mask, pos = sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    per_pos = reward_model(ids, mask, pos)  # [B, P + R]
+    P = prompt_ids.shape[1]
+    last = P + response_mask.long().sum(dim=1) - 1
+    return per_pos.gather(1, last.unsqueeze(1)).squeeze(1)
+
+
+_CACHE_KW: dict[type, str] = {}
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """Name of the KV-cache argument: 'cache' in transformers >= 5.x, else 'past_key_values'."""
+    cls = type(model)
+    if cls not in _CACHE_KW:
+        params = inspect.signature(model.forward).parameters
+        _CACHE_KW[cls] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KW[cls]
+
+
+def save_policy(actor: PreTrainedModel, path: str | Path, extra: dict | None = None) -> None:
+    """save_pretrained (safetensors + config.json) plus our own metadata file."""
+    path = Path(path)
+    actor.save_pretrained(path, safe_serialization=True)
+    if extra:
+        (path / "rlhf_async.json").write_text(json.dumps(extra, indent=2))
+
+
+def load_model_config(path: str | Path) -> PretrainedConfig:
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)

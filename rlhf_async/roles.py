@@ -1,0 +1,205 @@
+"""The three role functions every placement strategy calls: generate, score, train.
+
+Flattening calls them in one process per device; the Separation pipeline calls `generate`
+in generator nodes, `score` in scorer nodes and `Learner.train_step` in trainer nodes. They
+take and return plain data (`RolloutBatch`), so any of them can sit behind a queue.
+When torch.distributed is initialised, `Learner` treats its batch as this rank's shard of
+a global batch: every normaliser and statistic is global, gradients are summed over ranks,
+so N ranks produce the same update as one rank holding the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import torch
+from torch import Tensor, nn
+
+from rlhf_async import algorithms as A
+from rlhf_async.config import AlgoConfig, TrainConfig
+from rlhf_async.determinism import (all_gather_1d, all_reduce_grads, all_reduce_sum,
+                                    keyed_order)
+from rlhf_async.generation import SamplingParams, generate as sample, sampling_uniforms
+from rlhf_async.models import (ScalarHeadModel, response_logits, response_values,
+                               sequence_scores)
+from rlhf_async.rollout import PromptBatch, RolloutBatch
+
+__all__ = ["PromptBatch", "RolloutBatch", "generate", "score", "Learner"]
+
+
+def generate(actor: nn.Module, prompts: PromptBatch, params: SamplingParams, seed: int,
+             step: int, version: int) -> RolloutBatch:
+    """Sample one response per row; noise keyed by (seed, step, sample id)."""
+    ids = [int(s) for s in prompts.sample_ids]
+    u = sampling_uniforms(seed, step, ids, params.max_new_tokens, actor.config.vocab_size)
+    g = sample(actor, prompts.prompt_ids, prompts.prompt_mask, params, u)
+    return RolloutBatch(prompts.prompt_ids, prompts.prompt_mask, g.response_ids,
+                        g.response_mask, g.logprobs, prompts.sample_ids, prompts.group_ids,
+                        version=version, step=step)
+
+
+@torch.no_grad()
+def score(reward_model: ScalarHeadModel, reference: nn.Module, batch: RolloutBatch,
+          temperature: float = 1.0,
+          hidden_score: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None) -> RolloutBatch:
+    """Add reward-model scores [B] and reference log-probs [B, R] (and the hidden score)."""
+    args = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+    rewards = sequence_scores(reward_model, *args).float()
+    logits = response_logits(reference, *args)
+    ref_lp = A.gather_logprobs(logits, batch.response_ids, temperature) * batch.response_mask
+    hidden = None
+    if hidden_score is not None:
+        hidden = hidden_score(batch.prompt_ids, batch.response_ids, batch.response_mask)
+    return batch.replace(rewards=rewards, ref_logprobs=ref_lp, hidden_scores=hidden)
+
+
+class Learner:
+    """Training copies of actor (+ critic for PPO) with their optimizers."""
+
+    def __init__(self, actor: nn.Module, critic: ScalarHeadModel | None, algo: AlgoConfig,
+                 train: TrainConfig, seed: int, temperature: float = 1.0) -> None:
+        if algo.name == "ppo" and critic is None:
+            raise ValueError("PPO needs a critic")
+        self.actor, self.critic = actor, critic if algo.name == "ppo" else None
+        self.algo, self.train, self.seed, self.temperature = algo, train, seed, temperature
+        self.version = 0
+        self.actor_params = [p for p in actor.parameters() if p.requires_grad]
+        self.actor_opt = torch.optim.AdamW(self.actor_params, lr=train.lr,
+                                           weight_decay=train.weight_decay)
+        self.critic_params: list[nn.Parameter] = []
+        self.critic_opt = None
+        if self.critic is not None:
+            self.critic_params = [p for p in self.critic.parameters() if p.requires_grad]
+            self.critic_opt = torch.optim.AdamW(self.critic_params, lr=train.critic_lr,
+                                                weight_decay=train.weight_decay)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Actor weights to publish to generators (detached views, no copies)."""
+        return {k: v.detach() for k, v in self.actor.state_dict().items()}
+
+    def optimizer_state(self) -> dict:
+        out = {"actor": self.actor_opt.state_dict(), "version": self.version}
+        if self.critic_opt is not None:
+            out["critic"] = self.critic_opt.state_dict()
+        return out
+
+    @torch.no_grad()
+    def _advantages(self, b: RolloutBatch, old_lp: Tensor,
+                    values: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor]:
+        """-> advantages [B, R], returns [B, R] (PPO only), per-token KL [B, R]."""
+        algo, m = self.algo, b.response_mask.float()
+        kl = A.kl_per_token(old_lp, b.ref_logprobs, algo.kl_estimator) * m
+        kl_r = algo.kl_coef if algo.kl_mode == "reward" else 0.0
+        if algo.name == "ppo":
+            r = A.token_rewards(b.rewards, kl, m, kl_r)
+            adv, ret = A.gae(r, values, m, algo.gamma, algo.lam)
+            if algo.whiten_advantages:
+                adv = A.whiten(adv, m, all_reduce_sum)
+            return adv, ret, kl
+        seq = b.rewards - kl_r * kl.sum(dim=1)  # [B]
+        fn = A.grpo_advantages if algo.name == "grpo" else A.rloo_advantages
+        return fn(seq, b.group_ids)[:, None] * m, None, kl
+
+    def _minibatches(self, b: RolloutBatch, epoch: int) -> list[Tensor]:
+        """Local row indices of each minibatch; the split is over the GLOBAL batch, keyed by
+        (seed, step, epoch), so it does not depend on how samples are spread over ranks."""
+        all_ids = all_gather_1d(b.sample_ids).tolist()
+        order = keyed_order(self.seed, ("minibatch", b.step, epoch), all_ids)
+        M = self.train.minibatches
+        mb_of = {sid: i * M // len(order) for i, sid in enumerate(order)}
+        local = torch.tensor([mb_of[int(s)] for s in b.sample_ids], device=b.sample_ids.device)
+        return [torch.nonzero(local == k).flatten() for k in range(M)]
+
+    def _loss(self, b: RolloutBatch, idx: Tensor, adv: Tensor, ret: Tensor | None,
+              old_lp: Tensor, old_v: Tensor | None, n_tokens: Tensor) -> tuple[Tensor, dict]:
+        algo = self.algo
+        mb = b.select(idx)
+        m = mb.response_mask.float()
+        args = (mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask)
+        logits = response_logits(self.actor, *args)  # [b, R, V]
+        lp = A.gather_logprobs(logits, mb.response_ids, self.temperature)
+        pg, st = A.ppo_policy_loss(lp, old_lp[idx], adv[idx], m, algo.clip_eps,
+                                   mb.behaviour_logprobs, algo.is_cap, n_tokens)
+        ent = A.masked_token_mean(A.entropy_from_logits(logits / self.temperature), m, n_tokens)
+        loss = pg - algo.entropy_coef * ent
+        stats = {"policy_loss": pg.detach(), "entropy": ent.detach(), **st}
+        if algo.kl_mode == "loss":
+            kl = A.kl_per_token(lp, mb.ref_logprobs, algo.kl_estimator)
+            kl_loss = A.masked_token_mean(kl, m, n_tokens)
+            loss = loss + algo.kl_coef * kl_loss
+            stats["kl_loss"] = kl_loss.detach()
+        if self.critic is not None:
+            v = response_values(self.critic, *args)
+            vl = A.value_loss(v, old_v[idx], ret[idx], m, algo.value_clip, n_tokens)
+            loss = loss + algo.vf_coef * vl
+            stats["value_loss"] = vl.detach()
+        return loss, stats
+
+    def _stat_names(self) -> list[str]:
+        names = ["policy_loss", "entropy", "clip_frac", "approx_kl"]
+        names += ["kl_loss"] if self.algo.kl_mode == "loss" else []
+        return names + (["value_loss"] if self.critic is not None else [])
+
+    def _optimizer_step(self) -> dict[str, float]:
+        all_reduce_grads(self.actor_params + self.critic_params)
+        out = {}
+        for name, params, opt in (("actor", self.actor_params, self.actor_opt),
+                                  ("critic", self.critic_params, self.critic_opt)):
+            if opt is None:
+                continue
+            clip = self.train.grad_clip or float("inf")
+            out[f"{name}_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, clip))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return out
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """PPO / GRPO / RLOO update on a scored batch (this rank's shard). Returns global
+        metrics (identical on every rank)."""
+        if batch.rewards is None or batch.ref_logprobs is None:
+            raise ValueError("train_step needs a scored batch (rewards and ref_logprobs)")
+        b, m = batch, batch.response_mask.float()
+        args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
+        with torch.no_grad():
+            old_lp = A.gather_logprobs(response_logits(self.actor, *args), b.response_ids,
+                                       self.temperature) * m
+            old_v = response_values(self.critic, *args) * m if self.critic is not None else None
+        adv, ret, kl = self._advantages(b, old_lp, old_v)
+        sums: dict[str, Tensor] = {}
+        grad_norms: dict[str, float] = {}
+        n_updates = 0
+        self.actor.train()
+        for epoch in range(self.train.epochs):
+            for idx in self._minibatches(b, epoch):
+                n_tokens = all_reduce_sum(m[idx].sum()).clamp(min=1.0)
+                if len(idx):
+                    loss, stats = self._loss(b, idx, adv, ret, old_lp, old_v, n_tokens)
+                    loss.backward()
+                else:  # this rank holds none of the minibatch; it still joins the all-reduce
+                    stats = {k: m.new_zeros(()) for k in self._stat_names()}
+                grad_norms = self._optimizer_step()
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, m.new_zeros(())) + v.float()
+                n_updates += 1
+        self.actor.eval()
+        self.version += 1
+        return {**self._global_stats(b, kl, adv, sums, n_updates), **grad_norms,
+                "version": self.version}
+
+    def _global_stats(self, b: RolloutBatch, kl: Tensor, adv: Tensor, sums: dict[str, Tensor],
+                      n_updates: int) -> dict[str, float]:
+        """One all-reduce for every metric: per-sample sums + counts, loss partial sums."""
+        m = b.response_mask.float()
+        per_sample = {"reward": b.rewards.float(), "kl": kl.sum(dim=1),
+                      "response_length": m.sum(dim=1), "advantage_abs": (adv.abs() * m).sum(1)
+                      / m.sum(1).clamp(min=1)}
+        if b.hidden_scores is not None:
+            per_sample["hidden_score"] = b.hidden_scores.float()
+        vec = torch.stack([v.sum() for v in per_sample.values()] + list(sums.values())
+                          + [m.new_tensor(float(len(b)))])
+        vec = all_reduce_sum(vec.double())
+        count = vec[-1].clamp(min=1.0)
+        out = {k: float(vec[i] / count) for i, k in enumerate(per_sample)}
+        out.update({k: float(vec[len(per_sample) + i] / n_updates)
+                    for i, k in enumerate(sums)})
+        out["samples"] = float(vec[-1])
+        return out

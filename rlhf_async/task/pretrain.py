@@ -1,0 +1,181 @@
+"""Stages 1 and 2 of the InstructGPT pipeline, cached: SFT, then a Bradley-Terry reward model.
+
+Artefacts live under `run.cache_dir/<stage>-<hash of the config that shapes them>/` and are
+written to a temporary directory first, then renamed, so a crash never leaves a half
+artefact that a later run would trust.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from rlhf_async.config import JobConfig
+from rlhf_async.log import get_logger
+from rlhf_async.models import (ScalarHeadModel, load_actor, response_logits,
+                               scalar_model_from_actor, sequence_scores)
+from rlhf_async.task.sort_digits import VOCAB_SIZE, SortDigitsTask
+
+log = get_logger(component="pretrain")
+ARTEFACT_VERSION = 2  # bump when the synthetic data or training code changes
+
+
+@dataclass
+class Artefacts:
+    sft_dir: Path
+    rm_dir: Path
+    sft_stats: dict
+    rm_stats: dict
+
+
+def _model_identity(cfg: JobConfig) -> dict:
+    ident: dict = dataclasses.asdict(cfg.model)
+    if cfg.model.path:
+        files = sorted(Path(cfg.model.path).iterdir())
+        ident["files"] = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    return ident
+
+
+def stage_key(cfg: JobConfig, stage: str) -> str:
+    parts = {"v": ARTEFACT_VERSION, "seed": cfg.run.seed, "model": _model_identity(cfg),
+             "task": dataclasses.asdict(cfg.task), "sft": dataclasses.asdict(cfg.sft)}
+    if stage == "rm":
+        parts["rm"] = dataclasses.asdict(cfg.reward_model)
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return f"{stage}-{hashlib.sha256(blob).hexdigest()[:16]}"
+
+
+def _atomic_dir(final: Path, write: callable) -> None:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        write(tmp)
+        os.rename(tmp, final)
+    except OSError:
+        if final.exists():  # a concurrent run finished the same artefact first
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def train_sft(task: SortDigitsTask, actor: PreTrainedModel, cfg: JobConfig) -> dict:
+    """Cross-entropy on demonstration tokens only (prompt and padding masked out)."""
+    opt = torch.optim.AdamW(actor.parameters(), lr=cfg.sft.lr, weight_decay=0.0)
+    actor.train()
+    loss = torch.tensor(float("nan"))
+    for step in range(cfg.sft.steps):
+        prompts, demos = task.demonstrations(cfg.run.seed, step, cfg.sft.batch_size)
+        p_ids, p_mask = task.encode_prompts(prompts)
+        r_ids, r_mask = task.encode_responses(demos, task.response_len)
+        logits = response_logits(actor, p_ids, p_mask, r_ids, r_mask)  # [B, R, V]
+        per_tok = F.cross_entropy(logits.transpose(1, 2), r_ids, reduction="none")  # [B, R]
+        loss = (per_tok * r_mask).sum() / r_mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(actor.parameters(), 1.0)
+        opt.step()
+    actor.eval()
+    return {"sft_final_loss": loss.item()}
+
+
+def _pair_scores(task: SortDigitsTask, rm: ScalarHeadModel, prompts: list, chosen: list,
+                 rejected: list) -> tuple[torch.Tensor, torch.Tensor]:
+    p_ids, p_mask = task.encode_prompts(prompts + prompts)
+    r_ids, r_mask = task.encode_responses(chosen + rejected, task.response_len)
+    s = sequence_scores(rm, p_ids, p_mask, r_ids, r_mask)  # [2B]
+    return s[: len(prompts)], s[len(prompts):]
+
+
+def train_reward_model(task: SortDigitsTask, rm: ScalarHeadModel, cfg: JobConfig) -> dict:
+    """Bradley-Terry: maximise log sigmoid(r(chosen) - r(rejected)) on noisy synthetic labels."""
+    rcfg = cfg.reward_model
+    opt = torch.optim.AdamW(rm.parameters(), lr=rcfg.lr, weight_decay=0.0)
+    rm.train()
+    loss = torch.tensor(float("nan"))
+    for step in range(rcfg.steps):
+        prompts, ch, rj = task.preference_pairs(cfg.run.seed, "rm", step, rcfg.batch_size,
+                                                rcfg.label_noise)
+        sc, sr = _pair_scores(task, rm, prompts, ch, rj)
+        loss = -F.logsigmoid(sc - sr).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(rm.parameters(), 1.0)
+        opt.step()
+    rm.eval()
+    return {"rm_final_loss": loss.item(), **reward_model_accuracy(task, rm, cfg)}
+
+
+@torch.no_grad()
+def reward_model_accuracy(task: SortDigitsTask, rm: ScalarHeadModel, cfg: JobConfig) -> dict:
+    """Held-out pairs (disjoint prompts): agreement with noisy labels and with the hidden
+    score's own ordering (pairs with equal hidden scores excluded)."""
+    prompts, ch, rj = task.preference_pairs(cfg.run.seed, "eval", 0,
+                                            cfg.reward_model.heldout_pairs,
+                                            cfg.reward_model.label_noise)
+    sc, sr = _pair_scores(task, rm, prompts, ch, rj)
+    enc = task.encode_responses
+    p_ids, p_mask = task.encode_prompts(prompts)
+    hc = task.hidden_scores(p_ids, *enc(ch, task.response_len))
+    hr = task.hidden_scores(p_ids, *enc(rj, task.response_len))
+    decided = hc != hr
+    true_order = (hc > hr) == (sc > sr)
+    return {"rm_label_accuracy": float((sc > sr).float().mean()),
+            "rm_accuracy": float(true_order[decided].float().mean())}
+
+
+def _new_actor(cfg: JobConfig, task: SortDigitsTask) -> PreTrainedModel:
+    return load_actor(cfg.model, VOCAB_SIZE, task.special, cfg.run.seed)
+
+
+def prepare_artefacts(cfg: JobConfig, task: SortDigitsTask) -> Artefacts:
+    """Train (or reuse from the cache) the SFT policy and the reward model."""
+    cache = Path(cfg.run.cache_dir)
+    sft_dir, rm_dir = cache / stage_key(cfg, "sft"), cache / stage_key(cfg, "rm")
+    if not (sft_dir / "stats.json").exists():
+        t0 = time.perf_counter()
+        actor = _new_actor(cfg, task)
+        stats = train_sft(task, actor, cfg)
+        stats["sft_seconds"] = time.perf_counter() - t0
+
+        def write_sft(d: Path) -> None:
+            actor.save_pretrained(d, safe_serialization=True)
+            (d / "stats.json").write_text(json.dumps(stats))
+
+        _atomic_dir(sft_dir, write_sft)
+        log.info("sft trained", **stats, dir=str(sft_dir))
+    if not (rm_dir / "stats.json").exists():
+        t0 = time.perf_counter()
+        rm = scalar_model_from_actor(load_sft(sft_dir), cfg.run.seed)
+        stats = train_reward_model(task, rm, cfg)
+        stats["rm_seconds"] = time.perf_counter() - t0
+
+        def write_rm(d: Path) -> None:
+            rm.save(d)
+            (d / "stats.json").write_text(json.dumps(stats))
+
+        _atomic_dir(rm_dir, write_rm)
+        log.info("reward model trained", **stats, dir=str(rm_dir))
+    return Artefacts(sft_dir, rm_dir, json.loads((sft_dir / "stats.json").read_text()),
+                     json.loads((rm_dir / "stats.json").read_text()))
+
+
+def load_sft(path: Path) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True).float().eval()
+
+
+def load_reward_model(path: Path) -> ScalarHeadModel:
+    return ScalarHeadModel.load(path).eval()
