@@ -9,10 +9,11 @@ on) can never disagree.
 
 Definitions (steps and versions count from 0):
 
-* The trainer publishes weights every ``publish_every = N`` optimizer steps; the version
-  ``v`` is the number of publications so far, the initial weights being version 0.
+* A step is one training step on one batch (however many optimizer updates its epochs and
+  minibatches take). The trainer publishes weights every ``publish_every = N`` steps; the
+  version ``v`` is the number of publications so far, the initial weights being version 0.
 * A synchronous run generates batch ``s`` with version ``floor(s / N)``: version ``v``
-  appears only after ``v * N`` optimizer steps, i.e. after batch ``v * N - 1`` trained.
+  appears only after ``v * N`` steps, i.e. after batch ``v * N - 1`` trained.
 * ``max_staleness = k``: a batch may be generated with any version in
   ``[floor(s / N) - k, floor(s / N)]``. ``k = 0`` is synchronous on-policy RLHF.
 
@@ -26,9 +27,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rlhf_async.log import get_logger
+import structlog
 
-log = get_logger(component="staleness")
+# A lazy proxy: picks up configure_logging() even when called after this import.
+log = structlog.get_logger(component="staleness")
 
 _STATE_FORMAT = 1
 
@@ -38,9 +40,17 @@ class StalenessPolicy:
 
     def __init__(self, max_staleness: int, publish_every: int = 1) -> None:
         problems = []
-        if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
+        if (
+            not isinstance(max_staleness, int)
+            or isinstance(max_staleness, bool)
+            or max_staleness < 0
+        ):
             problems.append(f"max_staleness must be an integer >= 0, got {max_staleness!r}")
-        if not isinstance(publish_every, int) or isinstance(publish_every, bool) or publish_every < 1:
+        if (
+            not isinstance(publish_every, int)
+            or isinstance(publish_every, bool)
+            or publish_every < 1
+        ):
             problems.append(f"publish_every must be an integer >= 1, got {publish_every!r}")
         if problems:
             raise ValueError("; ".join(problems))
@@ -124,7 +134,10 @@ class StalenessPolicy:
         """Restore counters. The policy's own settings come from the config, not the file:
         a resumed run may change `max_staleness`; the counters carry over either way."""
         if not isinstance(state, Mapping):
-            raise ValueError(f"staleness state: expected a mapping, got {type(state).__name__}")
+            # ValueError like every other bad-state case, so the checkpoint loader catches one type
+            raise ValueError(  # noqa: TRY004
+                f"staleness state: expected a mapping, got {type(state).__name__}"
+            )
         if state.get("format") != _STATE_FORMAT:
             raise ValueError(
                 f"staleness state: format {state.get('format')!r} not understood "
@@ -138,7 +151,9 @@ class StalenessPolicy:
                 "staleness state: needs integer 'admitted', 'dropped', 'rejected_future' and "
                 f"'histogram' as [[staleness, count], ...]: {exc}"
             ) from None
-        if any(v < 0 for v in counters.values()) or any(s < 0 or n < 0 for s, n in histogram.items()):
+        if any(v < 0 for v in counters.values()) or any(
+            s < 0 or n < 0 for s, n in histogram.items()
+        ):
             raise ValueError("staleness state: counters and histogram entries must be >= 0")
         self.admitted = counters["admitted"]
         self.dropped = counters["dropped"]

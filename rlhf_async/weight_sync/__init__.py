@@ -8,7 +8,7 @@ fixed-size byte buckets; the small bucket plan goes over ZeroMQ (the caller ship
 Sequence (the coordinator owns the rendezvous; ZeroMQ messages are the caller's):
 
     trainer rank 0                               generator with rank r (1..W-1)
-    sender = make_sender("gloo", bucket_mb=64)   receiver = make_receiver("gloo")
+    sender = make_sender("gloo", bucket_mb=100)   receiver = make_receiver("gloo")
     spec = sender.prepare(GroupSpec(...port=0))
       -> coordinator ships spec.to_dict() and r --> receiver.connect(GroupSpec.from_dict(d), r)
     sender.connect(spec)                            (started first, in a thread)

@@ -14,9 +14,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import structlog
 import torch
 
-from rlhf_async.log import get_logger
 from rlhf_async.weight_sync.errors import WeightSyncError, WeightSyncPlanError
 from rlhf_async.weight_sync.group import BroadcastGroup, open_store
 from rlhf_async.weight_sync.module import load_into_module
@@ -33,9 +33,10 @@ from rlhf_async.weight_sync.plan import (
 )
 from rlhf_async.weight_sync.spec import GroupSpec
 
-log = get_logger(component="weight_sync")
+# A lazy proxy: picks up configure_logging() even when called after this import.
+log = structlog.get_logger(component="weight_sync")
 
-DEFAULT_BUCKET_MB = 64.0
+DEFAULT_BUCKET_MB = 100.0  # the paper's ~100 MB buckets; config weight_sync.bucket_mb
 
 
 @dataclasses.dataclass
@@ -77,16 +78,23 @@ def _check_matches(layout: Layout, tensors: Mapping[str, torch.Tensor]) -> None:
         for s in layout.slots:
             t = tensors[s.name]
             if tuple(t.shape) != s.shape or t.dtype != s.dtype:
-                problems.append(f"{s.name}: {t.dtype}{list(t.shape)} vs plan {s.dtype}{list(s.shape)}")
+                problems.append(
+                    f"{s.name}: {t.dtype}{list(t.shape)} vs plan {s.dtype}{list(s.shape)}"
+                )
     if problems:
-        raise WeightSyncPlanError("send() got tensors that do not match the plan: " + "; ".join(problems))
+        raise WeightSyncPlanError(
+            "send() got tensors that do not match the plan: " + "; ".join(problems)
+        )
 
 
 class TorchBroadcastSender:
     """Rank 0 of the group. Order: prepare -> connect -> (plan -> send)* -> close."""
 
     def __init__(
-        self, backend: str = "gloo", *, device: torch.device | str | None = None,
+        self,
+        backend: str = "gloo",
+        *,
+        device: torch.device | str | None = None,
         bucket_mb: float = DEFAULT_BUCKET_MB,
     ) -> None:
         self.backend = backend
@@ -136,18 +144,27 @@ class TorchBroadcastSender:
         self._ensure_buffers(min(self.bucket_bytes, layout.total_bytes))
         sources = [as_bytes(tensors[s.name].to(self.device)) for s in layout.slots]  # [nbytes]
         version, n = plan["version"], len(self._pieces)
-        inflight: list[torch.distributed.Work | None] = [None, None]
+        pending: list[tuple[torch.distributed.Work, str]] = []
+        slot_work: list[tuple[torch.distributed.Work, str] | None] = [None, None]
+        slot = 0
         with torch.no_grad():
-            for i, (lo, size) in enumerate(layout.buckets):
-                slot = i % 2
-                if inflight[slot] is not None:  # that buffer is still on the wire
-                    group.wait(inflight[slot], f"broadcast of bucket {i - 1}/{n} (v{version})")
+            for i, (_, size) in enumerate(layout.buckets):
+                label = f"broadcast of bucket {i + 1}/{n} (v{version})"
+                pieces = self._pieces[i]
+                if len(pieces) == 1 and pieces[0][2] - pieces[0][1] == size:
+                    # The bucket lies inside one tensor: send its bytes in place, no copy.
+                    k, src_lo, src_hi, _ = pieces[0]
+                    pending.append((group.broadcast(sources[k][src_lo:src_hi]), label))
+                    continue
+                if slot_work[slot] is not None:  # that buffer may still be on the wire
+                    group.wait(*slot_work[slot])
                 buf = self._buffers[slot][:size]
-                pack_bucket(buf, self._pieces[i], sources)
-                inflight[slot] = group.broadcast(buf)
-            for j, work in enumerate(inflight):
-                if work is not None:
-                    group.wait(work, f"broadcast of final buckets (v{version}, bucket slot {j})")
+                pack_bucket(buf, pieces, sources)
+                slot_work[slot] = (group.broadcast(buf), label)
+                pending.append(slot_work[slot])
+                slot ^= 1
+            for work, what in pending:
+                group.wait(work, what)
         log.debug("weights_sent", version=version, bytes=layout.total_bytes, buckets=n)
 
     def _ensure_buffers(self, nbytes: int) -> None:

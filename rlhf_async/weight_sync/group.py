@@ -18,14 +18,15 @@ from __future__ import annotations
 import datetime
 import time
 
+import structlog
 import torch
 from torch.distributed import BroadcastOptions, PrefixStore, TCPStore
 
-from rlhf_async.log import get_logger
 from rlhf_async.weight_sync.errors import WeightSyncError, WeightSyncTimeout
 from rlhf_async.weight_sync.spec import GroupSpec
 
-log = get_logger(component="weight_sync")
+# A lazy proxy: picks up configure_logging() even when called after this import.
+log = structlog.get_logger(component="weight_sync")
 
 _POLL_S = 0.02
 
@@ -64,8 +65,13 @@ class BroadcastGroup:
         self._opts = BroadcastOptions()
         self._opts.rootRank = 0
         self._opts.rootTensor = 0
-        log.info("weight_sync_group_ready", group=spec.group_name, rank=rank,
-                 world_size=spec.world_size, backend=spec.backend)
+        log.info(
+            "weight_sync_group_ready",
+            group=spec.group_name,
+            rank=rank,
+            world_size=spec.world_size,
+            backend=spec.backend,
+        )
 
     def _join(self, store: PrefixStore) -> None:
         spec = self.spec
@@ -113,8 +119,11 @@ class BroadcastGroup:
             work.wait(self.timeout)
         except RuntimeError as exc:
             msg = _first_line(exc)
-            cls = WeightSyncTimeout if "timed out" in msg.lower() or "timeout" in msg.lower() \
+            cls = (
+                WeightSyncTimeout
+                if "timed out" in msg.lower() or "timeout" in msg.lower()
                 else WeightSyncError
+            )
             raise cls(
                 f"{what} failed on {self.spec.describe(self.rank)} in weight-sync group "
                 f"'{self.spec.group_name}' (timeout {self.spec.timeout_s:g} s): {msg}"

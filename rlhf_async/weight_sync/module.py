@@ -36,9 +36,13 @@ def load_into_module(
     for name, src in weights.items():
         dst = targets.get(name)
         if dst is not None and tuple(dst.shape) != tuple(src.shape):
-            problems.append(f"{name}: shape {list(src.shape)} does not fit model's {list(dst.shape)}")
+            problems.append(
+                f"{name}: shape {list(src.shape)} does not fit model's {list(dst.shape)}"
+            )
     if problems:
-        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        shown = problems[:20] + (
+            [f"... and {len(problems) - 20} more"] if len(problems) > 20 else []
+        )
         raise WeightSyncPlanError(
             f"received weights do not fit {type(module).__name__}: " + "; ".join(shown)
         )

@@ -78,8 +78,7 @@ def build_layout(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> Layo
     bad = [f"{n}: {t.dtype}" for n, t in tensors.items() if t.dtype not in _DTYPE_NAMES]
     if bad:
         raise WeightSyncPlanError(
-            f"unsupported dtypes for weight sync: {', '.join(bad)} "
-            f"(accepted: {', '.join(DTYPES)})"
+            f"unsupported dtypes for weight sync: {', '.join(bad)} (accepted: {', '.join(DTYPES)})"
         )
     for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()
@@ -98,8 +97,12 @@ def plan_dict(layout: Layout, version: int, group: str) -> dict[str, Any]:
         "total_bytes": layout.total_bytes,
         "buckets": [[lo, size] for lo, size in layout.buckets],
         "tensors": [
-            {"name": s.name, "dtype": _DTYPE_NAMES[s.dtype], "shape": list(s.shape),
-             "offset": s.offset}
+            {
+                "name": s.name,
+                "dtype": _DTYPE_NAMES[s.dtype],
+                "shape": list(s.shape),
+                "offset": s.offset,
+            }
             for s in layout.slots
         ],
     }

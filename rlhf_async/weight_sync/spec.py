@@ -71,7 +71,8 @@ class GroupSpec:
         problems += [f"missing key {k!r}" for k in sorted(required - set(data))]
         if problems:
             raise WeightSyncPlanError(
-                "invalid weight-sync group spec: " + "; ".join(problems)
+                "invalid weight-sync group spec: "
+                + "; ".join(problems)
                 + f" (accepted keys: {', '.join(sorted(fields))})"
             )
         kwargs = dict(data)
@@ -100,8 +101,10 @@ def _problems(spec: GroupSpec) -> list[str]:
         problems.append(f"name must be a non-empty string without '/', got {spec.name!r}")
     if not _is_int(spec.epoch) or spec.epoch < 0:
         problems.append(f"epoch must be an integer >= 0, got {spec.epoch!r}")
-    if not isinstance(spec.timeout_s, int | float) or isinstance(spec.timeout_s, bool) or not (
-        spec.timeout_s > 0
+    if (
+        not isinstance(spec.timeout_s, int | float)
+        or isinstance(spec.timeout_s, bool)
+        or not (spec.timeout_s > 0)
     ):
         problems.append(f"timeout_s must be a number > 0, got {spec.timeout_s!r}")
     peers_ok = isinstance(spec.peers, tuple) and all(isinstance(p, str) for p in spec.peers)

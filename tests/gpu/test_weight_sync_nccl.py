@@ -18,7 +18,13 @@ from rlhf_async.weight_sync import (
     TorchBroadcastSender,
     load_into_module,
 )
-from rlhf_async.weight_sync.plan import as_bytes, build_layout, pack_bucket, pieces_per_bucket, views
+from rlhf_async.weight_sync.plan import (
+    as_bytes,
+    build_layout,
+    pack_bucket,
+    pieces_per_bucket,
+    views,
+)
 
 pytestmark = pytest.mark.gpu
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
+from torch.distributed import PrefixStore, TCPStore
 
+from rlhf_async.log import configure_logging
 from rlhf_async.weight_sync import (
     GroupSpec,
     TorchBroadcastReceiver,
@@ -22,6 +25,13 @@ from rlhf_async.weight_sync import (
     WeightSyncTimeout,
     weights_of,
 )
+
+
+@pytest.fixture(autouse=True)
+def _logs_to_current_stderr() -> None:
+    # Another test may have bound structlog to a captured stream that is closed by now.
+    configure_logging("warning")
+
 
 BUCKET_MB = 4096 / 2**20  # 4 KiB buckets: the embedding below spans several
 PEERS = ("trainer", "generator g0", "generator g1")
@@ -82,8 +92,11 @@ class Generators:
 
     def start(self, spec: GroupSpec, rank: int) -> None:
         self.cmds[rank] = self.ctx.Queue()
-        p = self.ctx.Process(target=_receiver_main, args=(spec.to_dict(), rank, self.cmds[rank],
-                                                          self.out), daemon=True)
+        p = self.ctx.Process(
+            target=_receiver_main,
+            args=(spec.to_dict(), rank, self.cmds[rank], self.out),
+            daemon=True,
+        )
         p.start()
         self.procs[rank] = p
 
@@ -178,6 +191,7 @@ def test_missing_peer_times_out_naming_it(gens: Generators) -> None:
     spec = sender.prepare(GroupSpec("gloo", "127.0.0.1", 0, 3, timeout_s=2, peers=PEERS))
     try:
         gens.start(spec, 1)  # generator g1 (rank 2) never comes
+        _wait_joined(spec, 1)  # so that only rank 2 is missing, however slow the spawn is
         start = time.monotonic()
         with pytest.raises(WeightSyncTimeout) as info:
             sender.connect(spec)
@@ -186,7 +200,8 @@ def test_missing_peer_times_out_naming_it(gens: Generators) -> None:
         assert want in str(info.value)
         assert elapsed < 30  # bounded by the timeout, with room for a loaded machine
         kind, rank, cls, msg = gens.out.get(timeout=WAIT_S)
-        assert (kind, rank, cls) == ("error", 1, "WeightSyncTimeout") and want in msg
+        assert (kind, rank, cls) == ("error", 1, "WeightSyncTimeout")
+        assert "rank 2 (generator g1)" in msg and "not join weight-sync group 'actor@0'" in msg
     finally:
         sender.close()
 
@@ -194,9 +209,21 @@ def test_missing_peer_times_out_naming_it(gens: Generators) -> None:
 def test_receiver_without_trainer_names_the_trainer() -> None:
     spec = GroupSpec("gloo", "127.0.0.1", _free_port(), 2, timeout_s=1, peers=PEERS[:2])
     rx = TorchBroadcastReceiver("gloo")
-    with pytest.raises(WeightSyncTimeout, match=r"could not reach the weight-sync store of "
-                       r"rank 0 \(trainer\)"):
+    with pytest.raises(
+        WeightSyncTimeout,
+        match=r"could not reach the weight-sync store of "
+        r"rank 0 \(trainer\)",
+    ):
         rx.connect(spec, 1)
+
+
+def _wait_joined(spec: GroupSpec, rank: int) -> None:
+    store = TCPStore(spec.master_addr, spec.master_port, None, False, timedelta(seconds=WAIT_S))
+    joined = PrefixStore(f"weight_sync/{spec.group_name}/", store)
+    deadline = time.monotonic() + WAIT_S
+    while not joined.check([f"joined/{rank}"]):
+        assert time.monotonic() < deadline, f"rank {rank} never started joining"
+        time.sleep(0.02)
 
 
 def _free_port() -> int:

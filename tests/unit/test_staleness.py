@@ -7,7 +7,15 @@ import json
 import msgpack
 import pytest
 
+from rlhf_async.log import configure_logging
 from rlhf_async.staleness import StalenessPolicy
+
+
+@pytest.fixture(autouse=True)
+def _logs_to_current_stderr() -> None:
+    # Another test may have bound structlog to a captured stream that is closed by now.
+    configure_logging("warning")
+
 
 # required_version for steps 0..9, worked by hand: max(0, floor(s / N) - k)
 REQUIRED = {
@@ -107,9 +115,14 @@ def test_state_roundtrip_through_json_and_msgpack() -> None:
 
 @pytest.mark.parametrize(
     "state",
-    [None, {}, {"format": 99}, {"format": 1, "admitted": 1}, {"format": 1, "admitted": -1,
-     "dropped": 0, "rejected_future": 0, "histogram": []},
-     {"format": 1, "admitted": 0, "dropped": 0, "rejected_future": 0, "histogram": [[1]]}],
+    [
+        None,
+        {},
+        {"format": 99},
+        {"format": 1, "admitted": 1},
+        {"format": 1, "admitted": -1, "dropped": 0, "rejected_future": 0, "histogram": []},
+        {"format": 1, "admitted": 0, "dropped": 0, "rejected_future": 0, "histogram": [[1]]},
+    ],
 )
 def test_bad_state_is_one_clear_error(state: object) -> None:
     with pytest.raises(ValueError, match="staleness state"):

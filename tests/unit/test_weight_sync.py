@@ -11,6 +11,7 @@ import msgpack
 import pytest
 import torch
 
+from rlhf_async.log import configure_logging
 from rlhf_async.weight_sync import (
     GroupSpec,
     TorchBroadcastReceiver,
@@ -33,6 +34,12 @@ from rlhf_async.weight_sync.plan import (
     plan_dict,
     views,
 )
+
+
+@pytest.fixture(autouse=True)
+def _logs_to_current_stderr() -> None:
+    # Another test may have bound structlog to a captured stream that is closed by now.
+    configure_logging("warning")
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -58,8 +65,14 @@ def test_spec_roundtrip_and_names() -> None:
 
 
 def test_spec_lists_every_problem() -> None:
-    bad = {"backend": "mpi", "master_addr": "", "master_port": 70000, "world_size": 1,
-           "epoch": -1, "timeout_s": 0}
+    bad = {
+        "backend": "mpi",
+        "master_addr": "",
+        "master_port": 70000,
+        "world_size": 1,
+        "epoch": -1,
+        "timeout_s": 0,
+    }
     with pytest.raises(WeightSyncPlanError) as info:
         GroupSpec.from_dict(bad)
     msg = str(info.value)
@@ -186,14 +199,18 @@ def test_threaded_broadcast_two_updates_reuses_buffers() -> None:
     spec = sender.prepare(GroupSpec("gloo", "127.0.0.1", 0, 3, timeout_s=20))
     receivers = [TorchBroadcastReceiver("gloo") for _ in range(2)]
     try:
-        out = _run_threads([lambda: sender.connect(spec)]
-                           + [lambda r=r: receivers[r - 1].connect(spec, r) for r in (1, 2)])
+        out = _run_threads(
+            [lambda: sender.connect(spec)]
+            + [lambda r=r: receivers[r - 1].connect(spec, r) for r in (1, 2)]
+        )
         assert out == [None, None, None]
         for version, seed in ((1, 0), (2, 1)):
             tensors = _tensors(seed)
             plan = msgpack.unpackb(msgpack.packb(sender.plan(tensors, version)))
-            got = _run_threads([lambda: sender.send(tensors, plan)]
-                               + [lambda rx=rx: rx.receive(plan) for rx in receivers])
+            got = _run_threads(
+                [lambda t=tensors, p=plan: sender.send(t, p)]
+                + [lambda rx=rx, p=plan: rx.receive(p) for rx in receivers]
+            )
             assert got[0] is None
             for received in got[1:]:
                 assert received.version == version
@@ -209,14 +226,25 @@ def test_threaded_broadcast_two_updates_reuses_buffers() -> None:
 
 def test_threaded_missing_receiver_names_it() -> None:
     sender = TorchBroadcastSender("gloo")
-    spec = sender.prepare(GroupSpec("gloo", "127.0.0.1", 0, 3, timeout_s=1,
-                                    peers=("trainer", "generator g0", "generator g1")))
+    spec = sender.prepare(
+        GroupSpec(
+            "gloo",
+            "127.0.0.1",
+            0,
+            3,
+            timeout_s=1,
+            peers=("trainer", "generator g0", "generator g1"),
+        )
+    )
     rx = TorchBroadcastReceiver("gloo")
     try:
         out = _run_threads([lambda: sender.connect(spec), lambda: rx.connect(spec, 1)])
         for err in out:
             assert isinstance(err, WeightSyncTimeout)
-            assert "rank 2 (generator g1) did not join weight-sync group 'actor@0' within 1 s" in str(err)
+            assert (
+                "rank 2 (generator g1) did not join weight-sync group 'actor@0' within 1 s"
+                in str(err)
+            )
     finally:
         sender.close()
         rx.close()
