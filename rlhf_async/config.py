@@ -75,10 +75,10 @@ class SFTConfig:
 
 @dataclass
 class RewardModelConfig:
-    steps: int = opt(400, "Bradley-Terry training steps", ge=0)
+    steps: int = opt(1200, "Bradley-Terry training steps", ge=0)
     batch_size: int = opt(64, "preference pairs per step", ge=1)
     lr: float = opt(1e-3, "reward-model learning rate", gt=0.0)
-    label_noise: float = opt(0.1, "temperature of the noisy labeller: P(a>b)=sigmoid(dh/t)", gt=0.0)
+    label_noise: float = opt(0.05, "temperature of the noisy labeller: P(a>b)=sigmoid(dh/t)", gt=0.0)
     heldout_pairs: int = opt(1024, "held-out pairs for reward-model accuracy", ge=1)
 
 
@@ -111,7 +111,7 @@ class GenerationConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = opt(60, "RL steps (one global batch each)", ge=1)
+    steps: int = opt(100, "RL steps (one global batch each)", ge=1)
     prompts_per_step: int = opt(32, "prompts per global batch (x group_size samples)", ge=1)
     epochs: int = opt(2, "passes over each batch", ge=1)
     minibatches: int = opt(2, "optimizer steps per epoch", ge=1)
@@ -125,6 +125,15 @@ class TrainConfig:
 @dataclass
 class WeightSyncConfig:
     bucket_mb: float = opt(100.0, "flattened bucket size for weight broadcasts (MB)", gt=0.0)
+    backend: str = opt("auto", "collective for the broadcast; auto = nccl on cuda, else gloo",
+                       choices=("auto", "gloo", "nccl"))
+    timeout_s: float = opt(60.0, "limit for joining the group and for each transfer (s)",
+                           gt=0.0)
+
+
+@dataclass
+class RuntimeConfig:
+    time_to_dead: float = opt(10.0, "seconds without a heartbeat before a node is dead", gt=0.0)
 
 
 @dataclass
@@ -137,6 +146,8 @@ class PlacementConfig:
     reward: list[int] = opt([], "explicit device ids for the reward model")
     reference: list[int] = opt([], "explicit device ids for the reference model")
     generator: list[int] = opt([], "explicit device ids for generator shadows (separation)")
+    generators: int = opt(1, "generator replicas (separation)", ge=1)
+    scorers: int = opt(1, "scorer replicas, each holding reward + reference (separation)", ge=1)
 
 
 @dataclass
@@ -151,6 +162,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 
 def _section_types(cls: type) -> dict[str, Any]:
@@ -287,6 +299,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             node = nxt
         else:
             node[keys[-1]] = value
+    cfg = _build(JobConfig, data, "", problems)
+    if not problems:
+        problems.extend(_cross_checks(cfg))
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def weight_sync_backend(cfg: JobConfig) -> str:
+    """The collective the weight broadcast uses: `weight_sync.backend`, with auto resolved."""
+    if cfg.weight_sync.backend != "auto":
+        return cfg.weight_sync.backend
+    return "nccl" if cfg.placement.device == "cuda" else "gloo"
+
+
+def config_from_dict(data: dict[str, Any]) -> JobConfig:
+    """A JobConfig from its `to_dict` form (e.g. shipped to a node); same checks as TOML."""
+    problems: list[str] = []
     cfg = _build(JobConfig, data, "", problems)
     if not problems:
         problems.extend(_cross_checks(cfg))

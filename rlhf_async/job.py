@@ -25,7 +25,7 @@ from rlhf_async.task import SortDigitsTask
 from rlhf_async.task.pretrain import load_reward_model, load_sft, prepare_artefacts
 
 log = get_logger(component="job")
-AVAILABLE_STRATEGIES = ("flattening",)
+AVAILABLE_STRATEGIES = ("flattening", "separation")
 EVAL_STEP = -1  # key of the evaluation sampling noise; never a training step
 
 
@@ -72,7 +72,12 @@ def run(cfg: JobConfig, out: IO[str] | None = None) -> dict:
     sft_eval = evaluate(load_sft(art.sft_dir), reward_model, task, cfg)
     log.info("sft policy evaluated", **sft_eval)
 
-    result = run_flattening(cfg, art, run_dir)
+    if cfg.placement.strategy == "separation":
+        from rlhf_async.pipeline.job import run_separation
+
+        result = run_separation(cfg, art, run_dir)
+    else:
+        result = run_flattening(cfg, art, run_dir)
     final_eval = evaluate(load_sft(result.policy_dir), reward_model, task, cfg)
     log.info("final policy evaluated", **final_eval)
     if cfg.run.plot:

@@ -39,16 +39,20 @@ class Endpoint:
     bind: bool = False
     hwm: int = 16
     identity: str | None = None  # DEALER routing id, so a ROUTER can address this peer
+    # further addresses a connecting socket also connects to: a PUSH spreads its messages
+    # over all of them (round-robin), a PULL fair-queues from all of them
+    also: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         problems = []
         if self.type not in SOCKET_TYPES:
             problems.append(f"type {self.type!r} not one of {sorted(SOCKET_TYPES)}")
-        if not isinstance(self.address, str) or not self.address.startswith(("ipc://", "tcp://")):
-            problems.append(f"address {self.address!r} must start with ipc:// or tcp://")
-        elif self.address.startswith("ipc://") and len(self.address) - 6 > IPC_PATH_MAX:
-            problems.append(f"ipc path is {len(self.address) - 6} chars, limit {IPC_PATH_MAX}; "
-                            "use a shorter directory")
+        if not isinstance(self.also, tuple):
+            problems.append(f"also {self.also!r} must be a list of addresses")
+        elif self.also and self.bind:
+            problems.append("also: only a connecting endpoint can name further addresses")
+        for address in (self.address, *(self.also if isinstance(self.also, tuple) else ())):
+            problems += _address_problems(address)
         if type(self.hwm) is not int or self.hwm < 1:
             problems.append(f"hwm {self.hwm!r} must be an int >= 1")
         if type(self.bind) is not bool:
@@ -58,14 +62,25 @@ class Endpoint:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Endpoint:
-        unknown = set(d) - {"type", "address", "bind", "hwm", "identity"}
+        unknown = set(d) - {"type", "address", "bind", "hwm", "identity", "also"}
         if unknown or "type" not in d or "address" not in d:
             raise EndpointError(f"endpoint {d!r}: needs type and address, accepts "
-                                "bind, hwm, identity")
+                                "bind, hwm, identity, also")
+        if isinstance(d.get("also"), list):
+            d = {**d, "also": tuple(d["also"])}
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _address_problems(address: Any) -> list[str]:
+    if not isinstance(address, str) or not address.startswith(("ipc://", "tcp://")):
+        return [f"address {address!r} must start with ipc:// or tcp://"]
+    if address.startswith("ipc://") and len(address) - 6 > IPC_PATH_MAX:
+        return [f"ipc path is {len(address) - 6} chars, limit {IPC_PATH_MAX}; "
+                "use a shorter directory"]
+    return []
 
 
 def ipc_address(directory: str, name: str) -> str:
@@ -99,8 +114,25 @@ class Channel:
 
     def __init__(self, sock: zmq.asyncio.Socket, endpoint: Endpoint, transport: Transport):
         self.sock, self.endpoint, self._t = sock, endpoint, transport
+        # Non-blocking calls on a plain (shadow) socket skip zmq.asyncio's future machinery
+        # when the queue is ready, which is most of the time under load; the async socket
+        # is only polled when we must wait.
+        self._sync = zmq.Socket.shadow(sock.underlying)
         self._routed = endpoint.type == "router"
+        self._fast_ops = 0
         self.linger_ms = 0  # how long close() may still flush queued messages
+
+    async def _yield_sometimes(self) -> None:
+        # A ready socket never suspends the caller; yield now and then so heartbeats and
+        # command handlers on the same loop keep running.
+        self._fast_ops += 1
+        if self._fast_ops % 32 == 0:
+            await asyncio.sleep(0)
+
+    async def _wait(self, event: int, deadline: float | None, what: str) -> None:
+        timeout_ms = None if deadline is None else max(deadline - time.monotonic(), 0) * 1000
+        if not await self.sock.poll(timeout_ms, event):
+            raise TimeoutError(f"{what} on {self.endpoint.address} timed out")
 
     async def send(self, msg: Message, *, to: bytes | None = None,
                    timeout: float | None = None) -> None:
@@ -110,9 +142,13 @@ class Channel:
             if to is None:
                 raise ValueError("a router channel needs `to` (the peer identity)")
             frames.insert(0, to)
-        if timeout is not None and not await self.sock.poll(timeout * 1000, zmq.POLLOUT):
-            raise TimeoutError(f"send on {self.endpoint.address} timed out after {timeout}s")
-        await self.sock.send_multipart(frames, copy=False)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                self._sync.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                return await self._yield_sometimes()
+            except zmq.Again:
+                await self._wait(zmq.POLLOUT, deadline, f"send ({timeout}s)")
 
     async def recv(self, timeout: float | None = None) -> Message:
         return (await self.recv_from(timeout))[1]
@@ -121,11 +157,12 @@ class Channel:
         """Next valid message and its sender identity (b"" unless this is a ROUTER)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0 or not await self.sock.poll(left * 1000, zmq.POLLIN):
-                    raise TimeoutError(f"no message on {self.endpoint.address} in {timeout}s")
-            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                frames = self._sync.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                await self._wait(zmq.POLLIN, deadline, f"receive ({timeout}s)")
+                continue
+            await self._yield_sometimes()
             peer = b""
             if self._routed:
                 peer, frames = frames[0].bytes, frames[1:]
@@ -171,7 +208,8 @@ class Transport:
                     os.makedirs(os.path.dirname(endpoint.address[6:]) or ".", exist_ok=True)
                 sock.bind(endpoint.address)
             else:
-                sock.connect(endpoint.address)
+                for address in (endpoint.address, *endpoint.also):
+                    sock.connect(address)
         except zmq.ZMQError as e:
             sock.close(0)
             verb = "bind" if endpoint.bind else "connect"

@@ -1,0 +1,41 @@
+"""What every RLHF node reads from its spec: the job config, artefact paths and device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from rlhf_async.config import JobConfig, config_from_dict
+from rlhf_async.flattening import sampling_params
+from rlhf_async.generation import SamplingParams
+from rlhf_async.pipeline.wire import ChunkFormatError
+from rlhf_async.protocol import ProtocolError
+from rlhf_async.runtime import Node
+from rlhf_async.task.pretrain import Artefacts
+
+
+@dataclass
+class Job:
+    cfg: JobConfig
+    art: Artefacts
+    device: torch.device
+    sampling: SamplingParams
+
+
+def load_job(node: Node) -> Job:
+    hf_logging.disable_progress_bar()
+    p = node.params
+    cfg = config_from_dict(p["config"])
+    art = Artefacts(Path(p["sft_dir"]), Path(p["rm_dir"]), {}, {})
+    device = torch.device(node.spec.device if node.spec.device.startswith("cuda") else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return Job(cfg, art, device, sampling_params(cfg))
+
+
+def message_errors() -> tuple[type[Exception], ...]:
+    """Errors a data message from a peer can raise: rejected and counted, never fatal."""
+    return (ChunkFormatError, ProtocolError)

@@ -1,0 +1,41 @@
+"""Scorer node: reward model + reference model. Adds rewards and reference log-probs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from nodes.common import load_job, message_errors
+from rlhf_async.models import frozen_copy
+from rlhf_async.pipeline.stage import StageClock
+from rlhf_async.pipeline.wire import rollout_from_message, rollout_message
+from rlhf_async.roles import score
+from rlhf_async.runtime import Node
+from rlhf_async.task import SortDigitsTask
+from rlhf_async.task.pretrain import load_reward_model, load_sft
+
+
+async def main(node: Node) -> None:
+    job = load_job(node)
+    reward_model = frozen_copy(load_reward_model(job.art.rm_dir)).to(job.device)
+    reference = frozen_copy(load_sft(job.art.sft_dir)).to(job.device)
+    task = SortDigitsTask(job.cfg.task)
+    T = job.cfg.generation.temperature
+    inp, out = node.socket("rollouts"), node.socket("scored")
+    clock = StageClock()
+    torch.set_grad_enabled(False)
+    while not node.stopping:
+        await node.wait_resumed()
+        msg = await clock.idle(inp.recv())
+        try:
+            cid, batch = rollout_from_message(msg, "rollout")
+        except message_errors() as e:
+            node.counters["rejected.chunk"] += 1
+            node.log.warning("bad_rollout", error=str(e))
+            continue
+        scored = await clock.busy(asyncio.to_thread(
+            score, reward_model, reference, batch.to(job.device), T, task.hidden_scores))
+        await out.send(rollout_message("scored_rollout", cid, scored.to("cpu"), node.node_id))
+        node.info.update(clock.snapshot())
+        await node.emit("scored", {**cid.meta(), **clock.snapshot()}, step=cid.step)

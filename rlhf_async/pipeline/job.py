@@ -1,0 +1,105 @@
+"""Separation as a job: node specs from a `Placement`, then coordinator + driver.
+
+    trainer (actor, critic)  <-- scored --  scorers (reward, reference)
+        |  weight broadcast                      ^ rollouts
+        v                                        |
+    generators (shadow actor)  --------------------
+        ^ prompts (from the coordinator, under the staleness gate)
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhf_async.config import JobConfig, to_dict
+from rlhf_async.coordinator import Coordinator
+from rlhf_async.pipeline.driver import Driver, PipelineError, connect_weight_sync
+from rlhf_async.placement import Placement, ProcessPlacement, plan_placement
+from rlhf_async.runtime import NodeSpec, run_loop
+from rlhf_async.task.pretrain import Artefacts
+from rlhf_async.transport import Endpoint, Transport
+
+ENTRIES = {"trainer": "nodes.trainer:main", "generator": "nodes.generator:main",
+           "scorer": "nodes.scorer:main"}
+
+
+@dataclass
+class PipelineResult:
+    metrics_path: Path
+    policy_dir: Path
+    seconds: float
+
+
+def _device(cfg: JobConfig, proc: ProcessPlacement) -> str:
+    return f"cuda:{proc.devices[0]}" if cfg.placement.device == "cuda" else f"cpu:{proc.devices[0]}"
+
+
+def build_specs(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placement,
+                sock_dir: str) -> tuple[list[NodeSpec], str]:
+    """Node specs for every process of the placement, and the prompts address the
+    coordinator binds."""
+    hwm = 64  # chunks; the staleness gate bounds what is in flight well below this
+    prompts = f"ipc://{sock_dir}/prompts"
+    scored = f"ipc://{sock_dir}/scored"
+    scorers = [f"ipc://{sock_dir}/{p.node_id}" for p in placement.by_role("scorer")]
+    params = {"config": to_dict(cfg), "sft_dir": str(art.sft_dir), "rm_dir": str(art.rm_dir),
+              "policy_dir": str(run_dir / "policy")}
+    endpoints = {
+        "trainer": {"scored": Endpoint("pull", scored, bind=True, hwm=hwm)},
+        "generator": {"prompts": Endpoint("pull", prompts, hwm=hwm),
+                      "rollouts": Endpoint("push", scorers[0], hwm=hwm,
+                                           also=tuple(scorers[1:]))},
+    }
+    specs = []
+    for proc in placement.processes:
+        eps = endpoints.get(proc.role) or {
+            "rollouts": Endpoint("pull", f"ipc://{sock_dir}/{proc.node_id}", bind=True, hwm=hwm),
+            "scored": Endpoint("push", scored, hwm=hwm)}
+        specs.append(NodeSpec(proc.role, proc.node_id, ENTRIES[proc.role], eps, params,
+                              device=_device(cfg, proc), num_threads=1,
+                              orphan_timeout_s=30.0))
+    return specs, prompts
+
+
+def chunks_per_step(cfg: JobConfig, generators: int) -> int:
+    """Two chunks per generator so a scorer can work on one while the next is generated."""
+    return max(1, min(2 * generators, cfg.train.prompts_per_step))
+
+
+async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placement,
+               sock_dir: str) -> dict:
+    specs, prompts_addr = build_specs(cfg, art, run_dir, placement, sock_dir)
+    gens = [p.node_id for p in placement.by_role("generator")]
+    async with Transport() as transport, \
+            Coordinator(run_dir, time_to_dead=cfg.runtime.time_to_dead) as coord:
+        coord.install_signal_handlers()
+        prompts = transport.channel(Endpoint("push", prompts_addr, bind=True, hwm=64))
+        with coord.events() as events:
+            await coord.launch(specs)
+            await connect_weight_sync(coord, events, cfg, "trainer", gens, "127.0.0.1")
+            driver = Driver(cfg, coord, events, prompts, gens, run_dir,
+                            chunks_per_step(cfg, len(gens)))
+            result = await coord.run_until_stop(driver.run())
+        if result is None:
+            raise PipelineError(f"run stopped before it finished: {coord.stop_reason}")
+        return result
+
+
+def run_separation(cfg: JobConfig, art: Artefacts, run_dir: Path) -> PipelineResult:
+    """Run the RL phase as the Separation pipeline; returns where metrics and policy are."""
+    placement = plan_placement(cfg.placement, cfg.algo.name)
+    run_dir = Path(run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "placement.txt").write_text(placement.table() + "\n")
+    sock_dir = tempfile.mkdtemp(prefix="rlhf-")  # short: unix socket paths are limited
+    t0 = time.perf_counter()
+    try:
+        result = run_loop(_run(cfg, art, run_dir, placement, sock_dir))
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    return PipelineResult(run_dir / "metrics.jsonl", Path(result["policy_dir"]),
+                          time.perf_counter() - t0)

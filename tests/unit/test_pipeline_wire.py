@@ -1,0 +1,69 @@
+import pytest
+import torch
+
+from rlhf_async.pipeline.assembler import BatchAssembler
+from rlhf_async.pipeline.wire import (ChunkFormatError, ChunkId, prompts_from_message,
+                                      prompts_message, rollout_from_message, rollout_message,
+                                      split_prompts)
+from rlhf_async.protocol import decode, encode
+from rlhf_async.rollout import PromptBatch, RolloutBatch
+
+
+def _prompts(n=8, step=0):
+    ids = torch.arange(n * 3).reshape(n, 3)
+    return PromptBatch(ids, torch.ones_like(ids), torch.arange(step * n, (step + 1) * n),
+                       torch.arange(step * n, (step + 1) * n) // 2)
+
+
+def _rollout(prompts: PromptBatch, version=0, step=0):
+    B, R = len(prompts), 4
+    return RolloutBatch(prompts.prompt_ids, prompts.prompt_mask, torch.ones(B, R, dtype=torch.long),
+                        torch.ones(B, R, dtype=torch.long), torch.zeros(B, R),
+                        prompts.sample_ids, prompts.group_ids, version=version, step=step,
+                        rewards=torch.zeros(B), ref_logprobs=torch.zeros(B, R))
+
+
+def test_split_keeps_groups_whole_and_covers_the_batch():
+    parts = split_prompts(_prompts(8), group_size=2, chunks=3)
+    assert [len(p) for p in parts] == [2, 2, 4]
+    assert torch.cat([p.sample_ids for p in parts]).tolist() == list(range(8))
+    assert len(split_prompts(_prompts(4), group_size=2, chunks=8)) == 2
+
+
+def test_messages_round_trip_through_the_wire():
+    cid = ChunkId(3, 1, 2)
+    got_cid, got = prompts_from_message(decode(encode(prompts_message(cid, _prompts(), "c"))))
+    assert got_cid == cid and torch.equal(got.prompt_ids, _prompts().prompt_ids)
+    msg = decode(encode(rollout_message("scored_rollout", cid, _rollout(_prompts(), 2), "s")))
+    got_cid, batch = rollout_from_message(msg, "scored_rollout")
+    assert got_cid == cid and batch.version == 2 and batch.rewards is not None
+
+
+def test_malformed_chunks_are_refused_with_a_reason():
+    msg = prompts_message(ChunkId(0, 0, 1), _prompts(), "c")
+    msg.meta["chunk"] = 5
+    with pytest.raises(ChunkFormatError, match="out of range"):
+        prompts_from_message(msg)
+    msg = prompts_message(ChunkId(0, 0, 1), _prompts(), "c")
+    del msg.tensors["group_ids"]
+    with pytest.raises(ChunkFormatError, match="needs tensors"):
+        prompts_from_message(msg)
+    unscored = rollout_message("scored_rollout", ChunkId(0, 0, 1),
+                               _rollout(_prompts()).replace(rewards=None), "s")
+    with pytest.raises(ChunkFormatError, match="lacks rewards"):
+        rollout_from_message(unscored, "scored_rollout")
+
+
+def test_assembler_orders_chunks_and_refuses_duplicates():
+    asm = BatchAssembler()
+    parts = split_prompts(_prompts(8), 2, 2)
+    later = split_prompts(_prompts(8, step=1), 2, 2)
+    assert asm.add(ChunkId(1, 0, 2), _rollout(later[0], step=1))  # a future step waits
+    assert asm.add(ChunkId(0, 1, 2), _rollout(parts[1]))
+    assert asm.pop_ready() is None
+    assert not asm.add(ChunkId(0, 1, 2), _rollout(parts[1]))  # same chunk again
+    assert asm.add(ChunkId(0, 0, 2), _rollout(parts[0]))
+    batch = asm.pop_ready()
+    assert batch.sample_ids.tolist() == list(range(8)) and asm.next_step == 1
+    assert not asm.add(ChunkId(0, 0, 2), _rollout(parts[0]))  # step already trained
+    assert asm.waiting() == 1 and asm.pop_ready() is None
