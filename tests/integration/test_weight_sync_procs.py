@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
 from rlhf_async.log import configure_logging
@@ -60,6 +61,8 @@ def _digest(model: torch.nn.Module) -> str:
 
 def _receiver_main(spec: dict[str, Any], rank: int, cmds: Any, out: Any) -> None:
     torch.set_num_threads(1)
+    # The generator's own default group (tensor parallelism, say) must not interfere.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     model = Tiny(seed=100 + rank)  # deliberately different from the trainer's weights
     rx = TorchBroadcastReceiver("gloo")
     try:
@@ -69,6 +72,7 @@ def _receiver_main(spec: dict[str, Any], rank: int, cmds: Any, out: Any) -> None
             kind, payload = cmds.get(timeout=WAIT_S)
             if kind == "plan":
                 version = rx.receive(payload).load_into(model)
+                dist.all_reduce(torch.ones(1))  # the default group still works beside ours
                 out.put(("applied", rank, version, _digest(model), rx.buffers_allocated))
             elif kind == "connect":
                 rx.connect(GroupSpec.from_dict(payload), rank)
@@ -79,22 +83,24 @@ def _receiver_main(spec: dict[str, Any], rank: int, cmds: Any, out: Any) -> None
         out.put(("error", rank, type(exc).__name__, str(exc)))
     finally:
         rx.close()
+        dist.destroy_process_group()
 
 
 class Generators:
-    """Receiver processes with one command queue each, and one shared result queue."""
+    """Receiver processes, each with its own command and result queue: a process killed
+    while its queue's feeder thread holds the lock would wedge a queue it shared."""
 
     def __init__(self) -> None:
         self.ctx = mp.get_context("spawn")
-        self.out = self.ctx.Queue()
         self.procs: dict[int, Any] = {}
         self.cmds: dict[int, Any] = {}
+        self.outs: dict[int, Any] = {}
 
     def start(self, spec: GroupSpec, rank: int) -> None:
-        self.cmds[rank] = self.ctx.Queue()
+        self.cmds[rank], self.outs[rank] = self.ctx.Queue(), self.ctx.Queue()
         p = self.ctx.Process(
             target=_receiver_main,
-            args=(spec.to_dict(), rank, self.cmds[rank], self.out),
+            args=(spec.to_dict(), rank, self.cmds[rank], self.outs[rank]),
             daemon=True,
         )
         p.start()
@@ -104,8 +110,8 @@ class Generators:
         for r in ranks or list(self.cmds):
             self.cmds[r].put((kind, payload))
 
-    def collect(self, n: int) -> list[tuple[Any, ...]]:
-        return sorted(self.out.get(timeout=WAIT_S) for _ in range(n))
+    def collect(self, ranks: tuple[int, ...] = (1, 2)) -> list[tuple[Any, ...]]:
+        return [self.outs[r].get(timeout=WAIT_S) for r in ranks]
 
     def kill(self, rank: int) -> None:
         self.procs[rank].kill()
@@ -149,11 +155,11 @@ def test_two_receivers_mixed_dtypes_second_update_reuses_buffers(gens: Generator
         for rank in (1, 2):  # the remote side starts joining first
             gens.start(spec, rank)
         sender.connect(spec)
-        assert gens.collect(2) == [("connected", 1), ("connected", 2)]
+        assert gens.collect() == [("connected", 1), ("connected", 2)]
         for version in (1, 2):
             _publish(sender, model, version, gens)
             want = _digest(model)
-            assert gens.collect(2) == [("applied", r, version, want, 1) for r in (1, 2)]
+            assert gens.collect() == [("applied", r, version, want, 1) for r in (1, 2)]
         assert sender.buffers_allocated == 1
     finally:
         sender.close()
@@ -166,20 +172,20 @@ def test_rejoin_with_new_epoch_after_replacing_a_receiver(gens: Generators) -> N
         for rank in (1, 2):
             gens.start(spec, rank)
         sender.connect(spec)
-        gens.collect(2)
+        gens.collect()
         _publish(sender, model, 1, gens)
-        gens.collect(2)
+        gens.collect()
 
         gens.kill(2)  # generator g1 dies; the coordinator restarts it in a new epoch
         new_spec = spec.with_epoch(1)
         gens.tell("connect", new_spec.to_dict(), ranks=[1])
         gens.start(new_spec, 2)
         sender.connect(new_spec)
-        assert gens.collect(2) == [("connected", 1), ("connected", 2)]
+        assert gens.collect() == [("connected", 1), ("connected", 2)]
 
         _publish(sender, model, 2, gens)
         want = _digest(model)
-        results = gens.collect(2)
+        results = gens.collect()
         assert [r[:4] for r in results] == [("applied", r, 2, want) for r in (1, 2)]
     finally:
         sender.close()
@@ -199,7 +205,7 @@ def test_missing_peer_times_out_naming_it(gens: Generators) -> None:
         want = "rank 2 (generator g1) did not join weight-sync group 'actor@0' within 2 s"
         assert want in str(info.value)
         assert elapsed < 30  # bounded by the timeout, with room for a loaded machine
-        kind, rank, cls, msg = gens.out.get(timeout=WAIT_S)
+        ((kind, rank, cls, msg),) = gens.collect((1,))
         assert (kind, rank, cls) == ("error", 1, "WeightSyncTimeout")
         assert "rank 2 (generator g1)" in msg and "not join weight-sync group 'actor@0'" in msg
     finally:

@@ -248,3 +248,28 @@ def test_threaded_missing_receiver_names_it() -> None:
     finally:
         sender.close()
         rx.close()
+
+
+def test_transfer_timeout_names_the_step_and_rank() -> None:
+    sender = TorchBroadcastSender("gloo")
+    spec = sender.prepare(
+        GroupSpec("gloo", "127.0.0.1", 0, 2, timeout_s=1, peers=("trainer", "generator g0"))
+    )
+    rx = TorchBroadcastReceiver("gloo")
+    try:
+        assert _run_threads([lambda: sender.connect(spec), lambda: rx.connect(spec, 1)]) == [
+            None,
+            None,
+        ]
+        plan = sender.plan(_tensors(), 5)  # shipped, but the trainer never sends
+        with pytest.raises(
+            WeightSyncTimeout,
+            match=r"receive of bucket 1/1 \(v5\) failed on "
+            r"rank 1 \(generator g0\) in weight-sync group 'actor@0'",
+        ):
+            rx.receive(plan)
+        with pytest.raises(WeightSyncPlanError, match="plan is for weight-sync group 'actor@9'"):
+            rx.receive({**plan, "group": "actor@9"})
+    finally:
+        sender.close()
+        rx.close()
