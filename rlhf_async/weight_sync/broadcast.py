@@ -156,12 +156,14 @@ class TorchBroadcastSender:
                     k, src_lo, src_hi, _ = pieces[0]
                     pending.append((group.broadcast(sources[k][src_lo:src_hi]), label))
                     continue
-                if slot_work[slot] is not None:  # that buffer may still be on the wire
-                    group.wait(*slot_work[slot])
+                busy = slot_work[slot]
+                if busy is not None:  # that buffer may still be on the wire
+                    group.wait(*busy)
                 buf = self._buffers[slot][:size]
                 pack_bucket(buf, pieces, sources)
-                slot_work[slot] = (group.broadcast(buf), label)
-                pending.append(slot_work[slot])
+                work = group.broadcast(buf)
+                slot_work[slot] = (work, label)
+                pending.append((work, label))
                 slot ^= 1
             for work, what in pending:
                 group.wait(work, what)

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import datetime
 import time
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
 from torch.distributed import BroadcastOptions, PrefixStore, TCPStore
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroupGloo, ProcessGroupNCCL
 
 from rlhf_async.weight_sync.errors import WeightSyncError, WeightSyncTimeout
 from rlhf_async.weight_sync.spec import GroupSpec
@@ -61,7 +65,8 @@ class BroadcastGroup:
         self.timeout = datetime.timedelta(seconds=spec.timeout_s)
         prefix = PrefixStore(f"weight_sync/{spec.group_name}/", store)
         self._join(prefix)
-        self._pg = self._make_backend(prefix)
+        # Any: torch's stubs for c10d backends do not declare their collectives.
+        self._pg: Any = self._make_backend(prefix)
         self._opts = BroadcastOptions()
         self._opts.rootRank = 0
         self._opts.rootTensor = 0
@@ -90,7 +95,7 @@ class BroadcastGroup:
             if pending:
                 time.sleep(_POLL_S)
 
-    def _make_backend(self, store: PrefixStore) -> torch.distributed.ProcessGroup:
+    def _make_backend(self, store: PrefixStore) -> ProcessGroupGloo | ProcessGroupNCCL:
         spec = self.spec
         try:
             if spec.backend == "nccl":
@@ -111,6 +116,8 @@ class BroadcastGroup:
 
     def broadcast(self, buf: torch.Tensor) -> torch.distributed.Work:
         """Start broadcasting `buf` (contiguous, on `device`) from rank 0; returns the handle."""
+        if self._pg is None:
+            raise WeightSyncError(f"weight-sync group '{self.spec.group_name}' is closed")
         return self._pg.broadcast([buf], self._opts)
 
     def wait(self, work: torch.distributed.Work, what: str) -> None:
@@ -130,7 +137,7 @@ class BroadcastGroup:
             ) from None
 
     def close(self) -> None:
-        pg, self._pg = getattr(self, "_pg", None), None
+        pg, self._pg = self._pg, None
         if pg is None:
             return
         try:
