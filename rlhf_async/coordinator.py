@@ -17,9 +17,10 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Coroutine, TypeVar
+from typing import Any, Self, TypeVar
 
 import structlog
 import zmq
@@ -91,7 +92,7 @@ class EventStream:
         if self._queue.put_nowait in self._listeners:
             self._listeners.remove(self._queue.put_nowait)
 
-    def __enter__(self) -> EventStream:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -128,14 +129,18 @@ class Coordinator:
         return dict(self._transport.counters)
 
     # lifecycle
-    async def __aenter__(self) -> Coordinator:
+    async def __aenter__(self) -> Self:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.control is None:
             path = str(self.run_dir / "ctl.sock")
             self.control = (f"ipc://{path}" if len(path) <= IPC_PATH_MAX
                             else f"tcp://127.0.0.1:{free_tcp_port()}")
-        self._router = self._transport.channel(
-            Endpoint("router", self.control, bind=True, hwm=10000))
+        try:
+            self._router = self._transport.channel(
+                Endpoint("router", self.control, bind=True, hwm=10000))
+        except Exception:
+            await self._transport.close()
+            raise
         self._router.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted node reuses its id
         self._transport.spawn(self._control_loop(), name="coordinator-control")
         self._transport.spawn(self._monitor_loop(), name="coordinator-monitor")

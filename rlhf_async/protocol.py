@@ -8,11 +8,14 @@ validates everything before touching tensor bytes and raises a `ProtocolError` s
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import msgpack
 import torch
@@ -85,8 +88,21 @@ def known_kinds() -> frozenset[str]:
     return frozenset(_KINDS)
 
 
+_id_prefix = uuid.uuid4().hex[:16]
+_id_counter = itertools.count()
+
+
+def _reset_ids() -> None:
+    global _id_prefix, _id_counter
+    _id_prefix, _id_counter = uuid.uuid4().hex[:16], itertools.count()
+
+
+os.register_at_fork(after_in_child=_reset_ids)  # a forked child must not repeat ids
+
+
 def new_id() -> str:
-    return uuid.uuid4().hex
+    """Unique message id: a random per-process prefix plus a counter (cheaper than uuid4)."""
+    return f"{_id_prefix}-{next(_id_counter)}"
 
 
 @dataclass
@@ -136,7 +152,8 @@ def encode(msg: Message) -> list[bytes | memoryview]:
             raise TypeError(f"tensor {name!r} is {type(t).__name__}, not torch.Tensor")
         if t.dtype not in _DTYPE_NAMES:
             raise TypeError(f"tensor {name!r} has unsupported dtype {t.dtype}")
-        t = t.detach().cpu().contiguous()  # no copy when already CPU and contiguous
+        if t.requires_grad or t.device.type != "cpu" or not t.is_contiguous():
+            t = t.detach().cpu().contiguous()
         descs.append([name, _DTYPE_NAMES[t.dtype], list(t.shape), i])
         frames.append(_tensor_frame(t))
     header = {

@@ -13,14 +13,22 @@ import os
 import socket
 import time
 from collections import Counter
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import asdict, dataclass
-from typing import Any, AsyncIterator, Coroutine
+from typing import Any
 
 import structlog
 import zmq
 import zmq.asyncio
 
-from rlhf_async.protocol import DEFAULT_MAX_BYTES, MAX_HEADER_BYTES, Message, ProtocolError, decode, encode
+from rlhf_async.protocol import (
+    DEFAULT_MAX_BYTES,
+    MAX_HEADER_BYTES,
+    Message,
+    ProtocolError,
+    decode,
+    encode,
+)
 
 SOCKET_TYPES = {"push": zmq.PUSH, "pull": zmq.PULL, "router": zmq.ROUTER, "dealer": zmq.DEALER}
 IPC_PATH_MAX = 100  # sockaddr_un holds ~107 bytes; keep a margin
@@ -78,8 +86,8 @@ def _address_problems(address: Any) -> list[str]:
     if not isinstance(address, str) or not address.startswith(("ipc://", "tcp://")):
         return [f"address {address!r} must start with ipc:// or tcp://"]
     if address.startswith("ipc://") and len(address) - 6 > IPC_PATH_MAX:
-        return [f"ipc path is {len(address) - 6} chars, limit {IPC_PATH_MAX}; "
-                "use a shorter directory"]
+        return [(f"ipc path is {len(address) - 6} chars, limit {IPC_PATH_MAX}; "
+                 "use a shorter directory")]
     return []
 
 
@@ -142,13 +150,14 @@ class Channel:
             if to is None:
                 raise ValueError("a router channel needs `to` (the peer identity)")
             frames.insert(0, to)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                self._sync.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                return await self._yield_sometimes()
-            except zmq.Again:
-                await self._wait(zmq.POLLOUT, deadline, f"send ({timeout}s)")
+        try:
+            self._sync.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            return await self._yield_sometimes()
+        except zmq.Again:
+            pass
+        if timeout is not None:
+            await self._wait(zmq.POLLOUT, time.monotonic() + timeout, f"send ({timeout}s)")
+        await self.sock.send_multipart(frames, copy=False)
 
     async def recv(self, timeout: float | None = None) -> Message:
         return (await self.recv_from(timeout))[1]
@@ -159,10 +168,11 @@ class Channel:
         while True:
             try:
                 frames = self._sync.recv_multipart(zmq.NOBLOCK, copy=False)
+                await self._yield_sometimes()
             except zmq.Again:
-                await self._wait(zmq.POLLIN, deadline, f"receive ({timeout}s)")
-                continue
-            await self._yield_sometimes()
+                if deadline is not None:
+                    await self._wait(zmq.POLLIN, deadline, f"receive ({timeout}s)")
+                frames = await self.sock.recv_multipart(copy=False)
             peer = b""
             if self._routed:
                 peer, frames = frames[0].bytes, frames[1:]
@@ -249,7 +259,7 @@ class Transport:
             chan.sock.close(linger=chan.linger_ms)
         self.ctx.term()
 
-    async def __aenter__(self) -> Transport:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -7,7 +7,8 @@ import inspect
 import os
 import time
 from collections import Counter
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import psutil
 import structlog

@@ -26,7 +26,7 @@ def test_bad_arguments_exit_2_with_one_line(argv, capsys):
 
 def test_bad_subcommand_in_a_real_process_has_no_traceback():
     proc = subprocess.run([sys.executable, "-m", "rlhf_async", "frobnicate"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "invalid choice: 'frobnicate'" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
