@@ -10,6 +10,8 @@ from typing import Any
 import msgpack
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlhf_async.log import configure_logging
 from rlhf_async.weight_sync import (
@@ -101,6 +103,35 @@ def test_pack_then_view_recovers_every_tensor(bucket_bytes: int) -> None:
     assert list(got) == list(tensors)
     for name, t in tensors.items():
         assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
+
+_DTYPE_CHOICES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shapes=st.lists(
+        st.tuples(st.lists(st.integers(0, 40), max_size=3), st.sampled_from(_DTYPE_CHOICES)),
+        min_size=1,
+        max_size=8,
+    ),
+    buckets_of_64=st.integers(1, 40),
+)
+def test_any_layout_packs_and_views_losslessly(
+    shapes: list[tuple[list[int], torch.dtype]], buckets_of_64: int
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        f"t{i}": (torch.rand(shape, generator=g) * 100).to(dtype)
+        for i, (shape, dtype) in enumerate(shapes)
+    }
+    layout = build_layout(tensors, buckets_of_64 * ALIGN)
+    sources = [as_bytes(tensors[s.name]) for s in layout.slots]
+    stream = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    for (lo, size), pieces in zip(layout.buckets, pieces_per_bucket(layout), strict=True):
+        pack_bucket(stream[lo : lo + size], pieces, sources)
+    got = views(stream, layout)
+    assert all(torch.equal(got[n], t) for n, t in tensors.items())
 
 
 def test_big_tensor_is_split_across_buckets() -> None:
