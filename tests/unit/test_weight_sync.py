@@ -271,11 +271,10 @@ def test_threaded_missing_receiver_names_it() -> None:
     try:
         out = _run_threads([lambda: sender.connect(spec), lambda: rx.connect(spec, 1)])
         for err in out:
+            # On a loaded machine the other thread may also be late; rank 2 is always named.
             assert isinstance(err, WeightSyncTimeout)
-            assert (
-                "rank 2 (generator g1) did not join weight-sync group 'actor@0' within 1 s"
-                in str(err)
-            )
+            assert "rank 2 (generator g1)" in str(err)
+            assert "not join weight-sync group 'actor@0' within 1 s" in str(err)
     finally:
         sender.close()
         rx.close()
