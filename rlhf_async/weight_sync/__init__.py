@@ -17,6 +17,9 @@ Sequence (the coordinator owns the rendezvous; ZeroMQ messages are the caller's)
       sender.send(weights, plan)                   w = receiver.receive(plan)
                                                    version = w.load_into(model)  # atomic
     generator restarted: coordinator bumps the epoch, everyone calls connect(spec.with_epoch(e+1))
+
+connect/send/receive block: from asyncio code run them with `asyncio.to_thread`. After any
+WeightSyncError in a transfer the group's state is unknown: rebuild it under a new epoch.
 """
 
 from rlhf_async.weight_sync.broadcast import (
