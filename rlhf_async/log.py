@@ -9,6 +9,17 @@ import sys
 import structlog
 
 
+class _CurrentStderr:
+    """Writes to whatever sys.stderr is now, so a replaced (or captured, then closed)
+    stream never leaves loggers writing to a dead file."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str | None = None, *, json: bool | None = None) -> None:
     """Configure structlog once per process.
 
@@ -31,10 +42,11 @@ def configure_logging(level: str | None = None, *, json: bool | None = None) -> 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=False,
     )
 
 
 def get_logger(**bound: object) -> structlog.stdlib.BoundLogger:
-    return structlog.get_logger().bind(**bound)
+    """A lazy logger: module-level loggers follow a `configure_logging` made later."""
+    return structlog.get_logger(**bound)
