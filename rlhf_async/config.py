@@ -45,6 +45,9 @@ class RunConfig:
     eval_prompts: int = opt(256, "held-out prompts for the SFT-vs-final comparison", ge=1)
     progress: bool = opt(True, "print a compact progress line per step to stderr")
     plot: bool = opt(True, "write metrics.png at the end of the run")
+    checkpoint_every: int = opt(10, "checkpoint every N RL steps (and on stop); 0 = on stop only",
+                                ge=0)
+    keep_checkpoints: int = opt(3, "newest checkpoints kept in RUN_DIR/checkpoints", ge=1)
 
 
 @dataclass
@@ -141,6 +144,8 @@ class PlacementConfig:
     strategy: str = opt("flattening", "placement strategy", choices=STRATEGIES)
     device: str = opt("cpu", "device kind", choices=("cpu", "cuda"))
     devices: int = opt(1, "devices (CPU slots or GPUs) for the job", ge=1)
+    cpu_threads: int = opt(1, "torch threads per process on CPU (tiny models run best on 1)",
+                           ge=1)
     actor: list[int] = opt([], "explicit device ids for the actor; empty = strategy decides")
     critic: list[int] = opt([], "explicit device ids for the critic")
     reward: list[int] = opt([], "explicit device ids for the reward model")
@@ -261,6 +266,13 @@ def _cross_checks(cfg: JobConfig) -> list[str]:
     return out
 
 
+def _add_cross_checks(cfg: JobConfig, problems: list[str]) -> None:
+    """Cross-field checks run on the fields that parsed (bad ones are at their defaults);
+    a key that already has a problem is not reported twice."""
+    seen = {p.split(":", 1)[0] for p in problems}
+    problems.extend(p for p in _cross_checks(cfg) if p.split(":", 1)[0] not in seen)
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
     """'a.b=value' -> (['a', 'b'], value); the value is read as TOML, else as a bare string."""
     if "=" not in item:
@@ -300,8 +312,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         else:
             node[keys[-1]] = value
     cfg = _build(JobConfig, data, "", problems)
-    if not problems:
-        problems.extend(_cross_checks(cfg))
+    _add_cross_checks(cfg, problems)
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -318,8 +329,7 @@ def config_from_dict(data: dict[str, Any]) -> JobConfig:
     """A JobConfig from its `to_dict` form (e.g. shipped to a node); same checks as TOML."""
     problems: list[str] = []
     cfg = _build(JobConfig, data, "", problems)
-    if not problems:
-        problems.extend(_cross_checks(cfg))
+    _add_cross_checks(cfg, problems)
     if problems:
         raise ConfigError(problems)
     return cfg

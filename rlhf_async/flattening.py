@@ -7,7 +7,6 @@ loop runs in the calling process. Rank 0 writes metrics.jsonl and the final poli
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from dataclasses import dataclass
@@ -109,8 +108,7 @@ def run_flattening(cfg: JobConfig, art: Artefacts, run_dir: Path) -> FlatteningR
     if world == 1:
         rl_loop(cfg, art, run_dir, 0, 1)
     else:
-        threads = max(1, (os.cpu_count() or 1) // world)
-        mp.spawn(_worker, args=(world, _free_port(), threads, cfg, art, run_dir),
+        mp.spawn(_worker, args=(world, _free_port(), cfg.placement.cpu_threads, cfg, art, run_dir),
                  nprocs=world, join=True)
     return FlatteningResult(run_dir / "metrics.jsonl", run_dir / "policy",
                             time.perf_counter() - t0)

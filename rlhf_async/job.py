@@ -59,6 +59,8 @@ def run(cfg: JobConfig, out: IO[str] | None = None) -> dict:
             f"placement.strategy: {cfg.placement.strategy!r} is not available yet; "
             f"available: {', '.join(AVAILABLE_STRATEGIES)}"])
     hf_logging.disable_progress_bar()
+    if cfg.placement.device == "cpu":
+        torch.set_num_threads(cfg.placement.cpu_threads)
     t_start = time.perf_counter()
     run_dir = _run_dir(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,56 @@
+"""End to end: SFT -> reward model -> RL through run_job / run, on CPU."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from rlhf_async import job
+from rlhf_async.config import ConfigError, load_config
+from rlhf_async.job import StrategyUnavailableError, run, run_job
+
+
+def test_short_run_improves_hidden_score(tmp_path):
+    cfg = load_config(None, [f"run.cache_dir={tmp_path / 'cache'}",
+                             f"run.output_dir={tmp_path}", "run.name=short",
+                             "reward_model.steps=600", "train.steps=60", "run.progress=false"])
+    s = run(cfg)
+    assert s["final_hidden_score"] > s["sft_hidden_score"] + 0.08, s
+    assert s["rm_accuracy"] > 0.75 and s["eval_prompts"] == 256
+    run_dir = tmp_path / "short"
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 60 and "hidden_score" in json.loads(lines[-1])
+    assert (run_dir / "metrics.png").exists() and (run_dir / "summary.json").exists()
+    # second run reuses the cached SFT and reward model
+    s2 = run(load_config(None, [f"run.cache_dir={tmp_path / 'cache'}", "run.plot=false",
+                                f"run.output_dir={tmp_path}", "run.name=again",
+                                "reward_model.steps=600", "train.steps=1",
+                                "run.progress=false"]))
+    assert s2["pretrain_seconds"] < 2.0 and s2["rm_accuracy"] == s["rm_accuracy"]
+
+
+def test_user_hf_model_from_local_directory_trains(tmp_path, capsys):
+    hf = LlamaConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    LlamaForCausalLM(hf).save_pretrained(tmp_path / "user_model")
+    rc = run_job(None, [f"model.path={tmp_path / 'user_model'}", f"run.output_dir={tmp_path}",
+                        f"run.cache_dir={tmp_path / 'cache'}", "run.name=user",
+                        "sft.steps=30", "reward_model.steps=30", "train.steps=2",
+                        "run.eval_prompts=16", "run.progress=false", "algo.name=grpo"])
+    assert rc == 0 and "hidden score on 16 held-out prompts" in capsys.readouterr().out
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "user" / "policy")
+    assert policy.config.model_type == "llama" and policy.config.vocab_size == 24
+    start = LlamaForCausalLM.from_pretrained(tmp_path / "user_model")
+    assert any(not torch.equal(a, b) for a, b in zip(start.parameters(), policy.parameters()))
+
+
+def test_config_errors_and_unavailable_strategy(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError) as ei:
+        run_job(None, ["train.steps=0", "model.path=/nonexistent/dir", "algo.name=dpo"])
+    assert len(ei.value.problems) == 3
+    monkeypatch.setattr(job, "AVAILABLE_STRATEGIES", ("flattening",))
+    cfg = load_config(None, ["placement.strategy=separation", f"run.output_dir={tmp_path}"])
+    with pytest.raises(StrategyUnavailableError, match="'separation' is not available yet"):
+        run(cfg)

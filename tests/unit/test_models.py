@@ -1,0 +1,58 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from rlhf_async.config import ConfigError, ModelConfig
+from rlhf_async.models import (ScalarHeadModel, load_actor, response_values,
+                               scalar_model_from_actor, sequence_scores)
+
+SPECIAL = (0, 1, 3)
+
+
+def test_builtin_gpt2_and_llama_are_seeded():
+    a = load_actor(ModelConfig(), 16, SPECIAL, seed=3)
+    b = load_actor(ModelConfig(), 16, SPECIAL, seed=3)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    llama = load_actor(ModelConfig(arch="llama"), 16, SPECIAL, seed=0)
+    assert llama.config.model_type == "llama"
+
+
+def test_actor_from_local_directory_and_vocab_check(tmp_path):
+    cfg = LlamaConfig(vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    actor = load_actor(ModelConfig(path=str(tmp_path / "m")), 16, SPECIAL, seed=0)
+    assert actor.config.vocab_size == 20
+    with pytest.raises(ConfigError, match="smaller than the task"):
+        load_actor(ModelConfig(path=str(tmp_path / "m")), 32, SPECIAL, seed=0)
+    with pytest.raises(ConfigError, match="cannot load"):
+        load_actor(ModelConfig(path=str(tmp_path)), 16, SPECIAL, seed=0)
+
+
+def test_scalar_head_roundtrip_and_padding_invariance(tmp_path):
+    actor = load_actor(ModelConfig(), 16, SPECIAL, seed=0)
+    rm = scalar_model_from_actor(actor, seed=0).eval()
+    # trunk starts from the actor's weights
+    assert torch.equal(rm.trunk.wte.weight, actor.transformer.wte.weight)
+    rm.save(tmp_path / "rm")
+    back = ScalarHeadModel.load(tmp_path / "rm").eval()
+    p = torch.tensor([[0, 1, 5, 6, 2]])
+    r, rmask = torch.tensor([[7, 3, 0]]), torch.tensor([[1, 1, 0]])
+    s = sequence_scores(rm, p, (p != 0).long(), r, rmask)
+    assert torch.allclose(s, sequence_scores(back, p, (p != 0).long(), r, rmask))
+    # more left padding and a longer right pad give the same score and values
+    p2 = torch.tensor([[0, 0, 0, 1, 5, 6, 2]])
+    r2, rmask2 = torch.tensor([[7, 3, 0, 0, 0]]), torch.tensor([[1, 1, 0, 0, 0]])
+    assert torch.allclose(s, sequence_scores(rm, p2, (p2 != 0).long(), r2, rmask2), atol=1e-5)
+    v1 = response_values(rm, p, (p != 0).long(), r, rmask)[:, :2]
+    v2 = response_values(rm, p2, (p2 != 0).long(), r2, rmask2)[:, :2]
+    assert torch.allclose(v1, v2, atol=1e-5)
+
+
+def test_saved_policy_loads_with_transformers(tmp_path):
+    from rlhf_async.models import save_policy
+    actor = load_actor(ModelConfig(), 16, SPECIAL, seed=0)
+    save_policy(actor, tmp_path / "p", {"algo": "ppo"})
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "p")
+    assert all(torch.equal(x, y) for x, y in zip(actor.parameters(), back.parameters()))
+    assert (tmp_path / "p" / "model.safetensors").exists()

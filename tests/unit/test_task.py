@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from rlhf_async.config import TaskConfig
+from rlhf_async.task.sort_digits import EOS, FIRST_DIGIT, PAD, SortDigitsTask
+
+
+def toks(digits, eos=True):
+    return [FIRST_DIGIT + d for d in digits] + ([EOS] if eos else [])
+
+
+@pytest.mark.parametrize("prompt, resp, eos, want", [
+    ([3, 1, 2], [1, 2, 3], True, 1.0),
+    ([3, 1, 2], [3, 2, 1], True, 0.0),
+    ([3, 1, 2], [1, 3, 2], True, 0.5),
+    ([3, 1, 2], [1, 2, 9], True, 2 / 3),  # one digit wrong: content 2/3, sorted
+    ([3, 1, 2], [1, 2], True, 2 / 3),  # one digit missing
+    ([3, 1, 2], [1, 2, 3, 4], True, 0.75),  # one extra digit
+    ([3, 1, 2], [1, 2, 3], False, 0.0),  # no EOS
+    ([5, 5, 1], [1, 5, 5], True, 1.0),  # duplicates, non-decreasing counts as sorted
+])
+def test_hidden_score_hand_values(prompt, resp, eos, want):
+    assert SortDigitsTask.hidden_score_tokens(prompt, toks(resp, eos)) == pytest.approx(want)
+
+
+def test_prompts_are_keyed_and_heldout_disjoint():
+    task = SortDigitsTask(TaskConfig())
+    a = task.prompts(0, "train", 5, 64)
+    assert a == task.prompts(0, "train", 5, 64) and a != task.prompts(0, "train", 6, 64)
+    train = {tuple(p) for s in range(20) for p in task.prompts(0, "train", s, 64)}
+    heldout = {tuple(p) for p in task.prompts(0, "eval", 0, 512)}
+    assert not train & heldout
+    assert all(3 <= len(p) <= 6 for p in heldout)
+
+
+def test_encoding_and_prompt_batch():
+    task = SortDigitsTask(TaskConfig())
+    ids, mask = task.encode_prompts([[1, 2, 3], [4, 5, 6, 7, 8, 9]])
+    assert ids.shape == (2, 8) and ids[0, :3].tolist() == [PAD] * 3
+    assert mask.sum(1).tolist() == [5, 8]
+    assert task.decode_prompt(ids[0]) == [1, 2, 3]
+    r, rm = task.encode_responses([toks([1, 2])], 7)
+    assert r[0].tolist() == [5, 6, EOS, 0, 0, 0, 0] and rm[0].tolist() == [1, 1, 1, 0, 0, 0, 0]
+    pb = task.prompt_batch(0, "train", 2, 3, 4)
+    assert len(pb) == 12 and pb.sample_ids.tolist() == list(range(24, 36))
+    assert pb.group_ids.tolist() == [6] * 4 + [7] * 4 + [8] * 4
+    assert torch.equal(pb.prompt_ids[0], pb.prompt_ids[3])
+    h = task.hidden_scores(*task.encode_prompts([[3, 1, 2]])[:1], *task.encode_responses(
+        [toks([1, 2, 3])], 7))
+    assert h.tolist() == [1.0]
+
+
+def test_preference_labels_follow_hidden_score():
+    task = SortDigitsTask(TaskConfig())
+    prompts, ch, rj = task.preference_pairs(0, "rm", 0, 400, noise=0.05)
+    h = [(task.hidden_score_tokens(p, c), task.hidden_score_tokens(p, r))
+         for p, c, r in zip(prompts, ch, rj)]
+    decided = [(a, b) for a, b in h if abs(a - b) > 0.2]
+    assert sum(a > b for a, b in decided) / len(decided) > 0.95
+    _, demos = task.demonstrations(0, 0, 50)
+    assert all(d[-1] == EOS for d in demos)
