@@ -305,30 +305,37 @@ class Coordinator:
     async def _control_loop(self) -> None:
         while True:
             peer, msg = await self._router.recv_from()
-            if msg.kind == "command":
-                self._transport.spawn(self._answer(peer, msg), name=f"answer-{msg.id}")
-                continue
-            node = self.nodes.get(msg.source)
-            if node is None or peer != msg.source.encode():
-                self._transport.counters["control.unknown_peer"] += 1
-                continue
-            node.last_seen = time.monotonic()
-            if msg.kind == "heartbeat":
-                await self._router.send(msg.reply("heartbeat", source="coordinator"), to=peer)
-            elif msg.kind == "reply" and msg.parent in self._pending:
-                future = self._pending[msg.parent]
-                if not future.done():
-                    future.set_result(msg.meta)
-            elif msg.kind == "ready":
-                node.state = "ready"
-                node.ready.set()
-                self._publish(NodeEvent(msg.source, "ready", msg.meta))
-            elif msg.kind == "event":
-                self._publish(NodeEvent(msg.source, str(msg.meta.get("name")),
-                                        msg.meta.get("payload"), msg.step, msg.weight_version,
-                                        msg.timestamp))
-            elif msg.kind == "stop":
-                node.goodbye = msg.meta
+            try:
+                await self._on_control(peer, msg)
+            except Exception:  # one odd message must not deafen the whole control plane
+                self._transport.counters["control.errors"] += 1
+                self.log.exception("control_message_failed", kind=msg.kind, source=msg.source)
+
+    async def _on_control(self, peer: bytes, msg: Message) -> None:
+        if msg.kind == "command":
+            self._transport.spawn(self._answer(peer, msg), name=f"answer-{msg.id}")
+            return
+        node = self.nodes.get(msg.source)
+        if node is None or peer != msg.source.encode():
+            self._transport.counters["control.unknown_peer"] += 1
+            return
+        node.last_seen = time.monotonic()
+        if msg.kind == "heartbeat":
+            await self._router.send(msg.reply("heartbeat", source="coordinator"), to=peer)
+        elif msg.kind == "reply" and msg.parent in self._pending:
+            future = self._pending[msg.parent]
+            if not future.done():
+                future.set_result(msg.meta)
+        elif msg.kind == "ready":
+            node.state = "ready"
+            node.ready.set()
+            self._publish(NodeEvent(msg.source, "ready", msg.meta))
+        elif msg.kind == "event":
+            self._publish(NodeEvent(msg.source, str(msg.meta.get("name")),
+                                    msg.meta.get("payload"), msg.step, msg.weight_version,
+                                    msg.timestamp))
+        elif msg.kind == "stop":
+            node.goodbye = msg.meta
 
     async def _answer(self, peer: bytes, msg: Message) -> None:
         name = msg.meta.get("name")

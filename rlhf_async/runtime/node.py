@@ -23,7 +23,13 @@ BUILTIN_COMMANDS = ("pause", "resume", "stop", "status")
 
 
 class Node:
-    """Handed to `async def main(node)`; built by the runtime, one per process."""
+    """Handed to `async def main(node)`; built by the runtime, one per process.
+
+    Heartbeats and command handlers run on the same event loop as `main`, so long
+    synchronous work (a generation step, an optimizer step) belongs in
+    `await asyncio.to_thread(fn, ...)`; torch releases the GIL while it computes. A loop
+    blocked longer than the coordinator's `time_to_dead` gets the node declared dead.
+    """
 
     def __init__(self, spec: NodeSpec, transport: Transport, control: Channel) -> None:
         self.spec = spec

@@ -42,9 +42,10 @@ def resolve_entry(entry: str) -> NodeMain:
 
 
 async def _control_loop(node: Node, heard: list[float]) -> None:
+    # Every message from the coordinator (heartbeat answers included) proves it is alive.
     async for msg in node._control:
         heard[0] = time.monotonic()
-        if msg.kind == "command":
+        if msg.kind == "command":  # handlers run concurrently: a slow one blocks nothing
             node.transport.spawn(node.handle_command(msg), name=f"command-{msg.id}")
 
 
