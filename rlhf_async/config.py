@@ -146,11 +146,11 @@ class PlacementConfig:
     devices: int = opt(1, "devices (CPU slots or GPUs) for the job", ge=1)
     cpu_threads: int = opt(1, "torch threads per process on CPU (tiny models run best on 1)",
                            ge=1)
-    actor: list[int] = opt([], "explicit device ids for the actor; empty = strategy decides")
-    critic: list[int] = opt([], "explicit device ids for the critic")
-    reward: list[int] = opt([], "explicit device ids for the reward model")
-    reference: list[int] = opt([], "explicit device ids for the reference model")
-    generator: list[int] = opt([], "explicit device ids for generator shadows (separation)")
+    actor: list[int] = opt([], "explicit device ids for the actor; empty = strategy decides")  # noqa: RUF009
+    critic: list[int] = opt([], "explicit device ids for the critic")  # noqa: RUF009
+    reward: list[int] = opt([], "explicit device ids for the reward model")  # noqa: RUF009
+    reference: list[int] = opt([], "explicit device ids for the reference model")  # noqa: RUF009
+    generator: list[int] = opt([], "explicit device ids for generator shadows (separation)")  # noqa: RUF009
     generators: int = opt(1, "generator replicas (separation)", ge=1)
     scorers: int = opt(1, "scorer replicas, each holding reward + reference (separation)", ge=1)
 

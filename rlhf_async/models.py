@@ -17,8 +17,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
-from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, GPT2Config,
-                          LlamaConfig, PretrainedConfig, PreTrainedModel)
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from rlhf_async.config import ConfigError, ModelConfig
 
@@ -50,8 +57,8 @@ def load_actor(cfg: ModelConfig, vocab_size: int, special: tuple[int, int, int],
             raise ConfigError([f"model.path: cannot load a causal LM from {cfg.path!r} ({e})"]) \
                 from None
         if model.config.vocab_size < vocab_size:
-            raise ConfigError([f"model.path: vocabulary of {model.config.vocab_size} tokens is "
-                               f"smaller than the task's {vocab_size}"])
+            raise ConfigError([(f"model.path: vocabulary of {model.config.vocab_size} tokens "
+                                f"is smaller than the task's {vocab_size}")])
         return model.float()
     with torch.random.fork_rng():
         torch.manual_seed(seed)

@@ -7,9 +7,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from rlhf_async.metrics import read_metrics  # noqa: E402
+from rlhf_async.metrics import read_metrics
 
 PANELS = (("reward", "reward model score"), ("hidden_score", "hidden (true) score"),
           ("kl", "KL to reference (per sample)"), ("policy_loss", "policy loss"),

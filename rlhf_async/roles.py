@@ -11,19 +11,19 @@ so N ranks produce the same update as one rank holding the whole batch.
 from __future__ import annotations
 
 from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
 from rlhf_async import algorithms as A
 from rlhf_async.config import AlgoConfig, TrainConfig
-from rlhf_async.determinism import (all_gather_1d, all_reduce_grads, all_reduce_sum,
-                                    keyed_order)
-from rlhf_async.generation import SamplingParams, generate as sample, sampling_uniforms
-from rlhf_async.models import (ScalarHeadModel, response_logits, response_values,
-                               sequence_scores)
+from rlhf_async.determinism import all_gather_1d, all_reduce_grads, all_reduce_sum, keyed_order
+from rlhf_async.generation import SamplingParams, sampling_uniforms
+from rlhf_async.generation import generate as sample
+from rlhf_async.models import ScalarHeadModel, response_logits, response_values, sequence_scores
 from rlhf_async.rollout import PromptBatch, RolloutBatch
 
-__all__ = ["PromptBatch", "RolloutBatch", "generate", "score", "Learner"]
+__all__ = ["Learner", "PromptBatch", "RolloutBatch", "generate", "score"]
 
 
 def generate(actor: nn.Module, prompts: PromptBatch, params: SamplingParams, seed: int,

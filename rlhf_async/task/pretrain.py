@@ -23,8 +23,13 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlhf_async.config import JobConfig
 from rlhf_async.log import get_logger
-from rlhf_async.models import (ScalarHeadModel, load_actor, response_logits,
-                               scalar_model_from_actor, sequence_scores)
+from rlhf_async.models import (
+    ScalarHeadModel,
+    load_actor,
+    response_logits,
+    scalar_model_from_actor,
+    sequence_scores,
+)
 from rlhf_async.task.sort_digits import VOCAB_SIZE, SortDigitsTask
 
 log = get_logger(component="pretrain")
@@ -128,7 +133,7 @@ def reward_model_accuracy(task: SortDigitsTask, rm: ScalarHeadModel, cfg: JobCon
                                             cfg.reward_model.label_noise)
     sc, sr = _pair_scores(task, rm, prompts, ch, rj)
     enc = task.encode_responses
-    p_ids, p_mask = task.encode_prompts(prompts)
+    p_ids, _ = task.encode_prompts(prompts)
     hc = task.hidden_scores(p_ids, *enc(ch, task.response_len))
     hr = task.hidden_scores(p_ids, *enc(rj, task.response_len))
     decided = hc != hr

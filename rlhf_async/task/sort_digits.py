@@ -9,6 +9,7 @@ reward hacking is visible.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections import Counter
@@ -99,7 +100,7 @@ class SortDigitsTask:
         content = overlap / max(len(prompt), len(body), 1)
         if len(digits) < 2:
             return 0.0
-        order = sum(a <= b for a, b in zip(digits, digits[1:])) / (len(digits) - 1)
+        order = sum(a <= b for a, b in itertools.pairwise(digits)) / (len(digits) - 1)
         return content * order
 
     def hidden_scores(self, prompt_ids: Tensor, response_ids: Tensor,

@@ -1,7 +1,6 @@
 """Flattening over 2 worker processes (gloo) == 1 process on the same global batch."""
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from rlhf_async.config import load_config

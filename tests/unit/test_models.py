@@ -3,8 +3,13 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from rlhf_async.config import ConfigError, ModelConfig
-from rlhf_async.models import (ScalarHeadModel, load_actor, response_values,
-                               scalar_model_from_actor, sequence_scores)
+from rlhf_async.models import (
+    ScalarHeadModel,
+    load_actor,
+    response_values,
+    scalar_model_from_actor,
+    sequence_scores,
+)
 
 SPECIAL = (0, 1, 3)
 
