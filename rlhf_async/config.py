@@ -226,7 +226,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str, problems: list[str]) ->
             problems.append(f"{path}: unknown key; accepted: {', '.join(fields)}")
             continue
         tp = types_[key]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
                 problems.append(f"{path}: expected a table/section, got {value!r}")
                 continue

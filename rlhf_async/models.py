@@ -13,6 +13,7 @@ import copy
 import inspect
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -35,7 +36,7 @@ HEAD_FILE = "value_head.safetensors"
 def tiny_config(cfg: ModelConfig, vocab_size: int, pad_id: int, bos_id: int,
                 eos_id: int) -> PretrainedConfig:
     """The built-in model's HF config (no hub access)."""
-    special = {"pad_token_id": pad_id, "bos_token_id": bos_id, "eos_token_id": eos_id}
+    special: dict[str, Any] = {"pad_token_id": pad_id, "bos_token_id": bos_id, "eos_token_id": eos_id}
     if cfg.arch == "llama":
         return LlamaConfig(vocab_size=vocab_size, hidden_size=cfg.hidden,
                            intermediate_size=cfg.hidden * 4, num_hidden_layers=cfg.layers,

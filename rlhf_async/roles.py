@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+from transformers import PreTrainedModel
 
 from rlhf_async import algorithms as A
 from rlhf_async.config import AlgoConfig, TrainConfig
@@ -26,11 +27,12 @@ from rlhf_async.rollout import PromptBatch, RolloutBatch
 __all__ = ["Learner", "PromptBatch", "RolloutBatch", "generate", "score"]
 
 
-def generate(actor: nn.Module, prompts: PromptBatch, params: SamplingParams, seed: int,
+def generate(actor: PreTrainedModel, prompts: PromptBatch, params: SamplingParams, seed: int,
              step: int, version: int) -> RolloutBatch:
     """Sample one response per row; noise keyed by (seed, step, sample id)."""
     ids = [int(s) for s in prompts.sample_ids]
-    u = sampling_uniforms(seed, step, ids, params.max_new_tokens, actor.config.vocab_size)
+    vocab = int(actor.config.vocab_size)
+    u = sampling_uniforms(seed, step, ids, params.max_new_tokens, vocab)
     g = sample(actor, prompts.prompt_ids, prompts.prompt_mask, params, u)
     return RolloutBatch(prompts.prompt_ids, prompts.prompt_mask, g.response_ids,
                         g.response_mask, g.logprobs, prompts.sample_ids, prompts.group_ids,
@@ -87,10 +89,12 @@ class Learner:
                     values: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor]:
         """-> advantages [B, R], returns [B, R] (PPO only), per-token KL [B, R]."""
         algo, m = self.algo, b.response_mask.float()
+        assert b.rewards is not None and b.ref_logprobs is not None  # checked by train_step
         kl = A.kl_per_token(old_lp, b.ref_logprobs, algo.kl_estimator) * m
         kl_r = algo.kl_coef if algo.kl_mode == "reward" else 0.0
         if algo.name == "ppo":
             r = A.token_rewards(b.rewards, kl, m, kl_r)
+            assert values is not None  # PPO always has a critic
             adv, ret = A.gae(r, values, m, algo.gamma, algo.lam)
             if algo.whiten_advantages:
                 adv = A.whiten(adv, m, all_reduce_sum)
@@ -123,11 +127,13 @@ class Learner:
         loss = pg - algo.entropy_coef * ent
         stats = {"policy_loss": pg.detach(), "entropy": ent.detach(), **st}
         if algo.kl_mode == "loss":
+            assert mb.ref_logprobs is not None
             kl = A.kl_per_token(lp, mb.ref_logprobs, algo.kl_estimator)
             kl_loss = A.masked_token_mean(kl, m, n_tokens)
             loss = loss + algo.kl_coef * kl_loss
             stats["kl_loss"] = kl_loss.detach()
         if self.critic is not None:
+            assert old_v is not None and ret is not None
             v = response_values(self.critic, *args)
             vl = A.value_loss(v, old_v[idx], ret[idx], m, algo.value_clip, n_tokens)
             loss = loss + algo.vf_coef * vl
@@ -189,6 +195,7 @@ class Learner:
                       n_updates: int) -> dict[str, float]:
         """One all-reduce for every metric: per-sample sums + counts, loss partial sums."""
         m = b.response_mask.float()
+        assert b.rewards is not None
         per_sample = {"reward": b.rewards.float(), "kl": kl.sum(dim=1),
                       "response_length": m.sum(dim=1), "advantage_abs": (adv.abs() * m).sum(1)
                       / m.sum(1).clamp(min=1)}

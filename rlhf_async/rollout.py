@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -81,7 +82,8 @@ class RolloutBatch:
                 problems.append(f"meta {k!r} must be an integer")
         if problems:
             raise RolloutFormatError("; ".join(problems))
-        batch = cls(**{k: v for k, v in tensors.items()}, version=meta["version"],
+        kwargs: dict[str, Any] = dict(tensors)
+        batch = cls(**kwargs, version=meta["version"],
                     step=meta["step"])
         batch.validate()
         return batch
@@ -109,22 +111,24 @@ class RolloutBatch:
     def select(self, index: Tensor) -> RolloutBatch:
         """Rows `index` (a long tensor) of every tensor field."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return RolloutBatch(**{k: v[index] if isinstance(v, Tensor) else v
-                               for k, v in fields.items()})
+        kwargs: dict[str, Any] = {k: v[index] if isinstance(v, Tensor) else v
+                                  for k, v in fields.items()}
+        return RolloutBatch(**kwargs)
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return RolloutBatch(**{k: v.to(device) if isinstance(v, Tensor) else v
-                               for k, v in fields.items()})
+        kwargs: dict[str, Any] = {k: v.to(device) if isinstance(v, Tensor) else v
+                                  for k, v in fields.items()}
+        return RolloutBatch(**kwargs)
 
-    def replace(self, **changes: object) -> RolloutBatch:
+    def replace(self, **changes: Any) -> RolloutBatch:
         return dataclasses.replace(self, **changes)
 
     @staticmethod
     def concat(batches: list[RolloutBatch]) -> RolloutBatch:
         """Stack batches of equal widths; version/step are the minimum (the oldest policy)."""
         first = batches[0]
-        out = {}
+        out: dict[str, Any] = {}
         for f in dataclasses.fields(first):
             vals = [getattr(b, f.name) for b in batches]
             if isinstance(vals[0], Tensor):

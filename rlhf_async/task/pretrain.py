@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def stage_key(cfg: JobConfig, stage: str) -> str:
     return f"{stage}-{hashlib.sha256(blob).hexdigest()[:16]}"
 
 
-def _atomic_dir(final: Path, write: callable) -> None:
+def _atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
