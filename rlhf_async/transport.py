@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Self
 
 import structlog
 import zmq
