@@ -51,6 +51,7 @@ def score(reward_model: ScalarHeadModel, reference: nn.Module, batch: RolloutBat
     hidden = None
     if hidden_score is not None:
         hidden = hidden_score(batch.prompt_ids, batch.response_ids, batch.response_mask)
+        hidden = hidden.to(rewards.device)
     return batch.replace(rewards=rewards, ref_logprobs=ref_lp, hidden_scores=hidden)
 
 
