@@ -25,7 +25,8 @@ from rlhf_async.weight_sync import GroupSpec, WeightSyncError, load_into_module,
 
 async def main(node: Node) -> None:
     job = load_job(node)
-    actor = load_sft(job.art.sft_dir).to(job.device)  # version 0 = the SFT policy
+    # version 0 = the SFT policy; loaded off the loop so heartbeats go on
+    actor = await asyncio.to_thread(lambda: load_sft(job.art.sft_dir).to(job.device))
     receiver = make_receiver(weight_sync_backend(job.cfg), device=job.device)
     state = {"version": 0}
     swap = asyncio.Lock()  # held by generation and by the weight swap: one at a time
@@ -70,6 +71,7 @@ async def main(node: Node) -> None:
 
     node.on_command("weight_sync_connect", connect)
     node.on_command("update_weights", update)
+    await node.emit("loaded", {"version": 0})
     sampling, seed = job.sampling, job.cfg.run.seed
     inp, out = node.socket("prompts"), node.socket("rollouts")
     torch.set_grad_enabled(False)

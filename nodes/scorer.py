@@ -6,7 +6,7 @@ import asyncio
 
 import torch
 
-from nodes.common import load_job, message_errors
+from nodes.common import Job, load_job, message_errors
 from rlhf_async.models import frozen_copy
 from rlhf_async.pipeline.stage import StageClock
 from rlhf_async.pipeline.wire import rollout_from_message, rollout_message
@@ -18,13 +18,13 @@ from rlhf_async.task.pretrain import load_reward_model, load_sft
 
 async def main(node: Node) -> None:
     job = load_job(node)
-    reward_model = frozen_copy(load_reward_model(job.art.rm_dir)).to(job.device)
-    reference = frozen_copy(load_sft(job.art.sft_dir)).to(job.device)
+    reward_model, reference = await asyncio.to_thread(_models, job)  # heartbeats go on
     task = SortDigitsTask(job.cfg.task)
     T = job.cfg.generation.temperature
     inp, out = node.socket("rollouts"), node.socket("scored")
     clock = StageClock()
     torch.set_grad_enabled(False)
+    await node.emit("loaded", {})
     while not node.stopping:
         await node.wait_resumed()
         msg = await clock.idle(inp.recv())
@@ -39,3 +39,8 @@ async def main(node: Node) -> None:
         await out.send(rollout_message("scored_rollout", cid, scored.to("cpu"), node.node_id))
         node.info.update(clock.snapshot())
         await node.emit("scored", {**cid.meta(), **clock.snapshot()}, step=cid.step)
+
+
+def _models(job: Job) -> tuple[torch.nn.Module, torch.nn.Module]:
+    return (frozen_copy(load_reward_model(job.art.rm_dir)).to(job.device),
+            frozen_copy(load_sft(job.art.sft_dir)).to(job.device))

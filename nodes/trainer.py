@@ -12,29 +12,35 @@ import asyncio
 import time
 from pathlib import Path
 
-from nodes.common import load_job, message_errors
-from rlhf_async.config import weight_sync_backend
+import torch
+
+from nodes.common import Job, load_job, message_errors
+from rlhf_async.checkpoint import learner_state, load_latest, restore_learner, save_checkpoint
+from rlhf_async.config import JobConfig, weight_sync_backend
 from rlhf_async.models import save_policy
 from rlhf_async.pipeline.stage import StageClock
 from rlhf_async.pipeline.assembler import BatchAssembler
 from rlhf_async.pipeline.wire import rollout_from_message
 from rlhf_async.roles import Learner
+from rlhf_async.protocol import Message
 from rlhf_async.runtime import Node
 from rlhf_async.staleness import StalenessPolicy
 from rlhf_async.task.pretrain import load_reward_model, load_sft
-from rlhf_async.weight_sync import GroupSpec, make_sender, weights_of
+from rlhf_async.weight_sync import (GroupSpec, WeightSender, WeightSyncError, make_sender,
+                                    weights_of)
 
 
 async def main(node: Node) -> None:
     job = load_job(node)
     cfg = job.cfg
-    actor = load_sft(job.art.sft_dir).to(job.device)
-    critic = load_reward_model(job.art.rm_dir).to(job.device) if cfg.algo.name == "ppo" else None
-    learner = Learner(actor, critic, cfg.algo, cfg.train, cfg.run.seed,
-                      cfg.generation.temperature)
+    learner = await asyncio.to_thread(_learner, job)  # off the loop: heartbeats go on
+    actor = learner.actor
     policy = StalenessPolicy(cfg.algo.max_staleness, cfg.train.publish_every)
+    ckpt_dir = Path(node.params["checkpoint_dir"])
+    start = await asyncio.to_thread(_restore, node, ckpt_dir, learner, policy, job.device)
     sender = make_sender(weight_sync_backend(cfg), device=job.device,
                          bucket_mb=cfg.weight_sync.bucket_mb)
+    weights_lock = asyncio.Lock()  # the actor must not change while a broadcast reads it
 
     async def prepare(payload: dict) -> dict:
         return sender.prepare(GroupSpec.from_dict(payload["spec"])).to_dict()
@@ -44,38 +50,40 @@ async def main(node: Node) -> None:
         await asyncio.to_thread(sender.connect, spec)
         return {"connected": spec.group_name}
 
+    async def republish(_: object) -> dict:  # after a resume or a regrouped broadcast
+        async with weights_lock:
+            return await _publish(node, sender, learner, cfg.train.publish_every, force=True)
+
     node.on_command("weight_sync_prepare", prepare)
     node.on_command("weight_sync_connect", connect)
+    node.on_command("republish", republish)
+    await node.emit("loaded", {"step": start, "version": learner.version})
     inp, clock = node.socket("scored"), StageClock()
-    batches = BatchAssembler(int(node.params.get("start_step", 0)))
-    steps = cfg.train.steps
+    batches = BatchAssembler(start)
+    steps, every = cfg.train.steps, cfg.run.checkpoint_every
     while batches.next_step < steps and not node.stopping:
         await node.wait_resumed()
-        msg = await clock.idle(inp.recv())
-        try:
-            cid, batch = rollout_from_message(msg, "scored_rollout")
-        except message_errors() as e:
-            node.counters["rejected.chunk"] += 1
-            node.log.warning("bad_scored_rollout", error=str(e))
+        try:  # a bounded wait, so a stop request is seen and answered with a checkpoint
+            msg = await clock.idle(inp.recv(timeout=0.5))
+        except TimeoutError:
             continue
-        if batches.is_duplicate(cid, batch):
-            node.counters["dropped.duplicate"] += 1
+        if not _accept(node, msg, batches, policy):
             continue
-        if not policy.admit(cid.step, batch.version):  # too stale: generate it again
-            node.counters["dropped.stale"] += 1
-            await node.emit("chunk_dropped", {**cid.meta(), "version": batch.version})
-            continue
-        batches.add(cid, batch)
         while (full := batches.pop_ready()) is not None:
             step = batches.next_step - 1
-            metrics = await clock.busy(asyncio.to_thread(learner.train_step, full.to(job.device)))
-            sync = await _publish(node, sender, learner, cfg.train.publish_every)
+            async with weights_lock:
+                metrics = await clock.busy(asyncio.to_thread(learner.train_step,
+                                                             full.to(job.device)))
+                sync = await _publish(node, sender, learner, cfg.train.publish_every)
+            if every and (step + 1) % every == 0 and step + 1 < steps:
+                await _checkpoint(node, ckpt_dir, step + 1, learner, policy, cfg)
             await node.emit("trained", {
                 "step": step, "metrics": metrics, "sample_ids": full.sample_ids.tolist(),
                 "rollout_version": full.version, "queue_trainer": batches.waiting(), **sync,
                 **policy.metrics(), **clock.snapshot(),
                 "staleness_hist": {str(k): v for k, v in policy.histogram.items()}},
                 step=step, weight_version=learner.version)
+    await _checkpoint(node, ckpt_dir, batches.next_step, learner, policy, cfg)
     if batches.next_step >= steps:
         policy_dir = Path(node.params["policy_dir"])
         save_policy(actor, policy_dir, {"algo": cfg.algo.name, "steps": steps,
@@ -85,18 +93,70 @@ async def main(node: Node) -> None:
     sender.close()
 
 
-async def _publish(node: Node, sender, learner: Learner, every: int) -> dict:
-    """Broadcast the actor to every generator when a publication is due."""
-    if learner.version % every:
+def _learner(job: Job) -> Learner:
+    actor = load_sft(job.art.sft_dir).to(job.device)
+    critic = None
+    if job.cfg.algo.name == "ppo":
+        critic = load_reward_model(job.art.rm_dir).to(job.device)
+    return Learner(actor, critic, job.cfg.algo, job.cfg.train, job.cfg.run.seed,
+                   job.cfg.generation.temperature)
+
+
+def _accept(node: Node, msg: Message, batches: BatchAssembler, policy: StalenessPolicy) -> bool:
+    """Validate one scored chunk, refuse duplicates and stale ones, keep the rest."""
+    try:
+        cid, batch = rollout_from_message(msg, "scored_rollout")
+    except message_errors() as e:
+        node.counters["rejected.chunk"] += 1
+        node.log.warning("bad_scored_rollout", error=str(e))
+        return False
+    if batches.is_duplicate(cid, batch):
+        node.counters["dropped.duplicate"] += 1
+        return False
+    if not policy.admit(cid.step, batch.version):  # too stale: the coordinator re-sends it
+        node.counters["dropped.stale"] += 1
+        node.transport.spawn(node.emit("chunk_dropped", {**cid.meta(), "version": batch.version}),
+                             name="chunk-dropped")
+        return False
+    return batches.add(cid, batch)
+
+
+def _restore(node: Node, ckpt_dir: Path, learner: Learner, policy: StalenessPolicy,
+             device: torch.device) -> int:
+    """Continue from the newest good checkpoint (after a restart or `resume`); 0 if none."""
+    ck = load_latest(ckpt_dir, map_location=device)
+    if ck is None:
+        return 0
+    restore_learner(learner, ck.state)
+    policy.load_state_dict(ck.meta["staleness"])
+    node.log.info("resumed", step=ck.step, version=learner.version, path=str(ck.path))
+    return ck.step
+
+
+async def _checkpoint(node: Node, ckpt_dir: Path, step: int, learner: Learner,
+                      policy: StalenessPolicy, cfg: JobConfig) -> None:
+    meta = {"version": learner.version, "staleness": policy.state_dict(),
+            "counters": dict(node.counters), "strategy": "separation"}
+    await asyncio.to_thread(save_checkpoint, ckpt_dir, step, learner_state(learner), meta,
+                            cfg.run.keep_checkpoints)
+
+
+async def _publish(node: Node, sender: WeightSender, learner: Learner, every: int,
+                   force: bool = False) -> dict:
+    """Broadcast the actor to every generator when a publication is due (or forced)."""
+    if learner.version % every and not force:
         return {"weight_sync_s": 0.0, "weight_sync_bytes": 0}
     version = learner.version // every
     weights = weights_of(learner.actor)
     plan = sender.plan(weights, version)
     await node.emit("publish", {"plan": plan}, weight_version=version)
     t0 = time.perf_counter()
-    # the actor does not change during the send: training waits for it (the send packs
-    # buckets straight from the live parameters)
-    await asyncio.to_thread(sender.send, weights, plan)
+    try:  # the send packs buckets straight from the live parameters: callers hold the lock
+        await asyncio.to_thread(sender.send, weights, plan)
+    except WeightSyncError as e:  # a generator died mid-transfer: regrouped and re-sent later
+        node.log.warning("publish_failed", version=version, error=str(e))
+        await node.emit("weight_sync_failed", {"error": str(e), "version": version})
+        return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_bytes": 0}
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_bytes": nbytes,
             "published_version": version}

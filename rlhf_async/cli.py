@@ -19,8 +19,6 @@ from rlhf_async.log import configure_logging
 
 DEFAULT_RUN_DIR = Path("runs/demo")
 EXIT_USAGE, EXIT_ERROR, EXIT_INTERRUPTED = 2, 1, 130
-DEMO_SETTINGS: dict[str, type] = {"messages": int, "floats": int, "hwm": int, "sources": int,
-                                  "transport": str}
 
 
 class UserError(Exception):
@@ -36,10 +34,18 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="rlhf-async", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = sub.add_parser("run", help="run the training job (for now: the pipeline demo)")
-    run.add_argument("config", nargs="?", help="JSON config file (optional)")
-    run.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    run.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
+    run = sub.add_parser("run", help="run an RLHF job (no arguments: the built-in example)")
+    run.add_argument("config", nargs="?", help="TOML config file (optional; see "
+                     "configs/reference.toml)")
+    run.add_argument("overrides", nargs="*", metavar="key=value",
+                     help="dotted config overrides, e.g. algo.name=grpo train.lr=1e-4")
+    run.add_argument("--log-level", default="warning",
+                     choices=("debug", "info", "warning", "error"))
+
+    resume = sub.add_parser("resume", help="continue a run from its newest good checkpoint")
+    resume.add_argument("run_dir", type=Path, help="the run directory (runs/NAME)")
+    resume.add_argument("--log-level", default="warning",
+                        choices=("debug", "info", "warning", "error"))
 
     demo = sub.add_parser("demo", help="source -> transform -> sink pipeline over ZeroMQ")
     demo.add_argument("--messages", type=int, default=10000, help="messages per source")
@@ -63,10 +69,15 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    handlers = {"run": _cmd_run, "demo": _cmd_demo, "status": _cmd_status,
-                "stop": _cmd_stop, "version": _cmd_version}
+    handlers = {"run": _cmd_run, "resume": _cmd_resume, "demo": _cmd_demo,
+                "status": _cmd_status, "stop": _cmd_stop, "version": _cmd_version}
+    from rlhf_async.config import ConfigError
+
     try:
         return handlers[args.command](args)
+    except ConfigError as e:
+        print(f"rlhf-async {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except UserError as e:
         print(f"rlhf-async {args.command}: error: {e}", file=sys.stderr)
         return EXIT_ERROR
@@ -80,10 +91,33 @@ def _cmd_version(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    """The main job. Until the RLHF job lands, it runs the pipeline demo with the settings
-    from CONFIG (a JSON mapping) and key=value overrides."""
-    settings = _demo_settings(args.config, args.overrides)
-    return _run_pipeline_demo(args.run_dir, **settings)
+    """The RLHF job: CONFIG (TOML, optional) plus dotted overrides."""
+    from rlhf_async.job import run_job
+
+    configure_logging(args.log_level)
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:  # `run key=value` without a config file
+        config, overrides = None, [config, *overrides]
+    return _job_errors(lambda: run_job(config, overrides))
+
+
+def _cmd_resume(args: argparse.Namespace) -> int:
+    from rlhf_async.job import resume_job
+
+    configure_logging(args.log_level)
+    return _job_errors(lambda: resume_job(args.run_dir))
+
+
+def _job_errors(job: Any) -> int:
+    """Failures a user can act on, as one message (configuration errors pass through)."""
+    from rlhf_async.checkpoint import CheckpointError
+    from rlhf_async.coordinator import CoordinatorError
+    from rlhf_async.pipeline.driver import PipelineError
+
+    try:
+        return int(job())
+    except (PipelineError, CoordinatorError, CheckpointError) as e:
+        raise UserError(str(e)) from None
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -92,43 +126,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             raise UserError(f"--{name} must be >= 1, got {getattr(args, name)}")
     return _run_pipeline_demo(args.run_dir, messages=args.messages, floats=args.floats,
                               hwm=args.hwm, sources=args.sources, transport=args.transport)
-
-
-def _demo_settings(config: str | None, overrides: list[str]) -> dict[str, Any]:
-    if config is not None and "=" in config:  # `run key=value` without a config file
-        overrides, config = [config, *overrides], None
-    settings: dict[str, Any] = {}
-    if config is not None:
-        try:
-            loaded = json.loads(Path(config).read_text())
-        except OSError as e:
-            raise UserError(f"cannot read config {config}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise UserError(f"config {config} is not valid JSON: {e}") from None
-        if not isinstance(loaded, dict):
-            raise UserError(f"config {config} must be a JSON object")
-        settings.update(loaded)
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UserError(f"override {item!r} must look like key=value")
-        settings[key] = value
-    accepted = ", ".join(sorted(DEMO_SETTINGS))
-    out: dict[str, Any] = {}
-    for key, value in settings.items():
-        if key not in DEMO_SETTINGS:
-            raise UserError(f"unknown setting {key!r}; accepted: {accepted}")
-        try:
-            out[key] = DEMO_SETTINGS[key](value)
-        except ValueError:
-            raise UserError(f"setting {key}={value!r} must be {DEMO_SETTINGS[key].__name__}") \
-                from None
-    if out.get("transport", "ipc") not in ("ipc", "tcp"):
-        raise UserError(f"transport={out['transport']!r}; accepted: ipc, tcp")
-    bad = [k for k, v in out.items() if isinstance(v, int) and v < 1]
-    if bad:
-        raise UserError(f"settings must be >= 1: {', '.join(bad)}")
-    return out
 
 
 def _run_pipeline_demo(run_dir: Path, **settings: Any) -> int:

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rlhf_async.checkpoint import (CheckpointError, learner_state, load_latest, restore_learner,
+                                   save_checkpoint)
 from rlhf_async.config import JobConfig
 from rlhf_async.generation import SamplingParams
 from rlhf_async.metrics import MetricsWriter, Progress
@@ -43,7 +45,8 @@ def _device(cfg: JobConfig, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def rl_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: int) -> None:
+def rl_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: int,
+            start_step: int = 0) -> None:
     """The flattened hot loop; identical on every rank except who writes files."""
     device = _device(cfg, rank)
     task = SortDigitsTask(cfg.task)
@@ -54,9 +57,15 @@ def rl_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: int
     learner = Learner(actor, critic, cfg.algo, cfg.train, cfg.run.seed,
                       cfg.generation.temperature)
     params, seed, T = sampling_params(cfg), cfg.run.seed, cfg.generation.temperature
+    if start_step:  # every rank restores the same checkpoint
+        ck = load_latest(run_dir / "checkpoints", map_location=device)
+        if ck is None or ck.step != start_step:
+            raise CheckpointError(f"rank {rank}: checkpoint of step {start_step} not found")
+        restore_learner(learner, ck.state)
     writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
     progress = Progress(cfg.train.steps, cfg.run.progress and rank == 0)
-    for step in range(cfg.train.steps):
+    every = cfg.run.checkpoint_every
+    for step in range(start_step, cfg.train.steps):
         prompts = task.prompt_batch(seed, "train", step, cfg.train.prompts_per_step,
                                     cfg.algo.group_size).shard(rank, world).to(device)
         t0 = time.perf_counter()
@@ -69,6 +78,10 @@ def rl_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: int
         if writer is not None:
             record = {"step": step, **metrics, "time_generate": t1 - t0, "time_score": t2 - t1,
                       "time_train": t3 - t2, "samples_per_s": metrics["samples"] / (t3 - t0)}
+            if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
+                save_checkpoint(run_dir / "checkpoints", step + 1, learner_state(learner),
+                                {"version": learner.version, "strategy": "flattening"},
+                                cfg.run.keep_checkpoints)
             writer.write(record)
             progress.update(record)
     if writer is not None:
@@ -84,7 +97,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, threads: int, cfg: JobConfig, art: Artefacts,
-            run_dir: Path) -> None:
+            run_dir: Path, start_step: int) -> None:
     torch.set_num_threads(threads)
     from transformers.utils import logging as hf_logging
 
@@ -95,20 +108,23 @@ def _worker(rank: int, world: int, port: int, threads: int, cfg: JobConfig, art:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     try:
-        rl_loop(cfg, art, run_dir, rank, world)
+        rl_loop(cfg, art, run_dir, rank, world, start_step)
     finally:
         dist.destroy_process_group()
 
 
-def run_flattening(cfg: JobConfig, art: Artefacts, run_dir: Path) -> FlatteningResult:
-    """Run the RL phase over `placement.devices` processes (in-process when 1)."""
+def run_flattening(cfg: JobConfig, art: Artefacts, run_dir: Path,
+                   start_step: int = 0) -> FlatteningResult:
+    """Run the RL phase over `placement.devices` processes (in-process when 1), from
+    `start_step` (restored from that step's checkpoint)."""
     world = cfg.placement.devices
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if world == 1:
-        rl_loop(cfg, art, run_dir, 0, 1)
+        rl_loop(cfg, art, run_dir, 0, 1, start_step)
     else:
-        mp.spawn(_worker, args=(world, _free_port(), cfg.placement.cpu_threads, cfg, art, run_dir),
+        mp.spawn(_worker, args=(world, _free_port(), cfg.placement.cpu_threads, cfg, art, run_dir,
+                               start_step),
                  nprocs=world, join=True)
     return FlatteningResult(run_dir / "metrics.jsonl", run_dir / "policy",
                             time.perf_counter() - t0)

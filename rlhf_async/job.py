@@ -16,7 +16,8 @@ from typing import IO
 import torch
 from transformers.utils import logging as hf_logging
 
-from rlhf_async.config import ConfigError, JobConfig, load_config, to_dict
+from rlhf_async.checkpoint import CheckpointError, list_checkpoints, load_latest
+from rlhf_async.config import ConfigError, JobConfig, config_from_dict, load_config, to_dict
 from rlhf_async.flattening import run_flattening, sampling_params
 from rlhf_async.log import get_logger
 from rlhf_async.models import ScalarHeadModel, sequence_scores
@@ -52,8 +53,9 @@ def _run_dir(cfg: JobConfig) -> Path:
     return Path(cfg.run.output_dir) / name
 
 
-def run(cfg: JobConfig, out: IO[str] | None = None) -> dict:
-    """Run the whole job for a validated config; returns the summary (also summary.json)."""
+def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None) -> dict:
+    """Run the whole job for a validated config; returns the summary (also summary.json).
+    With `run_dir`, continue that run from its newest good checkpoint."""
     if cfg.placement.strategy not in AVAILABLE_STRATEGIES:
         raise StrategyUnavailableError([
             f"placement.strategy: {cfg.placement.strategy!r} is not available yet; "
@@ -62,7 +64,19 @@ def run(cfg: JobConfig, out: IO[str] | None = None) -> dict:
     if cfg.placement.device == "cpu":
         torch.set_num_threads(cfg.placement.cpu_threads)
     t_start = time.perf_counter()
-    run_dir = _run_dir(cfg)
+    start_step = 0
+    if run_dir is None:  # a fresh run
+        run_dir = _run_dir(cfg)
+        if list_checkpoints(run_dir / "checkpoints") or (run_dir / "metrics.jsonl").exists():
+            raise ConfigError([f"run.name: {run_dir} already holds a run; continue it with "
+                               f"`rlhf-async resume {run_dir}` or choose another run.name"])
+    else:  # resume: the newest good checkpoint decides where the run continues
+        ck = load_latest(run_dir / "checkpoints")
+        if ck is None:
+            raise CheckpointError(f"no usable checkpoint in {run_dir / 'checkpoints'}")
+        start_step = ck.step
+        truncate_metrics(run_dir, start_step)
+        log.info("resuming", run_dir=str(run_dir), step=start_step, checkpoint=str(ck.path))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     task = SortDigitsTask(cfg.task)
@@ -77,9 +91,9 @@ def run(cfg: JobConfig, out: IO[str] | None = None) -> dict:
     if cfg.placement.strategy == "separation":
         from rlhf_async.pipeline.job import run_separation
 
-        result = run_separation(cfg, art, run_dir)
+        result = run_separation(cfg, art, run_dir, start_step)
     else:
-        result = run_flattening(cfg, art, run_dir)
+        result = run_flattening(cfg, art, run_dir, start_step)
     final_eval = evaluate(load_sft(result.policy_dir), reward_model, task, cfg)
     log.info("final policy evaluated", **final_eval)
     if cfg.run.plot:
@@ -87,7 +101,7 @@ def run(cfg: JobConfig, out: IO[str] | None = None) -> dict:
 
         plot_metrics(result.metrics_path, run_dir / "metrics.png",
                      f"{cfg.algo.name} on sort_digits (seed {cfg.run.seed})")
-    samples = cfg.train.steps * cfg.train.prompts_per_step * cfg.algo.group_size
+    samples = (cfg.train.steps - start_step) * cfg.train.prompts_per_step * cfg.algo.group_size
     summary = {
         "run_dir": str(run_dir), "algo": cfg.algo.name, "seed": cfg.run.seed,
         "strategy": cfg.placement.strategy, "devices": cfg.placement.devices,
@@ -120,6 +134,30 @@ def format_summary(s: dict) -> str:
         f"  time: SFT+RM {s['pretrain_seconds']:.1f}s, RL {s['rl_seconds']:.1f}s "
         f"({s['rl_samples_per_s']:.0f} samples/s), total {s['wall_seconds']:.1f}s\n"
         f"  policy: {s['run_dir']}/policy   curves: {s['run_dir']}/metrics.png\n")
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop records of steps at or after `step` (written after the checkpoint a resumed run
+    continues from; they are trained again)."""
+    for name in ("metrics.jsonl", "trained_samples.jsonl"):
+        path = run_dir / name
+        if path.exists():
+            keep = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", -1) < step]
+            path.write_text("".join(line + "\n" for line in keep))
+
+
+def resume_job(run_dir: str | Path) -> int:
+    """Continue RUN_DIR with the config it was started with; 0 on success."""
+    run_dir = Path(run_dir)
+    try:
+        data = json.loads((run_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{run_dir} is not a run directory (no config.json)") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {run_dir / 'config.json'}: {e}") from None
+    run(config_from_dict(data), sys.stdout, run_dir=run_dir)
+    return 0
 
 
 def run_job(config_path: str | None, overrides: list[str]) -> int:

@@ -32,6 +32,25 @@ class PipelineError(RuntimeError):
     """The pipeline cannot go on (a node died, the weight broadcast failed)."""
 
 
+async def wait_loaded(events: EventStream, node_ids: list[str], timeout: float) -> dict:
+    """Wait until every node has loaded its models (its `loaded` event); their payloads."""
+    waiting, loaded = set(node_ids), {}
+    deadline = time.monotonic() + timeout
+    while waiting:
+        try:
+            ev = await events.get(timeout=max(0.01, deadline - time.monotonic()))
+        except TimeoutError:
+            raise PipelineError(f"nodes did not load their models within {timeout:.0f}s: "
+                                f"{sorted(waiting)} (see RUN_DIR/logs)") from None
+        if ev.kind == "loaded":
+            waiting.discard(ev.node_id)
+            loaded[ev.node_id] = ev.payload
+        elif ev.kind == "node_dead":
+            raise PipelineError(f"node {ev.node_id} died while loading: "
+                                f"{(ev.payload or {}).get('reason')} (see RUN_DIR/logs)")
+    return loaded
+
+
 async def connect_weight_sync(coord: Coordinator, events: EventStream, cfg: JobConfig,
                               trainer: str, generators: list[str], host: str) -> GroupSpec:
     """Build the trainer -> generators broadcast group. The generators start joining before
@@ -66,7 +85,7 @@ class Driver:
         self.generators, self.chunks = generators, chunks_per_step
         self.policy = StalenessPolicy(cfg.algo.max_staleness, cfg.train.publish_every)
         self.task = SortDigitsTask(cfg.task)
-        self.applied = {g: start_step // cfg.train.publish_every for g in generators}
+        self.applied = {g: 0 for g in generators}  # every generator starts from the SFT
         self.published = min(self.applied.values())
         self.gate = asyncio.Event()
         self.next_step = self.start_step = start_step
@@ -85,6 +104,9 @@ class Driver:
 
     async def run(self) -> dict[str, Any]:
         dispatcher = asyncio.ensure_future(self._dispatch_loop())
+        if self.start_step:  # generators hold the SFT weights: send the checkpoint's
+            self._spawn(self.coord.command("trainer", "republish", None,
+                                           timeout=self.cfg.weight_sync.timeout_s + 10))
         try:
             while True:
                 get = asyncio.ensure_future(self.events.get())
@@ -126,9 +148,7 @@ class Driver:
         p = ev.payload if isinstance(ev.payload, dict) else {}
         if ev.kind == "publish":
             for gen in self.generators:
-                task = asyncio.ensure_future(self._forward(gen, p["plan"]))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._spawn(self._forward(gen, p["plan"]))
         elif ev.kind == "weights_applied":
             self.applied[ev.node_id] = int(p["version"])
             self.published = min(self.applied.values())
@@ -151,6 +171,11 @@ class Driver:
         elif ev.kind in ("node_dead", "weight_sync_failed"):
             raise PipelineError(f"node {ev.node_id} failed: {p.get('reason') or p.get('error')}")
         return False
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _forward(self, gen: str, plan: dict) -> None:
         try:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rlhf_async.config import JobConfig, to_dict
 from rlhf_async.coordinator import Coordinator
-from rlhf_async.pipeline.driver import Driver, PipelineError, connect_weight_sync
+from rlhf_async.pipeline.driver import Driver, PipelineError, connect_weight_sync, wait_loaded
 from rlhf_async.placement import Placement, ProcessPlacement, plan_placement
 from rlhf_async.runtime import NodeSpec, run_loop
 from rlhf_async.task.pretrain import Artefacts
@@ -47,7 +47,8 @@ def build_specs(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placem
     scored = f"ipc://{sock_dir}/scored"
     scorers = [f"ipc://{sock_dir}/{p.node_id}" for p in placement.by_role("scorer")]
     params = {"config": to_dict(cfg), "sft_dir": str(art.sft_dir), "rm_dir": str(art.rm_dir),
-              "policy_dir": str(run_dir / "policy")}
+              "policy_dir": str(run_dir / "policy"),
+              "checkpoint_dir": str(run_dir / "checkpoints")}
     endpoints = {
         "trainer": {"scored": Endpoint("pull", scored, bind=True, hwm=hwm)},
         "generator": {"prompts": Endpoint("pull", prompts, hwm=hwm),
@@ -71,7 +72,7 @@ def chunks_per_step(cfg: JobConfig, generators: int) -> int:
 
 
 async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placement,
-               sock_dir: str) -> dict:
+               sock_dir: str, start_step: int) -> dict:
     specs, prompts_addr = build_specs(cfg, art, run_dir, placement, sock_dir)
     gens = [p.node_id for p in placement.by_role("generator")]
     async with Transport() as transport, \
@@ -80,17 +81,23 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
         prompts = transport.channel(Endpoint("push", prompts_addr, bind=True, hwm=64))
         with coord.events() as events:
             await coord.launch(specs)
+            loaded = await wait_loaded(events, [s.node_id for s in specs], coord.ready_timeout)
+            if loaded["trainer"]["step"] != start_step:
+                raise PipelineError(f"the trainer restored step {loaded['trainer']['step']}, "
+                                    f"expected {start_step}")
             await connect_weight_sync(coord, events, cfg, "trainer", gens, "127.0.0.1")
             driver = Driver(cfg, coord, events, prompts, gens, run_dir,
-                            chunks_per_step(cfg, len(gens)))
+                            chunks_per_step(cfg, len(gens)), start_step)
             result = await coord.run_until_stop(driver.run())
         if result is None:
             raise PipelineError(f"run stopped before it finished: {coord.stop_reason}")
         return result
 
 
-def run_separation(cfg: JobConfig, art: Artefacts, run_dir: Path) -> PipelineResult:
-    """Run the RL phase as the Separation pipeline; returns where metrics and policy are."""
+def run_separation(cfg: JobConfig, art: Artefacts, run_dir: Path,
+                   start_step: int = 0) -> PipelineResult:
+    """Run the RL phase as the Separation pipeline from `start_step` (the trainer restores
+    the checkpoint of that step); returns where metrics and policy are."""
     placement = plan_placement(cfg.placement, cfg.algo.name)
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -98,7 +105,7 @@ def run_separation(cfg: JobConfig, art: Artefacts, run_dir: Path) -> PipelineRes
     sock_dir = tempfile.mkdtemp(prefix="rlhf-")  # short: unix socket paths are limited
     t0 = time.perf_counter()
     try:
-        result = run_loop(_run(cfg, art, run_dir, placement, sock_dir))
+        result = run_loop(_run(cfg, art, run_dir, placement, sock_dir, start_step))
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
     return PipelineResult(run_dir / "metrics.jsonl", Path(result["policy_dir"]),

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from rlhf_async import __version__
-from rlhf_async.cli import _demo_settings, main
+from rlhf_async.cli import main
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,33 +37,33 @@ def test_version(capsys):
     assert capsys.readouterr().out.strip() == f"rlhf-async {__version__}"
 
 
+def test_user_errors_are_one_line_exit_1(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--messages", "0"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--messages must be >= 1" in err[0], err
+
+
 @pytest.mark.parametrize(
-    ("argv", "fragment"),
+    ("argv", "fragments"),
     [
-        (["run", "missing.json"], "cannot read config missing.json"),
-        (["run", "colour=red"], "unknown setting 'colour'; accepted: floats, hwm"),
-        (["run", "messages=abc"], "must be int"),
-        (["run", "messages=0"], "must be >= 1"),
-        (["run", "transport=udp"], "accepted: ipc, tcp"),
-        (["demo", "--messages", "0"], "--messages must be >= 1"),
+        (["run", "missing.toml"], ["config file 'missing.toml': not found"]),
+        (["run", "colour=red"], ["colour: unknown key; accepted: run, model"]),
+        (["run", "train.steps=abc", "algo.name=dpo", "train.lr=-1"],
+         ["train.steps: expected integer", "algo.name: 'dpo' is not one of", "train.lr"]),
+        (["run", "placement.strategy=separation", "placement.devices=2",
+          "placement.generator=[0, 7]"], ["placement.generator: device ids [7] outside 0..1"]),
+        (["resume", "nowhere"], ["nowhere"]),
     ],
 )
-def test_user_errors_are_one_line_exit_1(argv, fragment, capsys, tmp_path, monkeypatch):
+def test_run_config_errors_list_every_problem_without_traceback(argv, fragments, capsys, tmp_path,
+                                                                 monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert main(argv) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and fragment in err[0], err
-
-
-def test_run_reads_json_config_and_overrides(tmp_path):
-    cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"messages": 5, "transport": "tcp"}))
-    assert _demo_settings(str(cfg), ["messages=7", "hwm=3"]) == \
-        {"messages": 7, "transport": "tcp", "hwm": 3}
-    assert _demo_settings("floats=9", []) == {"floats": 9}
-    cfg.write_text("[1, 2]")
-    with pytest.raises(Exception, match="must be a JSON object"):
-        _demo_settings(str(cfg), [])
+    assert main(argv) in (1, 2)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in err, err
 
 
 @pytest.mark.parametrize("command", ["status", "stop"])
