@@ -34,7 +34,17 @@ from rlhf_async.models import (
 from rlhf_async.task.sort_digits import VOCAB_SIZE, SortDigitsTask
 
 log = get_logger(component="pretrain")
-ARTEFACT_VERSION = 2  # bump when the synthetic data or training code changes
+ARTEFACT_VERSION = 2
+# The artefacts depend on this code too: any change to it gives new cache keys.
+_CODE_FILES = (Path(__file__), Path(__file__).with_name("sort_digits.py"),
+               Path(__file__).parents[1] / "models.py")
+
+
+def _code_hash() -> str:
+    h = hashlib.sha256()
+    for f in _CODE_FILES:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 @dataclass
@@ -54,7 +64,8 @@ def _model_identity(cfg: JobConfig) -> dict:
 
 
 def stage_key(cfg: JobConfig, stage: str) -> str:
-    parts = {"v": ARTEFACT_VERSION, "seed": cfg.run.seed, "model": _model_identity(cfg),
+    parts = {"v": ARTEFACT_VERSION, "code": _code_hash(), "seed": cfg.run.seed,
+             "model": _model_identity(cfg),
              "task": dataclasses.asdict(cfg.task), "sft": dataclasses.asdict(cfg.sft)}
     if stage == "rm":
         parts["rm"] = dataclasses.asdict(cfg.reward_model)

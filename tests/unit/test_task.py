@@ -59,3 +59,18 @@ def test_preference_labels_follow_hidden_score():
     assert sum(a > b for a, b in decided) / len(decided) > 0.95
     _, demos = task.demonstrations(0, 0, 50)
     assert all(d[-1] == EOS for d in demos)
+
+
+def test_cache_keys_follow_the_config_that_shapes_each_stage():
+    from rlhf_async.config import load_config
+    from rlhf_async.task.pretrain import stage_key
+
+    base = load_config(None, [])
+    rm_changed = load_config(None, ["reward_model.steps=7"])
+    sft_changed = load_config(None, ["sft.lr=0.1"])
+    rl_changed = load_config(None, ["train.lr=0.1", "algo.name=grpo"])
+    assert stage_key(base, "sft") == stage_key(rm_changed, "sft") == stage_key(rl_changed, "sft")
+    assert stage_key(base, "rm") != stage_key(rm_changed, "rm")
+    assert stage_key(base, "sft") != stage_key(sft_changed, "sft")
+    assert stage_key(base, "rm") != stage_key(sft_changed, "rm")
+    assert stage_key(base, "rm") == stage_key(rl_changed, "rm")
