@@ -1,8 +1,9 @@
 """Our own sampling loop with a KV cache, returning behaviour log-probs.
 
-Sampling is Gumbel-max over uniforms drawn per sample from a generator keyed by
-(seed, step, sample id): the same weights give the same tokens whatever the batch
-composition, batch order or process split.
+Sampling is inverse-CDF: one uniform per (sample, position), drawn from a generator keyed
+by (seed, step, sample id), so the same weights give the same tokens whatever the batch
+composition, batch order or process split. One uniform per token (not one per vocabulary
+entry, as Gumbel-max needs) keeps the noise tiny for 100k-token vocabularies.
 """
 
 from __future__ import annotations
@@ -32,10 +33,9 @@ class Generated:
     logprobs: Tensor  # [B, R] log pi_behaviour(token); 0 on padding
 
 
-def sampling_uniforms(seed: int, step: int, sample_ids: list[int], max_new_tokens: int,
-                      vocab_size: int) -> Tensor:
-    """[B, R, V] uniforms; row b depends only on (seed, step, sample_ids[b])."""
-    return keyed_uniform(seed, ("sample", step), sample_ids, (max_new_tokens, vocab_size))
+def sampling_uniforms(seed: int, step: int, sample_ids: list[int], max_new_tokens: int) -> Tensor:
+    """[B, R] uniforms; row b depends only on (seed, step, sample_ids[b])."""
+    return keyed_uniform(seed, ("sample", step), sample_ids, (max_new_tokens,))
 
 
 def _output_cache(out: object) -> object:
@@ -54,7 +54,7 @@ def _scaled_logprobs(logits: Tensor, params: SamplingParams) -> Tensor:
 @torch.no_grad()
 def generate(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
              uniforms: Tensor) -> Generated:
-    """Sample responses for left-padded prompts [B, P] using precomputed uniforms [B, R, V]."""
+    """Sample responses for left-padded prompts [B, P] using precomputed uniforms [B, R]."""
     was_training = actor.training
     actor.eval()
     B, R = prompt_ids.shape[0], params.max_new_tokens
@@ -65,7 +65,7 @@ def generate(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: 
     out = actor(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, use_cache=True)
     cache, logits = _output_cache(out), out.logits[:, -1]  # [B, V]
     next_pos = pos[:, -1:] + 1  # [B, 1]
-    gumbel = -torch.log(-torch.log(uniforms.to(device)))  # [B, R, V']
+    uniforms = uniforms.to(device)  # [B, R] float64
 
     tokens = torch.full((B, R), params.pad_id, dtype=torch.long, device=device)
     resp_mask = torch.zeros((B, R), dtype=torch.long, device=device)
@@ -73,8 +73,10 @@ def generate(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: 
     alive = torch.ones(B, dtype=torch.bool, device=device)
     for t in range(R):
         logp = _scaled_logprobs(logits, params)  # [B, V]
-        V = min(logp.shape[-1], gumbel.shape[-1])
-        tok = (logp[:, :V].double() + gumbel[:, t, :V]).argmax(dim=-1)
+        cdf = logp.double().exp().cumsum(dim=-1)  # [B, V]
+        # Scale u by the row's total so rounding in the sum can never select past the end.
+        target = uniforms[:, t: t + 1] * cdf[:, -1:]
+        tok = torch.searchsorted(cdf, target).squeeze(1).clamp(max=cdf.shape[-1] - 1)
         tok = torch.where(alive, tok, torch.full_like(tok, params.pad_id))
         tokens[:, t] = tok
         resp_mask[:, t] = alive.long()

@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
-from transformers import PreTrainedModel
 
 from rlhf_async import algorithms as A
 from rlhf_async.config import AlgoConfig, TrainConfig
@@ -27,12 +26,11 @@ from rlhf_async.rollout import PromptBatch, RolloutBatch
 __all__ = ["Learner", "PromptBatch", "RolloutBatch", "generate", "score"]
 
 
-def generate(actor: PreTrainedModel, prompts: PromptBatch, params: SamplingParams, seed: int,
+def generate(actor: nn.Module, prompts: PromptBatch, params: SamplingParams, seed: int,
              step: int, version: int) -> RolloutBatch:
     """Sample one response per row; noise keyed by (seed, step, sample id)."""
     ids = [int(s) for s in prompts.sample_ids]
-    vocab = int(actor.config.vocab_size)
-    u = sampling_uniforms(seed, step, ids, params.max_new_tokens, vocab)
+    u = sampling_uniforms(seed, step, ids, params.max_new_tokens)
     g = sample(actor, prompts.prompt_ids, prompts.prompt_mask, params, u)
     return RolloutBatch(prompts.prompt_ids, prompts.prompt_mask, g.response_ids,
                         g.response_mask, g.logprobs, prompts.sample_ids, prompts.group_ids,

@@ -26,31 +26,32 @@ def test_tokens_depend_only_on_sample_id_not_batch_composition():
     lm, (ids, mask) = tiny_lm(), prompts()
     sp = SamplingParams(max_new_tokens=6, eos_id=EOS, pad_id=PAD)
     sids = [10, 11, 12, 13]
-    full = generate(lm, ids, mask, sp, sampling_uniforms(7, 3, sids, 6, 16))
+    full = generate(lm, ids, mask, sp, sampling_uniforms(7, 3, sids, 6))
     order = [2, 0, 3]  # a different, smaller batch in another order
     part = generate(lm, ids[order], mask[order], sp,
-                    sampling_uniforms(7, 3, [sids[i] for i in order], 6, 16))
+                    sampling_uniforms(7, 3, [sids[i] for i in order], 6))
     assert torch.equal(part.response_ids, full.response_ids[order])
     assert torch.allclose(part.logprobs, full.logprobs[order], atol=1e-5)
-    other_step = generate(lm, ids, mask, sp, sampling_uniforms(7, 4, sids, 6, 16))
+    other_step = generate(lm, ids, mask, sp, sampling_uniforms(7, 4, sids, 6))
     assert not torch.equal(other_step.response_ids, full.response_ids)
 
 
 def test_masks_eos_padding_and_behaviour_logprobs():
     lm, (ids, mask) = tiny_lm(1), prompts()
+    ids, mask = ids.repeat(4, 1), mask.repeat(4, 1)  # 16 rows, each with its own noise
     sp = SamplingParams(max_new_tokens=8, eos_id=EOS, pad_id=PAD, temperature=0.7)
-    # force EOS early for row 0 by making its uniforms pick EOS at step 2
-    u = sampling_uniforms(0, 0, [0, 1, 2, 3], 8, 16)
-    u[0, 2, :] = 1e-12
-    u[0, 2, EOS] = 1 - 1e-12
-    g = generate(lm, ids, mask, sp, u)
-    assert g.response_ids.shape == (4, 8)
-    assert g.response_ids[0, 2] == EOS and g.response_mask[0].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
-    for b in range(4):
+    g = generate(lm, ids, mask, sp, sampling_uniforms(0, 0, list(range(16)), 8))
+    assert g.response_ids.shape == (16, 8)
+    lengths = g.response_mask.sum(1)
+    assert (lengths < 8).any() and (lengths == 8).any()  # both early EOS and truncation
+    for b in range(16):
         m = g.response_mask[b].bool()
         toks = g.response_ids[b]
-        if (toks[m] == EOS).any():  # nothing after EOS
-            assert int((toks[m] == EOS).nonzero()[0]) == int(m.sum()) - 1
+        assert m[: int(lengths[b])].all()  # the mask is a prefix
+        if (toks[m] == EOS).any():  # EOS is the last real token, nothing after it
+            assert int((toks[m] == EOS).nonzero()[0]) == int(lengths[b]) - 1
+        else:
+            assert lengths[b] == 8
         assert (toks[~m] == PAD).all() and (g.logprobs[b][~m] == 0).all()
     # behaviour log-probs equal a teacher-forced forward pass (same temperature)
     logits = response_logits(lm, ids, mask, g.response_ids, g.response_mask)
@@ -58,10 +59,22 @@ def test_masks_eos_padding_and_behaviour_logprobs():
     assert torch.allclose(lp, g.logprobs, atol=1e-4)
 
 
+def test_sampling_follows_the_distribution():
+    lm, (ids, mask) = tiny_lm(3), prompts()
+    ids, mask = ids[:1].repeat(4000, 1), mask[:1].repeat(4000, 1)
+    sp = SamplingParams(max_new_tokens=1, eos_id=EOS, pad_id=PAD)
+    g = generate(lm, ids, mask, sp, sampling_uniforms(0, 0, list(range(4000)), 1))
+    probs = torch.softmax(lm(input_ids=ids[:1], attention_mask=mask[:1],
+                             position_ids=(mask[:1].cumsum(1) - 1).clamp(min=0)).logits[0, -1],
+                          -1)
+    freq = torch.bincount(g.response_ids[:, 0], minlength=16).float() / 4000
+    assert (freq - probs).abs().max() < 0.03
+
+
 def test_top_k_restricts_choices():
     lm, (ids, mask) = tiny_lm(2), prompts()
     sp = SamplingParams(max_new_tokens=4, eos_id=EOS, pad_id=PAD, top_k=1)
-    g = generate(lm, ids, mask, sp, sampling_uniforms(0, 0, [0, 1, 2, 3], 4, 16))
+    g = generate(lm, ids, mask, sp, sampling_uniforms(0, 0, [0, 1, 2, 3], 4))
     greedy = response_logits(lm, ids, mask, g.response_ids, g.response_mask).argmax(-1)
     m = g.response_mask.bool()
     assert torch.equal(g.response_ids[m], greedy[m])
