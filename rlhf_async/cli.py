@@ -1,4 +1,4 @@
-"""`rlhf-async` command line: run, demo, status, stop, version.
+"""`rlhf-async` command line: run, plan, demo, status, stop, version.
 
 Expected user errors print one line on stderr and exit non-zero (2 for bad arguments);
 they never show a traceback.
@@ -42,6 +42,20 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--log-level", default="warning",
                      choices=("debug", "info", "warning", "error"))
 
+    plan = sub.add_parser("plan", help="print the placement and predicted cost; start nothing")
+    plan.add_argument("config", nargs="?", help="TOML config file (optional)")
+    plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+    plan.add_argument("--simulate", action="store_true",
+                      help="predict step time and memory per strategy for LLaMA-shaped models")
+    plan.add_argument("--gpu", default="H100", choices=("A100", "H100", "H200"))
+    plan.add_argument("--models", default="7B,13B,33B,65B", help="comma list of 7B 13B 33B 65B")
+    plan.add_argument("--gpus", default="8,16,32,64,128", help="comma list of GPU counts")
+    plan.add_argument("--calibrate", action="store_true",
+                      help="measure this machine (short runs) and write a calibration JSON")
+    plan.add_argument("--out", type=Path, default=Path("runs/calibration.json"),
+                      help="where --calibrate writes (use it as placement.calibration)")
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+
     resume = sub.add_parser("resume", help="continue a run from its newest good checkpoint")
     resume.add_argument("run_dir", type=Path, help="the run directory (runs/NAME)")
     resume.add_argument("--log-level", default="warning",
@@ -69,7 +83,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    handlers = {"run": _cmd_run, "resume": _cmd_resume, "demo": _cmd_demo,
+    handlers = {"run": _cmd_run, "plan": _cmd_plan, "resume": _cmd_resume, "demo": _cmd_demo,
                 "status": _cmd_status, "stop": _cmd_stop, "version": _cmd_version}
     from rlhf_async.config import ConfigError
 
@@ -99,6 +113,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if config is not None and "=" in config:  # `run key=value` without a config file
         config, overrides = None, [config, *overrides]
     return _job_errors(lambda: run_job(config, overrides))
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from rlhf_async.plan_cli import run_plan
+
+    configure_logging("warning")
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:  # `plan key=value` without a config file
+        config, overrides = None, [config, *overrides]
+    return run_plan(args, config, overrides)
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:

@@ -153,6 +153,17 @@ class PlacementConfig:
     generator: list[int] = opt([], "explicit device ids for generator shadows (separation)")  # noqa: RUF009
     generators: int = opt(1, "generator replicas (separation)", ge=1)
     scorers: int = opt(1, "scorer replicas, each holding reward + reference (separation)", ge=1)
+    replicas: list[str] = opt([], "per-model data-parallel replicas, e.g. ['reward=2']")  # noqa: RUF009
+    tensor_parallel: list[str] = opt([], "per-model tensor-parallel size, e.g. ['actor=2']")  # noqa: RUF009
+    backend: list[str] = opt([], "per-model runtime backend, e.g. ['shadow_actor=vllm'] "  # noqa: RUF009
+                             "(torch | hf | deepspeed | vllm)")
+    dtype: list[str] = opt([], "per-model dtype, e.g. ['reference=bf16'] (fp32 | bf16 | fp16)")  # noqa: RUF009
+    memory_gb: float = opt(0.0, "per-device memory budget for validation (GiB); 0 = the "
+                           "device's own", ge=0.0)
+    gpu: str = opt("H100", "GPU kind the cost model assumes when device = cuda",
+                   choices=("A100", "H100", "H200"))
+    calibration: str = opt("", "calibration JSON from `rlhf-async plan --calibrate`; empty = "
+                           "the built-in one")
 
 
 @dataclass

@@ -26,7 +26,7 @@ from rlhf_async.task import SortDigitsTask
 from rlhf_async.task.pretrain import load_reward_model, load_sft, prepare_artefacts
 
 log = get_logger(component="job")
-AVAILABLE_STRATEGIES = ("flattening", "separation")
+AVAILABLE_STRATEGIES = ("flattening", "interleaving", "separation", "auto")
 EVAL_STEP = -1  # key of the evaluation sampling noise; never a training step
 
 
@@ -61,6 +61,9 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None)
             f"placement.strategy: {cfg.placement.strategy!r} is not available yet; "
             f"available: {', '.join(AVAILABLE_STRATEGIES)}"])
     hf_logging.disable_progress_bar()
+    from rlhf_async.planner import prepare_run  # auto -> a strategy; placement validated
+
+    cfg = prepare_run(cfg)
     if cfg.placement.device == "cpu":
         torch.set_num_threads(cfg.placement.cpu_threads)
     t_start = time.perf_counter()
@@ -92,6 +95,10 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None)
         from rlhf_async.pipeline.job import run_separation
 
         result = run_separation(cfg, art, run_dir, start_step)
+    elif cfg.placement.strategy == "interleaving":
+        from rlhf_async.interleaving import run_interleaving
+
+        result = run_interleaving(cfg, art, run_dir, start_step)
     else:
         result = run_flattening(cfg, art, run_dir, start_step)
     final_eval = evaluate(load_sft(result.policy_dir), reward_model, task, cfg)

@@ -1,8 +1,11 @@
 """Placement as plain data: which node process runs which models on which devices.
 
-A strategy is a function from (placement config, algorithm) to a `Placement`; the job runner
-applies a `Placement`. A `Placement` prints as a table, round-trips through dicts and is
-validated as a whole (every problem in one `PlacementError`) before any process starts.
+A strategy is a preset function from (placement config, algorithm) to a `Placement`; the
+job runner applies a `Placement`. Every preset goes through the same mechanism: default
+device groups per model, then the per-model overrides of the config (devices, replicas,
+tensor parallelism, backend, dtype), then the processes that host them. A `Placement`
+prints as a table, round-trips through dicts and is validated as a whole (every problem in
+one `PlacementError`) before any process starts.
 
 Devices are slot numbers 0..devices-1: GPUs with `device = "cuda"`, CPU cores otherwise
 (one node thread per slot; nodes that share a slot take turns).
@@ -10,11 +13,15 @@ Devices are slot numbers 0..devices-1: GPUs with `device = "cuda"`, CPU cores ot
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 
 from rlhf_async.config import ConfigError, PlacementConfig
 
 TRAIN, INFER = "train", "infer"
+MODELS = ("actor", "critic", "reward", "reference", "shadow_actor")
+DTYPES = ("fp32", "bf16", "fp16")
+BACKENDS = ("torch", "hf", "deepspeed", "vllm")
+OVERRIDES = ("replicas", "tensor_parallel", "backend", "dtype")
 
 
 class PlacementError(ConfigError):
@@ -24,10 +31,23 @@ class PlacementError(ConfigError):
 @dataclass(frozen=True)
 class ProcessPlacement:
     node_id: str
-    role: str  # worker (flattening) | trainer | generator | scorer
+    role: str  # worker (flattening, interleaving) | trainer | generator | scorer
     models: tuple[str, ...]  # actor, critic, reward, reference, shadow_actor
     devices: tuple[int, ...]
     runtime: str  # train | infer
+
+
+@dataclass(frozen=True)
+class ModelPlacement:
+    """One model's device group and how it is run there."""
+
+    model: str
+    devices: tuple[int, ...]
+    replicas: int  # data-parallel copies (each on len(devices) // replicas devices)
+    tensor_parallel: int
+    runtime: str  # train | infer
+    backend: str  # torch | hf | deepspeed | vllm
+    dtype: str  # fp32 | bf16 | fp16
 
 
 @dataclass(frozen=True)
@@ -36,30 +56,129 @@ class Placement:
     device_kind: str
     num_devices: int
     processes: tuple[ProcessPlacement, ...]
+    models: tuple[ModelPlacement, ...] = field(default=())
+    reason: str = ""  # why `auto` chose this strategy; empty otherwise
 
     def by_role(self, role: str) -> list[ProcessPlacement]:
         return [p for p in self.processes if p.role == role]
+
+    def model(self, name: str) -> ModelPlacement | None:
+        return next((m for m in self.models if m.model == name), None)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def table(self) -> str:
-        rows = [("node", "role", "runtime", "devices", "models")]
-        rows += [(p.node_id, p.role, p.runtime,
-                  ",".join(f"{self.device_kind}:{d}" for d in p.devices), ", ".join(p.models))
-                 for p in self.processes]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        return f"strategy {self.strategy} on {self.num_devices} {self.device_kind} device(s)\n" + \
-            "\n".join(lines)
+        kind = self.device_kind
+        head = f"strategy {self.strategy} on {self.num_devices} {kind} device(s)"
+        procs = _columns([("node", "role", "runtime", "devices", "models")] + [
+            (p.node_id, p.role, p.runtime, ",".join(f"{kind}:{d}" for d in p.devices),
+             ", ".join(p.models)) for p in self.processes])
+        models = _columns([("model", "runtime", "devices", "replicas", "tp", "backend",
+                            "dtype")] + [
+            (m.model, m.runtime, _ranges(m.devices), str(m.replicas), str(m.tensor_parallel),
+             m.backend, m.dtype) for m in self.models])
+        why = f"\nwhy: {self.reason}" if self.reason else ""
+        return f"{head}{why}\n\nprocesses\n{procs}\n\nmodels\n{models}"
 
 
-def _flattening(cfg: PlacementConfig, algo: str) -> Placement:
-    models = ("actor", "critic", "reward", "reference") if algo == "ppo" else \
+def _columns(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _ranges(devs: tuple[int, ...]) -> str:
+    """(0, 1, 2, 5) -> '0-2,5'."""
+    runs: list[list[int]] = []
+    for d in devs:
+        if runs and runs[-1][1] == d - 1:
+            runs[-1][1] = d
+        else:
+            runs.append([d, d])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+# ---- per-model overrides ----------------------------------------------------------------
+
+def parse_overrides(cfg: PlacementConfig) -> tuple[dict[str, dict[str, object]], list[str]]:
+    """{model: {key: value}} from the `model=value` lists, and every problem found."""
+    out: dict[str, dict[str, object]] = {}
+    problems = []
+    for key in OVERRIDES:
+        for i, item in enumerate(getattr(cfg, key)):
+            path = f"placement.{key}[{i}]"
+            name, _, raw = item.partition("=")
+            name, raw = name.strip(), raw.strip()
+            if name not in MODELS or not raw:
+                problems.append(f"{path}: {item!r} is not MODEL=VALUE with MODEL one of "
+                                f"{', '.join(MODELS)}")
+                continue
+            value, problem = _override_value(key, raw)
+            if problem:
+                problems.append(f"{path}: {problem}")
+            else:
+                out.setdefault(name, {})[key] = value
+    return out, problems
+
+
+def _override_value(key: str, raw: str) -> tuple[object, str]:
+    if key in ("replicas", "tensor_parallel"):
+        ok = raw.isdigit() and int(raw) >= 1
+        return (int(raw), "") if ok else (None, f"{raw!r} is not an integer >= 1")
+    accepted = DTYPES if key == "dtype" else BACKENDS
+    return (raw, "") if raw in accepted else (None, f"{raw!r} is not one of "
+                                                    f"{', '.join(accepted)}")
+
+
+def _model(cfg: PlacementConfig, name: str, devices: list[int] | tuple[int, ...],
+           runtime: str, over: dict[str, dict[str, object]], replicas: int | None = None
+           ) -> ModelPlacement:
+    o = over.get(name, {})
+    tp = int(o.get("tensor_parallel", 1))  # type: ignore[call-overload]
+    default_reps = replicas if replicas is not None else max(1, len(devices) // tp)
+    default_dtype = "bf16" if cfg.device == "cuda" else "fp32"
+    default_backend = "torch"
+    return ModelPlacement(name, tuple(devices), int(o.get("replicas", default_reps)),  # type: ignore[call-overload]
+                          tp, runtime, str(o.get("backend", default_backend)),
+                          str(o.get("dtype", default_dtype)))
+
+
+def _halves(n: int) -> tuple[list[int], list[int]]:
+    """Reference on the first part, reward on the rest (the first gets the odd device)."""
+    cut = max(1, (n + 1) // 2)
+    return list(range(cut)), list(range(cut, n)) or [0]
+
+
+# ---- presets ----------------------------------------------------------------------------
+
+def _flattening(cfg: PlacementConfig, algo: str, over: dict) -> Placement:
+    names = ("actor", "critic", "reward", "reference") if algo == "ppo" else \
         ("actor", "reward", "reference")
-    procs = tuple(ProcessPlacement(f"worker{d}", "worker", models, (d,), TRAIN)
-                  for d in range(cfg.devices))
-    return Placement("flattening", cfg.device, cfg.devices, procs)
+    every = list(range(cfg.devices))
+    procs = tuple(ProcessPlacement(f"worker{d}", "worker", names, (d,), TRAIN)
+                  for d in every)
+    models = tuple(_model(cfg, m, every, TRAIN if m in ("actor", "critic") else INFER, over)
+                   for m in names)
+    return Placement("flattening", cfg.device, cfg.devices, procs, models)
+
+
+def _interleaving(cfg: PlacementConfig, algo: str, over: dict) -> Placement:
+    """Actor (+ critic) on every device; reference and reward on exclusive device groups,
+    so they score concurrently; a worker without a copy hands its rows to an owner."""
+    n = cfg.devices
+    ref_default, rw_default = _halves(n)
+    groups = {"actor": cfg.actor or list(range(n)), "critic": cfg.critic or list(range(n)),
+              "reference": cfg.reference or ref_default, "reward": cfg.reward or rw_default}
+    if algo != "ppo":
+        del groups["critic"]
+    models = tuple(_model(cfg, m, sorted(devs), TRAIN if m in ("actor", "critic") else INFER,
+                          over) for m, devs in groups.items())
+    procs = []
+    for d in range(n):
+        here = tuple(m for m, devs in groups.items() if d in devs)
+        runtime = TRAIN if {"actor", "critic"} & set(here) else INFER
+        procs.append(ProcessPlacement(f"worker{d}", "worker", here, (d,), runtime))
+    return Placement("interleaving", cfg.device, n, tuple(procs), models)
 
 
 def _spread(devices: list[int], replicas: int) -> list[tuple[int, ...]]:
@@ -69,7 +188,7 @@ def _spread(devices: list[int], replicas: int) -> list[tuple[int, ...]]:
     return [(devices[i % len(devices)],) for i in range(replicas)]
 
 
-def _separation(cfg: PlacementConfig, algo: str) -> Placement:
+def _separation(cfg: PlacementConfig, algo: str, over: dict) -> Placement:
     """Trainer (actor + critic) apart from the inference side: shadow actors and scorers.
 
     Defaults: the trainer on device 0, generators on the other devices, scorers sharing the
@@ -81,33 +200,52 @@ def _separation(cfg: PlacementConfig, algo: str) -> Placement:
     generator = cfg.generator or rest
     scorer = cfg.reward or cfg.reference or generator
     train_models = ("actor", "critic") if algo == "ppo" else ("actor",)
+    gens = int(over.get("shadow_actor", {}).get("replicas", cfg.generators))
     procs = [ProcessPlacement("trainer", "trainer", train_models, tuple(trainer), TRAIN)]
     procs += [ProcessPlacement(f"gen{i}", "generator", ("shadow_actor",), d, INFER)
-              for i, d in enumerate(_spread(generator, cfg.generators))]
+              for i, d in enumerate(_spread(generator, gens))]
     procs += [ProcessPlacement(f"scorer{i}", "scorer", ("reward", "reference"), d, INFER)
               for i, d in enumerate(_spread(scorer, cfg.scorers))]
-    return Placement("separation", cfg.device, n, tuple(procs))
+    models = [_model(cfg, m, trainer, TRAIN, over) for m in train_models]
+    models.append(_model(cfg, "shadow_actor", sorted(set(generator)), INFER, over, gens))
+    models += [_model(cfg, m, sorted(set(scorer)), INFER, over, cfg.scorers)
+               for m in ("reward", "reference")]
+    return Placement("separation", cfg.device, n, tuple(procs), tuple(models))
 
 
-STRATEGIES = {"flattening": _flattening, "separation": _separation}
+STRATEGIES = {"flattening": _flattening, "interleaving": _interleaving,
+              "separation": _separation}
 
 
-def plan_placement(cfg: PlacementConfig, algo: str) -> Placement:
-    """The validated placement for a config; PlacementError lists every problem."""
-    problems = _config_problems(cfg)
-    if cfg.strategy not in STRATEGIES:
-        problems.append(f"placement.strategy: {cfg.strategy!r} cannot be placed yet; "
-                        f"available: {', '.join(STRATEGIES)}")
-    if problems:
-        raise PlacementError(problems)
-    placement = STRATEGIES[cfg.strategy](cfg, algo)
-    problems = validate(placement)
-    if problems:
+def plan_placement(cfg: PlacementConfig, algo: str, *, runnable: bool = True) -> Placement:
+    """The validated placement for a config; PlacementError lists every problem.
+
+    `runnable=False` plans without the limits of this build's runners (e.g. a multi-device
+    Separation trainer), for the planner's simulations of clusters we do not have."""
+    placement, problems = build_placement(cfg, algo, runnable=runnable)
+    if problems or placement is None:
         raise PlacementError(problems)
     return placement
 
 
-def _config_problems(cfg: PlacementConfig) -> list[str]:
+def build_placement(cfg: PlacementConfig, algo: str, *, runnable: bool = True
+                    ) -> tuple[Placement | None, list[str]]:
+    """The placement (None when the config cannot be placed at all) and every problem."""
+    over, problems = parse_overrides(cfg)
+    problems += _config_problems(cfg, runnable)
+    if cfg.strategy not in STRATEGIES:
+        problems.append(f"placement.strategy: {cfg.strategy!r} cannot be placed directly; "
+                        f"available: {', '.join(STRATEGIES)} (auto: see planner.plan_job)")
+        return None, problems
+    placement = STRATEGIES[cfg.strategy](cfg, algo, over)
+    return placement, problems + validate(placement)
+
+
+def with_reason(p: Placement, reason: str) -> Placement:
+    return replace(p, reason=reason)
+
+
+def _config_problems(cfg: PlacementConfig, runnable: bool) -> list[str]:
     out = []
     for key in ("actor", "critic", "reward", "reference", "generator"):
         bad = [d for d in getattr(cfg, key) if not 0 <= d < cfg.devices]
@@ -121,19 +259,28 @@ def _config_problems(cfg: PlacementConfig) -> list[str]:
         if cfg.reward and cfg.reference and sorted(cfg.reward) != sorted(cfg.reference):
             out.append("placement.reference: separation scores reward and reference in one "
                        "scorer process; give them the same devices or leave one empty")
-        if len(cfg.actor) > 1:
+        if runnable and len(cfg.actor) > 1:
             out.append(f"placement.actor: the separation trainer is one process on one device "
                        f"for now, got {cfg.actor}")
+    if cfg.strategy == "interleaving" and cfg.devices < 2:
+        out.append("placement.devices: interleaving needs >= 2 devices (reference and reward "
+                   "on exclusive groups); use flattening on one device")
     return out
 
 
 def validate(p: Placement) -> list[str]:
-    """Conflicts of a placement, all of them: roles missing, devices out of range or
-    shared between a training runtime and anything else."""
+    """Conflicts of a placement, all of them: roles or models missing, devices out of
+    range, over-subscribed or shared between training and inference where the strategy
+    keeps them apart, tensor-parallel sizes that do not divide a model's devices."""
     out = []
     roles = {q.role for q in p.processes}
-    need = {"worker"} if p.strategy == "flattening" else {"trainer", "generator", "scorer"}
+    need = {"worker"} if p.strategy in ("flattening", "interleaving") else \
+        {"trainer", "generator", "scorer"}
     out += [f"placement: no {r} process" for r in sorted(need - roles)]
+    hosted = {m for q in p.processes for m in q.models}
+    out += [f"placement: no process hosts the {m} model" for m in ("actor", "reward",
+                                                                    "reference")
+            if m not in hosted]
     ids = [q.node_id for q in p.processes]
     out += [f"placement: node id {i!r} used twice" for i in sorted({i for i in ids
                                                                      if ids.count(i) > 1})]
@@ -142,6 +289,7 @@ def validate(p: Placement) -> list[str]:
         if bad or not q.devices:
             out.append(f"placement: {q.node_id} on devices {list(q.devices)}, "
                        f"accepted 0..{p.num_devices - 1}")
+    out += _model_problems(p)
     if p.strategy == "separation" and p.num_devices > 1:
         train = {d for q in p.processes if q.runtime == TRAIN for d in q.devices}
         for q in p.processes:
@@ -149,4 +297,46 @@ def validate(p: Placement) -> list[str]:
             if shared:
                 out.append(f"placement: {q.node_id} ({q.role}) shares device(s) {shared} with "
                            "the trainer; separation keeps training and inference apart")
+    return out
+
+
+def _model_problems(p: Placement) -> list[str]:
+    out = []
+    for m in p.models:
+        key = f"placement.tensor_parallel ({m.model})"
+        if len(m.devices) % m.tensor_parallel:
+            out.append(f"{key}: {m.tensor_parallel} does not divide the {len(m.devices)} "
+                       f"device(s) of {m.model} ({_ranges(m.devices)})")
+        elif m.tensor_parallel > 1 and m.replicas * m.tensor_parallel > len(m.devices):
+            out.append(f"placement.replicas ({m.model}): {m.replicas} replica(s) x tensor "
+                       f"parallel {m.tensor_parallel} over-subscribe its {len(m.devices)} "
+                       "device(s)")
+    if p.strategy == "interleaving":
+        ref, rw = p.model("reference"), p.model("reward")
+        shared = sorted(set(ref.devices) & set(rw.devices)) if ref and rw else []
+        if shared:
+            out.append(f"placement.reward: devices {shared} also hold the reference; "
+                       "interleaving puts them on exclusive groups so they score concurrently")
+    return out
+
+
+def runner_problems(p: Placement) -> list[str]:
+    """What this build's CPU/torch runners cannot execute (the plan itself may be valid):
+    tensor parallelism and the deepspeed/vllm backends need their optional extras."""
+    out = []
+    for m in p.models:
+        if m.tensor_parallel > 1:
+            out.append(f"placement.tensor_parallel: {m.model}={m.tensor_parallel} needs the "
+                       "deepspeed/vllm backends, which this build does not run; use 1")
+        if m.backend in ("deepspeed", "vllm"):
+            out.append(f"placement.backend: {m.model}={m.backend} is not installed; accepted "
+                       "here: torch, hf")
+        if m.dtype != "fp32" and not (p.strategy == "interleaving"
+                                      and m.model in ("reward", "reference")):
+            out.append(f"placement.dtype: {m.model}={m.dtype} is run only for the frozen "
+                       "reward/reference models under interleaving; use fp32")
+        default_reps = len(m.devices) // m.tensor_parallel
+        if p.strategy != "separation" and m.replicas != default_reps:
+            out.append(f"placement.replicas: {m.model}={m.replicas}; under {p.strategy} a "
+                       f"model has one replica per device of its group ({default_reps})")
     return out

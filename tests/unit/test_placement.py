@@ -1,7 +1,7 @@
 import pytest
 
 from rlhf_async.config import PlacementConfig
-from rlhf_async.placement import PlacementError, plan_placement
+from rlhf_async.placement import PlacementError, plan_placement, runner_problems
 
 
 def test_separation_defaults_keep_training_apart():
@@ -33,3 +33,61 @@ def test_every_conflict_is_reported_at_once():
     cfg = PlacementConfig(strategy="separation", devices=2, actor=[0], generator=[0])
     with pytest.raises(PlacementError, match="shares device"):
         plan_placement(cfg, "ppo")
+
+
+def test_interleaving_puts_reference_and_reward_on_exclusive_groups():
+    p = plan_placement(PlacementConfig(strategy="interleaving", devices=4), "ppo")
+    assert p.model("reference").devices == (0, 1) and p.model("reward").devices == (2, 3)
+    assert p.model("actor").devices == (0, 1, 2, 3) and p.model("actor").replicas == 4
+    assert [q.models for q in p.processes][0] == ("actor", "critic", "reference")
+    assert [q.models for q in p.processes][3] == ("actor", "critic", "reward")
+    odd = plan_placement(PlacementConfig(strategy="interleaving", devices=3), "grpo")
+    assert odd.model("reference").devices == (0, 1) and odd.model("reward").devices == (2,)
+    assert odd.model("critic") is None
+    text = p.table()
+    assert "reference  infer    0-1" in text and "reward     infer    2-3" in text
+
+
+def test_overrides_apply_to_every_preset():
+    over = dict(devices=4, tensor_parallel=["reward=2"], dtype=["reference=bf16"],
+                backend=["actor=deepspeed"])
+    for strategy in ("flattening", "interleaving", "separation"):
+        extra = dict(generator=[1], reward=[2, 3]) if strategy == "separation" else {}
+        p = plan_placement(PlacementConfig(strategy=strategy, **over, **extra), "ppo",
+                           runnable=False)
+        assert p.model("reference").dtype == "bf16", strategy
+        assert p.model("actor").backend == "deepspeed", strategy
+        assert p.model("reward").tensor_parallel == 2, strategy
+    sep = plan_placement(PlacementConfig(strategy="separation", devices=4,
+                                         replicas=["shadow_actor=3"]), "ppo")
+    assert len(sep.by_role("generator")) == 3 and sep.model("shadow_actor").replicas == 3
+
+
+def test_placement_problems_are_all_reported_together():
+    cfg = PlacementConfig(strategy="interleaving", devices=4, reward=[0, 1, 2],
+                          tensor_parallel=["reward=2", "critic=two"], dtype=["nope=bf16"])
+    with pytest.raises(PlacementError) as e:
+        plan_placement(cfg, "ppo")
+    text = "\n".join(e.value.problems)
+    assert "'two' is not an integer" in text and "'nope=bf16' is not MODEL=VALUE" in text
+    cfg = PlacementConfig(strategy="interleaving", devices=4, reward=[0, 1, 2],
+                          tensor_parallel=["reward=2"])
+    with pytest.raises(PlacementError) as e:
+        plan_placement(cfg, "ppo")
+    assert len(e.value.problems) == 2
+    assert "2 does not divide the 3 device(s) of reward (0-2)" in e.value.problems[0]
+    assert "also hold the reference" in e.value.problems[1]
+    with pytest.raises(PlacementError, match="interleaving needs >= 2 devices"):
+        plan_placement(PlacementConfig(strategy="interleaving", devices=1), "ppo")
+
+
+def test_runner_limits_are_separate_from_plan_validity():
+    p = plan_placement(PlacementConfig(strategy="flattening", devices=2,
+                                       tensor_parallel=["actor=2"], backend=["reward=vllm"]),
+                       "ppo")
+    problems = runner_problems(p)
+    assert any("actor=2 needs the deepspeed/vllm" in x for x in problems)
+    assert any("reward=vllm is not installed" in x for x in problems)
+    ok = plan_placement(PlacementConfig(strategy="interleaving", devices=2,
+                                        dtype=["reference=bf16"]), "ppo")
+    assert runner_problems(ok) == []

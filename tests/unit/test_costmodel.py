@@ -1,0 +1,120 @@
+"""Cost model and planner: hand-checked memory and phase arithmetic, what makes Flattening
+slow at scale, `auto`'s choice and reason, and the `plan` command."""
+
+import dataclasses
+import json
+
+import pytest
+
+from rlhf_async.cli import main
+from rlhf_async.config import ConfigError, PlacementConfig, load_config
+from rlhf_async.costmodel import (DEVICES, GiB, LLAMA, Calibration, DeviceSpec, ModelShape,
+                                  Workload, memory_plan, predict)
+from rlhf_async.placement import PlacementError, plan_placement
+from rlhf_async.planner import choose, load_calibration, plan_job, resolve_auto, simulate
+
+SHAPE = ModelShape("toy", 1e6, 2, 64, 16)
+BIG_MEMORY = DeviceSpec("test", 1e12, 100 * GiB, 1e11, 1e10, 1e9, 8)
+WORK = Workload(samples=64, prompt_len=8, gen_len=8, epochs=2, minibatches=2)
+
+
+def _placement(strategy, n=2, **kw):
+    return plan_placement(PlacementConfig(strategy=strategy, devices=n, **kw), "ppo",
+                          runnable=False)
+
+
+def test_memory_is_summed_per_device_and_sharded_only_when_needed():
+    mem, zero3 = memory_plan(_placement("flattening"), SHAPE, BIG_MEMORY)
+    # actor + critic: 16 bytes/param each; reward + reference: fp32 on cpu, 4 bytes each
+    assert not zero3 and mem == {0: 40e6, 1: 40e6}
+    small = dataclasses.replace(BIG_MEMORY, memory=40e6)  # budget 36 MB: must shard
+    mem, zero3 = memory_plan(_placement("flattening"), SHAPE, small)
+    assert zero3 and mem == {0: 20e6, 1: 20e6}
+    mem, _ = memory_plan(_placement("interleaving", 4), SHAPE, BIG_MEMORY)
+    assert mem == {0: 36e6, 1: 36e6, 2: 36e6, 3: 36e6}  # one frozen model per device
+
+
+def test_interleaving_scores_once_per_device_where_flattening_scores_twice():
+    cal = Calibration(score_call_s=1.0, score_eff=1.0)  # fixed cost dominates scoring
+    flat = predict(_placement("flattening"), SHAPE, WORK, BIG_MEMORY, cal)
+    inter = predict(_placement("interleaving"), SHAPE, WORK, BIG_MEMORY, cal)
+    assert flat.phases["score"] == pytest.approx(2 * SHAPE.layers * 1.0, rel=1e-3)
+    assert inter.phases["score"] == pytest.approx(SHAPE.layers * 1.0, rel=1e-2)  # + gather
+
+
+def test_separation_overlaps_only_with_staleness():
+    p = _placement("separation", 3, generator=[1], reward=[2])
+    k0 = predict(p, SHAPE, WORK, BIG_MEMORY, Calibration())
+    k1 = predict(p, SHAPE, dataclasses.replace(WORK, max_staleness=1), BIG_MEMORY,
+                 Calibration())
+    ph = k0.phases
+    # generator and scorers on their own devices overlap each other (chunks), not training
+    assert k0.step_s == pytest.approx(max(ph["generate"], ph["score"]) + ph["train"]
+                                      + ph["sync"])
+    # with staleness they overlap the trainer too
+    assert k1.step_s == pytest.approx(max(ph["generate"], ph["score"],
+                                          ph["train"] + ph["sync"]))
+
+
+def test_flattening_at_scale_gathers_weights_every_token_and_loses_to_separation():
+    n, shape = 64, LLAMA["13B"]
+    work = Workload(samples=1024, prompt_len=512, gen_len=480)
+    flat = predict(_placement("flattening", n, device="cuda"), shape, work, DEVICES["H100"],
+                   Calibration())
+    assert flat.feasible and any("gathers" in note for note in flat.notes)
+    rows = simulate("H100", ["13B"], [n])
+    best = {r["strategy"]: r for r in rows}
+    assert best["flattening"]["step_s"] == pytest.approx(flat.step_s)
+    assert best["separation k=0"]["step_s"] < flat.step_s / 3
+    assert best["separation k=1"]["step_s"] <= best["separation k=0"]["step_s"]
+
+
+def test_kv_cache_left_over_bounds_generation_passes():
+    tight = dataclasses.replace(DEVICES["H100"], memory=40 * GiB)
+    p = _placement("separation", 4, device="cuda", generator=[1], reward=[2, 3])
+    pred = predict(p, LLAMA["7B"],
+                   Workload(samples=512, prompt_len=512, gen_len=480), tight, Calibration())
+    assert any("generation passes" in n for n in pred.notes)
+
+
+def test_auto_picks_the_predicted_fastest_and_says_why():
+    cfg = load_config(None, ["placement.strategy=auto", "placement.devices=2"])
+    placement, reason = choose(cfg)
+    for name in ("flattening", "interleaving", "separation"):
+        assert name in reason
+    assert f"{placement.strategy} is the fastest feasible" in reason
+    assert resolve_auto(cfg).placement.strategy == placement.strategy
+    one = load_config(None, ["placement.strategy=auto", "placement.devices=1"])
+    _, reason = choose(one)
+    assert "interleaving not possible" in reason
+
+
+def test_plan_job_reports_memory_over_budget_with_placement_conflicts():
+    cfg = load_config(None, ["placement.strategy=interleaving", "placement.devices=2",
+                             "placement.reward=[0]", "placement.memory_gb=0.0001"])
+    with pytest.raises(PlacementError) as e:
+        plan_job(cfg)
+    text = "\n".join(e.value.problems)
+    assert "also hold the reference" in text and "predicted memory over budget" in text
+
+
+def test_bad_calibration_file_is_one_config_error(tmp_path):
+    bad = tmp_path / "cal.json"
+    bad.write_text(json.dumps({"calibration": {"gen_eff": 0.5, "warp": 9}}))
+    with pytest.raises(ConfigError, match="not a calibration JSON"):
+        load_calibration(str(bad))
+    with pytest.raises(ConfigError, match="not found"):
+        load_calibration(str(tmp_path / "missing.json"))
+
+
+def test_plan_command_prints_table_and_simulation(capsys):
+    assert main(["plan", "placement.strategy=interleaving", "placement.devices=4"]) == 0
+    out = capsys.readouterr().out
+    assert "worker3" in out and "predicted step" in out and "reward     infer    2-3" in out
+    assert main(["plan", "--simulate", "--models", "7B", "--gpus", "8,16", "--gpu",
+                 "A100"]) == 0
+    out = capsys.readouterr().out
+    assert "Assumptions:" in out and "| 7B | 16 | separation k=0 |" in out
+    assert main(["plan", "--simulate", "--gpus", "eight"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "--gpus" in err[1]
