@@ -2,8 +2,9 @@
 
 Weights arrive by broadcast from the trainer: a background task receives them while this
 loop keeps generating, and they are swapped in between two generation steps, never during
-one. Every rollout carries the weight version that produced it; the coordinator learns the
-new version only after the swap (the `weights_applied` event).
+one. Every rollout carries the weight version that produced it and the lineage (trainer
+incarnation) of those weights; the coordinator learns the new version only after the swap
+(the `weights_applied` event).
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import torch
 from nodes.common import load_job, message_errors
 from rlhf_async.config import weight_sync_backend
 from rlhf_async.pipeline.stage import StageClock
-from rlhf_async.pipeline.wire import prompts_from_message, rollout_message
+from rlhf_async.pipeline.wire import SFT_LINEAGE, prompts_from_message, rollout_message
 from rlhf_async.roles import generate
 from rlhf_async.runtime import Node
 from rlhf_async.task.pretrain import load_sft
-from rlhf_async.weight_sync import GroupSpec, WeightSyncError, load_into_module, make_receiver
+from rlhf_async.weight_sync import (GroupSpec, WeightSyncError, load_into_module,
+                                    make_receiver)
 
 
 async def main(node: Node) -> None:
@@ -28,28 +30,23 @@ async def main(node: Node) -> None:
     # version 0 = the SFT policy; loaded off the loop so heartbeats go on
     actor = await asyncio.to_thread(lambda: load_sft(job.art.sft_dir).to(job.device))
     receiver = make_receiver(weight_sync_backend(job.cfg), device=job.device)
-    state = {"version": 0}
+    state = {"version": 0, "lineage": SFT_LINEAGE}
     swap = asyncio.Lock()  # held by generation and by the weight swap: one at a time
     received = asyncio.Lock()  # one update in flight: the receiver's staging is reused
-    clock = StageClock()
 
     async def connect(payload: dict) -> dict:
+        """Join (or re-join under a new epoch) the trainer's broadcast group."""
         spec, rank = GroupSpec.from_dict(payload["spec"]), int(payload["rank"])
-        node.transport.spawn(_connect(spec, rank), name="weight-sync-connect")
-        return {"connecting": spec.group_name}
-
-    async def _connect(spec: GroupSpec, rank: int) -> None:
-        try:
+        async with received:
             await asyncio.to_thread(receiver.connect, spec, rank)
-            await node.emit("weight_sync_connected", {"group": spec.group_name})
-        except WeightSyncError as e:
-            await node.emit("weight_sync_failed", {"error": str(e)})
+        return {"connected": spec.group_name}
 
-    async def update(plan: dict) -> dict:
-        node.transport.spawn(_update(plan), name=f"weights-v{plan.get('version')}")
-        return {"receiving": plan.get("version")}
+    async def update(payload: dict) -> dict:
+        node.transport.spawn(_update(payload["plan"], payload["lineage"]),
+                             name=f"weights-v{payload['plan'].get('version')}")
+        return {"receiving": payload["plan"].get("version")}
 
-    async def _update(plan: dict) -> None:
+    async def _update(plan: dict, lineage: str) -> None:
         t0 = time.perf_counter()
         try:
             async with received:
@@ -57,14 +54,14 @@ async def main(node: Node) -> None:
                 # copy out of the staging buffer so the next update can land while this
                 # one waits for the current generation step to finish
                 pending = {k: v.clone() for k, v in weights.tensors.items()}
-        except WeightSyncError as e:
+            t1 = time.perf_counter()
+            async with swap:
+                load_into_module(actor, pending)
+                state.update(version=weights.version, lineage=lineage)
+        except WeightSyncError as e:  # the group broke (a peer died): regrouped and re-sent
             await node.emit("weight_sync_failed", {"error": str(e)})
             return
-        t1 = time.perf_counter()
-        async with swap:
-            load_into_module(actor, pending)
-            state["version"] = weights.version
-        await node.emit("weights_applied", {"version": weights.version,
+        await node.emit("weights_applied", {"version": weights.version, "lineage": lineage,
                                             "receive_s": t1 - t0,
                                             "swap_wait_s": time.perf_counter() - t1},
                         weight_version=weights.version)
@@ -73,7 +70,7 @@ async def main(node: Node) -> None:
     node.on_command("update_weights", update)
     await node.emit("loaded", {"version": 0})
     sampling, seed = job.sampling, job.cfg.run.seed
-    inp, out = node.socket("prompts"), node.socket("rollouts")
+    inp, out, clock = node.socket("prompts"), node.socket("rollouts"), StageClock()
     torch.set_grad_enabled(False)
     while not node.stopping:
         await node.wait_resumed()
@@ -85,10 +82,10 @@ async def main(node: Node) -> None:
             node.log.warning("bad_prompt_chunk", error=str(e))
             continue
         async with swap:  # weights cannot change under a generation step
-            version = state["version"]
+            version, lineage = state["version"], state["lineage"]
             batch = await clock.busy(asyncio.to_thread(
                 generate, actor, prompts.to(job.device), sampling, seed, cid.step, version))
-        await out.send(rollout_message("rollout", cid, batch.to("cpu"), node.node_id))
+        await out.send(rollout_message("rollout", cid, batch.to("cpu"), node.node_id, lineage))
         node.info.update(clock.snapshot(), version=version)
         await node.emit("generated", {**cid.meta(), "version": version, **clock.snapshot()},
                         step=cid.step, weight_version=version)

@@ -9,7 +9,7 @@ import torch
 from nodes.common import Job, load_job, message_errors
 from rlhf_async.models import frozen_copy
 from rlhf_async.pipeline.stage import StageClock
-from rlhf_async.pipeline.wire import rollout_from_message, rollout_message
+from rlhf_async.pipeline.wire import lineage_of, rollout_from_message, rollout_message
 from rlhf_async.roles import score
 from rlhf_async.runtime import Node
 from rlhf_async.task import SortDigitsTask
@@ -30,13 +30,15 @@ async def main(node: Node) -> None:
         msg = await clock.idle(inp.recv())
         try:
             cid, batch = rollout_from_message(msg, "rollout")
+            lineage = lineage_of(msg)
         except message_errors() as e:
             node.counters["rejected.chunk"] += 1
             node.log.warning("bad_rollout", error=str(e))
             continue
         scored = await clock.busy(asyncio.to_thread(
             score, reward_model, reference, batch.to(job.device), T, task.hidden_scores))
-        await out.send(rollout_message("scored_rollout", cid, scored.to("cpu"), node.node_id))
+        await out.send(rollout_message("scored_rollout", cid, scored.to("cpu"), node.node_id,
+                                       lineage))
         node.info.update(clock.snapshot())
         await node.emit("scored", {**cid.meta(), **clock.snapshot()}, step=cid.step)
 

@@ -9,6 +9,7 @@ A chunk or sample seen before is dropped too, so every prompt is trained on exac
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from rlhf_async.config import JobConfig, weight_sync_backend
 from rlhf_async.models import save_policy
 from rlhf_async.pipeline.stage import StageClock
 from rlhf_async.pipeline.assembler import BatchAssembler
-from rlhf_async.pipeline.wire import rollout_from_message
+from rlhf_async.pipeline.wire import SFT_LINEAGE, lineage_of, rollout_from_message
 from rlhf_async.roles import Learner
 from rlhf_async.protocol import Message
 from rlhf_async.runtime import Node
@@ -41,23 +42,25 @@ async def main(node: Node) -> None:
     sender = make_sender(weight_sync_backend(cfg), device=job.device,
                          bucket_mb=cfg.weight_sync.bucket_mb)
     weights_lock = asyncio.Lock()  # the actor must not change while a broadcast reads it
+    lineage = os.urandom(4).hex()  # this incarnation's weights (see wire.SFT_LINEAGE)
 
     async def prepare(payload: dict) -> dict:
         return sender.prepare(GroupSpec.from_dict(payload["spec"])).to_dict()
 
-    async def connect(payload: dict) -> dict:
+    async def connect(payload: dict) -> dict:  # (re)build the group; never under a send
         spec = GroupSpec.from_dict(payload["spec"])
-        await asyncio.to_thread(sender.connect, spec)
+        async with weights_lock:
+            await asyncio.to_thread(sender.connect, spec)
         return {"connected": spec.group_name}
 
     async def republish(_: object) -> dict:  # after a resume or a regrouped broadcast
         async with weights_lock:
-            return await _publish(node, sender, learner, cfg.train.publish_every, force=True)
+            return await _publish(node, sender, learner, lineage, force=True)
 
     node.on_command("weight_sync_prepare", prepare)
     node.on_command("weight_sync_connect", connect)
     node.on_command("republish", republish)
-    await node.emit("loaded", {"step": start, "version": learner.version})
+    await node.emit("loaded", {"step": start, "version": learner.version, "lineage": lineage})
     inp, clock = node.socket("scored"), StageClock()
     batches = BatchAssembler(start)
     steps, every = cfg.train.steps, cfg.run.checkpoint_every
@@ -67,14 +70,14 @@ async def main(node: Node) -> None:
             msg = await clock.idle(inp.recv(timeout=0.5))
         except TimeoutError:
             continue
-        if not _accept(node, msg, batches, policy):
+        if not _accept(node, msg, batches, policy, lineage):
             continue
         while (full := batches.pop_ready()) is not None:
             step = batches.next_step - 1
             async with weights_lock:
                 metrics = await clock.busy(asyncio.to_thread(learner.train_step,
                                                              full.to(job.device)))
-                sync = await _publish(node, sender, learner, cfg.train.publish_every)
+                sync = await _publish(node, sender, learner, lineage)
             if every and (step + 1) % every == 0 and step + 1 < steps:
                 await _checkpoint(node, ckpt_dir, step + 1, learner, policy, cfg)
             await node.emit("trained", {
@@ -102,10 +105,13 @@ def _learner(job: Job) -> Learner:
                    job.cfg.generation.temperature)
 
 
-def _accept(node: Node, msg: Message, batches: BatchAssembler, policy: StalenessPolicy) -> bool:
+def _accept(node: Node, msg: Message, batches: BatchAssembler, policy: StalenessPolicy,
+            lineage: str) -> bool:
     """Validate one scored chunk, refuse duplicates and stale ones, keep the rest."""
     try:
         cid, batch = rollout_from_message(msg, "scored_rollout")
+        ours = lineage_of(msg) == lineage or (lineage_of(msg) == SFT_LINEAGE
+                                              and batch.version == 0)
     except message_errors() as e:
         node.counters["rejected.chunk"] += 1
         node.log.warning("bad_scored_rollout", error=str(e))
@@ -113,8 +119,10 @@ def _accept(node: Node, msg: Message, batches: BatchAssembler, policy: Staleness
     if batches.is_duplicate(cid, batch):
         node.counters["dropped.duplicate"] += 1
         return False
-    if not policy.admit(cid.step, batch.version):  # too stale: the coordinator re-sends it
-        node.counters["dropped.stale"] += 1
+    if not ours:  # weights a dead predecessor published after our checkpoint
+        node.counters["dropped.lineage"] += 1
+    if not ours or not policy.admit(cid.step, batch.version):  # the coordinator re-sends it
+        node.counters["dropped.stale"] += ours
         node.transport.spawn(node.emit("chunk_dropped", {**cid.meta(), "version": batch.version}),
                              name="chunk-dropped")
         return False
@@ -141,15 +149,16 @@ async def _checkpoint(node: Node, ckpt_dir: Path, step: int, learner: Learner,
                             cfg.run.keep_checkpoints)
 
 
-async def _publish(node: Node, sender: WeightSender, learner: Learner, every: int,
+async def _publish(node: Node, sender: WeightSender, learner: Learner, lineage: str,
                    force: bool = False) -> dict:
     """Broadcast the actor to every generator when a publication is due (or forced)."""
+    every = learner.train.publish_every
     if learner.version % every and not force:
         return {"weight_sync_s": 0.0, "weight_sync_bytes": 0}
     version = learner.version // every
     weights = weights_of(learner.actor)
     plan = sender.plan(weights, version)
-    await node.emit("publish", {"plan": plan}, weight_version=version)
+    await node.emit("publish", {"plan": plan, "lineage": lineage}, weight_version=version)
     t0 = time.perf_counter()
     try:  # the send packs buckets straight from the live parameters: callers hold the lock
         await asyncio.to_thread(sender.send, weights, plan)

@@ -137,6 +137,8 @@ class WeightSyncConfig:
 @dataclass
 class RuntimeConfig:
     time_to_dead: float = opt(10.0, "seconds without a heartbeat before a node is dead", gt=0.0)
+    restart_limit: int = opt(3, "restarts per node before the run stops with a checkpoint",
+                             ge=0)
 
 
 @dataclass

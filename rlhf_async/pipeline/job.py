@@ -15,13 +15,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhf_async.config import JobConfig, to_dict
+from rlhf_async.config import JobConfig, to_dict, weight_sync_backend
 from rlhf_async.coordinator import Coordinator
 from rlhf_async.pipeline.driver import Driver, PipelineError, connect_weight_sync, wait_loaded
 from rlhf_async.placement import Placement, ProcessPlacement, plan_placement
 from rlhf_async.runtime import NodeSpec, run_loop
 from rlhf_async.task.pretrain import Artefacts
 from rlhf_async.transport import Endpoint, Transport
+from rlhf_async.weight_sync import GroupSpec
 
 ENTRIES = {"trainer": "nodes.trainer:main", "generator": "nodes.generator:main",
            "scorer": "nodes.scorer:main"}
@@ -74,20 +75,25 @@ def chunks_per_step(cfg: JobConfig, generators: int) -> int:
 async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placement,
                sock_dir: str, start_step: int) -> dict:
     specs, prompts_addr = build_specs(cfg, art, run_dir, placement, sock_dir)
-    gens = [p.node_id for p in placement.by_role("generator")]
+    roles = {p.node_id: p.role for p in placement.processes}
+    gens = [n for n, r in roles.items() if r == "generator"]
+    spec = GroupSpec(weight_sync_backend(cfg), "127.0.0.1", 0, 1 + len(gens),
+                     timeout_s=cfg.weight_sync.timeout_s)
     async with Transport() as transport, \
-            Coordinator(run_dir, time_to_dead=cfg.runtime.time_to_dead) as coord:
+            Coordinator(run_dir, time_to_dead=cfg.runtime.time_to_dead,
+                        restart_limit=cfg.runtime.restart_limit) as coord:
         coord.install_signal_handlers()
         prompts = transport.channel(Endpoint("push", prompts_addr, bind=True, hwm=64))
         with coord.events() as events:
             await coord.launch(specs)
-            loaded = await wait_loaded(events, [s.node_id for s in specs], coord.ready_timeout)
+            loaded = await wait_loaded(events, list(roles), coord.ready_timeout)
             if loaded["trainer"]["step"] != start_step:
                 raise PipelineError(f"the trainer restored step {loaded['trainer']['step']}, "
                                     f"expected {start_step}")
-            await connect_weight_sync(coord, events, cfg, "trainer", gens, "127.0.0.1")
-            driver = Driver(cfg, coord, events, prompts, gens, run_dir,
-                            chunks_per_step(cfg, len(gens)), start_step)
+            spec = await connect_weight_sync(coord, spec, "trainer", gens)
+            driver = Driver(cfg, coord, events, prompts, roles, spec, run_dir,
+                            chunks_per_step(cfg, len(gens)), start_step,
+                            loaded["trainer"]["lineage"])
             result = await coord.run_until_stop(driver.run())
         if result is None:
             raise PipelineError(f"run stopped before it finished: {coord.stop_reason}")

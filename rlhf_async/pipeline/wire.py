@@ -13,6 +13,11 @@ from rlhf_async.protocol import Message
 from rlhf_async.rollout import PromptBatch, RolloutBatch, RolloutFormatError
 
 PROMPT_FIELDS = ("prompt_ids", "prompt_mask", "sample_ids", "group_ids")
+# Lineage names which trainer incarnation produced the weights behind a rollout: a trainer
+# restarted from a checkpoint refuses rollouts made by weights its predecessor published
+# after that checkpoint (same version number, different weights). Version 0 is the SFT
+# policy, the same for every incarnation.
+SFT_LINEAGE = "sft"
 
 
 class ChunkFormatError(ValueError):
@@ -74,9 +79,18 @@ def prompts_from_message(msg: Message) -> tuple[ChunkId, PromptBatch]:
     return cid, PromptBatch(*(t[f] for f in PROMPT_FIELDS))
 
 
-def rollout_message(kind: str, cid: ChunkId, batch: RolloutBatch, source: str) -> Message:
-    return Message(kind, meta={**cid.meta(), "version": batch.version}, source=source,
-                   step=cid.step, weight_version=batch.version, tensors=batch.to_tensors())
+def rollout_message(kind: str, cid: ChunkId, batch: RolloutBatch, source: str,
+                    lineage: str) -> Message:
+    return Message(kind, meta={**cid.meta(), "version": batch.version, "lineage": lineage},
+                   source=source, step=cid.step, weight_version=batch.version,
+                   tensors=batch.to_tensors())
+
+
+def lineage_of(msg: Message) -> str:
+    lineage = msg.meta.get("lineage")
+    if not isinstance(lineage, str):
+        raise ChunkFormatError(f"rollout message needs a string 'lineage', got {lineage!r}")
+    return lineage
 
 
 def rollout_from_message(msg: Message, kind: str) -> tuple[ChunkId, RolloutBatch]:

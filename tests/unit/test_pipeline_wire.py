@@ -34,7 +34,7 @@ def test_messages_round_trip_through_the_wire():
     cid = ChunkId(3, 1, 2)
     got_cid, got = prompts_from_message(decode(encode(prompts_message(cid, _prompts(), "c"))))
     assert got_cid == cid and torch.equal(got.prompt_ids, _prompts().prompt_ids)
-    msg = decode(encode(rollout_message("scored_rollout", cid, _rollout(_prompts(), 2), "s")))
+    msg = decode(encode(rollout_message("scored_rollout", cid, _rollout(_prompts(), 2), "s", "t1")))
     got_cid, batch = rollout_from_message(msg, "scored_rollout")
     assert got_cid == cid and batch.version == 2 and batch.rewards is not None
 
@@ -49,7 +49,7 @@ def test_malformed_chunks_are_refused_with_a_reason():
     with pytest.raises(ChunkFormatError, match="needs tensors"):
         prompts_from_message(msg)
     unscored = rollout_message("scored_rollout", ChunkId(0, 0, 1),
-                               _rollout(_prompts()).replace(rewards=None), "s")
+                               _rollout(_prompts()).replace(rewards=None), "s", "t1")
     with pytest.raises(ChunkFormatError, match="lacks rewards"):
         rollout_from_message(unscored, "scored_rollout")
 
