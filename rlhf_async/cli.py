@@ -77,6 +77,9 @@ def _build_parser() -> argparse.ArgumentParser:
         if name == "status":
             p.add_argument("--json", action="store_true", help="print the raw status as JSON")
 
+    from rlhf_async.daemon.cli import add_commands as add_deploy_commands
+
+    add_deploy_commands(sub)  # serve, submit, jobs, logs, cancel (daemon/cli.py)
     sub.add_parser("version", help="print the version")
     return parser
 
@@ -85,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     handlers = {"run": _cmd_run, "plan": _cmd_plan, "resume": _cmd_resume, "demo": _cmd_demo,
                 "status": _cmd_status, "stop": _cmd_stop, "version": _cmd_version}
+    from rlhf_async.daemon.cli import HANDLERS as DEPLOY_HANDLERS
+
+    handlers.update(DEPLOY_HANDLERS)
     from rlhf_async.config import ConfigError
 
     try:

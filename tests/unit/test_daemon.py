@@ -1,0 +1,137 @@
+"""Daemon pieces without running a job: the SQLite store, the job command, the control
+protocol's answers to bad requests, and the /metrics collector."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from rlhf_async.daemon import Daemon, JobStore
+from rlhf_async.daemon.jobs import job_command, last_lines, process_alive
+from rlhf_async.daemon.metrics import JobCollector, last_record
+
+
+def _daemon(tmp_path: Path) -> Daemon:
+    d = Daemon(tmp_path / "state")
+    d.prepare()
+    return d
+
+
+def test_store_keeps_jobs_across_connections(tmp_path):
+    store = JobStore(tmp_path / "jobs.db")
+    job = store.add("/x/a.toml", "[train]\nsteps = 2\n", ["algo.name=grpo"], tmp_path / "runs",
+                    tmp_path / "logs")
+    store.update(job.id, state="running", pid=123, attempts=1)
+    store.close()
+    again = JobStore(tmp_path / "jobs.db")
+    got = again.get(job.id)
+    assert (got.state, got.pid, got.attempts, got.overrides) == ("running", 123, 1,
+                                                                  ["algo.name=grpo"])
+    assert got.run_dir == str(tmp_path / "runs" / "job-1")
+    assert again.counts()["running"] == 1 and again.counts()["queued"] == 0
+    assert again.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    with pytest.raises(ValueError, match="unknown job fields"):
+        again.update(job.id, colour="red")
+
+
+def test_job_command_fresh_then_resume(tmp_path):
+    store = JobStore(tmp_path / "jobs.db")
+    job = store.add("/x/a.toml", "[train]\nsteps = 2\n", ["train.lr=1e-4"], tmp_path / "runs",
+                    tmp_path / "logs")
+    run_dir = Path(job.run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')  # died before its first checkpoint
+    cmd, step = job_command(job, tmp_path / "configs", python="py")
+    assert step is None and cmd[:4] == ["py", "-m", "rlhf_async", "run"]
+    assert Path(cmd[4]).read_text() == "[train]\nsteps = 2\n"
+    assert cmd[5] == "train.lr=1e-4" and cmd[-1] == 'run.name="job-1"'
+    assert not (run_dir / "metrics.jsonl").exists()
+    from rlhf_async.checkpoint import save_checkpoint
+
+    save_checkpoint(run_dir / "checkpoints", 3, {"w": __import__("torch").zeros(2)}, {})
+    cmd, step = job_command(job, tmp_path / "configs", python="py")
+    assert step == 3 and cmd == ["py", "-m", "rlhf_async", "resume", str(run_dir)]
+
+
+def test_control_requests(tmp_path):
+    d = _daemon(tmp_path)
+    assert os.stat(d.paths.root).st_mode & 0o777 == 0o700
+    job = d.handle({"op": "submit", "config_text": "", "config_name": "",
+                    "overrides": ["train.steps=2"]})
+    assert job["state"] == "queued" and job["id"] == 1
+    for request, error in (({"op": "launch"}, "unknown op 'launch'"),
+                           ({"op": "job", "id": "1"}, "job id must be an integer"),
+                           ({"op": "job", "id": 9}, "no job 9"),
+                           ({"op": "submit", "overrides": ["train.steps=-1"]}, "train.steps"),
+                           ({"op": "submit", "overrides": "x"}, "list of key=value")):
+        with pytest.raises(ValueError, match=error):
+            d.handle(request)
+    assert d.handle({"op": "cancel", "id": 1})["state"] == "cancelled"
+    with pytest.raises(ValueError, match="already cancelled"):
+        d.handle({"op": "cancel", "id": 1})
+    assert [j["state"] for j in d.handle({"op": "jobs"})] == ["cancelled"]
+
+
+def test_restart_settles_jobs_left_running(tmp_path):
+    d = _daemon(tmp_path)
+    assert d.store is not None
+    for i in range(3):
+        d.handle({"op": "submit", "overrides": []})
+        d.store.update(i + 1, state="running", pid=999999999, pid_started=1.0)
+    Path(d.store.get(1).run_dir).mkdir(parents=True)
+    (Path(d.store.get(1).run_dir) / "summary.json").write_text("{}")  # finished, unrecorded
+    d.store.update(3, cancel_requested=1)
+    d.store.close()
+    again = _daemon(tmp_path)
+    assert again.store is not None
+    assert [j.state for j in again.store.list()] == ["finished", "queued", "cancelled"]
+
+
+def test_process_alive_checks_create_time():
+    import psutil
+
+    me = psutil.Process()
+    assert process_alive(me.pid, me.create_time())
+    assert not process_alive(me.pid, me.create_time() - 100)  # a reused pid
+    assert not process_alive(None, None)
+
+
+def test_metrics_collector_reads_running_jobs(tmp_path):
+    d = _daemon(tmp_path)
+    assert d.store is not None
+    d.handle({"op": "submit", "overrides": []})
+    d.store.update(1, state="running")
+    run_dir = Path(d.store.get(1).run_dir)
+    run_dir.mkdir(parents=True)
+    rec = {"step": 7, "samples_per_s": 12.5, "weight_sync_s": 0.25, "queue/generated": 3,
+           "staleness/mean": 0.5, "staleness_hist": {"0": 4}}
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 6}) + "\n" + json.dumps(rec)
+                                           + "\n{\"step\": 8, \"trunc")
+    assert last_record(run_dir / "metrics.jsonl") == rec
+    registry = CollectorRegistry()
+    registry.register(JobCollector(d.paths.db))
+    text = generate_latest(registry).decode()
+    for line in ('rlhf_daemon_jobs{state="running"} 1.0', 'rlhf_job_step{job="1"} 7.0',
+                 'rlhf_job_samples_per_second{job="1"} 12.5',
+                 'rlhf_job_weight_sync_seconds{job="1"} 0.25',
+                 'rlhf_job_queue_depth{job="1",queue="generated"} 3.0',
+                 'rlhf_job_staleness{job="1",stat="mean"} 0.5'):
+        assert line in text, text
+
+
+def test_last_lines(tmp_path):
+    (tmp_path / "log").write_text("a\n\nb\nc\nTraceback: boom\n")
+    assert last_lines(tmp_path / "log", 2) == "c | Traceback: boom"
+    assert last_lines(tmp_path / "missing") == ""
+
+
+def test_cli_without_daemon_is_one_line(tmp_path, capsys):
+    from rlhf_async.cli import main
+
+    assert main(["jobs", "--state-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no daemon running" in err
