@@ -1,4 +1,4 @@
-"""`rlhf-async` command line: run, plan, demo, status, stop, version.
+"""`rlhf-async` command line: run, resume, plan, demo, status, stop, keys, version.
 
 Expected user errors print one line on stderr and exit non-zero (2 for bad arguments);
 they never show a traceback.
@@ -77,6 +77,14 @@ def _build_parser() -> argparse.ArgumentParser:
         if name == "status":
             p.add_argument("--json", action="store_true", help="print the raw status as JSON")
 
+    keys = sub.add_parser("keys", help="make CURVE keys for tcp endpoints (server and "
+                          "client keypairs, authorized client keys)")
+    keys.add_argument("dir", type=Path, help="directory to write the keys to (made 0700)")
+    keys.add_argument("--client", action="append", default=[], metavar="NAME",
+                      help="also make and authorise client keypair NAME (repeatable), e.g. "
+                      "for an operator's status/stop commands")
+    keys.add_argument("--force", action="store_true", help="replace existing keys")
+
     from rlhf_async.daemon.cli import add_commands as add_deploy_commands
 
     add_deploy_commands(sub)  # serve, submit, jobs, logs, cancel (daemon/cli.py)
@@ -87,7 +95,8 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     handlers = {"run": _cmd_run, "plan": _cmd_plan, "resume": _cmd_resume, "demo": _cmd_demo,
-                "status": _cmd_status, "stop": _cmd_stop, "version": _cmd_version}
+                "status": _cmd_status, "stop": _cmd_stop, "version": _cmd_version,
+                "keys": _cmd_keys}
     from rlhf_async.daemon.cli import HANDLERS as DEPLOY_HANDLERS
 
     handlers.update(DEPLOY_HANDLERS)
@@ -107,6 +116,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def _cmd_version(args: argparse.Namespace) -> int:
     print(f"rlhf-async {__version__}")
+    return 0
+
+
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from rlhf_async.security import SecurityError, generate_keys
+
+    try:
+        written = generate_keys(args.dir, force=args.force, extra_clients=tuple(args.client))
+    except SecurityError as e:
+        raise UserError(str(e)) from None
+    except OSError as e:
+        raise UserError(f"cannot write keys to {args.dir}: {e.strerror}") from None
+    print(f"CURVE keys in {args.dir} (secret files are 0600; copy the directory to every "
+          "host, keeping its permissions):")
+    for path in written:
+        print(f"  {path}")
     return 0
 
 
@@ -188,6 +213,7 @@ def _run_pipeline_demo(run_dir: Path, **settings: Any) -> int:
 def _coordinator_call(run_dir: Path, kind: str, timeout: float) -> Any:
     from rlhf_async.coordinator import CoordinatorError, call_coordinator, read_coordinator_file
     from rlhf_async.runtime import run_loop
+    from rlhf_async.security import SecurityError
 
     try:
         info = read_coordinator_file(run_dir)
@@ -197,11 +223,12 @@ def _coordinator_call(run_dir: Path, kind: str, timeout: float) -> Any:
     if isinstance(pid, int) and not psutil.pid_exists(pid):
         raise UserError(f"no coordinator running in {run_dir} (stale file: pid {pid} is gone)")
     try:
-        return run_loop(call_coordinator(info["control"], kind, timeout=timeout))
+        return run_loop(call_coordinator(info["control"], kind, timeout=timeout,
+                                         keys=info.get("keys")))
     except TimeoutError:
         raise UserError(f"coordinator at {info['control']} did not answer in {timeout}s") \
             from None
-    except CoordinatorError as e:
+    except (CoordinatorError, SecurityError) as e:
         raise UserError(str(e)) from None
 
 

@@ -8,6 +8,11 @@
 Nodes connect a DEALER (identity = node_id) to the coordinator's ROUTER. The coordinator
 answers each heartbeat, so a node notices a vanished coordinator and exits by itself.
 `RUN_DIR/coordinator.json` names the control endpoint for the CLI's `status` and `stop`.
+
+Security: the control socket is an owner-only ipc file. Nodes get the coordinator's CURVE
+keys directory (`keys=`) in their spec; when a spec uses tcp and no keys were given, the
+coordinator makes a fresh set in RUN_DIR/keys, so tcp between nodes is never plaintext
+unless `insecure=True`.
 """
 
 from __future__ import annotations
@@ -15,47 +20,40 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
 import structlog
 import zmq
 
+from rlhf_async.control import (
+    COORDINATOR_FILE,
+    CommandError,
+    CoordinatorError,
+    EventStream,
+    NodeEvent,
+    NodeNotReady,
+    call_coordinator,
+    read_coordinator_file,
+)
 from rlhf_async.launcher import Launcher, LocalLauncher, NodeProcess
 from rlhf_async.protocol import Message
 from rlhf_async.runtime.spec import NodeSpec
-from rlhf_async.transport import IPC_PATH_MAX, Endpoint, Transport, free_tcp_port
+from rlhf_async.security import Keyring, generate_keys
+from rlhf_async.transport import IPC_PATH_MAX, Endpoint, Transport
 
-COORDINATOR_FILE = "coordinator.json"
+__all__ = ["COORDINATOR_FILE", "CommandError", "Coordinator", "CoordinatorError",
+           "EventStream", "NodeEvent", "NodeNotReady", "call_coordinator",
+           "read_coordinator_file"]
 T = TypeVar("T")
 # A coordinator-level command handler: payload -> msgpack-able reply.
 CoordHandler = Callable[[Any], Any]
-
-
-class CoordinatorError(RuntimeError):
-    pass
-
-
-class NodeNotReady(CoordinatorError):
-    pass
-
-
-class CommandError(CoordinatorError):
-    """The node answered a command with an error."""
-
-
-@dataclass(frozen=True)
-class NodeEvent:
-    node_id: str
-    kind: str  # app kinds from node.emit, plus ready / exited / node_dead / node_restarted
-    payload: Any = None
-    step: int = 0
-    weight_version: int = 0
-    timestamp: float = field(default_factory=time.time)
 
 
 @dataclass
@@ -71,40 +69,17 @@ class _Node:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class EventStream:
-    """Async iterator over NodeEvents; buffers from creation until `close` (or `with` exit)."""
-
-    def __init__(self, listeners: list[Callable[[NodeEvent], Any]]) -> None:
-        self._queue: asyncio.Queue[NodeEvent] = asyncio.Queue()
-        self._listeners = listeners
-        listeners.append(self._queue.put_nowait)
-
-    def __aiter__(self) -> EventStream:
-        return self
-
-    async def __anext__(self) -> NodeEvent:
-        return await self._queue.get()
-
-    async def get(self, timeout: float | None = None) -> NodeEvent:
-        return await asyncio.wait_for(self._queue.get(), timeout)
-
-    def close(self) -> None:
-        if self._queue.put_nowait in self._listeners:
-            self._listeners.remove(self._queue.put_nowait)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 class Coordinator:
     def __init__(self, run_dir: str | Path, *, launcher: Launcher | None = None,
                  control: str | None = None, heartbeat_s: float = 0.5,
                  time_to_dead: float = 5.0, ready_timeout: float = 120.0,
-                 restart_limit: int = 0, stop_timeout: float = 5.0) -> None:
+                 restart_limit: int = 0, stop_timeout: float = 5.0,
+                 keys: str | Path | None = None, insecure: bool = False) -> None:
         self.run_dir = Path(run_dir).resolve()
+        # CURVE keys for tcp (ours and the nodes'); made on first need when not given
+        self.keyring = Keyring.load(keys) if keys is not None else None
+        self.insecure = insecure
+        self._ctl_dir: str | None = None
         self.launcher = launcher or LocalLauncher()
         self.control = control
         self.heartbeat_s, self.time_to_dead = heartbeat_s, time_to_dead
@@ -114,7 +89,7 @@ class Coordinator:
         self.log = structlog.get_logger().bind(role="coordinator")
         self.stop_requested = asyncio.Event()
         self.stop_reason = ""
-        self._transport = Transport(log=self.log)
+        self._transport = Transport(log=self.log, keys=self.keyring, insecure=insecure)
         self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._listeners: list[Callable[[NodeEvent], Any]] = []
         self._handlers: dict[str, CoordHandler] = {
@@ -133,8 +108,12 @@ class Coordinator:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.control is None:
             path = str(self.run_dir / "ctl.sock")
-            self.control = (f"ipc://{path}" if len(path) <= IPC_PATH_MAX
-                            else f"tcp://127.0.0.1:{free_tcp_port()}")
+            if len(path) > IPC_PATH_MAX:  # a short private directory keeps control on ipc
+                self._ctl_dir = tempfile.mkdtemp(prefix="rlhf-ctl-")
+                path = os.path.join(self._ctl_dir, "ctl.sock")
+            self.control = f"ipc://{path}"
+        elif self.control.startswith("tcp://") and not self.insecure:
+            self._ensure_keys()
         try:
             self._router = self._transport.channel(
                 Endpoint("router", self.control, bind=True, hwm=10000))
@@ -144,7 +123,8 @@ class Coordinator:
         self._router.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted node reuses its id
         self._transport.spawn(self._control_loop(), name="coordinator-control")
         self._transport.spawn(self._monitor_loop(), name="coordinator-monitor")
-        info = {"control": self.control, "pid": os.getpid(), "run_dir": str(self.run_dir)}
+        info = {"control": self.control, "pid": os.getpid(), "run_dir": str(self.run_dir),
+                "keys": self.keyring.directory if self.keyring else None}
         tmp = self.run_dir / f".{COORDINATOR_FILE}.tmp"
         tmp.write_text(json.dumps(info))
         tmp.replace(self.run_dir / COORDINATOR_FILE)
@@ -157,6 +137,8 @@ class Coordinator:
         finally:
             await self._transport.close()
             (self.run_dir / COORDINATOR_FILE).unlink(missing_ok=True)
+            if self._ctl_dir is not None:
+                shutil.rmtree(self._ctl_dir, ignore_errors=True)
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
@@ -193,9 +175,29 @@ class Coordinator:
         if dup:
             raise CoordinatorError(f"duplicate node ids: {dup}")
         for spec in specs:
-            self._start(spec.with_control(self.control or ""))
+            self._start(self._with_keys(spec.with_control(self.control or "")))
         if wait_ready:
             await self.wait_ready(ids)
+
+    def _ensure_keys(self) -> Keyring:
+        if self.keyring is None:
+            keys = self.run_dir / "keys"
+            if not (keys / "server.key_secret").exists():
+                generate_keys(keys, force=True)
+            self.keyring = Keyring.load(keys)
+            self._transport.keys = self.keyring
+            self.log.info("curve_keys", directory=str(keys))
+        return self.keyring
+
+    def _with_keys(self, spec: NodeSpec) -> NodeSpec:
+        """Hand the node our keys: always when we have some, else when it uses tcp."""
+        if spec.keys or spec.insecure:
+            return spec
+        if self.insecure and spec.tcp_addresses():
+            return replace(spec, insecure=True)
+        if self.keyring is None and not spec.tcp_addresses():
+            return spec
+        return replace(spec, keys=self._ensure_keys().directory)
 
     def _start(self, spec: NodeSpec, restarts: int = 0) -> None:
         process = self.launcher.launch(spec, self.run_dir)
@@ -347,7 +349,7 @@ class Coordinator:
             if asyncio.iscoroutine(result):
                 result = await result
             meta = {"ok": True, "result": result}
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the caller gets the error as the reply
             meta = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         await self._router.send(msg.reply("reply", meta=meta, source="coordinator"), to=peer)
 
@@ -384,34 +386,3 @@ class Coordinator:
         if restart:
             self._start(node.spec, restarts=node.restarts + 1)
             self._publish(NodeEvent(node_id, "node_restarted", {"restarts": node.restarts + 1}))
-
-
-def read_coordinator_file(run_dir: str | Path) -> dict[str, Any]:
-    path = Path(run_dir) / COORDINATOR_FILE
-    try:
-        info = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CoordinatorError(f"no coordinator running in {run_dir} ({path} not found)") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise CoordinatorError(f"cannot read {path}: {e}") from None
-    if not isinstance(info, dict) or not isinstance(info.get("control"), str):
-        raise CoordinatorError(f"{path} has no control endpoint")
-    return info
-
-
-async def call_coordinator(control: str, kind: str, payload: Any = None,
-                           timeout: float = 5.0) -> Any:
-    """Send a coordinator-level command (e.g. status, stop) from another process."""
-    identity = f"client-{os.getpid()}-{os.urandom(3).hex()}"
-    async with Transport() as transport:
-        chan = transport.channel(Endpoint("dealer", control, identity=identity))
-        msg = Message("command", source=identity, meta={"name": kind, "payload": payload})
-        await chan.send(msg, timeout=timeout)
-        deadline = time.monotonic() + timeout
-        while True:
-            reply = await chan.recv(timeout=max(deadline - time.monotonic(), 0.001))
-            if reply.kind == "reply" and reply.parent == msg.id:
-                break
-    if not reply.meta.get("ok"):
-        raise CommandError(f"coordinator failed {kind!r}: {reply.meta.get('error')}")
-    return reply.meta.get("result")

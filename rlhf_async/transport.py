@@ -4,6 +4,11 @@ Data queues are PUSH/PULL with high-water marks, so a full downstream queue make
 upstream `send` wait (backpressure) instead of growing memory; control is ROUTER/DEALER.
 Closing drops unsent messages (linger=0): callers that must deliver keep running until
 their peer acknowledged (the coordinator's stop does that for pipelines).
+
+Security: a bound `ipc://` socket file is 0600 (created under umask 077, so never wider,
+not even briefly). With a `Keyring`, every tcp socket uses CURVE and a bound one admits
+only authorised client keys (see `rlhf_async.security`). Without one, plaintext tcp is
+allowed only on loopback addresses; anything else needs `insecure=True`.
 """
 
 from __future__ import annotations
@@ -28,6 +33,14 @@ from rlhf_async.protocol import (
     ProtocolError,
     decode,
     encode,
+)
+from rlhf_async.security import (
+    HANDSHAKE_FAILED_EVENTS,
+    Keyring,
+    SecurityError,
+    ZapHandler,
+    count_handshake_failures,
+    is_loopback,
 )
 
 SOCKET_TYPES = {"push": zmq.PUSH, "pull": zmq.PULL, "router": zmq.ROUTER, "dealer": zmq.DEALER}
@@ -96,6 +109,20 @@ def ipc_address(directory: str, name: str) -> str:
     return Endpoint("pull", f"ipc://{os.path.join(directory, name)}").address
 
 
+def _bind_private_ipc(sock: zmq.Socket[Any], path: str) -> None:
+    """Bind a unix socket only its owner can connect to (other users cannot join)."""
+    directory = os.path.dirname(path) or "."
+    if not os.path.isdir(directory):
+        os.makedirs(directory, mode=0o700)
+    # libzmq's bind creates the file in this thread with the process umask
+    old = os.umask(0o077)
+    try:
+        sock.bind(f"ipc://{path}")
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+
+
 def free_tcp_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -125,10 +152,18 @@ class Channel:
         # Non-blocking calls on a plain (shadow) socket skip zmq.asyncio's future machinery
         # when the queue is ready, which is most of the time under load; the async socket
         # is only polled when we must wait.
-        self._sync = zmq.Socket.shadow(sock.underlying)
+        self._sync: zmq.Socket[Any] = zmq.Socket.shadow(sock.underlying)
         self._routed = endpoint.type == "router"
         self._fast_ops = 0
         self.linger_ms = 0  # how long close() may still flush queued messages
+
+    def _wake_waiters(self) -> None:
+        # The zmq fd is edge-triggered: an operation on the shadow socket can consume the
+        # edge that a task awaiting this socket (a recv while we send) still needs, and that
+        # task would sleep forever. zmq.asyncio's own fast path re-checks in the same way.
+        sock: Any = self.sock
+        if sock._recv_futures or sock._send_futures:
+            sock._schedule_remaining_events()
 
     async def _yield_sometimes(self) -> None:
         # A ready socket never suspends the caller; yield now and then so heartbeats and
@@ -139,7 +174,7 @@ class Channel:
 
     async def _wait(self, event: int, deadline: float | None, what: str) -> None:
         timeout_ms = None if deadline is None else max(deadline - time.monotonic(), 0) * 1000
-        if not await self.sock.poll(timeout_ms, event):
+        if not await self.sock.poll(timeout_ms, event):  # type: ignore[call-arg]  # stub lacks flags
             raise TimeoutError(f"{what} on {self.endpoint.address} timed out")
 
     async def send(self, msg: Message, *, to: bytes | None = None,
@@ -152,6 +187,7 @@ class Channel:
             frames.insert(0, to)
         try:
             self._sync.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            self._wake_waiters()
             return await self._yield_sometimes()
         except zmq.Again:
             pass
@@ -168,6 +204,7 @@ class Channel:
         while True:
             try:
                 frames = self._sync.recv_multipart(zmq.NOBLOCK, copy=False)
+                self._wake_waiters()
                 await self._yield_sometimes()
             except zmq.Again:
                 if deadline is not None:
@@ -193,12 +230,16 @@ class Transport:
     """Owns a zmq context, its channels and background tasks; `close` always cleans up."""
 
     def __init__(self, *, counters: Counter[str] | None = None,
-                 max_bytes: int = DEFAULT_MAX_BYTES, log: Any = None) -> None:
+                 max_bytes: int = DEFAULT_MAX_BYTES, log: Any = None,
+                 keys: Keyring | None = None, insecure: bool = False) -> None:
         self.ctx = zmq.asyncio.Context()
+        self.keys, self.insecure = keys, insecure
+        self._zap: ZapHandler | None = None
         self.counters: Counter[str] = counters if counters is not None else Counter()
         self.max_bytes = max_bytes
         self.log = log or structlog.get_logger()
         self._reject_log = _RateLimitedLog(self.log)
+        self._auth_log = _RateLimitedLog(self.log)  # a refused peer retries every ~100 ms
         self._channels: list[Channel] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
@@ -213,9 +254,10 @@ class Transport:
         if endpoint.identity:
             sock.setsockopt(zmq.IDENTITY, endpoint.identity.encode())
         try:
-            if endpoint.bind:
-                if endpoint.address.startswith("ipc://"):
-                    os.makedirs(os.path.dirname(endpoint.address[6:]) or ".", exist_ok=True)
+            curve = self._secure(sock, endpoint)
+            if endpoint.bind and endpoint.address.startswith("ipc://"):
+                _bind_private_ipc(sock, endpoint.address[6:])
+            elif endpoint.bind:
                 sock.bind(endpoint.address)
             else:
                 for address in (endpoint.address, *endpoint.also):
@@ -224,9 +266,36 @@ class Transport:
             sock.close(0)
             verb = "bind" if endpoint.bind else "connect"
             raise EndpointError(f"cannot {verb} {endpoint.address}: {e}") from None
+        except BaseException:
+            sock.close(0)
+            raise
+        if curve and endpoint.bind:
+            monitor = sock.get_monitor_socket(HANDSHAKE_FAILED_EVENTS)
+            self.spawn(count_handshake_failures(monitor, endpoint.address, self.counters,
+                                                self._auth_log), name=f"auth-{endpoint.address}")
         chan = Channel(sock, endpoint, self)
         self._channels.append(chan)
         return chan
+
+    def _secure(self, sock: zmq.asyncio.Socket, endpoint: Endpoint) -> bool:
+        """Apply CURVE to a tcp endpoint (True), or check plaintext is allowed (False)."""
+        tcp = [a for a in (endpoint.address, *endpoint.also) if a.startswith("tcp://")]
+        if not tcp:
+            return False
+        if self.keys is None:
+            remote = [a for a in tcp if not is_loopback(a)]
+            if remote and not self.insecure:
+                raise SecurityError(
+                    f"{', '.join(remote)}: tcp beyond loopback needs CURVE keys (make them "
+                    "with `rlhf-async keys DIR`; pass Transport(keys=Keyring.load(DIR)) or "
+                    "set NodeSpec.keys) or insecure=True to send plaintext")
+            return False
+        if endpoint.bind and self._zap is None:
+            self._zap = ZapHandler(self.ctx, self.keys.authorized, self.counters,
+                                   self._auth_log)
+            self.spawn(self._zap.serve(), name="zap")
+        self.keys.apply(sock, endpoint.bind, endpoint.address)
+        return True
 
     def reject(self, error: ProtocolError, where: str) -> None:
         self.counters["rejected"] += 1
@@ -257,6 +326,8 @@ class Transport:
         await asyncio.gather(*tasks, return_exceptions=True)
         for chan in self._channels:
             chan.sock.close(linger=chan.linger_ms)
+        if self._zap is not None:
+            self._zap.close()
         self.ctx.term()
 
     async def __aenter__(self) -> Self:

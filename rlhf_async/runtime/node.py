@@ -107,10 +107,18 @@ class Node:
 
     async def emit(self, kind: str, payload: Any = None, *, step: int = 0,
                    weight_version: int = 0) -> None:
-        """Send an app-level event (msgpack-able payload) to the coordinator."""
-        await self._control.send(Message("event", meta={"name": kind, "payload": payload},
-                                         source=self.node_id, step=step,
-                                         weight_version=weight_version))
+        """Send an app-level event (msgpack-able payload) to the coordinator.
+
+        Raises TimeoutError when the coordinator has not drained its control queue for
+        `orphan_timeout_s` (it is gone or wedged)."""
+        msg = Message("event", meta={"name": kind, "payload": payload}, source=self.node_id,
+                      step=step, weight_version=weight_version)
+        try:
+            await self._control.send(msg, timeout=self.spec.orphan_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"node {self.node_id}: event {kind!r} to the coordinator at "
+                               f"{self.spec.control} not accepted within "
+                               f"{self.spec.orphan_timeout_s}s") from None
 
     async def handle_command(self, msg: Message) -> None:
         name, payload = msg.meta.get("name"), msg.meta.get("payload")

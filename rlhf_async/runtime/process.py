@@ -24,6 +24,7 @@ from rlhf_async.protocol import Message
 from rlhf_async.runtime.loop import run_loop
 from rlhf_async.runtime.node import Node
 from rlhf_async.runtime.spec import NodeSpec, SpecError
+from rlhf_async.security import Keyring, SecurityError
 from rlhf_async.transport import Endpoint, Transport
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_SPEC, EXIT_ORPHANED = 0, 1, 2, 3
@@ -84,9 +85,21 @@ async def _run_main(node: Node, fn: NodeMain) -> int:
     return EXIT_OK
 
 
+async def _hello(node: Node, kind: str, meta: dict[str, object]) -> None:
+    try:
+        await node._control.send(Message(kind, source=node.node_id, meta=meta),
+                                 timeout=node.spec.orphan_timeout_s)
+    except TimeoutError:
+        raise TimeoutError(f"node {node.node_id}: {kind!r} to the coordinator at "
+                           f"{node.spec.control} not accepted within "
+                           f"{node.spec.orphan_timeout_s}s") from None
+
+
 async def serve(spec: NodeSpec) -> int:
     fn = resolve_entry(spec.entry)
-    async with Transport(max_bytes=spec.max_message_bytes) as transport:
+    keys = Keyring.load(spec.keys) if spec.keys else None
+    async with Transport(max_bytes=spec.max_message_bytes, keys=keys,
+                         insecure=spec.insecure) as transport:
         control = transport.channel(
             Endpoint("dealer", spec.control, hwm=1000, identity=spec.node_id))
         control.linger_ms = 500  # let the goodbye reach the coordinator
@@ -98,8 +111,12 @@ async def serve(spec: NodeSpec) -> int:
         transport.spawn(_control_loop(node, heard), name="control")
         transport.spawn(_heartbeat_loop(node, heard, orphaned), name="heartbeat")
         hello = {"pid": os.getpid(), "role": spec.role, "host": os.uname().nodename}
-        await control.send(Message("register", source=spec.node_id, meta=hello))
-        await control.send(Message("ready", source=spec.node_id, meta=hello))
+        try:
+            await _hello(node, "register", hello)
+            await _hello(node, "ready", hello)
+        except TimeoutError as e:
+            node.log.error("coordinator_unreachable", error=str(e))
+            return EXIT_ORPHANED
         node.log.info("node_ready", pid=os.getpid(), entry=spec.entry)
         rc = await _run_main(node, fn)
         if orphaned.is_set():
@@ -128,6 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(spec.num_threads)
     try:
         return run_loop(serve(spec))
-    except SpecError as e:
+    except (SpecError, SecurityError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_SPEC

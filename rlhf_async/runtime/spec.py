@@ -35,10 +35,14 @@ class NodeSpec:
     stop_grace_s: float = 1.0  # after a stop request, main gets this long before cancel
     max_message_bytes: int = DEFAULT_MAX_BYTES
     log_level: str = "info"
+    # CURVE keys directory on the node's host (`rlhf-async keys DIR`); every tcp endpoint of
+    # the node then authenticates and encrypts. The coordinator fills it in when empty.
+    keys: str = ""
+    insecure: bool = False  # allow plaintext tcp beyond loopback when there are no keys
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("role", "node_id", "entry", "device", "control", "log_level"):
+        for name in ("role", "node_id", "entry", "device", "control", "log_level", "keys"):
             if not isinstance(getattr(self, name), str):
                 problems.append(f"{name} must be a string")
         if isinstance(self.node_id, str) and not _NODE_ID.match(self.node_id):
@@ -59,8 +63,19 @@ class NodeSpec:
         if not isinstance(self.endpoints, dict) or not all(
                 isinstance(v, Endpoint) for v in self.endpoints.values()):
             problems.append("endpoints must map names to Endpoint")
+        if type(self.insecure) is not bool:
+            problems.append(f"insecure {self.insecure!r} must be true or false")
         if problems:
             raise SpecError(f"node spec {self.node_id!r}: " + "; ".join(problems))
+
+    def tcp_addresses(self) -> list[str]:
+        """Every tcp:// address this node binds or connects to, control included."""
+        addresses = [self.control] if isinstance(self.control, str) else []
+        if isinstance(self.endpoints, dict):
+            for ep in self.endpoints.values():
+                if isinstance(ep, Endpoint):
+                    addresses += [ep.address, *ep.also]
+        return [a for a in addresses if a.startswith("tcp://")]
 
     def with_control(self, address: str) -> NodeSpec:
         return replace(self, control=address)
