@@ -87,7 +87,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     from rlhf_async.daemon.cli import add_commands as add_deploy_commands
 
-    add_deploy_commands(sub)  # serve, submit, jobs, logs, cancel (daemon/cli.py)
+    add_deploy_commands(sub)  # serve, submit, jobs, logs, cancel, agent, doctor
     sub.add_parser("version", help="print the version")
     return parser
 

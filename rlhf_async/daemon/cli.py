@@ -1,4 +1,5 @@
-"""Daemon subcommands: serve, submit, jobs, logs, cancel (`rlhf-async COMMAND --help`)."""
+"""Deployment subcommands: the daemon (serve, submit, jobs, logs, cancel) and multi-host
+(agent, doctor). `rlhf-async COMMAND --help` for each."""
 
 from __future__ import annotations
 
@@ -50,6 +51,20 @@ def add_commands(sub: Any) -> None:
     cancel.add_argument("job", type=int)
     for p in (serve, submit, jobs, logs, cancel):
         p.add_argument("--state-dir", type=Path, default=None, help=state_help)
+
+    agent = sub.add_parser("agent", help="multi-host: start node processes for coordinators")
+    agent.add_argument("--bind", required=True, help="tcp://ADDRESS:PORT (this host's line in "
+                       "the hosts file)")
+    agent.add_argument("--work-dir", type=Path, default=Path("runs/agent"),
+                       help="node run directories and logs go under here")
+    doctor = sub.add_parser("doctor", help="multi-host: check hosts, ports, keys, versions "
+                            "and devices before a run")
+    doctor.add_argument("hosts", type=Path, help="hosts file (name address[:port] devices)")
+    doctor.add_argument("--timeout", type=float, default=3.0, help="seconds per check")
+    for p in (agent, doctor):
+        p.add_argument("--keys", type=Path, help="CURVE keys directory (`rlhf-async keys`)")
+        p.add_argument("--insecure", action="store_true",
+                       help="allow plaintext tcp beyond loopback (trusted networks only)")
 
 
 def _state(args: argparse.Namespace) -> Path:
@@ -158,5 +173,39 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_agent(args: argparse.Namespace) -> int:
+    from rlhf_async.agent import Agent
+    from rlhf_async.runtime import run_loop
+    from rlhf_async.security import SecurityError
+    from rlhf_async.transport import EndpointError
+
+    configure_logging("info")
+    if not args.bind.startswith("tcp://"):
+        raise UserError(f"--bind {args.bind!r} must be tcp://ADDRESS:PORT")
+    try:
+        return int(run_loop(Agent(args.bind, args.work_dir, keys=args.keys,
+                                  insecure=args.insecure).serve()))
+    except (SecurityError, EndpointError) as e:
+        raise UserError(str(e)) from None
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from rlhf_async.doctor import run_doctor
+    from rlhf_async.hosts import HostsError, load_hosts
+    from rlhf_async.security import SecurityError
+
+    configure_logging("error")
+    try:
+        findings = run_doctor(load_hosts(args.hosts), args.keys, args.timeout, args.insecure)
+    except (HostsError, SecurityError) as e:
+        raise UserError(str(e)) from None
+    for f in findings:
+        print(f.line())
+    bad = sum(not f.ok for f in findings)
+    print(f"{len(findings) - bad} of {len(findings)} hosts ready" + (f"; {bad} with a "
+          "problem" if bad else ""))
+    return 1 if bad else 0
+
+
 HANDLERS = {"serve": cmd_serve, "submit": cmd_submit, "jobs": cmd_jobs, "logs": cmd_logs,
-            "cancel": cmd_cancel}
+            "cancel": cmd_cancel, "agent": cmd_agent, "doctor": cmd_doctor}
