@@ -1,6 +1,12 @@
-"""Flattening vs Separation (max_staleness 0, 1, 2) side by side, same model and batch.
+"""Flattening, Interleaving and Separation (max_staleness 0, 1, 2) side by side, same model
+and batch, with the cost model's predictions beside the measurements.
 
-    python bench/bench_pipeline.py [--steps 12] [--warmup 2] [key=value ...]
+    python bench/bench_pipeline.py [--steps 12] [--warmup 2] [--calibrate] [key=value ...]
+
+With --calibrate the cost model is first calibrated on this machine from single-process
+runs (`rlhf-async plan --calibrate`); the multi-process strategies are then predicted, so
+"predicted vs measured" checks the model, and `auto`'s pick is compared with the best
+measured variant.
 
 Each variant runs the built-in task's RL phase (SFT and reward model come from the shared
 cache) on every core of this machine: Flattening as one process per core, Separation as
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,6 +33,7 @@ from rlhf_async.metrics import read_metrics
 
 VARIANTS = {
     "flattening": ["placement.strategy=flattening"],
+    "interleaving": ["placement.strategy=interleaving"],
     "separation k=0": ["placement.strategy=separation", "algo.max_staleness=0"],
     "separation k=1": ["placement.strategy=separation", "algo.max_staleness=1"],
     "separation k=2": ["placement.strategy=separation", "algo.max_staleness=2"],
@@ -59,12 +67,73 @@ def steady(records: list[dict], warmup: int) -> dict:
             "utilisation": util, "overlap_efficiency": overlap}
 
 
+def predicted_step(cfg) -> float:  # noqa: ANN001
+    from rlhf_async.planner import predictions
+
+    _, pred, _ = predictions(cfg)[cfg.placement.strategy]
+    return pred.step_s if pred is not None else float("nan")
+
+
+def compare_with_model(results: dict, per_round: dict[str, list[dict]], base: list[str]) -> dict:
+    """Predicted vs measured step-time ratios against Flattening (measured: the median over
+    rounds of the ratio within a round, so slow drifts of background load cancel), and
+    whether `auto`'s pick is within 10% of the best measured variant."""
+    from rlhf_async.planner import choose
+
+    flat = results.get("flattening")
+    if not flat:
+        return {}
+    steps = {n: [r["wall_s"] / r["steps"] for r in runs] for n, runs in per_round.items()}
+    ratio = {n: statistics.median(a / b for a, b in zip(v, steps["flattening"], strict=True))
+             for n, v in steps.items()}
+    rows = {}
+    print(f"\n{'variant':16s} {'measured ms':>11s} {'predicted ms':>12s} {'meas/flat':>9s} "
+          f"{'pred/flat':>9s} {'error':>6s}")
+    for name, r in results.items():
+        p = r["predicted_step_s"] / flat["predicted_step_s"]
+        m = ratio[name]
+        rows[name] = {"measured_step_s": statistics.median(steps[name]),
+                      "predicted_step_s": r["predicted_step_s"], "measured_ratio": m,
+                      "predicted_ratio": p, "error": p / m - 1}
+        print(f"{name:16s} {statistics.median(steps[name]) * 1e3:11.1f} "
+              f"{r['predicted_step_s'] * 1e3:12.1f} {m:9.2f} {p:9.2f} {p / m - 1:+6.0%}")
+    out: dict = {"ratios": rows}
+    for k in (0, 1, 2):
+        cfg = load_config(None, base + [f"algo.max_staleness={k}", "placement.strategy=auto"])
+        picked, reason = choose(cfg)
+        name = picked.strategy if picked.strategy != "separation" else f"separation k={k}"
+        same_k = [n for n in results if not n.startswith("separation") or n.endswith(f"={k}")]
+        best = min(same_k, key=lambda n: ratio[n])
+        if name in ratio:
+            gap = ratio[name] / ratio[best] - 1
+            out[f"auto k={k}"] = {"picked": name, "best_measured": best, "gap": gap,
+                                  "reason": reason}
+            print(f"auto (max_staleness {k}) picks {name}: {gap:+.0%} vs the best measured "
+                  f"({best})")
+    return out
+
+
+def run_variant(name: str, extra: list[str], base: list[str], warmup: int) -> dict:
+    tag = name.replace(" ", "").replace("=", "")
+    cfg = load_config(None, base + extra + [f"run.name={tag}-{time.time_ns()}"])
+    summary = job.run(cfg)
+    records = read_metrics(Path(summary["run_dir"]) / "metrics.jsonl")
+    out = {**steady(records, warmup), "final_hidden_score": summary["final_hidden_score"]}
+    print(f"{name:16s} {out['samples_per_s']:8.1f} samples/s", file=sys.stderr)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="variants take turns round by round; medians over rounds")
     ap.add_argument("--out", default="bench/results/pipeline.json")
     ap.add_argument("--only", nargs="*", default=None, help="variant names to run")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="calibrate the cost model in every round (single-process runs)")
+    ap.add_argument("--calibration", default="bench/results/calibration.json")
     ap.add_argument("overrides", nargs="*", help="config overrides for every variant")
     args = ap.parse_args(argv)
     configure_logging("warning")
@@ -72,17 +141,29 @@ def main(argv: list[str] | None = None) -> int:
     base = [f"train.steps={args.steps}", "run.progress=false", "run.plot=false",
             f"placement.devices={devices}", "run.output_dir=runs/bench-pipeline",
             "run.eval_prompts=64", *args.overrides]
+    names = [n for n in VARIANTS if not args.only or n in args.only]
+    per_round: dict[str, list[dict]] = {n: [] for n in names}
+    calib_rounds = []
+    for r in range(args.rounds):  # taking turns, so background load hits all alike
+        print(f"round {r + 1}/{args.rounds}", file=sys.stderr)
+        if args.calibrate:
+            from rlhf_async.calibrate import measure_round
+
+            calib_rounds.append(measure_round(load_config(None, base)))
+        for name in names if r % 2 == 0 else names[::-1]:  # no variant always runs first
+            per_round[name].append(run_variant(name, VARIANTS[name], base, args.warmup))
+    if args.calibrate:
+        from rlhf_async.calibrate import calibrate
+
+        calibrate(load_config(None, base), Path(args.calibration), measured=calib_rounds)
+    if Path(args.calibration).exists():
+        base.append(f"placement.calibration={json.dumps(args.calibration)}")
     results = {}
-    for name, extra in VARIANTS.items():
-        if args.only and name not in args.only:
-            continue
-        tag = name.replace(" ", "").replace("=", "")
-        cfg = load_config(None, base + extra + [f"run.name={tag}-{int(time.time())}"])
-        summary = job.run(cfg)
-        records = read_metrics(Path(summary["run_dir"]) / "metrics.jsonl")
-        results[name] = {**steady(records, args.warmup),
-                         "final_hidden_score": summary["final_hidden_score"]}
-        print(f"{name:16s} {results[name]['samples_per_s']:8.1f} samples/s", file=sys.stderr)
+    for name, runs in per_round.items():
+        ordered = sorted(runs, key=lambda x: x["samples_per_s"])
+        cfg = load_config(None, base + VARIANTS[name])
+        results[name] = {**ordered[len(ordered) // 2], "predicted_step_s": predicted_step(cfg),
+                         "rounds_samples_per_s": [x["samples_per_s"] for x in runs]}
     k0 = results.get("separation k=0", {}).get("samples_per_s")
     flat = results.get("flattening", {}).get("samples_per_s")
     print(f"\n{'variant':16s} {'samples/s':>10s} {'vs k=0':>7s} {'vs flat':>8s} "
@@ -93,10 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         vs0 = f"{r['samples_per_s'] / k0:.2f}x" if k0 else "-"
         vsf = f"{r['samples_per_s'] / flat:.2f}x" if flat else "-"
         print(f"{name:16s} {r['samples_per_s']:10.1f} {vs0:>7s} {vsf:>8s} {ov:>8s}  {util}")
+    model_check = compare_with_model(results, per_round, base)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"devices": devices, "steps": args.steps, "warmup": args.warmup,
-                               "overrides": args.overrides, "results": results}, indent=2))
+                               "rounds": args.rounds,
+                               "overrides": args.overrides, "results": results,
+                               "cost_model": model_check}, indent=2))
     return 0
 
 

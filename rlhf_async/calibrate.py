@@ -106,11 +106,11 @@ def _counts(shape: ModelShape, w: Workload) -> dict[str, tuple[float, float]]:
 
 
 def measure_round(cfg: JobConfig, steps: int = 4) -> dict[str, dict[str, float]]:
-    """One round of the runs `fit` needs: one process at the batch and at half of it, and
+    """One round of the runs `fit` needs: one process at the batch and at a quarter, and
     `placement.devices` processes at the batch (for the cost of a collective in a step)."""
     torch.set_num_threads(1)
     big = cfg.train.prompts_per_step
-    return {"single_half": phase_times(cfg, max(1, big // 2), 1, steps),
+    return {"single_quarter": phase_times(cfg, max(1, big // 4), 1, steps),
             "single": phase_times(cfg, big, 1, steps),
             "multi": phase_times(cfg, big, max(2, cfg.placement.devices), steps)}
 
@@ -123,22 +123,27 @@ def fit(cfg: JobConfig, m: dict[str, dict[str, float]], flops: float,
     shape, work = shape_of(cfg), workload_of(cfg)
     big = cfg.train.prompts_per_step
     G = cfg.algo.group_size
-    w_half = dataclasses.replace(work, samples=max(1, big // 2) * G)
+    w_half = dataclasses.replace(work, samples=max(1, big // 4) * G)
     w_big = dataclasses.replace(work, samples=big * G)
     out: dict[str, float] = {}
     for phase, key in (("generate", "gen"), ("score", "score"), ("train", "train")):
         calls, f_half = _counts(shape, w_half)[phase]
         _, f_big = _counts(shape, w_big)[phase]
-        dt = max(m["single"][phase] - m["single_half"][phase], 1e-9)
+        dt = max(m["single"][phase] - m["single_quarter"][phase], 1e-9)
         eff = min(1.0, (f_big - f_half) / flops / dt)
         out[f"{key}_eff"] = eff
         out[f"{key}_call_s"] = max(0.0, (m["single"][phase] - f_big / (flops * eff)) / calls)
     n = max(2, cfg.placement.devices)
-    calls, f_share = _counts(shape, dataclasses.replace(work, samples=big * G // n))["train"]
-    compute = calls * out["train_call_s"] + f_share / (flops * out["train_eff"])
-    coll = max(latency, (m["multi"]["train"] - compute) / train_collectives(work))
+    counts = _counts(shape, dataclasses.replace(work, samples=big * G // n))
+    single = {ph: counts[ph][0] * out[f"{k}_call_s"] + counts[ph][1] / (flops * out[f"{k}_eff"])
+              for ph, k in (("generate", "gen"), ("score", "score"), ("train", "train"))}
+    # generate and score have no collectives: their slowdown is the machine's contention
+    slow = max(0.5, (m["multi"]["generate"] + m["multi"]["score"])
+               / (single["generate"] + single["score"]))
+    coll = max(latency, (m["multi"]["train"] / slow - single["train"]) / train_collectives(work))
     return Calibration(source=f"measured by `plan --calibrate` ({time.strftime('%Y-%m-%d')})",
-                       bw_eff=1.0, link_eff=1.0, collective_s=coll, **out)
+                       bw_eff=1.0, link_eff=1.0, collective_s=coll, parallel_slowdown=slow,
+                       **out)
 
 
 def median_round(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:

@@ -105,6 +105,9 @@ class Calibration:
     collective_s: float = 3e-5
     step_s: float = 0.0  # fixed per-step cost of the job loop
     pipeline_step_s: float = 0.0  # extra per step for Separation's queues and control plane
+    # how much slower each device works while several are busy at once (1.0 on dedicated
+    # GPUs; above 1 on a CPU box shared with other jobs, where busy slots compete)
+    parallel_slowdown: float = 1.0
 
 
 @dataclass
@@ -275,21 +278,24 @@ def predict(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
     train = _train_times(p, shape, w, dev, cal, zero3)
     phases = {"generate": gen or math.inf, "score": max(score.values()),
               "train": max(train.values()), "sync": 0.0}
-    step = cal.step_s
+    step, slow = cal.step_s, cal.parallel_slowdown
     if p.strategy == "separation":
         phases["sync"] = _sync_time(p, shape, dev, cal)
         gen_devs = set(p.model("shadow_actor").devices)  # type: ignore[union-attr]
         score_devs = {d for m in p.models if m.runtime == INFER and m.model != "shadow_actor"
                       for d in m.devices}
         infer = phases["generate"] + phases["score"] if gen_devs & score_devs else \
-            max(phases["generate"], phases["score"])
-        train_side = phases["train"] + phases["sync"]
+            slow * max(phases["generate"], phases["score"])
+        train_devs = p.model("actor").devices  # type: ignore[union-attr]
+        train_side = phases["train"] * (slow if len(train_devs) > 1 else 1.0) + phases["sync"]
         step += cal.pipeline_step_s + (infer + train_side if w.max_staleness == 0
-                                       else max(infer, train_side))
+                                       else slow * max(infer, train_side))
     else:
         if p.strategy == "interleaving":  # all-gather rollouts, all-reduce the scores
-            phases["score"] += 3 * cal.collective_s + 16.0 * w.samples * (
+            phases["score"] += 2 * cal.collective_s + 16.0 * w.samples * (
                 w.prompt_len + 3 * w.gen_len) / _bw(tuple(range(p.num_devices)), dev, cal)
+        if p.num_devices > 1:
+            phases = {k: v * slow for k, v in phases.items()}
         step += phases["generate"] + phases["score"] + phases["train"]
     if zero3:
         notes.insert(0, "ZeRO-3 sharding of data-parallel models")

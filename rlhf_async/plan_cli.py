@@ -66,22 +66,26 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def format_simulation(rows: list[dict], gpu: str) -> str:
-    """Markdown table: step time per strategy, speed-up over Flattening, peak memory."""
+    """Markdown table, one row per (model, GPUs): each strategy's predicted step time and
+    peak memory per GPU, Separation's speed-up over Flattening and its best layout."""
     dev = DEVICES[gpu]
-    out = [f"Predicted RLHF step time on {dev.name} (PPO: actor, critic, reward, reference)",
+    out = [f"Predicted PPO step time on {dev.name} (actor, critic, reward, reference)",
            "", "Assumptions:"] + [f"- {a}" for a in ASSUMPTIONS] + [""]
-    out.append("| model | GPUs | strategy | step s | generate | score | train | sync | "
-               "peak GiB/GPU | vs flattening | layout / notes |")
-    out.append("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-    flat = {(r["model"], r["gpus"]): r["step_s"] for r in rows if r["strategy"] == "flattening"}
-    for r in rows:
-        ph = r["phases"]
-        base = flat.get((r["model"], r["gpus"]))
-        ok = r["feasible"]
-        vs = f"{base / r['step_s']:.1f}x" if ok and base and base != float("inf") else "-"
-        step = f"{r['step_s']:.1f}" if ok else "OOM"
-        note = r["layout"] or ("; ".join(r["notes"][1:2]) if ok else r["notes"][-1])
-        out.append(f"| {r['model']} | {r['gpus']} | {r['strategy']} | {step} | "
-                   f"{ph['generate']:.1f} | {ph['score']:.1f} | {ph['train']:.1f} | "
-                   f"{ph['sync']:.1f} | {r['memory_gib']:.0f} | {vs} | {note} |")
+    names = ["flattening", "interleaving", "separation k=0", "separation k=1"]
+    out.append("| model | GPUs | " + " | ".join(f"{n} s (GiB)" for n in names)
+               + " | sep k=0 vs flat | sep k=1 vs flat | separation layout (k=0) |")
+    out.append("| --- | ---: | " + " | ".join("---:" for _ in names) + " | ---: | ---: | --- |")
+    by = {(r["model"], r["gpus"], r["strategy"]): r for r in rows}
+    for model, n in dict.fromkeys((r["model"], r["gpus"]) for r in rows):
+        cells, step = [], {}
+        for name in names:
+            r = by[(model, n, name)]
+            step[name] = r["step_s"] if r["feasible"] else None
+            cells.append(f"{r['step_s']:.1f} ({r['memory_gib']:.0f})" if r["feasible"]
+                         else f"OOM ({r['memory_gib']:.0f})")
+        flat = step["flattening"]
+        vs = [f"{flat / step[k]:.1f}x" if flat and step[k] else "-"
+              for k in ("separation k=0", "separation k=1")]
+        out.append(f"| {model} | {n} | " + " | ".join(cells) + f" | {vs[0]} | {vs[1]} | "
+                   f"{by[(model, n, 'separation k=0')]['layout']} |")
     return "\n".join(out)

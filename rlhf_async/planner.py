@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -194,16 +195,17 @@ def _sim_placements(n: int) -> dict[str, list[Placement]]:
     seps = []
     for train_frac in (0.25, 0.5, 0.75):
         nt = max(1, int(n * train_frac))
-        for score_frac in (0.125, 0.25):
+        for score_frac in (0.125, 0.25, 0.5):
             ns = max(1, int(n * score_frac))
             ng = n - nt - ns
-            for tp in (1, 2, 4, 8):
-                if ng < tp or ng % tp:
+            for tp, ts in itertools.product((1, 2, 4, 8), (1, 2, 4, 8)):
+                if ng < tp or ng % tp or ns < ts or ns % ts:
                     continue
                 cfg = dataclasses.replace(
                     base, strategy="separation", actor=list(range(nt)),
                     generator=list(range(nt, nt + ng)), reward=list(range(nt + ng, n)),
-                    scorers=ns, generators=ng // tp, tensor_parallel=[f"shadow_actor={tp}"])
+                    scorers=ns // ts, generators=ng // tp,
+                    tensor_parallel=[f"shadow_actor={tp}", f"reward={ts}", f"reference={ts}"])
                 seps.append(plan_placement(cfg, "ppo", runnable=False))
     out["separation"] = seps
     return out
@@ -237,7 +239,7 @@ def _layout(p: Placement) -> str:
         return ""
     parts = []
     for m in p.models:
-        if m.model in ("actor", "shadow_actor", "reward"):
+        if m.model in ("actor", "shadow_actor", "reward"):  # reference: as reward
             tp = f" tp{m.tensor_parallel}" if m.tensor_parallel > 1 else ""
             parts.append(f"{m.model} {len(m.devices)}{tp}")
     return ", ".join(parts)

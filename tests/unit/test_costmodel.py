@@ -114,7 +114,7 @@ def test_plan_command_prints_table_and_simulation(capsys):
     assert main(["plan", "--simulate", "--models", "7B", "--gpus", "8,16", "--gpu",
                  "A100"]) == 0
     out = capsys.readouterr().out
-    assert "Assumptions:" in out and "| 7B | 16 | separation k=0 |" in out
+    assert "Assumptions:" in out and "| 7B | 16 | " in out and "sep k=0 vs flat" in out
     assert main(["plan", "--simulate", "--gpus", "eight"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "--gpus" in err[1]
