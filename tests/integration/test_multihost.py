@@ -1,6 +1,8 @@
-"""Three "hosts" as Linux network namespaces on one bridge, an agent in each, a Separation
-run across them over CURVE tcp; then one host's link is cut mid-run: the run stops with a
-checkpoint, and once the link is back it resumes from that checkpoint and finishes.
+"""Three "hosts" as Linux network namespaces on one bridge. deploy/launch.sh starts an
+agent in each (through an `ssh` stand-in that enters the namespace: there is no sshd in
+this sandbox), checks them with `doctor`, and runs Separation across them over CURVE tcp.
+One host's link is cut mid-run: the run stops with a checkpoint; once the link is back,
+launch.sh again resumes it from that checkpoint and it finishes.
 
 Needs root and `ip netns` (iproute2); skipped with the reason otherwise.
 """
@@ -16,8 +18,6 @@ import time
 from pathlib import Path
 
 import pytest
-
-from rlhf_async.security import generate_keys
 
 pytestmark = pytest.mark.timeout(420)
 TAG = f"{os.getpid() % 10000}"
@@ -75,8 +75,10 @@ class Cluster:
     def link(self, i: int, state: str) -> None:
         assert _ip("link", "set", f"rp{i}-{TAG}", state).returncode == 0
 
-    def run(self, i: int, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": f"rv{i}-{TAG}", "OMP_NUM_THREADS": "1"}
+    def run(self, i: int, argv: list[str], log: Path,
+            extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": f"rv{i}-{TAG}", "OMP_NUM_THREADS": "1",
+               **(extra_env or {})}
         with open(log, "ab") as f:
             proc = subprocess.Popen(["ip", "netns", "exec", self.ns(i), *argv], env=env,
                                     stdout=f, stderr=subprocess.STDOUT)
@@ -84,6 +86,13 @@ class Cluster:
         return proc
 
     def down(self) -> None:
+        for i in range(1, self.n + 1):  # agents launch.sh left behind after a failure
+            pids = _ip("netns", "pids", self.ns(i)).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), 15)
+                except ProcessLookupError:
+                    pass
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()
@@ -118,28 +127,27 @@ def _wait(cond, timeout: float, what: str) -> None:
         time.sleep(0.3)
 
 
-def test_run_across_namespaces_then_cut_a_link(cluster, tmp_path):
-    py = sys.executable
-    generate_keys(tmp_path / "keys")
+FAKE_SSH = """#!/bin/bash
+# ssh stand-in: `fake-ssh hostI COMMAND` runs COMMAND in namespace I
+i=${1#host}; shift
+export GLOO_SOCKET_IFNAME=rv$i-%s
+exec ip netns exec rh$i-%s bash -c "$*"
+"""
+
+
+def test_launch_across_namespaces_then_cut_a_link(cluster, tmp_path):
+    ssh = tmp_path / "fake-ssh"
+    ssh.write_text(FAKE_SSH % (TAG, TAG))
+    ssh.chmod(0o755)
     (tmp_path / "hosts").write_text("".join(f"host{i} {NET}.{i}:7100 cpu:0\n"
                                             for i in range(1, 4)))
-    for i in range(1, 4):
-        cluster.run(i, [py, "-m", "rlhf_async", "agent", "--bind", f"tcp://{NET}.{i}:7100",
-                        "--keys", str(tmp_path / "keys"), "--work-dir",
-                        str(tmp_path / f"work{i}")], tmp_path / f"agent{i}.log")
-    doctor = [py, "-m", "rlhf_async", "doctor", str(tmp_path / "hosts"), "--keys",
-              str(tmp_path / "keys")]
-
-    def doctor_ok() -> bool:
-        d = cluster.run(1, doctor, tmp_path / "doctor.log")
-        return d.wait(60) == 0
-
-    _wait(doctor_ok, 90, "all three agents ready (see doctor.log)")
-    job = [py, "-m", "rlhf_async.multihost", "--hosts", str(tmp_path / "hosts"), "--keys",
-           str(tmp_path / "keys"), "--address", f"{NET}.1", *TINY,
-           f"run.cache_dir={json.dumps(str(tmp_path / 'cache'))}",
-           f"run.output_dir={json.dumps(str(tmp_path / 'runs'))}", "run.name=mh"]
-    first = cluster.run(1, job, tmp_path / "job1.log")
+    launch = ["bash", str(Path(__file__).parents[2] / "deploy" / "launch.sh"),
+              str(tmp_path / "hosts"), *TINY,
+              f"run.cache_dir={json.dumps(str(tmp_path / 'cache'))}",
+              f"run.output_dir={json.dumps(str(tmp_path / 'runs'))}", "run.name=mh"]
+    env = {"RLHF_SSH": str(ssh), "RLHF_PYTHON": sys.executable,
+           "RLHF_KEYS": str(tmp_path / "keys"), "RLHF_WORK": str(tmp_path / "work")}
+    first = cluster.run(1, launch, tmp_path / "job1.log", env)
     ckpts = tmp_path / "runs" / "mh" / "checkpoints"
     _wait(lambda: len(list(ckpts.glob("ckpt-*"))) >= 3 or first.poll() is not None, 240,
           "three checkpoints")
@@ -147,12 +155,12 @@ def test_run_across_namespaces_then_cut_a_link(cluster, tmp_path):
     cluster.link(2, "down")  # host2 holds the generator and the scorer
     assert first.wait(120) != 0
     log1 = (tmp_path / "job1.log").read_text()
+    assert "3 of 3 hosts ready" in log1, log1[-3000:]
     assert "no heartbeat" in log1 and "the run stops with a checkpoint" in log1, log1[-3000:]
     assert not (tmp_path / "runs" / "mh" / "summary.json").exists()
-    kept = len(list(ckpts.glob("ckpt-*")))
-    assert kept >= 3
+    assert len(list(ckpts.glob("ckpt-*"))) >= 3
     cluster.link(2, "up")
-    second = cluster.run(1, job, tmp_path / "job2.log")
+    second = cluster.run(1, launch, tmp_path / "job2.log", env)
     assert second.wait(240) == 0, (tmp_path / "job2.log").read_text()[-3000:]
     summary = json.loads((tmp_path / "runs" / "mh" / "summary.json").read_text())
     assert summary["start_step"] >= 2  # resumed from a checkpoint, not from scratch
@@ -160,4 +168,7 @@ def test_run_across_namespaces_then_cut_a_link(cluster, tmp_path):
              (tmp_path / "runs" / "mh" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(30))  # every step once, across the two attempts
     for i, nodes in ((1, {"trainer.log"}), (2, {"gen0.log", "scorer0.log"})):
-        assert {p.name for p in (tmp_path / f"work{i}" / "mh" / "logs").iterdir()} == nodes
+        logs = tmp_path / "work" / f"host{i}" / "mh" / "logs"
+        assert {p.name for p in logs.iterdir()} == nodes
+    _wait(lambda: all(not _ip("netns", "pids", cluster.ns(i)).stdout.split()
+                      for i in range(1, 4)), 30, "launch.sh stopping every agent")
