@@ -26,20 +26,20 @@ from rlhf_async.placement import INFER, TRAIN, ModelPlacement, Placement
 
 GiB = 1024**3
 ASSUMPTIONS = [
-    "LLaMA-1 shapes (7B/13B/33B/65B: 32/40/60/80 layers, hidden 4096/5120/6656/8192, "
-    "vocab 32000, no GQA); actor, critic, reward and reference all of the actor's size",
-    "bf16 weights; training states 16 bytes/param (bf16 weights + grads, fp32 Adam m, v, "
+    ("LLaMA-1 shapes (7B/13B/33B/65B: 32/40/60/80 layers, hidden 4096/5120/6656/8192, "
+    "vocab 32000, no GQA); actor, critic, reward and reference all of the actor's size"),
+    ("bf16 weights; training states 16 bytes/param (bf16 weights + grads, fp32 Adam m, v, "
     "master); ZeRO-3 over each model's data-parallel group when the unsharded states of a "
-    "device's models exceed 75% of its memory, else plain data parallelism",
-    "per step: prompt 512 tokens, 480 generated tokens (the paper's setting), 1024 samples, "
-    "1 PPO epoch in 4 minibatches, activation checkpointing (activations ignored)",
-    "effective throughput: 40% of peak FLOP/s in training, 50% in prefill/scoring, 70% of "
+    "device's models exceed 75% of its memory, else plain data parallelism"),
+    ("per step: prompt 512 tokens, 480 generated tokens (the paper's setting), 1024 samples, "
+    "1 PPO epoch in 4 minibatches, activation checkpointing (activations ignored)"),
+    ("effective throughput: 40% of peak FLOP/s in training, 50% in prefill/scoring, 70% of "
     "memory bandwidth when decoding, 70% of link bandwidth in collectives, 30 us per "
-    "collective, 30 us per layer pass (CUDA-graph-like decoding)",
-    "ZeRO-3 generation gathers the full actor for every forward pass (prefill and each "
-    "token), not overlapped with compute; 10% of device memory reserved",
-    "8 GPUs per node on NVLink; across nodes one 400 Gb/s (H100/H200) or 200 Gb/s (A100) "
-    "NIC per GPU; Separation's trainer broadcasts bf16 actor weights once per step",
+    "collective, 30 us per layer pass (CUDA-graph-like decoding)"),
+    ("ZeRO-3 generation gathers the full actor for every forward pass (prefill and each "
+    "token), not overlapped with compute; 10% of device memory reserved"),
+    ("8 GPUs per node on NVLink; across nodes one 400 Gb/s (H100/H200) or 200 Gb/s (A100) "
+    "NIC per GPU; Separation's trainer broadcasts bf16 actor weights once per step"),
 ]
 
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -28,19 +29,30 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 from rlhf_async import algorithms as A
-from rlhf_async.checkpoint import (CheckpointError, learner_state, load_latest, restore_learner,
-                                   save_checkpoint)
+from rlhf_async.checkpoint import (
+    CheckpointError,
+    learner_state,
+    load_latest,
+    restore_learner,
+    save_checkpoint,
+)
 from rlhf_async.config import JobConfig
 from rlhf_async.flattening import sampling_params
 from rlhf_async.metrics import MetricsWriter, Progress
-from rlhf_async.models import (ScalarHeadModel, frozen_copy, response_logits, save_policy,
-                               sequence_scores)
+from rlhf_async.models import (
+    ScalarHeadModel,
+    frozen_copy,
+    response_logits,
+    save_policy,
+    sequence_scores,
+)
 from rlhf_async.placement import Placement, PlacementError, plan_placement, runner_problems
 from rlhf_async.roles import Learner, generate
 from rlhf_async.rollout import PromptBatch, RolloutBatch
 from rlhf_async.task import SortDigitsTask
 from rlhf_async.task.pretrain import Artefacts, load_reward_model, load_sft
 
+M = TypeVar("M", bound=nn.Module)
 HiddenScore = Callable[[Tensor, Tensor, Tensor], Tensor]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GATHERED = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
@@ -136,8 +148,8 @@ def score_interleaved(batch: RolloutBatch, sizes: list[int], reward_model: Scala
                          ref_logprobs=both[mine, 1:].contiguous(), hidden_scores=hidden)
 
 
-def _frozen(model: nn.Module, dtype: str) -> nn.Module:
-    return frozen_copy(model).to(DTYPES[dtype])
+def _frozen(model: M, dtype: str) -> M:
+    return frozen_copy(model).to(DTYPES[dtype])  # type: ignore[return-value]  # same class
 
 
 def rl_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, owners: Owners, rank: int,

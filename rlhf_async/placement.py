@@ -13,6 +13,7 @@ Devices are slot numbers 0..devices-1: GPUs with `device = "cuda"`, CPU cores ot
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from rlhf_async.config import ConfigError, PlacementConfig
@@ -82,7 +83,7 @@ class Placement:
         return f"{head}{why}\n\nprocesses\n{procs}\n\nmodels\n{models}"
 
 
-def _columns(rows: list[tuple[str, ...]]) -> str:
+def _columns(rows: Sequence[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -126,8 +127,8 @@ def _override_value(key: str, raw: str) -> tuple[object, str]:
         ok = raw.isdigit() and int(raw) >= 1
         return (int(raw), "") if ok else (None, f"{raw!r} is not an integer >= 1")
     accepted = DTYPES if key == "dtype" else BACKENDS
-    return (raw, "") if raw in accepted else (None, f"{raw!r} is not one of "
-                                                    f"{', '.join(accepted)}")
+    return (raw, "") if raw in accepted else (None, (f"{raw!r} is not one of "
+                                                    f"{', '.join(accepted)}"))
 
 
 def _model(cfg: PlacementConfig, name: str, devices: list[int] | tuple[int, ...],

@@ -17,11 +17,25 @@ from pathlib import Path
 import psutil
 
 from rlhf_async.config import ConfigError, JobConfig
-from rlhf_async.costmodel import (DEVICES, GiB, LLAMA, Calibration, DeviceSpec, ModelShape,
-                                  Prediction, Workload, predict)
+from rlhf_async.costmodel import (
+    DEVICES,
+    LLAMA,
+    Calibration,
+    DeviceSpec,
+    GiB,
+    ModelShape,
+    Prediction,
+    Workload,
+    predict,
+)
 from rlhf_async.log import get_logger
-from rlhf_async.placement import (Placement, PlacementError, build_placement, plan_placement,
-                                  with_reason)
+from rlhf_async.placement import (
+    Placement,
+    PlacementError,
+    build_placement,
+    plan_placement,
+    with_reason,
+)
 
 log = get_logger(component="planner")
 CANDIDATES = ("flattening", "interleaving", "separation")
@@ -43,8 +57,8 @@ def load_calibration(path: str) -> tuple[Calibration, DeviceSpec | None]:
     except FileNotFoundError:
         raise ConfigError([f"placement.calibration: {path!r} not found"]) from None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError([f"placement.calibration: {path!r} is not a calibration JSON "
-                           f"from `rlhf-async plan --calibrate` ({e})"]) from None
+        raise ConfigError([(f"placement.calibration: {path!r} is not a calibration JSON "
+                           f"from `rlhf-async plan --calibrate` ({e})")]) from None
     return cal, device
 
 
@@ -153,13 +167,15 @@ def prepare_run(cfg: JobConfig) -> JobConfig:
 def plan_job(cfg: JobConfig) -> tuple[Placement, Prediction]:
     """The placement a run would use, its prediction, and every problem in one error:
     the placement's own conflicts plus predicted memory over the device budget."""
+    problems: list[str] = []
+    found: Placement | None
     if cfg.placement.strategy == "auto":
-        placement, _ = choose(cfg)
-        problems = []
+        found, _ = choose(cfg)
     else:
-        placement, problems = build_placement(cfg.placement, cfg.algo.name)
-    if placement is None:
+        found, problems = build_placement(cfg.placement, cfg.algo.name)
+    if found is None:
         raise PlacementError(problems)
+    placement = found
     dev, cal = machine(cfg)
     pred = predict(placement, shape_of(cfg), workload_of(cfg), dev, cal)
     problems += [f"placement: predicted memory over budget on device {d}: {b / GiB:.3g} GiB "
@@ -173,8 +189,8 @@ def plan_job(cfg: JobConfig) -> tuple[Placement, Prediction]:
 def format_prediction(pred: Prediction, dev: DeviceSpec, cal: Calibration) -> str:
     ph = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in pred.phases.items())
     lines = [f"predicted step {pred.step_s * 1e3:.1f} ms ({ph})",
-             f"predicted peak memory {pred.peak_memory / GiB:.3g} GiB per device "
-             f"(budget {0.9 * dev.memory / GiB:.3g} GiB on {dev.name})",
+             (f"predicted peak memory {pred.peak_memory / GiB:.3g} GiB per device "
+             f"(budget {0.9 * dev.memory / GiB:.3g} GiB on {dev.name})"),
              f"calibration: {cal.source}"]
     return "\n".join(lines + [f"note: {n}" for n in pred.notes])
 

@@ -8,8 +8,17 @@ import pytest
 
 from rlhf_async.cli import main
 from rlhf_async.config import ConfigError, PlacementConfig, load_config
-from rlhf_async.costmodel import (DEVICES, GiB, LLAMA, Calibration, DeviceSpec, ModelShape,
-                                  Workload, memory_plan, predict)
+from rlhf_async.costmodel import (
+    DEVICES,
+    LLAMA,
+    Calibration,
+    DeviceSpec,
+    GiB,
+    ModelShape,
+    Workload,
+    memory_plan,
+    predict,
+)
 from rlhf_async.placement import PlacementError, plan_placement
 from rlhf_async.planner import choose, load_calibration, plan_job, resolve_auto, simulate
 

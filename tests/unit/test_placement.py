@@ -39,7 +39,7 @@ def test_interleaving_puts_reference_and_reward_on_exclusive_groups():
     p = plan_placement(PlacementConfig(strategy="interleaving", devices=4), "ppo")
     assert p.model("reference").devices == (0, 1) and p.model("reward").devices == (2, 3)
     assert p.model("actor").devices == (0, 1, 2, 3) and p.model("actor").replicas == 4
-    assert [q.models for q in p.processes][0] == ("actor", "critic", "reference")
+    assert next(q.models for q in p.processes) == ("actor", "critic", "reference")
     assert [q.models for q in p.processes][3] == ("actor", "critic", "reward")
     odd = plan_placement(PlacementConfig(strategy="interleaving", devices=3), "grpo")
     assert odd.model("reference").devices == (0, 1) and odd.model("reward").devices == (2,)
@@ -49,10 +49,10 @@ def test_interleaving_puts_reference_and_reward_on_exclusive_groups():
 
 
 def test_overrides_apply_to_every_preset():
-    over = dict(devices=4, tensor_parallel=["reward=2"], dtype=["reference=bf16"],
-                backend=["actor=deepspeed"])
+    over = {"devices": 4, "tensor_parallel": ["reward=2"], "dtype": ["reference=bf16"],
+                "backend": ["actor=deepspeed"]}
     for strategy in ("flattening", "interleaving", "separation"):
-        extra = dict(generator=[1], reward=[2, 3]) if strategy == "separation" else {}
+        extra = {"generator": [1], "reward": [2, 3]} if strategy == "separation" else {}
         p = plan_placement(PlacementConfig(strategy=strategy, **over, **extra), "ppo",
                            runnable=False)
         assert p.model("reference").dtype == "bf16", strategy
