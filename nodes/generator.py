@@ -15,21 +15,20 @@ import time
 import torch
 
 from nodes.common import load_job, message_errors
+from rlhf_async.backends import make_generation_backend
 from rlhf_async.config import weight_sync_backend
 from rlhf_async.pipeline.stage import StageClock
 from rlhf_async.pipeline.wire import SFT_LINEAGE, prompts_from_message, rollout_message
-from rlhf_async.roles import generate
 from rlhf_async.runtime import Node
-from rlhf_async.task.pretrain import load_sft
-from rlhf_async.weight_sync import (GroupSpec, WeightSyncError, load_into_module,
-                                    make_receiver)
+from rlhf_async.weight_sync import GroupSpec, WeightSyncError
 
 
 async def main(node: Node) -> None:
     job = load_job(node)
     # version 0 = the SFT policy; loaded off the loop so heartbeats go on
-    actor = await asyncio.to_thread(lambda: load_sft(job.art.sft_dir).to(job.device))
-    receiver = make_receiver(weight_sync_backend(job.cfg), device=job.device)
+    engine = await asyncio.to_thread(
+        make_generation_backend, job.cfg.generation.backend, str(job.art.sft_dir), job.sampling,
+        sync_backend=weight_sync_backend(job.cfg), device=job.device)
     state = {"version": 0, "lineage": SFT_LINEAGE}
     swap = asyncio.Lock()  # held by generation and by the weight swap: one at a time
     received = asyncio.Lock()  # one update in flight: the receiver's staging is reused
@@ -38,7 +37,7 @@ async def main(node: Node) -> None:
         """Join (or re-join under a new epoch) the trainer's broadcast group."""
         spec, rank = GroupSpec.from_dict(payload["spec"]), int(payload["rank"])
         async with received:
-            await asyncio.to_thread(receiver.connect, spec, rank)
+            await asyncio.to_thread(engine.connect, spec, rank)
         return {"connected": spec.group_name}
 
     async def update(payload: dict) -> dict:
@@ -50,26 +49,25 @@ async def main(node: Node) -> None:
         t0 = time.perf_counter()
         try:
             async with received:
-                weights = await asyncio.to_thread(receiver.receive, plan)
-                # copy out of the staging buffer so the next update can land while this
-                # one waits for the current generation step to finish
-                pending = {k: v.clone() for k, v in weights.tensors.items()}
+                # torch: received here while the current generation step runs; vLLM: its
+                # workers receive in the swap (the engine serves one caller at a time)
+                staged = await asyncio.to_thread(engine.stage, plan)
             t1 = time.perf_counter()
             async with swap:
-                load_into_module(actor, pending)
-                state.update(version=weights.version, lineage=lineage)
+                version = await asyncio.to_thread(engine.swap, staged)
+                state.update(version=version, lineage=lineage)
         except WeightSyncError as e:  # the group broke (a peer died): regrouped and re-sent
             await node.emit("weight_sync_failed", {"error": str(e)})
             return
-        await node.emit("weights_applied", {"version": weights.version, "lineage": lineage,
+        await node.emit("weights_applied", {"version": version, "lineage": lineage,
                                             "receive_s": t1 - t0,
                                             "swap_wait_s": time.perf_counter() - t1},
-                        weight_version=weights.version)
+                        weight_version=version)
 
     node.on_command("weight_sync_connect", connect)
     node.on_command("update_weights", update)
     await node.emit("loaded", {"version": 0})
-    sampling, seed = job.sampling, job.cfg.run.seed
+    seed = job.cfg.run.seed
     inp, out, clock = node.socket("prompts"), node.socket("rollouts"), StageClock()
     torch.set_grad_enabled(False)
     while not node.stopping:
@@ -84,7 +82,7 @@ async def main(node: Node) -> None:
         async with swap:  # weights cannot change under a generation step
             version, lineage = state["version"], state["lineage"]
             batch = await clock.busy(asyncio.to_thread(
-                generate, actor, prompts.to(job.device), sampling, seed, cid.step, version))
+                engine.generate, prompts.to(job.device), seed, cid.step, version))
         await out.send(rollout_message("rollout", cid, batch.to("cpu"), node.node_id, lineage))
         node.info.update(clock.snapshot(), version=version)
         await node.emit("generated", {**cid.meta(), "version": version, **clock.snapshot()},

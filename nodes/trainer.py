@@ -19,16 +19,15 @@ from nodes.common import Job, load_job, message_errors
 from rlhf_async.checkpoint import learner_state, load_latest, restore_learner, save_checkpoint
 from rlhf_async.config import JobConfig, weight_sync_backend
 from rlhf_async.models import save_policy
-from rlhf_async.pipeline.stage import StageClock
 from rlhf_async.pipeline.assembler import BatchAssembler
+from rlhf_async.pipeline.stage import StageClock
 from rlhf_async.pipeline.wire import SFT_LINEAGE, lineage_of, rollout_from_message
-from rlhf_async.roles import Learner
 from rlhf_async.protocol import Message
+from rlhf_async.roles import Learner
 from rlhf_async.runtime import Node
 from rlhf_async.staleness import StalenessPolicy
 from rlhf_async.task.pretrain import load_reward_model, load_sft
-from rlhf_async.weight_sync import (GroupSpec, WeightSender, WeightSyncError, make_sender,
-                                    weights_of)
+from rlhf_async.weight_sync import GroupSpec, WeightSender, WeightSyncError, make_sender
 
 
 async def main(node: Node) -> None:
@@ -89,11 +88,14 @@ async def main(node: Node) -> None:
     await _checkpoint(node, ckpt_dir, batches.next_step, learner, policy, cfg)
     if batches.next_step >= steps:
         policy_dir = Path(node.params["policy_dir"])
-        save_policy(actor, policy_dir, {"algo": cfg.algo.name, "steps": steps,
-                                        "version": learner.version, "strategy": "separation"})
+        with learner.actor_backend.gathered():  # full weights even under ZeRO-3
+            save_policy(actor, policy_dir, {"algo": cfg.algo.name, "steps": steps,
+                                            "version": learner.version,
+                                            "strategy": "separation"})
         await node.emit("done", {"policy_dir": str(policy_dir), "steps": steps})
     await node.wait_stop()
     sender.close()
+    learner.close()
 
 
 def _learner(job: Job) -> Learner:
@@ -156,7 +158,7 @@ async def _publish(node: Node, sender: WeightSender, learner: Learner, lineage: 
     if learner.version % every and not force:
         return {"weight_sync_s": 0.0, "weight_sync_bytes": 0}
     version = learner.version // every
-    weights = weights_of(learner.actor)
+    weights = learner.state_dict()  # full weights (gathered group by group under ZeRO-3)
     plan = sender.plan(weights, version)
     await node.emit("publish", {"plan": plan, "lineage": lineage}, weight_version=version)
     t0 = time.perf_counter()

@@ -132,24 +132,26 @@ def load_latest(root: str | Path, map_location: str | torch.device = "cpu") -> C
 
 
 def learner_state(learner: Learner) -> dict[str, Any]:
-    """Everything that shapes the learner's next update: weights, optimizer moments, RNG."""
-    state: dict[str, Any] = {"actor": learner.actor.state_dict(),
-                             "actor_opt": learner.actor_opt.state_dict(),
-                             "version": learner.version, "torch_rng": torch.get_rng_state()}
-    if learner.critic is not None and learner.critic_opt is not None:
-        state["critic"] = learner.critic.state_dict()
-        state["critic_opt"] = learner.critic_opt.state_dict()
+    """Everything that shapes the learner's next update: weights, optimizer moments, RNG.
+    Full (gathered) weights whatever the training backend; optimizer state as the backend
+    gives it (a ZeRO optimizer's partitions, one per rank, under DeepSpeed)."""
+    state: dict[str, Any] = {"version": learner.version, "torch_rng": torch.get_rng_state()}
+    for name, backend in learner.backends().items():
+        state[name] = backend.state_dict()
+        state[f"{name}_opt"] = backend.optimizer_state_dict()
     return state
 
 
 def restore_learner(learner: Learner, state: dict[str, Any]) -> None:
-    learner.actor.load_state_dict(state["actor"])
-    learner.actor_opt.load_state_dict(state["actor_opt"])
-    if learner.critic is not None and learner.critic_opt is not None:
-        if "critic" not in state:
-            raise CheckpointError("checkpoint has no critic, but this run trains one "
+    for name, backend in learner.backends().items():
+        if name not in state:
+            raise CheckpointError(f"checkpoint has no {name}, but this run trains one "
                                   "(was it written by a critic-free algorithm?)")
-        learner.critic.load_state_dict(state["critic"])
-        learner.critic_opt.load_state_dict(state["critic_opt"])
+        backend.load_state_dict(state[name])
+        try:
+            backend.load_optimizer_state_dict(state[f"{name}_opt"])
+        except (KeyError, ValueError) as e:
+            raise CheckpointError(f"checkpoint's {name} optimizer state does not fit this "
+                                  f"run's train.backend={learner.train.backend}: {e}") from None
     learner.version = int(state["version"])
     torch.set_rng_state(state["torch_rng"])

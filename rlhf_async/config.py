@@ -8,6 +8,7 @@ by `render_reference()`, so the two cannot drift.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -110,6 +111,8 @@ class GenerationConfig:
     temperature: float = opt(1.0, "sampling temperature (also used for training log-probs)",
                              gt=0.0)
     top_k: int = opt(0, "sample from the k most likely tokens; 0 = all", ge=0)
+    backend: str = opt("torch", "generator engine (separation); vllm needs the [vllm] extra",
+                       choices=("torch", "vllm"))
 
 
 @dataclass
@@ -123,6 +126,11 @@ class TrainConfig:
     grad_clip: float = opt(1.0, "global gradient-norm clip; 0 = off", ge=0.0)
     weight_decay: float = opt(0.0, "AdamW weight decay", ge=0.0)
     publish_every: int = opt(1, "publish weights to generators every N steps", ge=1)
+    backend: str = opt("torch", "training engine for actor and critic; deepspeed needs the "
+                       "[deepspeed] extra", choices=("torch", "deepspeed"))
+    zero_stage: int = opt(2, "DeepSpeed ZeRO stage (train.backend = deepspeed)",
+                          choices=(1, 2, 3))
+    grad_accum: int = opt(1, "micro-batches per minibatch (gradient accumulation)", ge=1)
 
 
 @dataclass
@@ -166,6 +174,9 @@ class PlacementConfig:
                    choices=("A100", "H100", "H200"))
     calibration: str = opt("", "calibration JSON from `rlhf-async plan --calibrate`; empty = "
                            "the built-in one")
+    hosts_file: str = opt("", "hosts file naming the machines and their devices (global "
+                          "device i = i-th device in file order); empty = this machine")
+    host: list[str] = opt([], "per-model host pin, e.g. ['reward=gpu-b']; needs hosts_file")  # noqa: RUF009
 
 
 @dataclass
@@ -274,6 +285,14 @@ def _cross_checks(cfg: JobConfig) -> list[str]:
                    f"over placement.devices = {cfg.placement.devices}")
     if cfg.model.path and not Path(cfg.model.path).is_dir():
         out.append(f"model.path: {cfg.model.path!r} is not a directory")
+    for key, engine, extra in (("train.backend", cfg.train.backend, "deepspeed"),
+                               ("generation.backend", cfg.generation.backend, "vllm")):
+        if engine == extra and importlib.util.find_spec(extra) is None:
+            out.append(f"{key}: {extra} is not installed (pip install 'rlhf-async[{extra}]'); "
+                       "accepted here: torch")
+    if cfg.generation.backend == "vllm" and cfg.placement.strategy != "separation":
+        out.append(f"generation.backend: vllm runs in Separation's generator nodes; "
+                   f"placement.strategy = {cfg.placement.strategy} generates with torch")
     if cfg.model.hidden % cfg.model.heads:
         out.append(f"model.hidden: {cfg.model.hidden} must be divisible by model.heads")
     return out

@@ -16,8 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlhf_async.checkpoint import (CheckpointError, learner_state, load_latest, restore_learner,
-                                   save_checkpoint)
+from rlhf_async.checkpoint import (
+    CheckpointError,
+    learner_state,
+    load_latest,
+    restore_learner,
+    save_checkpoint,
+)
 from rlhf_async.config import JobConfig
 from rlhf_async.generation import SamplingParams
 from rlhf_async.metrics import MetricsWriter, Progress
@@ -75,19 +80,24 @@ def rl_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: int
         t2 = time.perf_counter()
         metrics = learner.train_step(batch)
         t3 = time.perf_counter()
+        due = every and (step + 1) % every == 0 and step + 1 < cfg.train.steps
+        state = learner_state(learner) if due else None  # every rank: collective under ZeRO
         if writer is not None:
             record = {"step": step, **metrics, "time_generate": t1 - t0, "time_score": t2 - t1,
                       "time_train": t3 - t2, "samples_per_s": metrics["samples"] / (t3 - t0)}
-            if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
-                save_checkpoint(run_dir / "checkpoints", step + 1, learner_state(learner),
+            if state is not None:
+                save_checkpoint(run_dir / "checkpoints", step + 1, state,
                                 {"version": learner.version, "strategy": "flattening"},
                                 cfg.run.keep_checkpoints)
             writer.write(record)
             progress.update(record)
-    if writer is not None:
-        writer.close()
-        save_policy(actor, run_dir / "policy",
-                    {"algo": cfg.algo.name, "steps": cfg.train.steps, "version": learner.version})
+    with learner.actor_backend.gathered():  # full weights even under ZeRO-3 (collective)
+        if writer is not None:
+            writer.close()
+            save_policy(actor, run_dir / "policy", {"algo": cfg.algo.name,
+                                                    "steps": cfg.train.steps,
+                                                    "version": learner.version})
+    learner.close()
 
 
 def _free_port() -> int:

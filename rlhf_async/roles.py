@@ -11,13 +11,15 @@ so N ranks produce the same update as one rank holding the whole batch.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from rlhf_async import algorithms as A
+from rlhf_async.backends import TrainingBackend, make_training_backend
 from rlhf_async.config import AlgoConfig, TrainConfig
-from rlhf_async.determinism import all_gather_1d, all_reduce_grads, all_reduce_sum, keyed_order
+from rlhf_async.determinism import all_gather_1d, all_reduce_sum, keyed_order
 from rlhf_async.generation import SamplingParams, sampling_uniforms
 from rlhf_async.generation import generate as sample
 from rlhf_async.models import ScalarHeadModel, response_logits, response_values, sequence_scores
@@ -54,34 +56,47 @@ def score(reward_model: ScalarHeadModel, reference: nn.Module, batch: RolloutBat
 
 
 class Learner:
-    """Training copies of actor (+ critic for PPO) with their optimizers."""
+    """Training copies of actor (+ critic for PPO), each owned by a training backend
+    (`train.backend`: torch AdamW, or DeepSpeed ZeRO) that holds its optimizer."""
 
     def __init__(self, actor: nn.Module, critic: ScalarHeadModel | None, algo: AlgoConfig,
                  train: TrainConfig, seed: int, temperature: float = 1.0) -> None:
         if algo.name == "ppo" and critic is None:
             raise ValueError("PPO needs a critic")
-        self.actor, self.critic = actor, critic if algo.name == "ppo" else None
         self.algo, self.train, self.seed, self.temperature = algo, train, seed, temperature
         self.version = 0
-        self.actor_params = [p for p in actor.parameters() if p.requires_grad]
-        self.actor_opt = torch.optim.AdamW(self.actor_params, lr=train.lr,
-                                           weight_decay=train.weight_decay)
-        self.critic_params: list[nn.Parameter] = []
-        self.critic_opt = None
-        if self.critic is not None:
-            self.critic_params = [p for p in self.critic.parameters() if p.requires_grad]
-            self.critic_opt = torch.optim.AdamW(self.critic_params, lr=train.critic_lr,
-                                                weight_decay=train.weight_decay)
+        self.actor_backend = self._backend(actor, train.lr)
+        self.actor = self.actor_backend.module
+        self.critic_backend: TrainingBackend | None = None
+        self.critic: ScalarHeadModel | None = None
+        if algo.name == "ppo" and critic is not None:
+            self.critic_backend = self._backend(critic, train.critic_lr)
+            self.critic = critic
+
+    def _backend(self, module: nn.Module, lr: float) -> TrainingBackend:
+        t = self.train
+        return make_training_backend(t.backend, module, lr=lr, weight_decay=t.weight_decay,
+                                     grad_clip=t.grad_clip, zero_stage=t.zero_stage,
+                                     grad_accum=t.grad_accum)
+
+    def backends(self) -> dict[str, TrainingBackend]:
+        out = {"actor": self.actor_backend}
+        if self.critic_backend is not None:
+            out["critic"] = self.critic_backend
+        return out
 
     def state_dict(self) -> dict[str, Tensor]:
-        """Actor weights to publish to generators (detached views, no copies)."""
-        return {k: v.detach() for k, v in self.actor.state_dict().items()}
+        """Full actor weights to publish to generators (gathered when sharded)."""
+        return self.actor_backend.state_dict()
 
     def optimizer_state(self) -> dict:
-        out = {"actor": self.actor_opt.state_dict(), "version": self.version}
-        if self.critic_opt is not None:
-            out["critic"] = self.critic_opt.state_dict()
-        return out
+        out = {name: b.optimizer_state_dict() for name, b in self.backends().items()}
+        return {**out, "version": self.version}
+
+    def close(self) -> None:
+        """Release the engines (DeepSpeed's process group, when it made one)."""
+        for b in reversed(list(self.backends().values())):
+            b.close()
 
     @torch.no_grad()
     def _advantages(self, b: RolloutBatch, old_lp: Tensor,
@@ -113,12 +128,14 @@ class Learner:
         return [torch.nonzero(local == k).flatten() for k in range(M)]
 
     def _loss(self, b: RolloutBatch, idx: Tensor, adv: Tensor, ret: Tensor | None,
-              old_lp: Tensor, old_v: Tensor | None, n_tokens: Tensor) -> tuple[Tensor, dict]:
+              old_lp: Tensor, old_v: Tensor | None,
+              n_tokens: Tensor) -> tuple[Tensor, Tensor | None, dict]:
+        """-> actor loss, critic loss (already scaled by vf_coef; PPO only), stats."""
         algo = self.algo
         mb = b.select(idx)
         m = mb.response_mask.float()
         args = (mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask)
-        logits = response_logits(self.actor, *args)  # [b, R, V]
+        logits = response_logits(self.actor_backend.model, *args)  # [b, R, V]
         lp = A.gather_logprobs(logits, mb.response_ids, self.temperature)
         pg, st = A.ppo_policy_loss(lp, old_lp[idx], adv[idx], m, algo.clip_eps,
                                    mb.behaviour_logprobs, algo.is_cap, n_tokens)
@@ -131,31 +148,39 @@ class Learner:
             kl_loss = A.masked_token_mean(kl, m, n_tokens)
             loss = loss + algo.kl_coef * kl_loss
             stats["kl_loss"] = kl_loss.detach()
-        if self.critic is not None:
+        if self.critic_backend is not None:
             assert old_v is not None and ret is not None
-            v = response_values(self.critic, *args)
+            critic_fwd: Any = self.critic_backend.model  # the engine wraps a ScalarHeadModel
+            v = response_values(critic_fwd, *args)
             vl = A.value_loss(v, old_v[idx], ret[idx], m, algo.value_clip, n_tokens)
-            loss = loss + algo.vf_coef * vl
             stats["value_loss"] = vl.detach()
-        return loss, stats
+            return loss, algo.vf_coef * vl, stats
+        return loss, None, stats
 
     def _stat_names(self) -> list[str]:
         names = ["policy_loss", "entropy", "clip_frac", "approx_kl"]
         names += ["kl_loss"] if self.algo.kl_mode == "loss" else []
-        return names + (["value_loss"] if self.critic is not None else [])
+        return names + (["value_loss"] if self.critic_backend is not None else [])
 
     def _optimizer_step(self) -> dict[str, float]:
-        all_reduce_grads(self.actor_params + self.critic_params)
-        out = {}
-        for name, params, opt in (("actor", self.actor_params, self.actor_opt),
-                                  ("critic", self.critic_params, self.critic_opt)):
-            if opt is None:
-                continue
-            clip = self.train.grad_clip or float("inf")
-            out[f"{name}_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, clip))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return out
+        return {f"{name}_grad_norm": b.step() for name, b in self.backends().items()}
+
+    def _backward(self, b: RolloutBatch, idx: Tensor, adv: Tensor, ret: Tensor | None,
+                  old_lp: Tensor, old_v: Tensor | None, n_tokens: Tensor) -> dict[str, Tensor]:
+        """Gradients of one minibatch, in `train.grad_accum` micro-batches (losses are
+        normalised by the minibatch's global token count, so micro-gradients add up)."""
+        micro = [i for i in idx.tensor_split(min(self.train.grad_accum, len(idx))) if len(i)]
+        stats: dict[str, Tensor] = {}
+        for j, i in enumerate(micro):
+            actor_loss, critic_loss, st = self._loss(b, i, adv, ret, old_lp, old_v, n_tokens)
+            last = j == len(micro) - 1
+            # separate graphs (values never depend on the actor): each engine owns its backward
+            self.actor_backend.backward(actor_loss, last=last)
+            if self.critic_backend is not None and critic_loss is not None:
+                self.critic_backend.backward(critic_loss, last=last)
+            for k, v in st.items():  # every stat is a share of a minibatch-global mean
+                stats[k] = stats.get(k, v.new_zeros(())) + v
+        return stats
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """PPO / GRPO / RLOO update on a scored batch (this rank's shard). Returns global
@@ -165,9 +190,12 @@ class Learner:
         b, m = batch, batch.response_mask.float()
         args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
         with torch.no_grad():
-            old_lp = A.gather_logprobs(response_logits(self.actor, *args), b.response_ids,
-                                       self.temperature) * m
-            old_v = response_values(self.critic, *args) * m if self.critic is not None else None
+            old_lp = A.gather_logprobs(response_logits(self.actor_backend.model, *args),
+                                       b.response_ids, self.temperature) * m
+            old_v = None
+            if self.critic_backend is not None:  # the engine wraps a ScalarHeadModel
+                critic_fwd: Any = self.critic_backend.model
+                old_v = response_values(critic_fwd, *args) * m
         adv, ret, kl = self._advantages(b, old_lp, old_v)
         sums: dict[str, Tensor] = {}
         grad_norms: dict[str, float] = {}
@@ -177,8 +205,7 @@ class Learner:
             for idx in self._minibatches(b, epoch):
                 n_tokens = all_reduce_sum(m[idx].sum()).clamp(min=1.0)
                 if len(idx):
-                    loss, stats = self._loss(b, idx, adv, ret, old_lp, old_v, n_tokens)
-                    loss.backward()
+                    stats = self._backward(b, idx, adv, ret, old_lp, old_v, n_tokens)
                 else:  # this rank holds none of the minibatch; it still joins the all-reduce
                     stats = {k: m.new_zeros(()) for k in self._stat_names()}
                 grad_norms = self._optimizer_step()

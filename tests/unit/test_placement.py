@@ -91,3 +91,24 @@ def test_runner_limits_are_separate_from_plan_validity():
     ok = plan_placement(PlacementConfig(strategy="interleaving", devices=2,
                                         dtype=["reference=bf16"]), "ppo")
     assert runner_problems(ok) == []
+
+
+def test_hosts_are_checked_against_the_hosts_file(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("gpu-a 10.0.0.1 cuda:0-1\ngpu-b 10.0.0.2 cuda:0-1\n")
+    ok = PlacementConfig(strategy="interleaving", devices=4, hosts_file=str(hosts),
+                         host=["reward=gpu-b", "reference=gpu-a"])
+    assert plan_placement(ok, "ppo").model("reward").devices == (2, 3)
+    bad = PlacementConfig(strategy="interleaving", devices=4, hosts_file=str(hosts),
+                          host=["reward=gpu-a", "reference=gpu-z"])
+    with pytest.raises(PlacementError) as e:
+        plan_placement(bad, "ppo")
+    assert len(e.value.problems) == 2
+    assert "reward is pinned to gpu-a but its devices [2, 3] are not gpu-a's" in str(e.value)
+    assert "unknown host 'gpu-z' for reference; hosts: gpu-a, gpu-b" in str(e.value)
+    with pytest.raises(PlacementError, match="lends 4 device"):
+        plan_placement(PlacementConfig(strategy="flattening", devices=2,
+                                       hosts_file=str(hosts)), "ppo")
+    with pytest.raises(PlacementError, match="needs placement.hosts_file"):
+        plan_placement(PlacementConfig(strategy="flattening", devices=2,
+                                       host=["actor=gpu-a"]), "ppo")

@@ -1,0 +1,110 @@
+"""Engines behind two small interfaces: training (torch | deepspeed) and generation
+(torch | vllm).
+
+Why a seam here: the role code (`roles.Learner`, the generator node) is the same on a laptop
+and on a GPU cluster; only the engine that owns the parameters changes. The GPU engines are
+optional extras and are imported only when chosen, so a CPU install never needs them; when a
+chosen one is missing, `MissingExtraError` names the extra to install.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Protocol
+
+from torch import Tensor, nn
+
+__all__ = ["GENERATION_BACKENDS", "TRAINING_BACKENDS", "GenerationBackend", "MissingExtraError",
+           "TrainingBackend", "make_generation_backend", "make_training_backend", "require_extra"]
+
+TRAINING_BACKENDS = ("torch", "deepspeed")
+GENERATION_BACKENDS = ("torch", "vllm")
+
+
+class MissingExtraError(ImportError):
+    """A configured engine whose optional dependency is not installed."""
+
+    def __init__(self, backend: str, module: str, extra: str) -> None:
+        super().__init__(f"backend {backend!r} needs the {module!r} package, which is not "
+                         f"installed: pip install 'rlhf-async[{extra}]'")
+        self.backend, self.extra = backend, extra
+
+
+def require_extra(backend: str, module: str, extra: str) -> None:
+    """Raise MissingExtraError unless `module` can be imported."""
+    if importlib.util.find_spec(module) is None:
+        raise MissingExtraError(backend, module, extra)
+
+
+class TrainingBackend(Protocol):
+    """One trained model (actor or critic) with its optimizer.
+
+    A minibatch is one or more micro-batches: `backward(loss, last=...)` per micro-batch
+    (the loss already normalised over the whole global minibatch, so gradients add up),
+    then one `step()`. Under data parallelism gradients are SUMMED over ranks.
+    """
+
+    name: str
+    module: nn.Module  # the user's model (weights, names); under ZeRO-3 its params are shards
+    model: nn.Module  # what to call for a training forward (the engine, where there is one)
+
+    def backward(self, loss: Tensor, *, last: bool = True) -> None: ...
+    def step(self) -> float: ...  # optimizer step; returns the pre-clip global grad norm
+    def state_dict(self) -> dict[str, Tensor]: ...  # full weights, gathered if sharded
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None: ...
+    def optimizer_state_dict(self) -> dict[str, Any]: ...
+    def load_optimizer_state_dict(self, state: Mapping[str, Any]) -> None: ...
+    def iter_weight_groups(self, max_bytes: int) -> Iterator[dict[str, Tensor]]: ...
+    def gathered(self) -> AbstractContextManager[None]: ...  # all params whole (ZeRO-3)
+    def close(self) -> None: ...
+
+
+class GenerationBackend(Protocol):
+    """The generator's engine: samples responses and takes weight updates in place.
+    An update is `stage(plan)` (may overlap generation) then `swap(staged)` -> version
+    (only between two `generate` calls); the version is acknowledged after the swap."""
+
+    name: str
+
+    def generate(self, prompts: Any, seed: int, step: int, version: int) -> Any: ...
+    def connect(self, spec: Any, rank: int) -> Any: ...
+    def stage(self, plan: Mapping[str, Any]) -> Any: ...
+    def swap(self, staged: Any) -> int: ...
+    def load_weights(self, weights: Mapping[str, Tensor]) -> None: ...
+    def close(self) -> None: ...
+
+
+def make_generation_backend(kind: str, model_dir: str, params: Any, *, sync_backend: str,
+                            device: Any, actor: nn.Module | None = None) -> GenerationBackend:
+    """The generation engine `kind` ('torch' | 'vllm') serving the policy in `model_dir`
+    (torch: `actor` if given, already loaded)."""
+    if kind == "torch":
+        from rlhf_async.backends.torch_gen import TorchGenerationBackend
+        from rlhf_async.task.pretrain import load_sft
+
+        module = actor if actor is not None else load_sft(Path(model_dir)).to(device)
+        return TorchGenerationBackend(module, params, sync_backend=sync_backend, device=device)
+    if kind == "vllm":
+        require_extra("vllm", "vllm", "vllm")
+        from rlhf_async.backends.vllm_gen import VLLMGenerationBackend
+        return VLLMGenerationBackend(model_dir, params)
+    raise ValueError(f"generation backend {kind!r}: accepted {', '.join(GENERATION_BACKENDS)}")
+
+
+def make_training_backend(kind: str, module: nn.Module, *, lr: float, weight_decay: float,
+                          grad_clip: float, zero_stage: int = 2,
+                          grad_accum: int = 1) -> TrainingBackend:
+    """The training engine `kind` ('torch' | 'deepspeed') for `module`, with AdamW."""
+    if kind == "torch":
+        from rlhf_async.backends.torch_train import TorchTrainBackend
+        return TorchTrainBackend(module, lr=lr, weight_decay=weight_decay, grad_clip=grad_clip)
+    if kind == "deepspeed":
+        require_extra("deepspeed", "deepspeed", "deepspeed")
+        from rlhf_async.backends.deepspeed_train import DeepSpeedTrainBackend
+        return DeepSpeedTrainBackend(module, lr=lr, weight_decay=weight_decay,
+                                     grad_clip=grad_clip, zero_stage=zero_stage,
+                                     grad_accum=grad_accum)
+    raise ValueError(f"training backend {kind!r}: accepted {', '.join(TRAINING_BACKENDS)}")

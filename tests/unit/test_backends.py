@@ -1,0 +1,73 @@
+"""Training/generation backends: the torch default, and clear errors for missing extras."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from rlhf_async.backends import MissingExtraError, make_training_backend
+from rlhf_async.config import ConfigError, load_config
+
+
+@pytest.fixture
+def no_extras(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("deepspeed", "vllm") else real(name, *a))
+
+
+def test_missing_deepspeed_names_the_extra(no_extras):
+    with pytest.raises(MissingExtraError, match=r"pip install 'rlhf-async\[deepspeed\]'"):
+        make_training_backend("deepspeed", torch.nn.Linear(2, 2), lr=1e-3, weight_decay=0.0,
+                              grad_clip=1.0)
+
+
+def test_missing_vllm_names_the_extra(no_extras):
+    from rlhf_async.backends.vllm_gen import VLLMGenerationBackend
+    from rlhf_async.generation import SamplingParams
+
+    with pytest.raises(MissingExtraError, match=r"pip install 'rlhf-async\[vllm\]'"):
+        VLLMGenerationBackend("/nonexistent", SamplingParams(4, 0, 1))
+
+
+def test_config_reports_missing_extras_once_each(no_extras):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["train.backend=deepspeed", "generation.backend=vllm",
+                           "train.zero_stage=4"])
+    text = str(e.value)
+    assert "rlhf-async[deepspeed]" in text and "rlhf-async[vllm]" in text
+    assert "train.zero_stage" in text and "accepted" in text
+
+
+def test_unknown_training_backend():
+    with pytest.raises(ValueError, match="accepted torch, deepspeed"):
+        make_training_backend("jax", torch.nn.Linear(2, 2), lr=1e-3, weight_decay=0.0,
+                              grad_clip=1.0)
+
+
+def test_torch_backend_accumulates_micro_batches_then_steps():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    b = make_training_backend("torch", model, lr=0.1, weight_decay=0.0, grad_clip=0.0)
+    x = torch.randn(4, 3)
+    full = model(x).sum()
+    g_full = torch.autograd.grad(full, list(model.parameters()))
+    b.backward(model(x[:2]).sum(), last=False)
+    b.backward(model(x[2:]).sum(), last=True)
+    for p, g in zip(model.parameters(), g_full, strict=True):
+        torch.testing.assert_close(p.grad, g)
+    before = {k: v.clone() for k, v in b.state_dict().items()}
+    norm = b.step()
+    assert norm == pytest.approx(float(torch.cat([g.flatten() for g in g_full]).norm()))
+    assert all(p.grad is None for p in model.parameters())
+    assert any(not torch.equal(before[k], v) for k, v in b.state_dict().items())
+    (group,) = list(b.iter_weight_groups(1))
+    assert group.keys() == before.keys()
+    opt = b.optimizer_state_dict()
+    b2 = make_training_backend("torch", torch.nn.Linear(3, 1), lr=0.1, weight_decay=0.0,
+                               grad_clip=0.0)
+    b2.load_state_dict(b.state_dict())
+    b2.load_optimizer_state_dict(opt)
+    assert b2.optimizer_state_dict()["state"][0]["step"] == 1
