@@ -119,6 +119,8 @@ class Daemon:
                     pass
             await self._stop_children()
         finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
             server.close()
             self.paths.socket.unlink(missing_ok=True)
             store.close()
@@ -148,8 +150,11 @@ class Daemon:
                 continue
             del self.children[job_id]
             job = self.store.get(job_id)
-            if self.stopping.is_set() and not job.cancel_requested:
-                continue  # _stop_children requeues it
+            done = rc == 0 and (Path(job.run_dir) / "summary.json").exists()
+            if self.stopping.is_set() and not job.cancel_requested and not done:
+                self.store.update(job_id, state="queued", pid=None)
+                log.info("job stopped with the daemon; requeued", job=job_id, exit_code=rc)
+                continue
             state = "finished" if rc == 0 else "cancelled" if job.cancel_requested else "failed"
             error = "" if rc == 0 else jobproc.last_lines(Path(job.log_path))
             self.store.update(job_id, state=state, exit_code=rc, pid=None, error=error,
@@ -180,11 +185,7 @@ class Daemon:
                 for p in self.children.values():
                     jobproc.signal_group(p.pid, signal.SIGKILL)
             await asyncio.sleep(0.1)
-        self._reap()  # cancelled ones settle; the rest are requeued below
-        for job_id in list(self.children):
-            self.store.update(job_id, state="queued", pid=None)
-            log.info("job stopped with the daemon; requeued", job=job_id)
-        self.children.clear()
+        self._reap()  # requeues them (cancelled ones settle as cancelled)
 
     # ---- control socket --------------------------------------------------------------
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,40 @@ def test_cli_without_daemon_is_one_line(tmp_path, capsys):
     assert main(["jobs", "--state-dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no daemon running" in err
+
+
+def test_stop_requeues_running_jobs_and_cancel_ends_one(tmp_path, monkeypatch):
+    """A stop (SIGTERM's path) ends every job's process group and requeues the job; a
+    cancel ends that job only. Jobs here are sleeping stand-ins for `rlhf-async run`."""
+    import asyncio
+    import signal
+
+    from rlhf_async.daemon import jobs as jobproc
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    monkeypatch.setattr(jobproc, "job_command", lambda job, configs: (sleeper, None))
+    d = Daemon(tmp_path / "state", max_jobs=2, stop_timeout=10, poll_s=0.05)
+    store = d.prepare()
+    for _ in range(2):
+        d.handle({"op": "submit", "overrides": []})
+    store.close()
+
+    async def scenario() -> list[str]:
+        serving = asyncio.create_task(d.serve())
+        while len(d.children) < 2:
+            await asyncio.sleep(0.05)
+        pids = [p.pid for p in d.children.values()]
+        assert d.handle({"op": "cancel", "id": 2})["cancel_requested"]
+        while 2 in d.children:
+            await asyncio.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # the daemon's own stop path
+        assert await asyncio.wait_for(serving, 30) == 0
+        assert not any(process_alive(pid, None) for pid in pids)
+        again = JobStore(d.paths.db)
+        try:
+            return [j.state for j in again.list()]
+        finally:
+            again.close()
+
+    assert asyncio.run(scenario()) == ["queued", "cancelled"]
+    assert not d.paths.socket.exists()
