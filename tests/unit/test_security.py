@@ -231,3 +231,16 @@ def test_fast_path_send_does_not_strand_a_task_waiting_to_receive(tmp_path):
             ctx.term()
 
     asyncio.run(main())
+
+
+def test_control_socket_is_a_private_ipc_file_even_for_a_long_run_dir(tmp_path):
+    long_dir = tmp_path / ("d" * 60) / ("e" * 60)
+
+    async def main():
+        async with Coordinator(long_dir) as coord:
+            assert coord.control.startswith("ipc://")  # never falls back to tcp
+            path = coord.control[len("ipc://"):]
+            assert _mode(path) == 0o600 and _mode(os.path.dirname(path)) == 0o700
+        assert not os.path.exists(os.path.dirname(path))
+
+    asyncio.run(main())
