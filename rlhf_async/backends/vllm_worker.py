@@ -47,12 +47,23 @@ class WeightSyncWorker:
         if receiver is None:
             raise RuntimeError("rlhf_receive before rlhf_connect")
         got = receiver.receive(plan)
-        self._rlhf_model().load_weights(weights=list(got.tensors.items()))
+        self._rlhf_load(list(got.tensors.items()))
         return int(got.version)
+
+    def _rlhf_load(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        """Checkpoint-format (HF-named) tensors into the live model. Where the runner has
+        `reload_weights` (vLLM >= 0.11) it is used: backends that repack weights after
+        loading (the CPU one, quantised kernels) drop the per-parameter loaders that a
+        plain `model.load_weights` needs; `reload_weights` redoes that processing."""
+        runner = self.model_runner
+        if hasattr(runner, "reload_weights"):
+            runner.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+        else:
+            self._rlhf_model().load_weights(weights=items)
 
     def rlhf_load(self, weights: dict[str, torch.Tensor]) -> int:
         """Load weights passed through the RPC itself (small models, tests)."""
-        self._rlhf_model().load_weights(weights=list(weights.items()))
+        self._rlhf_load(list(weights.items()))
         return len(weights)
 
     def rlhf_close(self) -> None:
