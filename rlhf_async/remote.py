@@ -28,6 +28,7 @@ from rlhf_async.security import Keyring, SecurityError, is_loopback
 
 log = get_logger(component="remote")
 POLL_EVERY_S = 1.0
+LAUNCH_FAILED = 255  # exit code of a node its agent could not start
 
 
 class AgentUnavailable(RuntimeError):
@@ -97,7 +98,7 @@ class AgentLink:
 class RemoteProcess:
     """A node on another host, shaped like Popen."""
 
-    def __init__(self, link: AgentLink, run: str, node: str, pid: int) -> None:
+    def __init__(self, link: AgentLink, run: str, node: str, pid: int | None) -> None:
         self.link, self.run, self.node = link, run, node
         self.pid: int | None = pid
         self._rc: int | None = None
@@ -151,8 +152,10 @@ class RemoteLauncher:
     """Launches each node through the agent of the host that holds its device."""
 
     def __init__(self, hosts: list[Host], *, run: str, keys: str | Path | None = None,
-                 placement: dict[str, str] | None = None, insecure: bool = False) -> None:
+                 placement: dict[str, str] | None = None, insecure: bool = False,
+                 launch_timeout: float = 10.0) -> None:
         self.hosts = {h.name: h for h in hosts}
+        self.launch_timeout = launch_timeout
         self.run, self.placement = run, placement or {}
         self.ctx: zmq.Context[Any] = zmq.Context()
         keyring = Keyring.load(keys) if keys else None
@@ -168,9 +171,20 @@ class RemoteLauncher:
         raise AgentUnavailable(f"node {spec.node_id}: no host has device {spec.device}")
 
     def launch(self, spec: NodeSpec, run_dir: Path) -> RemoteProcess:
+        """Start the node through its host's agent. An agent that refuses or does not
+        answer gives a process that already failed (exit code LAUNCH_FAILED), so the
+        coordinator handles it like any node death: restart within runtime.restart_limit,
+        else stop the run with its checkpoint."""
         host = self.host_of(spec)
         link = self.links[host.name]
-        result = link.request("launch", {"run": self.run, "spec": spec.to_dict()})
+        try:
+            result = link.request("launch", {"run": self.run, "spec": spec.to_dict()},
+                                  timeout=self.launch_timeout)
+        except AgentUnavailable as e:
+            log.error("remote launch failed", node=spec.node_id, host=host.name, error=str(e))
+            failed = RemoteProcess(link, self.run, spec.node_id, None)
+            failed._rc = LAUNCH_FAILED
+            return failed
         log.info("remote node launched", node=spec.node_id, host=host.name, pid=result["pid"])
         return RemoteProcess(link, self.run, spec.node_id, int(result["pid"]))
 

@@ -173,3 +173,34 @@ def test_stop_requeues_running_jobs_and_cancel_ends_one(tmp_path, monkeypatch):
 
     assert asyncio.run(scenario()) == ["queued", "cancelled"]
     assert not d.paths.socket.exists()
+
+
+def test_sighup_reopens_the_log_file(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    from rlhf_async.daemon import DaemonError, call_daemon
+
+    log = tmp_path / "daemon.log"
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_async", "serve", "--state-dir",
+                             str(tmp_path / "state"), "--log-file", str(log)])
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                call_daemon(tmp_path / "state", {"op": "ping"}, timeout=5)
+                break
+            except DaemonError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.2)
+        log.rename(tmp_path / "daemon.log.1")  # what logrotate does
+        proc.send_signal(signal.SIGHUP)
+        while not (log.exists() and "log reopened" in log.read_text()):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert "daemon serving" in (tmp_path / "daemon.log.1").read_text()
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+    assert "daemon stopped" in log.read_text()

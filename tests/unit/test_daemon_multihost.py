@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import sys
@@ -118,3 +119,23 @@ def test_doctor_cli_exit_codes(agent, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "rlhf_async", "doctor", str(tmp_path / "bad")],
                          capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "port '0'" in bad.stderr
+
+
+def test_remote_launch_on_an_unreachable_agent_is_a_failed_node(agent, tmp_path):
+    from rlhf_async.remote import LAUNCH_FAILED, RemoteLauncher
+    from rlhf_async.runtime.spec import NodeSpec
+
+    tmp, port = agent
+    hosts = [Host("up", "127.0.0.1", port, ("cpu:0",)),
+             Host("down", "127.0.0.1", _free_port(), ("cpu:1",))]
+    launcher = RemoteLauncher(hosts, run="r1", keys=tmp / "keys", launch_timeout=1.0)
+    try:
+        proc = launcher.launch(NodeSpec("x", "n1", "nodes.none:main", device="cpu:1"), tmp_path)
+        assert proc.poll() == LAUNCH_FAILED and proc.pid is None
+        started = launcher.launch(NodeSpec("x", "n2", "nodes.none:main", device="cpu:0"),
+                                  tmp_path)
+        assert started.pid is not None  # the agent started it; its entry does not exist
+        rc = asyncio.run(started.wait(60))  # so it exits, and poll sees that remotely
+        assert rc not in (None, 0, LAUNCH_FAILED)
+    finally:
+        launcher.close()
