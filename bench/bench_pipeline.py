@@ -67,7 +67,7 @@ def steady(records: list[dict], warmup: int) -> dict:
             "utilisation": util, "overlap_efficiency": overlap}
 
 
-def predicted_step(cfg) -> float:  # noqa: ANN001
+def predicted_step(cfg) -> float:
     from rlhf_async.planner import predictions
 
     _, pred, _ = predictions(cfg)[cfg.placement.strategy]

@@ -46,7 +46,13 @@ from rlhf_async.models import (
     save_policy,
     sequence_scores,
 )
-from rlhf_async.placement import Placement, PlacementError, plan_placement, runner_problems
+from rlhf_async.placement import (
+    Placement,
+    PlacementError,
+    plan_placement,
+    runner_problems,
+    with_engines,
+)
 from rlhf_async.roles import Learner, generate
 from rlhf_async.rollout import PromptBatch, RolloutBatch
 from rlhf_async.task import SortDigitsTask
@@ -185,19 +191,24 @@ def rl_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, owners: Owners, rank:
         t2 = time.perf_counter()
         metrics = learner.train_step(batch)
         t3 = time.perf_counter()
+        due = every and (step + 1) % every == 0 and step + 1 < cfg.train.steps
+        state = learner_state(learner) if due else None  # every rank: collective under ZeRO
         if writer is not None:
             record = {"step": step, **metrics, "time_generate": t1 - t0, "time_score": t2 - t1,
                       "time_train": t3 - t2, "samples_per_s": metrics["samples"] / (t3 - t0)}
-            if every and (step + 1) % every == 0 and step + 1 < cfg.train.steps:
-                save_checkpoint(run_dir / "checkpoints", step + 1, learner_state(learner),
+            if state is not None:
+                save_checkpoint(run_dir / "checkpoints", step + 1, state,
                                 {"version": learner.version, "strategy": "interleaving"},
                                 cfg.run.keep_checkpoints)
             writer.write(record)
             progress.update(record)
-    if writer is not None:
-        writer.close()
-        save_policy(actor, run_dir / "policy",
-                    {"algo": cfg.algo.name, "steps": cfg.train.steps, "version": learner.version})
+    with learner.actor_backend.gathered():  # full weights even under ZeRO-3 (collective)
+        if writer is not None:
+            writer.close()
+            save_policy(actor, run_dir / "policy", {"algo": cfg.algo.name,
+                                                    "steps": cfg.train.steps,
+                                                    "version": learner.version})
+    learner.close()
 
 
 def _free_port() -> int:
@@ -222,7 +233,8 @@ def _worker(rank: int, world: int, port: int, cfg: JobConfig, art: Artefacts, ru
 
 def interleaving_placement(cfg: JobConfig) -> Placement:
     """The validated placement, including what this build's runner cannot execute."""
-    placement = plan_placement(cfg.placement, cfg.algo.name)
+    placement = with_engines(plan_placement(cfg.placement, cfg.algo.name), cfg.train.backend,
+                             cfg.generation.backend)
     problems = runner_problems(placement)
     if cfg.placement.device != "cpu":
         problems.append("placement.device: this build runs interleaving on cpu only")

@@ -354,17 +354,36 @@ def _model_problems(p: Placement) -> list[str]:
     return out
 
 
+def with_engines(p: Placement, train: str, generate: str) -> Placement:
+    """Models left at the default backend show the engines the job configures
+    (`train.backend` for training copies, `generation.backend` for the shadow actor)."""
+    def engine(m: ModelPlacement) -> str:
+        if m.backend != "torch":
+            return m.backend
+        return train if m.runtime == TRAIN else generate if m.model == "shadow_actor" else "torch"
+    return replace(p, models=tuple(replace(m, backend=engine(m)) for m in p.models))
+
+
 def runner_problems(p: Placement) -> list[str]:
-    """What this build's CPU/torch runners cannot execute (the plan itself may be valid):
-    tensor parallelism and the deepspeed/vllm backends need their optional extras."""
+    """What this build's runners cannot execute (the plan itself may be valid): tensor
+    parallelism, and a per-model engine other than the one the job configures for all
+    training copies (`train.backend`) or generators (`generation.backend`); run
+    `with_engines` first."""
     out = []
     for m in p.models:
         if m.tensor_parallel > 1:
-            out.append(f"placement.tensor_parallel: {m.model}={m.tensor_parallel} needs the "
-                       "deepspeed/vllm backends, which this build does not run; use 1")
-        if m.backend in ("deepspeed", "vllm"):
-            out.append(f"placement.backend: {m.model}={m.backend} is not installed; accepted "
-                       "here: torch, hf")
+            out.append(f"placement.tensor_parallel: {m.model}={m.tensor_parallel} is not run "
+                       "by this build's runners (they keep whole copies); use 1")
+        need = {TRAIN: ("torch", "hf", "deepspeed")}.get(m.runtime, ("torch", "hf"))
+        if m.model == "shadow_actor":
+            need = ("torch", "hf", "vllm")
+        if m.backend not in need:
+            out.append(f"placement.backend: {m.model}={m.backend} cannot run it; accepted "
+                       f"here: {', '.join(need)}")
+        trained = [x.backend for x in p.models if x.runtime == TRAIN]
+        if m.runtime == TRAIN and len(set(trained)) > 1:
+            out.append(f"placement.backend: {m.model}={m.backend}; actor and critic train "
+                       "with one engine (train.backend)")
         if m.dtype != "fp32" and not (p.strategy == "interleaving"
                                       and m.model in ("reward", "reference")):
             out.append(f"placement.dtype: {m.model}={m.dtype} is run only for the frozen "

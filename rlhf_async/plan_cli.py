@@ -9,6 +9,7 @@ import json
 
 from rlhf_async.config import ConfigError, load_config
 from rlhf_async.costmodel import ASSUMPTIONS, DEVICES, LLAMA
+from rlhf_async.placement import with_engines
 from rlhf_async.planner import format_prediction, machine, plan_job, predictions, simulate
 
 
@@ -36,6 +37,7 @@ def run_plan(args: argparse.Namespace, config: str | None, overrides: list[str])
               json.dumps(data["calibration"], indent=2))
         return 0
     placement, pred = plan_job(cfg)
+    placement = with_engines(placement, cfg.train.backend, cfg.generation.backend)
     dev, cal = machine(cfg)
     if args.json:
         print(json.dumps({"placement": placement.to_dict(), "step_s": pred.step_s,

@@ -146,12 +146,16 @@ def resolve_auto(cfg: JobConfig) -> JobConfig:
 def prepare_run(cfg: JobConfig) -> JobConfig:
     """Before anything starts: `auto` resolved to a strategy (logged with its reason) and
     the placement validated, including what this build's runners cannot execute."""
-    from rlhf_async.placement import runner_problems
+    from rlhf_async.placement import runner_problems, with_engines
 
     if cfg.placement.strategy == "auto":
         cfg = resolve_auto(cfg)
     placement, _ = plan_job(cfg)
-    problems = runner_problems(placement)
+    engines = with_engines(placement, cfg.train.backend, cfg.generation.backend)
+    problems = runner_problems(engines)
+    if engines.model("actor").backend != cfg.train.backend:  # type: ignore[union-attr]
+        problems.append(f"placement.backend: the actor's engine is set by train.backend "
+                        f"({cfg.train.backend!r}), not per model")
     if cfg.placement.strategy == "interleaving":
         from rlhf_async.interleaving import interleaving_placement
 

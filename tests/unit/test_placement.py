@@ -1,7 +1,7 @@
 import pytest
 
 from rlhf_async.config import PlacementConfig
-from rlhf_async.placement import PlacementError, plan_placement, runner_problems
+from rlhf_async.placement import PlacementError, plan_placement, runner_problems, with_engines
 
 
 def test_separation_defaults_keep_training_apart():
@@ -86,8 +86,13 @@ def test_runner_limits_are_separate_from_plan_validity():
                                        tensor_parallel=["actor=2"], backend=["reward=vllm"]),
                        "ppo")
     problems = runner_problems(p)
-    assert any("actor=2 needs the deepspeed/vllm" in x for x in problems)
-    assert any("reward=vllm is not installed" in x for x in problems)
+    assert any("actor=2 is not run" in x for x in problems)
+    assert any("reward=vllm cannot run it" in x for x in problems)
+    engines = with_engines(plan_placement(PlacementConfig(strategy="separation", devices=2),
+                                          "ppo"), "deepspeed", "vllm")
+    assert engines.model("actor").backend == "deepspeed"
+    assert engines.model("shadow_actor").backend == "vllm"
+    assert engines.model("reward").backend == "torch" and runner_problems(engines) == []
     ok = plan_placement(PlacementConfig(strategy="interleaving", devices=2,
                                         dtype=["reference=bf16"]), "ppo")
     assert runner_problems(ok) == []
