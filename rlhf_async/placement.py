@@ -345,7 +345,7 @@ def _model_problems(p: Placement) -> list[str]:
             out.append(f"placement.replicas ({m.model}): {m.replicas} replica(s) x tensor "
                        f"parallel {m.tensor_parallel} over-subscribe its {len(m.devices)} "
                        "device(s)")
-    if p.strategy == "interleaving":
+    if p.strategy == "interleaving" and p.num_devices > 1:  # 1 device: reported already
         ref, rw = p.model("reference"), p.model("reward")
         shared = sorted(set(ref.devices) & set(rw.devices)) if ref and rw else []
         if shared:
