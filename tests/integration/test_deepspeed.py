@@ -89,3 +89,16 @@ def test_separation_trainer_on_zero3_matches_flattening_on_torch(tmp_path, one_t
     for k in wf:  # Adam on ZeRO's flat fp32 buffer vs per-tensor: last-ulp gradient
         # differences move near-zero-gradient weights by a fraction of one step (lr 5e-4)
         torch.testing.assert_close(wf[k], ws[k], rtol=1e-4, atol=2e-4)
+
+
+def test_flattening_two_ranks_on_zero3_matches_torch(tmp_path, one_thread):
+    """Two Flattening ranks over gloo: DeepSpeed joins the existing group, sums gradients
+    like the torch backend, and ZeRO-3 generation gathers the sharded actor per forward."""
+    cache = tmp_path / "cache"
+    _, ref = _run(tmp_path, cache, "torch", "placement.devices=2")
+    _, ds = _run(tmp_path, cache, "zero3", "placement.devices=2", "train.backend=deepspeed",
+                 "train.zero_stage=3")
+    assert len(ref) == len(ds) == 3
+    for a, b in zip(ref, ds, strict=True):
+        for k in ["policy_loss", "value_loss", "reward", "kl", "entropy"]:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (a["step"], k)
