@@ -18,6 +18,7 @@ import torch
 from nodes.common import Job, load_job, message_errors
 from rlhf_async.checkpoint import learner_state, load_latest, restore_learner, save_checkpoint
 from rlhf_async.config import JobConfig, weight_sync_backend
+from rlhf_async.metrics import MetricsWriter, truncate_jsonl
 from rlhf_async.models import save_policy
 from rlhf_async.pipeline.assembler import BatchAssembler
 from rlhf_async.pipeline.stage import StageClock
@@ -61,6 +62,9 @@ async def main(node: Node) -> None:
     node.on_command("republish", republish)
     await node.emit("loaded", {"step": start, "version": learner.version, "lineage": lineage})
     inp, clock = node.socket("scored"), StageClock()
+    samples_path = ckpt_dir.parent / "trained_samples.jsonl"
+    truncate_jsonl(samples_path, start)  # steps after the checkpoint are trained again
+    samples_log = MetricsWriter(samples_path)
     batches = BatchAssembler(start)
     steps, every = cfg.train.steps, cfg.run.checkpoint_every
     while batches.next_step < steps and not node.stopping:
@@ -77,6 +81,10 @@ async def main(node: Node) -> None:
                 metrics = await clock.busy(asyncio.to_thread(learner.train_step,
                                                              full.to(job.device)))
                 sync = await _publish(node, sender, learner, lineage)
+            # the trainer's own log of what it trained, written before the checkpoint
+            # that includes the step: exactly-once is counted from it
+            samples_log.write({"step": step, "sample_ids": full.sample_ids.tolist(),
+                               "version": full.version})
             if every and (step + 1) % every == 0 and step + 1 < steps:
                 await _checkpoint(node, ckpt_dir, step + 1, learner, policy, cfg)
             await node.emit("trained", {
@@ -93,6 +101,7 @@ async def main(node: Node) -> None:
                                             "version": learner.version,
                                             "strategy": "separation"})
         await node.emit("done", {"policy_dir": str(policy_dir), "steps": steps})
+    samples_log.close()
     await node.wait_stop()
     sender.close()
     learner.close()

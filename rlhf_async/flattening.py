@@ -85,12 +85,12 @@ def rl_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: int
         if writer is not None:
             record = {"step": step, **metrics, "time_generate": t1 - t0, "time_score": t2 - t1,
                       "time_train": t3 - t2, "samples_per_s": metrics["samples"] / (t3 - t0)}
+            writer.write(record)  # before the checkpoint that includes the step
+            progress.update(record)
             if state is not None:
                 save_checkpoint(run_dir / "checkpoints", step + 1, state,
                                 {"version": learner.version, "strategy": "flattening"},
                                 cfg.run.keep_checkpoints)
-            writer.write(record)
-            progress.update(record)
     with learner.actor_backend.gathered():  # full weights even under ZeRO-3 (collective)
         if writer is not None:
             writer.close()

@@ -20,6 +20,7 @@ from rlhf_async.checkpoint import CheckpointError, list_checkpoints, load_latest
 from rlhf_async.config import ConfigError, JobConfig, config_from_dict, load_config, to_dict
 from rlhf_async.flattening import run_flattening, sampling_params
 from rlhf_async.log import get_logger
+from rlhf_async.metrics import truncate_jsonl
 from rlhf_async.models import ScalarHeadModel, sequence_scores
 from rlhf_async.roles import generate
 from rlhf_async.task import SortDigitsTask
@@ -147,11 +148,7 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     """Drop records of steps at or after `step` (written after the checkpoint a resumed run
     continues from; they are trained again)."""
     for name in ("metrics.jsonl", "trained_samples.jsonl"):
-        path = run_dir / name
-        if path.exists():
-            keep = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", -1) < step]
-            path.write_text("".join(line + "\n" for line in keep))
+        truncate_jsonl(run_dir / name, step)
 
 
 def resume_job(run_dir: str | Path) -> int:

@@ -32,6 +32,16 @@ class MetricsWriter:
         self._f.close()
 
 
+def truncate_jsonl(path: str | Path, step: int) -> None:
+    """Drop the records of steps >= `step` (a run continuing from that step's checkpoint
+    trains and logs them again)."""
+    path = Path(path)
+    if path.exists():
+        keep = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", -1) < step]
+        path.write_text("".join(line + "\n" for line in keep))
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     lines = Path(path).read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]

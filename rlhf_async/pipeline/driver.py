@@ -109,8 +109,6 @@ class Driver:
 
     def _open_logs(self) -> None:
         self.writer = MetricsWriter(self.run_dir / "metrics.jsonl")
-        # the trainer's record of what it trained: exactly-once is checked against this
-        self.samples = MetricsWriter(self.run_dir / "trained_samples.jsonl")
 
     @property
     def generators(self) -> list[str]:
@@ -129,7 +127,6 @@ class Driver:
             for task in list(self._tasks):
                 task.cancel()
             self.writer.close()
-            self.samples.close()
 
     async def _next_event(self) -> NodeEvent:
         """The next node event, or the failure of a background task that must not fail."""
@@ -249,7 +246,6 @@ class Driver:
         self.chunk_state.clear()
         self.chunk_prompts.clear()
         self.writer.close()
-        self.samples.close()
         from rlhf_async.job import truncate_metrics
 
         truncate_metrics(self.run_dir, step)
@@ -311,8 +307,6 @@ class Driver:
         dt, self.t_last = now - self.t_last, now
         for s in p["sample_ids"]:
             self.trained_ids[int(s)] += 1
-        self.samples.write({"step": step, "sample_ids": p["sample_ids"],
-                            "version": p["rollout_version"]})
         for key in [k for k in self.chunk_state if k[0] <= step]:
             del self.chunk_state[key], self.chunk_prompts[key]
         self.busy[trainer] = float(p.get("busy_s", 0.0))
