@@ -85,14 +85,16 @@ async def main(node: Node) -> None:
             # that includes the step: exactly-once is counted from it
             samples_log.write({"step": step, "sample_ids": full.sample_ids.tolist(),
                                "version": full.version})
-            if every and (step + 1) % every == 0 and step + 1 < steps:
-                await _checkpoint(node, ckpt_dir, step + 1, learner, policy, cfg)
+            # reported before the checkpoint: a crash in between makes the restarted
+            # trainer train (and report) the step again, never leave it unreported
             await node.emit("trained", {
                 "step": step, "metrics": metrics, "sample_ids": full.sample_ids.tolist(),
                 "rollout_version": full.version, "queue_trainer": batches.waiting(), **sync,
                 **policy.metrics(), **clock.snapshot(),
                 "staleness_hist": {str(k): v for k, v in policy.histogram.items()}},
                 step=step, weight_version=learner.version)
+            if every and (step + 1) % every == 0 and step + 1 < steps:
+                await _checkpoint(node, ckpt_dir, step + 1, learner, policy, cfg)
     await _checkpoint(node, ckpt_dir, batches.next_step, learner, policy, cfg)
     if batches.next_step >= steps:
         policy_dir = Path(node.params["policy_dir"])

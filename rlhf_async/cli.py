@@ -184,10 +184,11 @@ def _job_errors(job: Any) -> int:
     from rlhf_async.checkpoint import CheckpointError
     from rlhf_async.coordinator import CoordinatorError
     from rlhf_async.pipeline.driver import PipelineError
+    from rlhf_async.security import SecurityError
 
     try:
         return int(job())
-    except (PipelineError, CoordinatorError, CheckpointError) as e:
+    except (PipelineError, CoordinatorError, CheckpointError, SecurityError) as e:
         raise UserError(str(e)) from None
 
 

@@ -7,6 +7,7 @@ generator and scorer handled each part.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from rlhf_async.protocol import Message
@@ -52,7 +53,7 @@ def split_prompts(prompts: PromptBatch, group_size: int, chunks: int) -> list[Pr
     chunks = max(1, min(chunks, groups))
     bounds = [group_size * (groups * i // chunks) for i in range(chunks + 1)]
     return [PromptBatch(*(getattr(prompts, f)[lo:hi] for f in PROMPT_FIELDS))
-            for lo, hi in zip(bounds, bounds[1:])]
+            for lo, hi in itertools.pairwise(bounds)]
 
 
 def prompts_message(cid: ChunkId, prompts: PromptBatch, source: str) -> Message:
