@@ -61,8 +61,11 @@ async def connect_weight_sync(coord: Coordinator, spec: GroupSpec, trainer: str,
     The generators start joining before the trainer does; every step is bounded."""
     spec = GroupSpec(spec.backend, spec.master_addr, 0, 1 + len(generators), spec.name,
                      spec.epoch, spec.timeout_s, (trainer, *generators))
-    spec = GroupSpec.from_dict(await coord.command(trainer, "weight_sync_prepare",
-                                                   {"spec": spec.to_dict()}))
+    try:
+        spec = GroupSpec.from_dict(await coord.command(trainer, "weight_sync_prepare",
+                                                       {"spec": spec.to_dict()}))
+    except (TimeoutError, RuntimeError) as e:  # the trainer died or is restarting
+        raise PipelineError(f"weight-sync group {spec.group_name}: {e}") from None
     limit = spec.timeout_s + 10
     joins = [asyncio.ensure_future(coord.command(g, "weight_sync_connect",
                                                  {"spec": spec.to_dict(), "rank": r}, limit))
