@@ -24,11 +24,11 @@ COORDINATOR_FILE = "coordinator.json"
 
 
 class CoordinatorError(RuntimeError):
-    pass
+    """The coordinator cannot do what was asked (unknown node, nothing running, ...)."""
 
 
 class NodeNotReady(CoordinatorError):
-    pass
+    """A node exited or timed out before its ready handshake."""
 
 
 class CommandError(CoordinatorError):

@@ -69,7 +69,6 @@ def rl_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: int
         restore_learner(learner, ck.state)
     writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
     progress = Progress(cfg.train.steps, cfg.run.progress and rank == 0)
-    every = cfg.run.checkpoint_every
     for step in range(start_step, cfg.train.steps):
         prompts = task.prompt_batch(seed, "train", step, cfg.train.prompts_per_step,
                                     cfg.algo.group_size).shard(rank, world).to(device)
@@ -80,23 +79,40 @@ def rl_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: int
         t2 = time.perf_counter()
         metrics = learner.train_step(batch)
         t3 = time.perf_counter()
-        due = every and (step + 1) % every == 0 and step + 1 < cfg.train.steps
-        state = learner_state(learner) if due else None  # every rank: collective under ZeRO
-        if writer is not None:
-            record = {"step": step, **metrics, "time_generate": t1 - t0, "time_score": t2 - t1,
-                      "time_train": t3 - t2, "samples_per_s": metrics["samples"] / (t3 - t0)}
-            writer.write(record)  # before the checkpoint that includes the step
-            progress.update(record)
-            if state is not None:
-                save_checkpoint(run_dir / "checkpoints", step + 1, state,
-                                {"version": learner.version, "strategy": "flattening"},
-                                cfg.run.keep_checkpoints)
+        end_step(cfg, learner, run_dir, writer, progress, step, metrics, (t0, t1, t2, t3),
+                 "flattening")
+    finish(cfg, learner, run_dir, writer)
+
+
+def end_step(cfg: JobConfig, learner: Learner, run_dir: Path, writer: MetricsWriter | None,
+             progress: Progress, step: int, metrics: dict, times: tuple[float, ...],
+             strategy: str) -> None:
+    """Metrics line, then (when due) the checkpoint that includes the step. Every rank
+    calls it: gathering the learner state is collective under ZeRO."""
+    t0, t1, t2, t3 = times
+    every = cfg.run.checkpoint_every
+    due = every and (step + 1) % every == 0 and step + 1 < cfg.train.steps
+    state = learner_state(learner) if due else None
+    if writer is None:
+        return
+    record = {"step": step, **metrics, "time_generate": t1 - t0, "time_score": t2 - t1,
+              "time_train": t3 - t2, "samples_per_s": metrics["samples"] / (t3 - t0)}
+    writer.write(record)  # before the checkpoint that includes the step
+    progress.update(record)
+    if state is not None:
+        save_checkpoint(run_dir / "checkpoints", step + 1, state,
+                        {"version": learner.version, "strategy": strategy},
+                        cfg.run.keep_checkpoints)
+
+
+def finish(cfg: JobConfig, learner: Learner, run_dir: Path, writer: MetricsWriter | None) -> None:
+    """Rank 0 saves the final policy; every rank joins the gather and closes its engines."""
     with learner.actor_backend.gathered():  # full weights even under ZeRO-3 (collective)
         if writer is not None:
             writer.close()
-            save_policy(actor, run_dir / "policy", {"algo": cfg.algo.name,
-                                                    "steps": cfg.train.steps,
-                                                    "version": learner.version})
+            save_policy(learner.actor, run_dir / "policy", {"algo": cfg.algo.name,
+                                                            "steps": cfg.train.steps,
+                                                            "version": learner.version})
     learner.close()
 
 

@@ -31,19 +31,16 @@ from torch import Tensor, nn
 from rlhf_async import algorithms as A
 from rlhf_async.checkpoint import (
     CheckpointError,
-    learner_state,
     load_latest,
     restore_learner,
-    save_checkpoint,
 )
 from rlhf_async.config import JobConfig
-from rlhf_async.flattening import sampling_params
+from rlhf_async.flattening import end_step, finish, sampling_params
 from rlhf_async.metrics import MetricsWriter, Progress
 from rlhf_async.models import (
     ScalarHeadModel,
     frozen_copy,
     response_logits,
-    save_policy,
     sequence_scores,
 )
 from rlhf_async.placement import (
@@ -178,7 +175,7 @@ def rl_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, owners: Owners, rank:
         restore_learner(learner, ck.state)
     writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
     progress = Progress(cfg.train.steps, cfg.run.progress and rank == 0)
-    every, G = cfg.run.checkpoint_every, cfg.algo.group_size
+    G = cfg.algo.group_size
     sizes = shard_sizes(cfg.train.prompts_per_step * G, world, G)
     for step in range(start_step, cfg.train.steps):
         prompts = shard_prompts(task.prompt_batch(seed, "train", step, cfg.train.prompts_per_step,
@@ -191,24 +188,9 @@ def rl_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, owners: Owners, rank:
         t2 = time.perf_counter()
         metrics = learner.train_step(batch)
         t3 = time.perf_counter()
-        due = every and (step + 1) % every == 0 and step + 1 < cfg.train.steps
-        state = learner_state(learner) if due else None  # every rank: collective under ZeRO
-        if writer is not None:
-            record = {"step": step, **metrics, "time_generate": t1 - t0, "time_score": t2 - t1,
-                      "time_train": t3 - t2, "samples_per_s": metrics["samples"] / (t3 - t0)}
-            writer.write(record)  # before the checkpoint that includes the step
-            progress.update(record)
-            if state is not None:
-                save_checkpoint(run_dir / "checkpoints", step + 1, state,
-                                {"version": learner.version, "strategy": "interleaving"},
-                                cfg.run.keep_checkpoints)
-    with learner.actor_backend.gathered():  # full weights even under ZeRO-3 (collective)
-        if writer is not None:
-            writer.close()
-            save_policy(actor, run_dir / "policy", {"algo": cfg.algo.name,
-                                                    "steps": cfg.train.steps,
-                                                    "version": learner.version})
-    learner.close()
+        end_step(cfg, learner, run_dir, writer, progress, step, metrics, (t0, t1, t2, t3),
+                 "interleaving")
+    finish(cfg, learner, run_dir, writer)
 
 
 def _free_port() -> int:

@@ -48,7 +48,7 @@ IPC_PATH_MAX = 100  # sockaddr_un holds ~107 bytes; keep a margin
 
 
 class EndpointError(ValueError):
-    pass
+    """An endpoint that cannot be used: bad type, address, HWM or bind/connect failure."""
 
 
 @dataclass(frozen=True)

@@ -54,4 +54,4 @@ class TorchTrainBackend:
         return contextlib.nullcontext()
 
     def close(self) -> None:
-        pass
+        """Nothing to release: plain torch modules and optimizers."""

@@ -12,11 +12,11 @@ import importlib
 import inspect
 import os
 import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import structlog
 import torch
 
 from rlhf_async.log import configure_logging
@@ -139,12 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         if not spec.control:
             raise SpecError(f"node spec {args.spec}: control endpoint is empty")
     except SpecError as e:
-        print(f"error: {e}", file=sys.stderr)
+        configure_logging()  # the spec (and its log level) could not be read
+        structlog.get_logger().error("bad_node_spec", error=str(e))
         return EXIT_BAD_SPEC
     configure_logging(spec.log_level)
     torch.set_num_threads(spec.num_threads)
     try:
         return run_loop(serve(spec))
     except (SpecError, SecurityError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        structlog.get_logger().error("bad_node_spec", node=spec.node_id, error=str(e))
         return EXIT_BAD_SPEC

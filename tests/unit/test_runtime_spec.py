@@ -46,7 +46,9 @@ def test_unreadable_spec_is_one_line_exit_2(tmp_path, capsys):
     (tmp_path / "empty_ctl.json").write_text(json.dumps(_spec(control="").to_dict()))
     assert node_main(["--spec", str(tmp_path / "empty_ctl.json")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 3 and all(line.startswith("error: ") for line in lines)
+    # one structured log line per bad spec, naming what is wrong
+    assert len(lines) == 3 and all("bad_node_spec" in line for line in lines)
+    assert "not JSON" in lines[0] and "cannot read" in lines[1] and "control" in lines[2]
 
 
 def test_resolve_entry():
