@@ -40,11 +40,11 @@ HWM = 16
 IMPLS = ("raw", "raw_async", "ours")  # raw = blocking pyzmq; raw_async = plain zmq.asyncio
 
 
-def _schedule(quick: bool, repeats: int) -> list[tuple[str, int, int]]:
+def _schedule(quick: bool, repeats: int, sizes: list[str]) -> list[tuple[str, int, int]]:
     """(size label, warmup, count) for every run, in order; both processes follow it."""
     scale = 10 if quick else 1
     return [(label, max(2, COUNTS[label] // (10 * scale)), max(4, COUNTS[label] // scale))
-            for label in SIZES for _ in range(repeats)]
+            for label in sizes for _ in range(repeats)]
 
 
 def _recv_raw(address: str, schedule: list, conn) -> None:
@@ -204,13 +204,15 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results/transport.json"))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="10x fewer messages")
+    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
+    parser.add_argument("--schemes", nargs="+", choices=["ipc", "tcp"], default=["ipc", "tcp"])
     args = parser.parse_args()
     torch.set_num_threads(1)
-    schedule = _schedule(args.quick, args.repeats)
+    schedule = _schedule(args.quick, args.repeats, args.sizes)
     rows = []
-    for scheme in ("ipc", "tcp"):
+    for scheme in args.schemes:
         runs = run_scheme(scheme, schedule)
-        for label in SIZES:
+        for label in args.sizes:
             idx = [i for i, s in enumerate(schedule) if s[0] == label]
             count = schedule[idx[0]][2]
             row = {"scheme": scheme, "size": label, "bytes": SIZES[label], "messages": count}
