@@ -38,6 +38,15 @@ VARIANTS = {
     "separation k=1": ["placement.strategy=separation", "algo.max_staleness=1"],
     "separation k=2": ["placement.strategy=separation", "algo.max_staleness=2"],
 }
+# The paper's bottleneck (needs the deepspeed extra; run with --only): every Flattening rank
+# holds a ZeRO-3 shard, so each generation forward gathers the actor, against Separation
+# whose generator keeps a whole shadow copy (its single trainer uses the same engine).
+ZERO3 = ["train.backend=deepspeed", "train.zero_stage=3"]
+OPTIONAL = {
+    "flattening zero3": [*VARIANTS["flattening"], *ZERO3],
+    "separation k=0 zero3": [*VARIANTS["separation k=0"], *ZERO3],
+    "separation k=1 zero3": [*VARIANTS["separation k=1"], *ZERO3],
+}
 
 
 def steady(records: list[dict], warmup: int) -> dict:
@@ -102,7 +111,8 @@ def compare_with_model(results: dict, per_round: dict[str, list[dict]], base: li
         cfg = load_config(None, base + [f"algo.max_staleness={k}", "placement.strategy=auto"])
         picked, reason = choose(cfg)
         name = picked.strategy if picked.strategy != "separation" else f"separation k={k}"
-        same_k = [n for n in results if not n.startswith("separation") or n.endswith(f"={k}")]
+        same_k = [n for n in results if n in VARIANTS
+                  and (not n.startswith("separation") or n.endswith(f"={k}"))]
         best = min(same_k, key=lambda n: ratio[n])
         if name in ratio:
             gap = ratio[name] / ratio[best] - 1
@@ -130,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3,
                     help="variants take turns round by round; medians over rounds")
     ap.add_argument("--out", default="bench/results/pipeline.json")
-    ap.add_argument("--only", nargs="*", default=None, help="variant names to run")
+    ap.add_argument("--only", nargs="*", default=None, choices=[*VARIANTS, *OPTIONAL],
+                    help="variant names to run (the zero3 ones only when named here)")
     ap.add_argument("--calibrate", action="store_true",
                     help="calibrate the cost model in every round (single-process runs)")
     ap.add_argument("--calibration", default="bench/results/calibration.json")
@@ -141,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     base = [f"train.steps={args.steps}", "run.progress=false", "run.plot=false",
             f"placement.devices={devices}", "run.output_dir=runs/bench-pipeline",
             "run.eval_prompts=64", *args.overrides]
-    names = [n for n in VARIANTS if not args.only or n in args.only]
+    variants = {**VARIANTS, **OPTIONAL}
+    names = [n for n in variants if (n in VARIANTS and not args.only)
+             or n in (args.only or [])]
     per_round: dict[str, list[dict]] = {n: [] for n in names}
     calib_rounds = []
     for r in range(args.rounds):  # taking turns, so background load hits all alike
@@ -151,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
             calib_rounds.append(measure_round(load_config(None, base)))
         for name in names if r % 2 == 0 else names[::-1]:  # no variant always runs first
-            per_round[name].append(run_variant(name, VARIANTS[name], base, args.warmup))
+            per_round[name].append(run_variant(name, variants[name], base, args.warmup))
     if args.calibrate:
         from rlhf_async.calibrate import calibrate
 
@@ -161,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name, runs in per_round.items():
         ordered = sorted(runs, key=lambda x: x["samples_per_s"])
-        cfg = load_config(None, base + VARIANTS[name])
+        cfg = load_config(None, base + variants[name])
         results[name] = {**ordered[len(ordered) // 2], "predicted_step_s": predicted_step(cfg),
                          "rounds_samples_per_s": [x["samples_per_s"] for x in runs]}
     k0 = results.get("separation k=0", {}).get("samples_per_s")
