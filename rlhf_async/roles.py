@@ -40,18 +40,26 @@ def generate(actor: nn.Module, prompts: PromptBatch, params: SamplingParams, see
 
 
 @torch.no_grad()
-def score(reward_model: ScalarHeadModel, reference: nn.Module, batch: RolloutBatch,
+def score(reward_model: ScalarHeadModel | None, reference: nn.Module, batch: RolloutBatch,
           temperature: float = 1.0,
           hidden_score: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None) -> RolloutBatch:
-    """Add reward-model scores [B] and reference log-probs [B, R] (and the hidden score)."""
+    """Add rewards [B] and reference log-probs [B, R] (and the hidden score [B]). The
+    rewards are the reward model's scores; without a reward model, the hidden score is the
+    reward (a task's rule reward)."""
+    if reward_model is None and hidden_score is None:
+        raise ValueError("score needs a reward model or a rule reward (hidden_score)")
     args = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
-    rewards = sequence_scores(reward_model, *args).float()
     logits = response_logits(reference, *args)
     ref_lp = A.gather_logprobs(logits, batch.response_ids, temperature) * batch.response_mask
     hidden = None
     if hidden_score is not None:
         hidden = hidden_score(batch.prompt_ids, batch.response_ids, batch.response_mask)
-        hidden = hidden.to(rewards.device)
+        hidden = hidden.to(ref_lp.device)
+    if reward_model is None:
+        assert hidden is not None  # checked above
+        rewards = hidden.clone()
+    else:
+        rewards = sequence_scores(reward_model, *args).float()
     return batch.replace(rewards=rewards, ref_logprobs=ref_lp, hidden_scores=hidden)
 
 
@@ -98,12 +106,23 @@ class Learner:
         for b in reversed(list(self.backends().values())):
             b.close()
 
+    def _reuses_logprobs(self) -> bool:
+        """One optimizer step per batch, and advantages that need no log-probs: the policy
+        is still the batch's "old" policy when the loss is computed, so the old log-probs are
+        the loss forward's own (detached) and the separate forward pass is skipped."""
+        a, t = self.algo, self.train
+        return t.epochs == 1 and t.minibatches == 1 and a.name != "ppo" and a.kl_mode == "loss"
+
     @torch.no_grad()
-    def _advantages(self, b: RolloutBatch, old_lp: Tensor,
-                    values: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor]:
-        """-> advantages [B, R], returns [B, R] (PPO only), per-token KL [B, R]."""
+    def _advantages(self, b: RolloutBatch, old_lp: Tensor | None,
+                    values: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """-> advantages [B, R], returns [B, R] (PPO only), per-token KL [B, R] (None
+        without `old_lp`)."""
         algo, m = self.algo, b.response_mask.float()
         assert b.rewards is not None and b.ref_logprobs is not None  # checked by train_step
+        if old_lp is None:  # _reuses_logprobs: rewards alone decide the advantages
+            fn = A.grpo_advantages if algo.name == "grpo" else A.rloo_advantages
+            return fn(b.rewards, b.group_ids)[:, None] * m, None, None
         kl = A.kl_per_token(old_lp, b.ref_logprobs, algo.kl_estimator) * m
         kl_r = algo.kl_coef if algo.kl_mode == "reward" else 0.0
         if algo.name == "ppo":
@@ -128,15 +147,18 @@ class Learner:
         return [torch.nonzero(local == k).flatten() for k in range(M)]
 
     def _loss(self, b: RolloutBatch, idx: Tensor, adv: Tensor, ret: Tensor | None,
-              old_lp: Tensor, old_v: Tensor | None,
-              n_tokens: Tensor) -> tuple[Tensor, Tensor | None, dict]:
-        """-> actor loss, critic loss (already scaled by vf_coef; PPO only), stats."""
+              old_lp: Tensor, old_v: Tensor | None, n_tokens: Tensor,
+              fill_old: bool = False) -> tuple[Tensor, Tensor | None, dict]:
+        """-> actor loss, critic loss (already scaled by vf_coef; PPO only), stats. With
+        `fill_old`, this forward's detached log-probs are the old ones (written to old_lp)."""
         algo = self.algo
         mb = b.select(idx)
         m = mb.response_mask.float()
         args = (mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask)
         logits = response_logits(self.actor_backend.model, *args)  # [b, R, V]
         lp = A.gather_logprobs(logits, mb.response_ids, self.temperature)
+        if fill_old:
+            old_lp[idx] = lp.detach() * m
         pg, st = A.ppo_policy_loss(lp, old_lp[idx], adv[idx], m, algo.clip_eps,
                                    mb.behaviour_logprobs, algo.is_cap, n_tokens)
         ent = A.masked_token_mean(A.entropy_from_logits(logits / self.temperature), m, n_tokens)
@@ -166,13 +188,15 @@ class Learner:
         return {f"{name}_grad_norm": b.step() for name, b in self.backends().items()}
 
     def _backward(self, b: RolloutBatch, idx: Tensor, adv: Tensor, ret: Tensor | None,
-                  old_lp: Tensor, old_v: Tensor | None, n_tokens: Tensor) -> dict[str, Tensor]:
+                  old_lp: Tensor, old_v: Tensor | None, n_tokens: Tensor,
+                  fill_old: bool = False) -> dict[str, Tensor]:
         """Gradients of one minibatch, in `train.grad_accum` micro-batches (losses are
         normalised by the minibatch's global token count, so micro-gradients add up)."""
         micro = [i for i in idx.tensor_split(min(self.train.grad_accum, len(idx))) if len(i)]
         stats: dict[str, Tensor] = {}
         for j, i in enumerate(micro):
-            actor_loss, critic_loss, st = self._loss(b, i, adv, ret, old_lp, old_v, n_tokens)
+            actor_loss, critic_loss, st = self._loss(b, i, adv, ret, old_lp, old_v, n_tokens,
+                                                     fill_old)
             last = j == len(micro) - 1
             # separate graphs (values never depend on the actor): each engine owns its backward
             self.actor_backend.backward(actor_loss, last=last)
@@ -189,14 +213,16 @@ class Learner:
             raise ValueError("train_step needs a scored batch (rewards and ref_logprobs)")
         b, m = batch, batch.response_mask.float()
         args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
+        reuse = self._reuses_logprobs()
         with torch.no_grad():
-            old_lp = A.gather_logprobs(response_logits(self.actor_backend.model, *args),
-                                       b.response_ids, self.temperature) * m
+            old_lp = m.new_zeros(m.shape) if reuse else A.gather_logprobs(
+                response_logits(self.actor_backend.model, *args), b.response_ids,
+                self.temperature) * m
             old_v = None
             if self.critic_backend is not None:  # the engine wraps a ScalarHeadModel
                 critic_fwd: Any = self.critic_backend.model
                 old_v = response_values(critic_fwd, *args) * m
-        adv, ret, kl = self._advantages(b, old_lp, old_v)
+        adv, ret, kl = self._advantages(b, None if reuse else old_lp, old_v)
         sums: dict[str, Tensor] = {}
         grad_norms: dict[str, float] = {}
         n_updates = 0
@@ -205,7 +231,7 @@ class Learner:
             for idx in self._minibatches(b, epoch):
                 n_tokens = all_reduce_sum(m[idx].sum()).clamp(min=1.0)
                 if len(idx):
-                    stats = self._backward(b, idx, adv, ret, old_lp, old_v, n_tokens)
+                    stats = self._backward(b, idx, adv, ret, old_lp, old_v, n_tokens, reuse)
                 else:  # this rank holds none of the minibatch; it still joins the all-reduce
                     stats = {k: m.new_zeros(()) for k in self._stat_names()}
                 grad_norms = self._optimizer_step()
@@ -214,6 +240,8 @@ class Learner:
                 n_updates += 1
         self.actor.eval()
         self.version += 1
+        if kl is None:  # old_lp was filled by the loss forward
+            kl = A.kl_per_token(old_lp, b.ref_logprobs, self.algo.kl_estimator) * m
         return {**self._global_stats(b, kl, adv, sums, n_updates), **grad_norms,
                 "version": self.version}
 

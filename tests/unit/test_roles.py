@@ -92,3 +92,42 @@ def test_minibatch_split_ignores_row_order():
     split_perm = [set(b.select(perm).sample_ids[i].tolist())
                   for i in learner._minibatches(b.select(perm), 0)]
     assert split == split_perm and sorted(len(s) for s in split) == [2, 3, 3]
+
+
+@pytest.mark.parametrize("grad_accum", [1, 3])
+def test_single_update_reuses_the_loss_forward_as_old_logprobs(monkeypatch, grad_accum):
+    """One optimizer step per batch (GRPO, KL in the loss): skipping the separate old-log-prob
+    forward gives the same update and metrics as computing it."""
+    runs = []
+    for reuse in (True, False):
+        actor, ref, rm, _ = models()
+        batch = scored_batch(actor, ref, rm, n=4, group=3)
+        learner = Learner(actor, None, AlgoConfig(name="grpo", kl_mode="loss",
+                                                  kl_estimator="k3", entropy_coef=0.01),
+                          TrainConfig(epochs=1, minibatches=1, grad_accum=grad_accum), seed=0)
+        assert learner._reuses_logprobs()
+        if not reuse:
+            monkeypatch.setattr(learner, "_reuses_logprobs", lambda: False)
+        calls = []
+        orig = learner.actor_backend.model.forward
+        monkeypatch.setattr(learner.actor_backend.model, "forward",
+                            lambda *a, **k: calls.append(1) or orig(*a, **k))
+        runs.append((learner.train_step(batch), learner.state_dict(), len(calls)))
+    (m_fast, w_fast, n_fast), (m_full, w_full, n_full) = runs
+    assert n_full - n_fast == 1  # one forward pass fewer
+    for k in ("policy_loss", "kl", "kl_loss", "entropy", "clip_frac", "reward"):
+        assert m_fast[k] == pytest.approx(m_full[k], rel=1e-4, abs=1e-6), k
+    for k in w_full:
+        assert torch.allclose(w_fast[k], w_full[k], atol=1e-6), k
+
+
+def test_several_updates_per_batch_keep_the_separate_old_logprobs():
+    actor, _, _, critic = models()
+    for algo, train in (("grpo", TrainConfig(epochs=2, minibatches=1)),
+                        ("grpo", TrainConfig(epochs=1, minibatches=2)),
+                        ("ppo", TrainConfig(epochs=1, minibatches=1))):
+        learner = Learner(actor, critic, AlgoConfig(name=algo, kl_mode="loss"), train, seed=0)
+        assert not learner._reuses_logprobs()
+    learner = Learner(actor, None, AlgoConfig(name="rloo", kl_mode="reward"),
+                      TrainConfig(epochs=1, minibatches=1), seed=0)
+    assert not learner._reuses_logprobs()  # the KL penalty in the reward needs them first
