@@ -14,6 +14,7 @@ from rlhf_async.generation import SamplingParams
 from rlhf_async.pipeline.wire import ChunkFormatError
 from rlhf_async.protocol import ProtocolError
 from rlhf_async.runtime import Node
+from rlhf_async.task import make_task
 from rlhf_async.task.pretrain import Artefacts
 
 
@@ -29,11 +30,11 @@ def load_job(node: Node) -> Job:
     hf_logging.disable_progress_bar()
     p = node.params
     cfg = config_from_dict(p["config"])
-    art = Artefacts(Path(p["sft_dir"]), Path(p["rm_dir"]), {}, {})
+    art = Artefacts(Path(p["sft_dir"]), Path(p["rm_dir"]) if p["rm_dir"] else None, {}, {})
     device = torch.device(node.spec.device if node.spec.device.startswith("cuda") else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    return Job(cfg, art, device, sampling_params(cfg))
+    return Job(cfg, art, device, sampling_params(cfg, make_task(cfg)))
 
 
 def message_errors() -> tuple[type[Exception], ...]:

@@ -27,7 +27,7 @@ from rlhf_async.protocol import Message
 from rlhf_async.roles import Learner
 from rlhf_async.runtime import Node
 from rlhf_async.staleness import StalenessPolicy
-from rlhf_async.task.pretrain import load_reward_model, load_sft
+from rlhf_async.task.pretrain import load_critic, load_sft
 from rlhf_async.weight_sync import GroupSpec, WeightSender, WeightSyncError, make_sender
 
 
@@ -111,9 +111,8 @@ async def main(node: Node) -> None:
 
 def _learner(job: Job) -> Learner:
     actor = load_sft(job.art.sft_dir).to(job.device)
-    critic = None
-    if job.cfg.algo.name == "ppo":
-        critic = load_reward_model(job.art.rm_dir).to(job.device)
+    critic = load_critic(job.cfg, job.art)
+    critic = critic.to(job.device) if critic is not None else None
     return Learner(actor, critic, job.cfg.algo, job.cfg.train, job.cfg.run.seed,
                    job.cfg.generation.temperature)
 

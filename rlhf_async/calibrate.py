@@ -80,14 +80,14 @@ def phase_times(cfg: JobConfig, prompts: int, devices: int, steps: int) -> dict[
     """Median seconds per phase of a short Flattening run (first step dropped)."""
     from rlhf_async.flattening import run_flattening
     from rlhf_async.metrics import read_metrics
-    from rlhf_async.task import SortDigitsTask
+    from rlhf_async.task import make_task
     from rlhf_async.task.pretrain import prepare_artefacts
 
     c = dataclasses.replace(
         cfg, train=dataclasses.replace(cfg.train, steps=steps, prompts_per_step=prompts),
         placement=dataclasses.replace(cfg.placement, devices=devices, strategy="flattening"),
         run=dataclasses.replace(cfg.run, progress=False))
-    art = prepare_artefacts(c, SortDigitsTask(c.task))
+    art = prepare_artefacts(c, make_task(c))
     with tempfile.TemporaryDirectory() as d:
         records = read_metrics(run_flattening(c, art, Path(d)).metrics_path)[1:]
     return {p: statistics.median(r[f"time_{p}"] for r in records)

@@ -64,10 +64,20 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = opt("sort_digits", "built-in task", choices=("sort_digits",))
-    min_len: int = opt(3, "shortest prompt (digits)", ge=2)
-    max_len: int = opt(6, "longest prompt (digits)", ge=2)
-    num_digits: int = opt(10, "digit alphabet size", ge=2, le=10)
+    name: str = opt("sort_digits", "sort_digits = the built-in task (SFT + reward model); "
+                    "text = your prompts + your reward function (needs model.path)",
+                    choices=("sort_digits", "text"))
+    min_len: int = opt(3, "shortest prompt (digits; sort_digits)", ge=2)
+    max_len: int = opt(6, "longest prompt (digits; sort_digits)", ge=2)
+    num_digits: int = opt(10, "digit alphabet size (sort_digits)", ge=2, le=10)
+    prompts: str = opt("", "text: prompts file, .jsonl ({\"prompt\": \"...\"} per line) or "
+                       "one prompt per line; ~1 in 8 held out for evaluation")
+    reward: str = opt("", "text: rule reward 'module.path:function' or 'file.py:function', "
+                      "called as f(prompt: str, response: str) -> float")
+    chat_template: bool = opt(True, "text: wrap each prompt in the tokenizer's chat template "
+                              "(with the generation prompt)")
+    max_prompt_tokens: int = opt(256, "text: longest prompt accepted (tokens, template "
+                                 "included)", ge=1)
 
 
 @dataclass
@@ -273,7 +283,9 @@ def _cross_checks(cfg: JobConfig) -> list[str]:
         out.append(f"task.min_len: {cfg.task.min_len} exceeds task.max_len {cfg.task.max_len}")
     if cfg.algo.name in ("grpo", "rloo") and cfg.algo.group_size < 2:
         out.append(f"algo.group_size: {cfg.algo.name} needs >= 2 responses per prompt")
-    if cfg.generation.max_new_tokens < cfg.task.max_len + 1:
+    if cfg.task.name == "text":
+        out.extend(_text_task_checks(cfg))
+    elif cfg.generation.max_new_tokens < cfg.task.max_len + 1:
         out.append(f"generation.max_new_tokens: {cfg.generation.max_new_tokens} cannot hold "
                    f"a full answer; needs >= task.max_len + 1 = {cfg.task.max_len + 1}")
     samples = cfg.train.prompts_per_step * cfg.algo.group_size
@@ -295,6 +307,22 @@ def _cross_checks(cfg: JobConfig) -> list[str]:
                    f"placement.strategy = {cfg.placement.strategy} generates with torch")
     if cfg.model.hidden % cfg.model.heads:
         out.append(f"model.hidden: {cfg.model.hidden} must be divisible by model.heads")
+    return out
+
+
+def _text_task_checks(cfg: JobConfig) -> list[str]:
+    """What the text task needs before its files are read (rlhf_async.task.text)."""
+    t, out = cfg.task, []
+    if not cfg.model.path:
+        out.append("model.path: task.name = 'text' needs a local Hugging Face model "
+                   "directory with a tokenizer")
+    if not t.prompts:
+        out.append("task.prompts: task.name = 'text' needs a prompts file (.jsonl or .txt)")
+    elif not Path(t.prompts).is_file():
+        out.append(f"task.prompts: {t.prompts!r} is not a file")
+    if ":" not in t.reward:
+        out.append("task.reward: task.name = 'text' needs 'module.path:function' or "
+                   f"'path/to/file.py:function', got {t.reward!r}")
     return out
 
 

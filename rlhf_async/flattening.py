@@ -26,10 +26,10 @@ from rlhf_async.checkpoint import (
 from rlhf_async.config import JobConfig
 from rlhf_async.generation import SamplingParams
 from rlhf_async.metrics import MetricsWriter, Progress
-from rlhf_async.models import frozen_copy, save_policy
+from rlhf_async.models import M, frozen_copy, save_policy
 from rlhf_async.roles import Learner, generate, score
-from rlhf_async.task import EOS, PAD, SortDigitsTask
-from rlhf_async.task.pretrain import Artefacts, load_reward_model, load_sft
+from rlhf_async.task import Task, make_task
+from rlhf_async.task.pretrain import Artefacts, load_critic, load_reward, load_sft
 
 
 @dataclass
@@ -39,9 +39,9 @@ class FlatteningResult:
     seconds: float
 
 
-def sampling_params(cfg: JobConfig) -> SamplingParams:
+def sampling_params(cfg: JobConfig, task: Task) -> SamplingParams:
     g = cfg.generation
-    return SamplingParams(g.max_new_tokens, EOS, PAD, g.temperature, g.top_k)
+    return SamplingParams(g.max_new_tokens, task.eos_id, task.pad_id, g.temperature, g.top_k)
 
 
 def _device(cfg: JobConfig, rank: int) -> torch.device:
@@ -54,14 +54,15 @@ def rl_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: int
             start_step: int = 0) -> None:
     """The flattened hot loop; identical on every rank except who writes files."""
     device = _device(cfg, rank)
-    task = SortDigitsTask(cfg.task)
+    task = make_task(cfg)
     actor = load_sft(art.sft_dir).to(device)
     reference = frozen_copy(actor)
-    reward_model = frozen_copy(load_reward_model(art.rm_dir)).to(device)
-    critic = load_reward_model(art.rm_dir).to(device) if cfg.algo.name == "ppo" else None
+    reward_model = _frozen_to(load_reward(art), device)  # None: the task's rule reward
+    critic = load_critic(cfg, art)
+    critic = critic.to(device) if critic is not None else None
     learner = Learner(actor, critic, cfg.algo, cfg.train, cfg.run.seed,
                       cfg.generation.temperature)
-    params, seed, T = sampling_params(cfg), cfg.run.seed, cfg.generation.temperature
+    params, seed, T = sampling_params(cfg, task), cfg.run.seed, cfg.generation.temperature
     if start_step:  # every rank restores the same checkpoint
         ck = load_latest(run_dir / "checkpoints", map_location=device)
         if ck is None or ck.step != start_step:
@@ -82,6 +83,10 @@ def rl_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: int
         end_step(cfg, learner, run_dir, writer, progress, step, metrics, (t0, t1, t2, t3),
                  "flattening")
     finish(cfg, learner, run_dir, writer)
+
+
+def _frozen_to(model: M | None, device: torch.device) -> M | None:
+    return None if model is None else frozen_copy(model).to(device)
 
 
 def end_step(cfg: JobConfig, learner: Learner, run_dir: Path, writer: MetricsWriter | None,

@@ -52,8 +52,8 @@ from rlhf_async.placement import (
 )
 from rlhf_async.roles import Learner, generate
 from rlhf_async.rollout import PromptBatch, RolloutBatch
-from rlhf_async.task import SortDigitsTask
-from rlhf_async.task.pretrain import Artefacts, load_reward_model, load_sft
+from rlhf_async.task import make_task
+from rlhf_async.task.pretrain import Artefacts, load_critic, load_reward, load_sft
 
 M = TypeVar("M", bound=nn.Module)
 HiddenScore = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -120,9 +120,11 @@ def _gather_rows(t: Tensor, sizes: list[int]) -> Tensor:
 @torch.no_grad()
 def score_interleaved(batch: RolloutBatch, sizes: list[int], reward_model: ScalarHeadModel | None,
                       reference: nn.Module | None, owners: Owners, temperature: float,
-                      hidden_score: HiddenScore | None = None) -> RolloutBatch:
+                      hidden_score: HiddenScore | None = None,
+                      rule_reward: bool = False) -> RolloutBatch:
     """Add rewards [B] and reference log-probs [B, R] to this rank's rows; every rank calls
-    it (the same two collectives on all), owners do the forward passes."""
+    it (the same two collectives on all), owners do the forward passes. With `rule_reward`
+    the hidden score of each rank's own rows is its reward (no reward model anywhere)."""
     rank = dist.get_rank()
     P = batch.prompt_ids.shape[1]
     packed = torch.cat([getattr(batch, k) for k in GATHERED], dim=1)  # [B, 2P + 2R]
@@ -147,6 +149,9 @@ def score_interleaved(batch: RolloutBatch, sizes: list[int], reward_model: Scala
     hidden = None
     if hidden_score is not None:
         hidden = hidden_score(batch.prompt_ids, batch.response_ids, batch.response_mask)
+    if rule_reward:
+        assert hidden is not None, "a rule reward is the task's hidden score"
+        both[mine, 0] = hidden
     return batch.replace(rewards=both[mine, 0].contiguous(),
                          ref_logprobs=both[mine, 1:].contiguous(), hidden_scores=hidden)
 
@@ -159,15 +164,14 @@ def rl_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, owners: Owners, rank:
             world: int, start_step: int = 0) -> None:
     """The interleaved hot loop; identical on every rank except what each holds and who
     writes files."""
-    task = SortDigitsTask(cfg.task)
+    task = make_task(cfg)
     actor = load_sft(art.sft_dir)
     reference = _frozen(actor, owners.reference_dtype) if rank in owners.reference else None
-    reward_model = _frozen(load_reward_model(art.rm_dir), owners.reward_dtype) \
-        if rank in owners.reward else None
-    critic = load_reward_model(art.rm_dir) if cfg.algo.name == "ppo" else None
-    learner = Learner(actor, critic, cfg.algo, cfg.train, cfg.run.seed,
+    trained_rm = load_reward(art) if rank in owners.reward else None  # None: a rule reward
+    reward_model = _frozen(trained_rm, owners.reward_dtype) if trained_rm is not None else None
+    learner = Learner(actor, load_critic(cfg, art), cfg.algo, cfg.train, cfg.run.seed,
                       cfg.generation.temperature)
-    params, seed, T = sampling_params(cfg), cfg.run.seed, cfg.generation.temperature
+    params, seed, T = sampling_params(cfg, task), cfg.run.seed, cfg.generation.temperature
     if start_step:  # every rank restores the same checkpoint
         ck = load_latest(run_dir / "checkpoints")
         if ck is None or ck.step != start_step:
@@ -184,7 +188,7 @@ def rl_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, owners: Owners, rank:
         batch = generate(actor, prompts, params, seed, step, learner.version)
         t1 = time.perf_counter()
         batch = score_interleaved(batch, sizes, reward_model, reference, owners, T,
-                                  task.hidden_scores)
+                                  task.hidden_scores, task.rule_reward)
         t2 = time.perf_counter()
         metrics = learner.train_step(batch)
         t3 = time.perf_counter()

@@ -23,8 +23,8 @@ from rlhf_async.log import get_logger
 from rlhf_async.metrics import truncate_jsonl
 from rlhf_async.models import ScalarHeadModel, sequence_scores
 from rlhf_async.roles import generate
-from rlhf_async.task import SortDigitsTask
-from rlhf_async.task.pretrain import load_reward_model, load_sft, prepare_artefacts
+from rlhf_async.task import Task, make_task
+from rlhf_async.task.pretrain import load_reward, load_sft, prepare_artefacts
 
 log = get_logger(component="job")
 AVAILABLE_STRATEGIES = ("flattening", "interleaving", "separation", "auto")
@@ -36,15 +36,17 @@ class StrategyUnavailableError(ConfigError):
 
 
 @torch.no_grad()
-def evaluate(actor: torch.nn.Module, reward_model: ScalarHeadModel, task: SortDigitsTask,
+def evaluate(actor: torch.nn.Module, reward_model: ScalarHeadModel | None, task: Task,
              cfg: JobConfig) -> dict[str, float]:
-    """Sampled responses on held-out prompts: hidden score, reward-model score, length."""
+    """Sampled responses on held-out prompts: hidden score, reward (the reward model's
+    score, or the rule reward when there is no reward model), length."""
     prompts = task.prompt_batch(cfg.run.seed, "eval", 0, cfg.run.eval_prompts, 1)
-    b = generate(actor, prompts, sampling_params(cfg), cfg.run.seed, EVAL_STEP, 0)
+    b = generate(actor, prompts, sampling_params(cfg, task), cfg.run.seed, EVAL_STEP, 0)
     args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
     hidden = task.hidden_scores(b.prompt_ids, b.response_ids, b.response_mask)
+    reward = hidden if reward_model is None else sequence_scores(reward_model, *args)
     return {"hidden_score": float(hidden.mean()),
-            "reward": float(sequence_scores(reward_model, *args).mean()),
+            "reward": float(reward.mean()),
             "response_length": float(b.response_mask.float().sum(1).mean()),
             "prompts": len(b)}
 
@@ -67,6 +69,7 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None)
     cfg = prepare_run(cfg)
     if cfg.placement.device == "cpu":
         torch.set_num_threads(cfg.placement.cpu_threads)
+    task = make_task(cfg)  # a bad prompts file or reward function stops the run here
     t_start = time.perf_counter()
     start_step = 0
     if run_dir is None:  # a fresh run
@@ -83,12 +86,11 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None)
         log.info("resuming", run_dir=str(run_dir), step=start_step, checkpoint=str(ck.path))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-    task = SortDigitsTask(cfg.task)
 
     t0 = time.perf_counter()
     art = prepare_artefacts(cfg, task)
     t_pre = time.perf_counter() - t0
-    reward_model = load_reward_model(art.rm_dir)
+    reward_model = load_reward(art)
     sft_eval = evaluate(load_sft(art.sft_dir), reward_model, task, cfg)
     log.info("sft policy evaluated", **sft_eval)
 
@@ -108,7 +110,7 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None)
         from rlhf_async.plotting import plot_metrics
 
         plot_metrics(result.metrics_path, run_dir / "metrics.png",
-                     f"{cfg.algo.name} on sort_digits (seed {cfg.run.seed})")
+                     f"{cfg.algo.name} on {cfg.task.name} (seed {cfg.run.seed})")
     samples = (cfg.train.steps - start_step) * cfg.train.prompts_per_step * cfg.algo.group_size
     summary = {
         "run_dir": str(run_dir), "algo": cfg.algo.name, "seed": cfg.run.seed,
@@ -117,8 +119,9 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None)
         "final_hidden_score": final_eval["hidden_score"],
         "sft_reward": sft_eval["reward"], "final_reward": final_eval["reward"],
         "eval_prompts": final_eval["prompts"],
-        "rm_accuracy": art.rm_stats["rm_accuracy"],
-        "rm_label_accuracy": art.rm_stats["rm_label_accuracy"],
+        "task": cfg.task.name,
+        "rm_accuracy": art.rm_stats.get("rm_accuracy"),
+        "rm_label_accuracy": art.rm_stats.get("rm_label_accuracy"),
         "pretrain_seconds": t_pre, "rl_seconds": result.seconds,
         "rl_samples_per_s": samples / result.seconds,
         "wall_seconds": time.perf_counter() - t_start,
@@ -131,14 +134,19 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None)
 
 
 def format_summary(s: dict) -> str:
-    return (
-        f"\nrun {s['run_dir']} ({s['algo']}, seed {s['seed']}, {s['strategy']} x"
-        f"{s['devices']})\n"
-        f"  hidden score on {s['eval_prompts']} held-out prompts: "
-        f"SFT {s['sft_hidden_score']:.3f} -> final {s['final_hidden_score']:.3f}\n"
-        f"  reward-model score: SFT {s['sft_reward']:.3f} -> final {s['final_reward']:.3f}\n"
-        f"  reward-model accuracy on held-out pairs: {s['rm_accuracy']:.3f} "
-        f"(vs noisy labels {s['rm_label_accuracy']:.3f})\n"
+    head = (f"\nrun {s['run_dir']} ({s['algo']}, seed {s['seed']}, {s['strategy']} x"
+            f"{s['devices']})\n")
+    if s.get("rm_accuracy") is None:  # a rule reward: no SFT, no reward model
+        head += (f"  rule reward on {s['eval_prompts']} held-out prompts: initial "
+                 f"{s['sft_reward']:.3f} -> final {s['final_reward']:.3f}\n")
+    else:
+        head += (
+            f"  hidden score on {s['eval_prompts']} held-out prompts: "
+            f"SFT {s['sft_hidden_score']:.3f} -> final {s['final_hidden_score']:.3f}\n"
+            f"  reward-model score: SFT {s['sft_reward']:.3f} -> final {s['final_reward']:.3f}\n"
+            f"  reward-model accuracy on held-out pairs: {s['rm_accuracy']:.3f} "
+            f"(vs noisy labels {s['rm_label_accuracy']:.3f})\n")
+    return head + (
         f"  time: SFT+RM {s['pretrain_seconds']:.1f}s, RL {s['rl_seconds']:.1f}s "
         f"({s['rl_samples_per_s']:.0f} samples/s), total {s['wall_seconds']:.1f}s\n"
         f"  policy: {s['run_dir']}/policy   curves: {s['run_dir']}/metrics.png\n")

@@ -13,7 +13,7 @@ import copy
 import inspect
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -31,6 +31,7 @@ from transformers import (
 from rlhf_async.config import ConfigError, ModelConfig
 
 HEAD_FILE = "value_head.safetensors"
+M = TypeVar("M", bound=nn.Module)
 
 
 def tiny_config(cfg: ModelConfig, vocab_size: int, pad_id: int, bos_id: int,
@@ -106,7 +107,7 @@ def scalar_model_from_actor(actor: PreTrainedModel, seed: int) -> ScalarHeadMode
         return ScalarHeadModel(trunk)
 
 
-def frozen_copy(model: nn.Module) -> nn.Module:
+def frozen_copy(model: M) -> M:
     ref = copy.deepcopy(model).eval()
     for p in ref.parameters():
         p.requires_grad_(False)

@@ -118,7 +118,7 @@ def run_multihost(cfg: JobConfig, hosts: list[Host], keys: Path, address: str) -
     from rlhf_async.checkpoint import load_latest
     from rlhf_async.job import truncate_metrics
     from rlhf_async.planner import prepare_run
-    from rlhf_async.task import SortDigitsTask
+    from rlhf_async.task import make_task
     from rlhf_async.task.pretrain import prepare_artefacts
 
     cfg = prepare_run(cfg)
@@ -133,7 +133,7 @@ def run_multihost(cfg: JobConfig, hosts: list[Host], keys: Path, address: str) -
     truncate_metrics(run_dir, start_step)  # steps after the checkpoint are trained again
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-    art = prepare_artefacts(cfg, SortDigitsTask(cfg.task))
+    art = prepare_artefacts(cfg, make_task(cfg))
     placement = plan_placement(cfg.placement, cfg.algo.name)
     (run_dir / "placement.txt").write_text(placement.table() + "\n")
     t0 = time.perf_counter()

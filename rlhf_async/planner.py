@@ -96,7 +96,8 @@ def shape_of(cfg: JobConfig) -> ModelShape:
 
 
 def workload_of(cfg: JobConfig) -> Workload:
-    return Workload(cfg.train.prompts_per_step * cfg.algo.group_size, cfg.task.max_len + 2,
+    prompt_len = cfg.task.max_prompt_tokens if cfg.task.name == "text" else cfg.task.max_len + 2
+    return Workload(cfg.train.prompts_per_step * cfg.algo.group_size, prompt_len,
                     cfg.generation.max_new_tokens, cfg.train.epochs, cfg.train.minibatches,
                     cfg.algo.name == "ppo", cfg.algo.max_staleness)
 

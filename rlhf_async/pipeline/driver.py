@@ -24,7 +24,7 @@ from rlhf_async.metrics import MetricsWriter, Progress
 from rlhf_async.pipeline.wire import SFT_LINEAGE, ChunkId, prompts_message, split_prompts
 from rlhf_async.rollout import PromptBatch
 from rlhf_async.staleness import StalenessPolicy
-from rlhf_async.task import SortDigitsTask
+from rlhf_async.task import make_task
 from rlhf_async.transport import Channel
 from rlhf_async.weight_sync import GroupSpec
 
@@ -89,7 +89,7 @@ class Driver:
         self.cfg, self.coord, self.events, self.chan = cfg, coord, events, prompts
         self.roles, self.spec, self.run_dir, self.chunks = roles, spec, run_dir, chunks_per_step
         self.policy = StalenessPolicy(cfg.algo.max_staleness, cfg.train.publish_every)
-        self.task = SortDigitsTask(cfg.task)
+        self.task = make_task(cfg)
         # generator -> (version, lineage) of the weights it holds; all start from the SFT
         self.applied = {n: (0, SFT_LINEAGE) for n, r in roles.items() if r == "generator"}
         self.lineage = lineage  # the live trainer's incarnation

@@ -47,7 +47,8 @@ def build_specs(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placem
     prompts = f"ipc://{sock_dir}/prompts"
     scored = f"ipc://{sock_dir}/scored"
     scorers = [f"ipc://{sock_dir}/{p.node_id}" for p in placement.by_role("scorer")]
-    params = {"config": to_dict(cfg), "sft_dir": str(art.sft_dir), "rm_dir": str(art.rm_dir),
+    params = {"config": to_dict(cfg), "sft_dir": str(art.sft_dir),
+              "rm_dir": "" if art.rm_dir is None else str(art.rm_dir),
               "policy_dir": str(run_dir / "policy"),
               "checkpoint_dir": str(run_dir / "checkpoints")}
     endpoints = {

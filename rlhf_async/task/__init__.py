@@ -1,5 +1,39 @@
-"""The built-in task (digit sorting) and its SFT / reward-model stages."""
+"""Tasks: where prompts come from and how responses are judged.
 
+`sort_digits` is the built-in task (with its own SFT and reward-model stages); `text` takes
+the user's prompts file and rule reward function. `make_task(cfg)` builds the configured one.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from torch import Tensor
+
+from rlhf_async.config import JobConfig
+from rlhf_async.rollout import PromptBatch
 from rlhf_async.task.sort_digits import EOS, PAD, VOCAB_SIZE, SortDigitsTask
 
-__all__ = ["EOS", "PAD", "VOCAB_SIZE", "SortDigitsTask"]
+__all__ = ["EOS", "PAD", "VOCAB_SIZE", "SortDigitsTask", "Task", "make_task"]
+
+
+class Task(Protocol):
+    eos_id: int
+    pad_id: int
+    rule_reward: bool  # True: hidden_scores IS the reward (no reward model is trained)
+
+    def prompt_batch(self, seed: int, purpose: str, step: int, count: int,
+                     group_size: int) -> PromptBatch: ...
+
+    def hidden_scores(self, prompt_ids: Tensor, response_ids: Tensor,
+                      response_mask: Tensor) -> Tensor: ...
+
+
+def make_task(cfg: JobConfig) -> Task:
+    """The task `cfg.task.name` names (the text task reads its files and imports the reward
+    function here; problems are a ConfigError)."""
+    if cfg.task.name == "text":
+        from rlhf_async.task.text import TextTask
+
+        return TextTask(cfg)
+    return SortDigitsTask(cfg.task)

@@ -31,6 +31,7 @@ from rlhf_async.models import (
     scalar_model_from_actor,
     sequence_scores,
 )
+from rlhf_async.task import Task
 from rlhf_async.task.sort_digits import VOCAB_SIZE, SortDigitsTask
 
 log = get_logger(component="pretrain")
@@ -49,8 +50,8 @@ def _code_hash() -> str:
 
 @dataclass
 class Artefacts:
-    sft_dir: Path
-    rm_dir: Path
+    sft_dir: Path  # the initial policy (and reference); for the text task, model.path
+    rm_dir: Path | None  # None: the task's rule reward replaces a reward model
     sft_stats: dict
     rm_stats: dict
 
@@ -158,8 +159,15 @@ def _new_actor(cfg: JobConfig, task: SortDigitsTask) -> PreTrainedModel:
     return load_actor(cfg.model, VOCAB_SIZE, task.special, cfg.run.seed)
 
 
-def prepare_artefacts(cfg: JobConfig, task: SortDigitsTask) -> Artefacts:
-    """Train (or reuse from the cache) the SFT policy and the reward model."""
+def prepare_artefacts(cfg: JobConfig, task: Task) -> Artefacts:
+    """Train (or reuse from the cache) the SFT policy and the reward model; a rule-reward
+    task starts RL from model.path directly (no SFT, no reward model)."""
+    if task.rule_reward:
+        log.info("rule reward: no SFT and no reward model; the policy starts from model.path "
+                 "and sft.* / reward_model.* are ignored", task=cfg.task.name,
+                 reward=cfg.task.reward, model=cfg.model.path)
+        return Artefacts(Path(cfg.model.path), None, {}, {})
+    assert isinstance(task, SortDigitsTask)  # the only task with SFT and reward-model data
     cache = Path(cfg.run.cache_dir)
     sft_dir, rm_dir = cache / stage_key(cfg, "sft"), cache / stage_key(cfg, "rm")
     if not (sft_dir / "stats.json").exists():
@@ -196,3 +204,18 @@ def load_sft(path: Path) -> PreTrainedModel:
 
 def load_reward_model(path: Path) -> ScalarHeadModel:
     return ScalarHeadModel.load(path).eval()
+
+
+def load_reward(art: Artefacts) -> ScalarHeadModel | None:
+    """The trained reward model, or None when the task's rule reward replaces it."""
+    return None if art.rm_dir is None else load_reward_model(art.rm_dir)
+
+
+def load_critic(cfg: JobConfig, art: Artefacts) -> ScalarHeadModel | None:
+    """PPO's initial critic: the reward model (InstructGPT), or for a rule-reward task the
+    policy's own trunk with a fresh scalar head; None for critic-free algorithms."""
+    if cfg.algo.name != "ppo":
+        return None
+    if art.rm_dir is None:
+        return scalar_model_from_actor(load_sft(art.sft_dir), cfg.run.seed)
+    return load_reward_model(art.rm_dir)

@@ -29,6 +29,9 @@ VOCAB_SIZE = 16  # 4 specials + up to 10 digits, rounded up
 class SortDigitsTask:
     """Prompts, demonstrations, hidden score and preference pairs, all keyed by a seed."""
 
+    eos_id, pad_id = EOS, PAD
+    rule_reward = False  # the policy is trained on a learned reward model
+
     def __init__(self, cfg: TaskConfig) -> None:
         self.cfg = cfg
         self.prompt_len = cfg.max_len + 2  # BOS digits SEP

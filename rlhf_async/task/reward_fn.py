@@ -1,0 +1,94 @@
+"""The user's rule reward: `task.reward = "module.path:function"` or `"path/to/file.py:function"`,
+a callable `(prompt: str, response: str) -> float`.
+
+It is imported once per process (cached by its spec) and every call is checked: an import
+error, a missing or non-callable attribute, an exception inside it or a return value that
+is not a finite number is one `RewardFunctionError` naming the function (and, for a call,
+the prompt's index in the prompts file), which the CLI prints as one line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import numbers
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from rlhf_async.config import ConfigError
+
+RewardFn = Callable[[str, str], float]
+_LOADED: dict[tuple[str, str], RewardFn] = {}
+
+
+class RewardFunctionError(ConfigError):
+    """The user's reward function cannot be loaded, or one of its calls went wrong."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__([f"task.reward: {message}"])
+
+
+def _split(spec: str) -> tuple[str, str]:
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise RewardFunctionError(f"{spec!r} is not 'module.path:function' or "
+                                  "'path/to/file.py:function'")
+    return where, name
+
+
+def _import(where: str, spec: str) -> object:
+    try:
+        if where.endswith(".py"):
+            path = Path(where).resolve()
+            if not path.is_file():
+                raise RewardFunctionError(f"{spec!r}: file {where!r} not found "
+                                          f"(relative paths start at {Path.cwd()})")
+            name = f"rlhf_async_user_reward_{abs(hash(str(path)))}"
+            mod_spec = importlib.util.spec_from_file_location(name, path)
+            assert mod_spec is not None and mod_spec.loader is not None  # a .py file
+            module = importlib.util.module_from_spec(mod_spec)
+            sys.modules[name] = module  # dataclasses and pickling look modules up here
+            mod_spec.loader.exec_module(module)
+            return module
+        return importlib.import_module(where)
+    except RewardFunctionError:
+        raise
+    except Exception as e:  # noqa: BLE001  # whatever the user's module raises on import
+        raise RewardFunctionError(f"cannot import {where!r} for {spec!r}: "
+                                  f"{type(e).__name__}: {e}") from None
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """The callable named by `spec`, imported on first use in this process."""
+    key = (spec, str(Path.cwd()))
+    if key in _LOADED:
+        return _LOADED[key]
+    where, name = _split(spec)
+    module = _import(where, spec)
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise RewardFunctionError(f"{spec!r}: {where!r} has no attribute {name!r}")
+    if not callable(fn):
+        raise RewardFunctionError(f"{spec!r}: {name!r} is a {type(fn).__name__}, "
+                                  "not a function")
+    _LOADED[key] = fn
+    return fn
+
+
+def call_reward(fn: RewardFn, spec: str, prompt: str, response: str, index: int) -> float:
+    """fn(prompt, response) as a finite float; one clear error otherwise."""
+    where = f"prompt {index} of task.prompts" if index >= 0 else "a prompt not in task.prompts"
+    try:
+        value = fn(prompt, response)
+    except Exception as e:  # noqa: BLE001  # the user's code: any failure, one report
+        raise RewardFunctionError(f"{spec} raised {type(e).__name__}: {e} on {where} "
+                                  f"(prompt {prompt!r}, response {response!r})") from None
+    if not isinstance(value, numbers.Real):  # bools count: True = 1.0
+        raise RewardFunctionError(f"{spec} returned {value!r} ({type(value).__name__}) on "
+                                  f"{where}; it must return a number")
+    if not math.isfinite(float(value)):
+        raise RewardFunctionError(f"{spec} returned {value!r} on {where}; it must return a "
+                                  "finite number")
+    return float(value)
