@@ -148,7 +148,7 @@ def format_summary(s: dict) -> str:
             f"(vs noisy labels {s['rm_label_accuracy']:.3f})\n")
     return head + (
         f"  time: SFT+RM {s['pretrain_seconds']:.1f}s, RL {s['rl_seconds']:.1f}s "
-        f"({s['rl_samples_per_s']:.0f} samples/s), total {s['wall_seconds']:.1f}s\n"
+        f"({s['rl_samples_per_s']:.3g} samples/s), total {s['wall_seconds']:.1f}s\n"
         f"  policy: {s['run_dir']}/policy   curves: {s['run_dir']}/metrics.png\n")
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from transformers import PreTrainedTokenizerBase
 
 from rlhf_async.config import ConfigError, JobConfig
 from rlhf_async.determinism import key_seed
@@ -76,7 +77,7 @@ def heldout_split(prompts: list[str]) -> tuple[list[int], list[int]]:
     return train, held
 
 
-def _load_tokenizer(path: str):  # -> PreTrainedTokenizerBase (transformers' lazy types)
+def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     try:
@@ -100,10 +101,12 @@ class TextTask:
         self.tokenizer = _load_tokenizer(cfg.model.path)
         self.prompts = read_prompts(t.prompts)
         self.reward_fn = load_reward_fn(t.reward)
+        if self.tokenizer.eos_token_id is None:
+            raise ConfigError([(f"model.path: the tokenizer in {cfg.model.path!r} has no "
+                                "EOS token (generation needs one to stop)")])
         self.eos_id = int(self.tokenizer.eos_token_id)
         pad = self.tokenizer.pad_token_id
-        self.pad_id = int(pad if pad is not None else self.eos_id)
-        self.special = (self.pad_id, self.tokenizer.bos_token_id or self.eos_id, self.eos_id)
+        self.pad_id = int(pad if pad is not None else self.eos_id)  # masks mark the padding
         self.tokens = [self._encode(p) for p in self.prompts]
         self._check_lengths()
         self.prompt_len = max(len(x) for x in self.tokens)
@@ -172,13 +175,13 @@ class TextTask:
         i = self.index_of.get(tuple(toks), -1)
         if i >= 0:
             return i, self.prompts[i]
-        return -1, self.tokenizer.decode(toks, skip_special_tokens=True)
+        return -1, str(self.tokenizer.decode(toks, skip_special_tokens=True))
 
     def response_text(self, response_ids: Tensor, response_mask: Tensor) -> str:
         toks = response_ids[response_mask.bool()].tolist()
         if self.eos_id in toks:
             toks = toks[: toks.index(self.eos_id)]
-        return self.tokenizer.decode(toks, skip_special_tokens=True)
+        return str(self.tokenizer.decode(toks, skip_special_tokens=True))
 
     def hidden_scores(self, prompt_ids: Tensor, response_ids: Tensor,
                       response_mask: Tensor) -> Tensor:
