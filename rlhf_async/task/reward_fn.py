@@ -52,7 +52,12 @@ def _import(where: str, spec: str) -> object:
             sys.modules[name] = module  # dataclasses and pickling look modules up here
             mod_spec.loader.exec_module(module)
             return module
-        return importlib.import_module(where)
+        # the working directory, as for a file path (the CLI's sys.path does not hold it)
+        sys.path.insert(0, str(Path.cwd()))
+        try:
+            return importlib.import_module(where)
+        finally:
+            sys.path.remove(str(Path.cwd()))
     except RewardFunctionError:
         raise
     except Exception as e:  # noqa: BLE001  # whatever the user's module raises on import

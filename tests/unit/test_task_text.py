@@ -178,3 +178,13 @@ def test_cli_prints_one_line_for_a_bad_reward_function(files, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc != 0 and "has no attribute 'missing'" in err and "Traceback" not in err
     assert not list(tmp_path.iterdir())  # no run directory for a config that cannot run
+
+
+def test_module_spec_imports_from_the_working_directory(files, tmp_path, monkeypatch):
+    (tmp_path / "text_task_user_rewards.py").write_text("def f(p, r):\n    return 0.5\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = cfg_for(files)
+    cfg.task.reward = "text_task_user_rewards:f"
+    task = make_task(cfg)
+    b = task.prompt_batch(0, "train", 0, 1, 1)
+    assert task.hidden_scores(b.prompt_ids, torch.tensor([[7]]), torch.tensor([[1]])) == 0.5
