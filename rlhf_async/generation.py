@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_async.determinism import keyed_uniform
-from rlhf_async.models import cache_keyword
+from rlhf_async.models import cache_keyword, keep_logits
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,8 @@ def generate(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: 
     kw = cache_keyword(actor)
     mask = prompt_mask.long()
     pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    out = actor(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    out = actor(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                **keep_logits(actor, 1))
     cache, logits = _output_cache(out), out.logits[:, -1]  # [B, V]
     next_pos = pos[:, -1:] + 1  # [B, 1]
     uniforms = uniforms.to(device)  # [B, R] float64

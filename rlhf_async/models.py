@@ -132,8 +132,10 @@ def response_logits(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
     """Logits that predict each response token. -> [B, R, V]."""
     ids, mask, pos = sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
     P, R = prompt_ids.shape[1], response_ids.shape[1]
-    logits = actor(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    return logits[:, P - 1: P + R - 1]
+    keep = keep_logits(actor, R + 1)  # the LM head skips the prompt positions
+    logits = actor(input_ids=ids, attention_mask=mask, position_ids=pos, **keep).logits
+    start = P - 1 - (ids.shape[1] - logits.shape[1])
+    return logits[:, start: start + R]
 
 
 def response_values(critic: ScalarHeadModel, prompt_ids: Tensor, prompt_mask: Tensor,
@@ -164,6 +166,20 @@ def cache_keyword(model: nn.Module) -> str:
         params = inspect.signature(model.forward).parameters
         _CACHE_KW[cls] = "cache" if "cache" in params else "past_key_values"
     return _CACHE_KW[cls]
+
+
+_KEEP_LOGITS: dict[type, bool] = {}
+
+
+def keep_logits(model: nn.Module, n: int) -> dict[str, int]:
+    """`{"logits_to_keep": n}` when the model's forward can compute logits for the last n
+    positions only (HF causal LMs in transformers >= 4.50), else `{}`. With a vocabulary of
+    tens of thousands the LM head over prompt positions is a large share of a forward."""
+    inner = getattr(model, "module", model)  # a DeepSpeed engine forwards **kwargs to it
+    cls = type(inner)
+    if cls not in _KEEP_LOGITS:
+        _KEEP_LOGITS[cls] = "logits_to_keep" in inspect.signature(inner.forward).parameters
+    return {"logits_to_keep": n} if _KEEP_LOGITS[cls] else {}
 
 
 def save_policy(actor: PreTrainedModel, path: str | Path, extra: dict | None = None) -> None:

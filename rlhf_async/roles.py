@@ -161,8 +161,11 @@ class Learner:
             old_lp[idx] = lp.detach() * m
         pg, st = A.ppo_policy_loss(lp, old_lp[idx], adv[idx], m, algo.clip_eps,
                                    mb.behaviour_logprobs, algo.is_cap, n_tokens)
-        ent = A.masked_token_mean(A.entropy_from_logits(logits / self.temperature), m, n_tokens)
-        loss = pg - algo.entropy_coef * ent
+        with torch.set_grad_enabled(torch.is_grad_enabled() and algo.entropy_coef > 0):
+            # only a bonus needs its gradient (a softmax backward over the whole vocabulary)
+            ent = A.masked_token_mean(A.entropy_from_logits(logits / self.temperature), m,
+                                      n_tokens)
+        loss = pg - algo.entropy_coef * ent if algo.entropy_coef > 0 else pg
         stats = {"policy_loss": pg.detach(), "entropy": ent.detach(), **st}
         if algo.kl_mode == "loss":
             assert mb.ref_logprobs is not None

@@ -111,7 +111,7 @@ def test_single_update_reuses_the_loss_forward_as_old_logprobs(monkeypatch, grad
         calls = []
         orig = learner.actor_backend.model.forward
         monkeypatch.setattr(learner.actor_backend.model, "forward",
-                            lambda *a, **k: calls.append(1) or orig(*a, **k))
+                            lambda *a, _c=calls, _o=orig, **k: _c.append(1) or _o(*a, **k))
         runs.append((learner.train_step(batch), learner.state_dict(), len(calls)))
     (m_fast, w_fast, n_fast), (m_full, w_full, n_full) = runs
     assert n_full - n_fast == 1  # one forward pass fewer
