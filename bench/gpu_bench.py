@@ -147,7 +147,7 @@ def ppo_step(dry: bool, device: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
         base = size + ["run.plot=false", "run.progress=false", "run.eval_prompts=16",
                        "reward_model.heldout_pairs=64", "algo.group_size=2",
-                       f"run.output_dir={json.dumps(d)}", f"run.cache_dir={json.dumps(d)}/c",
+                       f"run.output_dir={json.dumps(d)}", f"run.cache_dir={json.dumps(d + '/c')}",
                        f"placement.device={device}"]
         for name, extra in (("flattening", []),
                             ("separation", ["placement.strategy=separation",

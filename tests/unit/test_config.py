@@ -58,3 +58,9 @@ def test_bad_file_is_a_config_error(tmp_path):
     bad.write_text("[train\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad, [])
+
+
+def test_override_that_looks_like_toml_but_is_broken_is_an_error():
+    with pytest.raises(ConfigError, match="not valid TOML.*quote a whole string"):
+        load_config(None, ['run.cache_dir="/tmp/x"/c'])
+    assert load_config(None, ["run.cache_dir=/tmp/x/c"]).run.cache_dir == "/tmp/x/c"
