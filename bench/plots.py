@@ -36,8 +36,11 @@ def plot_runs(results: dict[str, dict], out_path: str | Path, title: str = "") -
         ax.set_xlabel("wall-clock (s)")
         ax.grid(alpha=0.3)
     flat[0].legend(fontsize=7)
-    _utilisation(flat[len(panels)], results)
-    for ax in flat[len(panels) + 1:]:
+    used = len(panels)
+    if any(r.get("utilisation") for r in results.values()):
+        _utilisation(flat[used], results)
+        used += 1
+    for ax in flat[used:]:
         ax.axis("off")
     if title:
         fig.suptitle(title)

@@ -6,8 +6,9 @@ Both sides start from the same SFT policy (a tiny GPT-2 made in code, trained an
 the built-in job) and are rewarded by the same Bradley-Terry reward model; both use GRPO
 with the same prompts per step, responses per prompt, max new tokens, learning rate,
 temperature 1 / no top-k, clip 0.2, KL beta (k3 in the loss), group-std advantage scaling,
-token-level loss normalisation, one optimizer step per batch, grad clip 1.0 and AdamW
-defaults. TRL gets every core as torch threads in one process (its normal CPU use); ours
+token-level loss normalisation, one optimizer step per batch, grad clip 1.0, AdamW
+defaults and fp32 (TRL's default bf16 autocast is turned off; `--trl-bf16` adds a row with
+it). TRL gets every core as torch threads in one process (its normal CPU use); ours
 runs as a user runs it (`job.run`) with each strategy on every core. Reported: completions/s
 and completion tokens/s over the steady steps (warm-up excluded), the whole RL phase's wall
 time (process start and model loading included for ours; TRL's `train()`), and the
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,8 +80,9 @@ def summarise(step_s: list[float], samples: list[float], tokens: list[float],
             "time_to_target_s": time_to_target(cum, hidden, target), "times": cum}
 
 
-def run_ours(name: str, base: list[str], warmup: int, target: float) -> dict:
-    cfg = load_config(None, base + OURS[name] + [f"run.name=ours-{time.time_ns()}"])
+def run_ours(name: str, base: list[str], warmup: int, target: float,
+             config_path: str | None = None) -> dict:
+    cfg = load_config(config_path, base + OURS[name] + [f"run.name=ours-{time.time_ns()}"])
     s = job.run(cfg)
     recs = read_metrics(Path(s["run_dir"]) / "metrics.jsonl")
     step_s = [r.get("time_step") or r["time_generate"] + r["time_score"] + r["time_train"]
@@ -123,13 +126,23 @@ class RewardFn:
         return sequence_scores(self.rm, p_ids, p_mask, r_ids, r_mask).tolist()
 
 
-def run_trl(cfg: JobConfig, args: argparse.Namespace, threads: int, target: float) -> dict:
-    from datasets import Dataset
+def trl_rows(args: argparse.Namespace) -> list[tuple[str, int, bool]]:
+    """(row name, torch threads, bf16): fp32 like our side at every --trl-threads count, and
+    with --trl-bf16 also TRL's own default (bf16 autocast) at the largest count."""
+    rows = [(f"trl {n}t", n, False) for n in args.trl_threads]
+    if args.trl_bf16:
+        n = max(args.trl_threads)
+        rows.append((f"trl {n}t bf16", n, True))
+    return rows
+
+
+def train_grpo(model_path: str, tokenizer_path: str, data: Any, reward: Any, threads: int,
+               **settings: Any) -> tuple[list[float], float]:
+    """TRL's GRPOTrainer on `data` with the settings both comparisons share plus `settings`
+    (batch, generations, lengths, lr, beta, ...). -> per-step seconds, train() seconds."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    task = SortDigitsTask(cfg.task)
-    art = prepare_artefacts(cfg, task)
     stamps: list[float] = []
 
     class Clock(TrainerCallback):
@@ -140,30 +153,43 @@ def run_trl(cfg: JobConfig, args: argparse.Namespace, threads: int, target: floa
             stamps.append(time.perf_counter())
 
     torch.set_num_threads(threads)
-    digits = task.prompts(cfg.run.seed, "train", 0, args.prompts * args.steps)
-    data = Dataset.from_list([{"prompt": "<bos> " + " ".join(map(str, d)) + " <sep>",
-                               "digits": d} for d in digits])
-    reward = RewardFn(load_reward_model(art.rm_dir), task)
     with tempfile.TemporaryDirectory() as tmp:
-        save_tokenizer(Path(tmp) / "tok")
         gcfg = GRPOConfig(
-            output_dir=tmp, use_cpu=True, per_device_train_batch_size=args.prompts * args.group,
-            num_generations=args.group, gradient_accumulation_steps=1, steps_per_generation=1,
-            num_iterations=1, max_completion_length=task.response_len, temperature=1.0,
-            top_k=0, top_p=1.0, learning_rate=args.lr, lr_scheduler_type="constant",
-            warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=args.beta,
-            epsilon=0.2, loss_type="dapo", scale_rewards="group", max_steps=args.steps,
-            logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-            seed=cfg.run.seed, dataloader_num_workers=0, remove_unused_columns=False)
+            output_dir=tmp, use_cpu=True, gradient_accumulation_steps=1,
+            steps_per_generation=1, num_iterations=1, top_p=1.0, lr_scheduler_type="constant",
+            warmup_steps=0, loss_type="dapo", scale_rewards="group", logging_steps=1,
+            save_strategy="no", report_to="none", disable_tqdm=True,
+            dataloader_num_workers=0, remove_unused_columns=False, **settings)
         trainer = GRPOTrainer(
-            model=AutoModelForCausalLM.from_pretrained(str(art.sft_dir)), args=gcfg,
+            model=AutoModelForCausalLM.from_pretrained(model_path), args=gcfg,
             reward_funcs=reward, train_dataset=data,
-            processing_class=AutoTokenizer.from_pretrained(str(Path(tmp) / "tok")),
+            processing_class=AutoTokenizer.from_pretrained(tokenizer_path, padding_side="left"),
             callbacks=[Clock()])
         t0 = time.perf_counter()
         trainer.train()
         total = time.perf_counter() - t0
-    step_s = [b - a for a, b in itertools.pairwise(stamps)]
+    return [b - a for a, b in itertools.pairwise(stamps)], total
+
+
+def run_trl(cfg: JobConfig, args: argparse.Namespace, threads: int, target: float,
+            bf16: bool = False) -> dict:
+    from datasets import Dataset
+
+    task = SortDigitsTask(cfg.task)
+    art = prepare_artefacts(cfg, task)
+    digits = task.prompts(cfg.run.seed, "train", 0, args.prompts * args.steps)
+    data = Dataset.from_list([{"prompt": "<bos> " + " ".join(map(str, d)) + " <sep>",
+                               "digits": d} for d in digits])
+    reward = RewardFn(load_reward_model(art.rm_dir), task)
+    with tempfile.TemporaryDirectory() as tok:
+        save_tokenizer(Path(tok))
+        step_s, total = train_grpo(
+            str(art.sft_dir), tok, data, reward, threads,
+            per_device_train_batch_size=args.prompts * args.group, num_generations=args.group,
+            max_completion_length=task.response_len, temperature=1.0, top_k=0,
+            learning_rate=args.lr, weight_decay=0.0, max_grad_norm=1.0, beta=args.beta,
+            epsilon=0.2, max_steps=args.steps, seed=cfg.run.seed,
+            bf16=bf16)  # TRL defaults to bf16 autocast; ours computes in fp32
     n = min(len(step_s), len(reward.hidden))
     out = summarise(step_s[:n], [args.prompts * args.group] * n, reward.tokens[:n],
                     reward.hidden[:n], args.warmup, target)
@@ -172,8 +198,8 @@ def run_trl(cfg: JobConfig, args: argparse.Namespace, threads: int, target: floa
 
 
 def print_table(size: str, rows: dict[str, dict], target: float) -> None:
-    trl = max((r["completions_per_s"] for n, r in rows.items() if n.startswith("trl")),
-              default=None)
+    trl = max((r["completions_per_s"] for n, r in rows.items()
+               if n.startswith("trl") and not n.endswith("bf16")), default=None)
     print(f"\n[{size}] target hidden score {target}")
     print(f"{'system':16s} {'compl/s':>8s} {'tok/s':>8s} {'vs TRL':>7s} {'RL wall s':>9s} "
           f"{'to target s':>11s} {'hidden first->last':>19s}")
@@ -186,10 +212,13 @@ def print_table(size: str, rows: dict[str, dict], target: float) -> None:
 
 
 def plot_curves(rows: dict[str, dict], path: Path, title: str) -> Path:
-    """Completions/s and hidden score against wall-clock, one line per system."""
+    """Completions/s (over the last 3 steps: a pipelined step can end moments after the
+    previous one) and hidden score against wall-clock, one line per system."""
     runs = {}
     for name, r in rows.items():
-        rate = [c / s for c, s in zip(r["samples"], r["step_s"], strict=True)]
+        n, s = r["samples"], r["step_s"]
+        rate = [sum(n[max(0, i - 2):i + 1]) / max(sum(s[max(0, i - 2):i + 1]), 1e-9)
+                for i in range(len(n))]
         runs[name] = {"series": {"t": r["times"], "hidden_score": r["hidden"],
                                  "samples_per_s": rate}}
     return plot_runs(runs, path, title)
@@ -209,13 +238,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--trl-threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}),
                     help="torch thread counts to run TRL with (each is one row; the best "
-                    "is the TRL number)")
+                    "fp32 row is the TRL number)")
+    ap.add_argument("--trl-bf16", action="store_true",
+                    help="also run TRL with its default bf16 autocast (not matched: ours "
+                    "computes in fp32)")
     ap.add_argument("--only", nargs="*", default=None, help="subset of: trl, " + ", ".join(OURS))
     ap.add_argument("--out", default="bench/results/trl_compare.json")
     ap.add_argument("overrides", nargs="*", help="config overrides for our side and the SFT/RM")
     args = ap.parse_args(argv)
     try:
-        import trl  # noqa: F401
+        import trl
     except ImportError:
         print("trl_compare: needs the bench extra: pip install -e '.[bench]'", file=sys.stderr)
         return 2
@@ -226,15 +258,17 @@ def main(argv: list[str] | None = None) -> int:
     for size in args.size:
         base = shared_overrides(args, size)
         cfg = load_config(None, base)
-        trl_rows = [f"trl {n}t" for n in args.trl_threads]
-        names = [n for n in (*trl_rows, *OURS) if not args.only or n.split()[0] in args.only
+        trl = {name: (threads, bf16) for name, threads, bf16 in trl_rows(args)}
+        names = [n for n in (*trl, *OURS) if not args.only or n.split()[0] in args.only
                  or n in args.only]
         rows: dict[str, dict] = {}
         for name in names:  # trl first: it trains (or reuses) the shared SFT and RM
             print(f"[{size}] {name} ...", file=sys.stderr, flush=True)
-            rows[name] = (run_trl(cfg, args, int(name[4:-1]), args.target)
-                          if name.startswith("trl ")
-                          else run_ours(name, base, args.warmup, args.target))
+            if name in trl:
+                threads, bf16 = trl[name]
+                rows[name] = run_trl(cfg, args, threads, args.target, bf16)
+            else:
+                rows[name] = run_ours(name, base, args.warmup, args.target)
         print_table(size, rows, args.target)
         plot_curves(rows, Path(args.out).with_name(f"trl_compare_{size}.png"),
                     f"GRPO: TRL vs ours, {size} GPT-2, target {args.target}")

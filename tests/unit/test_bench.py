@@ -81,3 +81,27 @@ def test_reward_fn_scores_and_traces_hidden():
     assert scores == [5.0 + 4, 5.0 + 2]  # prompt BOS 3 1 4 SEP = 5 tokens, + response
     assert fn.hidden == [pytest.approx(0.5)] and fn.tokens == [6.0]
 
+
+
+def test_trl_text_rule_reward_reads_conversational_and_plain_text():
+    from types import SimpleNamespace
+
+    from bench.trl_text import RuleReward
+
+    seen = []
+    task = SimpleNamespace(reward_fn=lambda p, r: seen.append((p, r)) or float(len(r)))
+    rule = RuleReward(task)  # type: ignore[arg-type]  # only reward_fn is used
+    out = rule([[{"role": "user", "content": "Name a fruit."}], "plain"],
+               [[{"role": "assistant", "content": "Apple."}], "ok"], [[5, 6, 7], [8]])
+    assert out == [6.0, 2.0] and seen == [("Name a fruit.", "Apple."), ("plain", "ok")]
+    assert rule.hidden == [4.0] and rule.tokens == [4.0]
+
+
+def test_trl_text_refuses_a_config_without_a_text_task(tmp_path, capsys):
+    from bench import trl_text
+
+    cfg = tmp_path / "digits.toml"
+    cfg.write_text('[task]\nname = "sort_digits"\n')
+    assert trl_text.main(["--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "needs a text task" in err and "Traceback" not in err

@@ -1,0 +1,134 @@
+"""Our GRPO against TRL's GRPOTrainer on a text task: a local HF model, a prompts file and a
+rule reward, all taken from one config (default: deploy/configs/smollm2.toml, i.e.
+SmolLM2-135M-Instruct from `rlhf-async prepare-smollm2`).
+
+    .venv/bin/python -m bench.trl_text [--config deploy/configs/smollm2.toml] [--steps 6]
+
+Matched from the config: model, chat template, prompts per step, responses per prompt, max
+new tokens, temperature (no top-k / top-p), learning rate, clip, KL beta (k3 in the loss),
+group-std advantage scaling, token-level loss normalisation (`dapo`), one optimizer step
+per batch, grad clip, AdamW defaults, fp32 (TRL's default bf16 autocast off; `--trl-bf16`
+adds a row with it). TRL draws its own prompt order from the same training
+prompts (held-out ones excluded); the rule reward sees the same (prompt, response) text on
+both sides. Reported as in `bench.trl_compare`, with the mean rule reward per batch in the
+"hidden" columns. Needs the `bench` extra and the model directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from bench.trl_compare import (
+    OURS,
+    plot_curves,
+    print_table,
+    run_ours,
+    summarise,
+    train_grpo,
+    trl_rows,
+)
+from rlhf_async.config import ConfigError, JobConfig, load_config
+from rlhf_async.log import configure_logging
+from rlhf_async.task import make_task
+from rlhf_async.task.text import TextTask
+
+
+class RuleReward:
+    """The config's rule as a TRL reward function; traces the mean reward per call."""
+
+    __name__ = "rule"
+
+    def __init__(self, task: TextTask) -> None:
+        self.fn = task.reward_fn
+        self.hidden: list[float] = []
+        self.tokens: list[float] = []
+
+    def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]],
+                 **_: object) -> list[float]:
+        def text(x: object) -> str:  # conversational: a list of {"role", "content"} turns
+            return str(x[-1]["content"]) if isinstance(x, list) else str(x)
+
+        out = [float(self.fn(text(p), text(c))) for p, c in zip(prompts, completions,
+                                                                  strict=True)]
+        self.hidden.append(sum(out) / len(out))
+        self.tokens.append(float(sum(len(ids) for ids in completion_ids)))
+        return out
+
+
+def run_trl(cfg: JobConfig, args: argparse.Namespace, threads: int, bf16: bool) -> dict:
+    from datasets import Dataset
+
+    task = make_task(cfg)
+    assert isinstance(task, TextTask)  # checked by main
+    prompts = [task.prompts[i] for i in task.train_idx]
+    rows = [{"prompt": [{"role": "user", "content": p}] if cfg.task.chat_template else p}
+            for p in prompts]
+    data = Dataset.from_list(rows * (1 + cfg.train.prompts_per_step * args.steps // len(rows)))
+    reward = RuleReward(task)
+    g, t, algo = cfg.generation, cfg.train, cfg.algo
+    step_s, total = train_grpo(
+        cfg.model.path, cfg.model.path, data, reward, threads,
+        per_device_train_batch_size=t.prompts_per_step * algo.group_size,
+        num_generations=algo.group_size, max_completion_length=g.max_new_tokens,
+        temperature=g.temperature, top_k=g.top_k or 0, learning_rate=t.lr,
+        weight_decay=t.weight_decay, max_grad_norm=t.grad_clip, beta=algo.kl_coef,
+        epsilon=algo.clip_eps, max_steps=args.steps, seed=cfg.run.seed,
+        bf16=bf16)  # TRL defaults to bf16 autocast; ours computes in fp32
+    n = min(len(step_s), len(reward.hidden))
+    out = summarise(step_s[:n], [t.prompts_per_step * algo.group_size] * n, reward.tokens[:n],
+                    reward.hidden[:n], args.warmup, args.target)
+    out["rl_wall_s"] = total
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="deploy/configs/smollm2.toml")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--target", type=float, default=1.0, help="mean rule reward to reach")
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--trl-threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}))
+    ap.add_argument("--trl-bf16", action="store_true",
+                    help="also run TRL with its default bf16 autocast (ours is fp32)")
+    ap.add_argument("--only", nargs="*", default=None, help="subset of: trl, " + ", ".join(OURS))
+    ap.add_argument("--out", default="bench/results/trl_text.json")
+    ap.add_argument("overrides", nargs="*", help="config overrides for both sides")
+    args = ap.parse_args(argv)
+    configure_logging("warning")
+    base = [f"train.steps={args.steps}", "run.plot=false", "run.eval_prompts=4",
+            "run.output_dir=runs/bench-trl-text", "run.checkpoint_every=0",
+            f"placement.devices={args.cores}", *args.overrides]
+    try:
+        cfg = load_config(args.config, base)
+        if cfg.task.name != "text":
+            raise ConfigError([(f"{args.config}: task.name is {cfg.task.name!r}; this "
+                                "benchmark needs a text task (bench.trl_compare runs the "
+                                "built-in one)")])
+        make_task(cfg)  # the prompts file, the reward function and the tokenizer load
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rows: dict[str, dict] = {}
+    for name, threads, bf16 in trl_rows(args) if not args.only or "trl" in args.only else []:
+        print(f"{name} ...", file=sys.stderr)
+        rows[name] = run_trl(cfg, args, threads, bf16)
+    for name in [n for n in OURS if not args.only or n in args.only]:
+        print(f"{name} ...", file=sys.stderr)
+        rows[name] = run_ours(name, base, args.warmup, args.target, args.config)
+    print_table(Path(cfg.model.path).name, rows, args.target)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "loadavg": os.getloadavg(),
+                               "results": rows}, indent=1))
+    plot_curves(rows, out.with_suffix(".png"), f"GRPO: TRL vs ours, {Path(cfg.model.path).name}")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
