@@ -10,8 +10,6 @@ Choices that matter:
   (`set_gradient_accumulation_boundary`), so a minibatch may hold any number of them.
 - Without a launcher, a one-rank gloo (CPU) / nccl (GPU) default group is created here from
   RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT defaults and destroyed by `close()`.
-- On CPU, DeepSpeed's shared-memory all-reduce op is not built (it is a JIT compile of
-  minutes); collectives go through gloo. RLHF_DS_SHM_OP=1 restores DeepSpeed's default.
 - Under ZeRO-3 the parameters are shards: full weights are gathered one group at a time
   (`deepspeed.zero.GatheredParameters`), never the whole model at once.
 """
@@ -44,11 +42,6 @@ def init_distributed() -> bool:
     """Make sure a default process group exists; True when this call created it."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     import deepspeed
-
-    if not torch.cuda.is_available() and os.environ.get("RLHF_DS_SHM_OP", "0") != "1":
-        # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op on first use
-        # (minutes, and a C++ toolchain); gloo does the same job for our collectives.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
     if dist.is_initialized():  # e.g. Flattening's ranks: DeepSpeed still reads the env
         rank = dist.get_rank()
