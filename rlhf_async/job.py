@@ -110,7 +110,8 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None)
         from rlhf_async.plotting import plot_metrics
 
         plot_metrics(result.metrics_path, run_dir / "metrics.png",
-                     f"{cfg.algo.name} on {cfg.task.name} (seed {cfg.run.seed})")
+                     f"{cfg.algo.name} on {cfg.task.name} (seed {cfg.run.seed})",
+                     rule_reward=task.rule_reward)
     samples = (cfg.train.steps - start_step) * cfg.train.prompts_per_step * cfg.algo.group_size
     summary = {
         "run_dir": str(run_dir), "algo": cfg.algo.name, "seed": cfg.run.seed,

@@ -17,9 +17,20 @@ PANELS = (("reward", "reward model score"), ("hidden_score", "hidden (true) scor
           ("response_length", "response length"), ("samples_per_s", "samples / s"))
 
 
-def plot_metrics(metrics_path: str | Path, out_path: str | Path, title: str = "") -> Path:
-    records = read_metrics(metrics_path)
+def panels_for(records: list[dict], rule_reward: bool = False) -> list[tuple[str, str]]:
+    """(metric, title) of every panel with data. With `rule_reward` (the user's rule is the
+    reward, so "reward" and "hidden_score" are the same number) one "rule reward" panel."""
     panels = [(k, label) for k, label in PANELS if any(k in r for r in records)]
+    if rule_reward:
+        panels = [("reward", "rule reward") if k == "reward" else (k, label)
+                  for k, label in panels if k != "hidden_score"]
+    return panels
+
+
+def plot_metrics(metrics_path: str | Path, out_path: str | Path, title: str = "",
+                 rule_reward: bool = False) -> Path:
+    records = read_metrics(metrics_path)
+    panels = panels_for(records, rule_reward)
     cols = 4
     rows = max(1, (len(panels) + cols - 1) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)

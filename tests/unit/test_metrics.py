@@ -21,3 +21,12 @@ def test_writer_progress_summary_and_plot(tmp_path):
     assert s == {"reward_first": 0.5, "reward_last": 4.5}
     out = plot_metrics(tmp_path / "m.jsonl", tmp_path / "m.png", "t")
     assert out.stat().st_size > 1000
+
+
+def test_rule_reward_runs_plot_one_reward_panel():
+    from rlhf_async.plotting import panels_for
+
+    recs = [{"step": 0, "reward": 1.0, "hidden_score": 1.0, "kl": 0.1}]
+    assert [k for k, _ in panels_for(recs)] == ["reward", "hidden_score", "kl"]
+    assert panels_for(recs, rule_reward=True)[:2] == [("reward", "rule reward"),
+                                                      ("kl", "KL to reference (per sample)")]
