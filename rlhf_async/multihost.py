@@ -24,8 +24,8 @@ from rlhf_async.config import JobConfig, to_dict, weight_sync_backend
 from rlhf_async.coordinator import Coordinator
 from rlhf_async.hosts import Host, device_map, load_hosts
 from rlhf_async.log import get_logger
-from rlhf_async.pipeline.driver import Driver, PipelineError, connect_weight_sync, wait_loaded
-from rlhf_async.pipeline.job import build_specs, chunks_per_step
+from rlhf_async.pipeline.driver import PipelineError
+from rlhf_async.pipeline.job import build_specs, drive
 from rlhf_async.placement import Placement, plan_placement
 from rlhf_async.remote import RemoteLauncher
 from rlhf_async.runtime import NodeSpec, run_loop
@@ -95,20 +95,7 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
                             restart_limit=cfg.runtime.restart_limit) as coord:
             coord.install_signal_handlers()
             push = transport.channel(Endpoint("push", prompts, bind=True, hwm=64))
-            with coord.events() as events:
-                await coord.launch(specs)
-                loaded = await wait_loaded(events, list(roles), coord.ready_timeout)
-                if loaded["trainer"]["step"] != start_step:
-                    raise PipelineError(f"the trainer restored step {loaded['trainer']['step']}"
-                                        f", expected {start_step}")
-                spec = await connect_weight_sync(coord, spec, "trainer", gens)
-                driver = Driver(cfg, coord, events, push, roles, spec, run_dir,
-                                chunks_per_step(cfg, len(gens)), start_step,
-                                loaded["trainer"]["lineage"])
-                result = await coord.run_until_stop(driver.run())
-            if result is None:
-                raise PipelineError(f"run stopped before it finished: {coord.stop_reason}")
-            return result
+            return await drive(cfg, coord, push, specs, roles, spec, gens, run_dir, start_step)
     finally:
         launcher.close()
 

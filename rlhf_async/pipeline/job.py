@@ -14,6 +14,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rlhf_async.config import JobConfig, to_dict, weight_sync_backend
 from rlhf_async.coordinator import Coordinator
@@ -88,20 +89,28 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
                         restart_limit=cfg.runtime.restart_limit) as coord:
         coord.install_signal_handlers()
         prompts = transport.channel(Endpoint("push", prompts_addr, bind=True, hwm=64))
-        with coord.events() as events:
-            await coord.launch(specs)
-            loaded = await wait_loaded(events, list(roles), coord.ready_timeout)
-            if loaded["trainer"]["step"] != start_step:
-                raise PipelineError(f"the trainer restored step {loaded['trainer']['step']}, "
-                                    f"expected {start_step}")
-            spec = await connect_weight_sync(coord, spec, "trainer", gens)
-            driver = Driver(cfg, coord, events, prompts, roles, spec, run_dir,
-                            chunks_per_step(cfg, len(gens)), start_step,
-                            loaded["trainer"]["lineage"])
-            result = await coord.run_until_stop(driver.run())
-        if result is None:
-            raise PipelineError(f"run stopped before it finished: {coord.stop_reason}")
-        return result
+        return await drive(cfg, coord, prompts, specs, roles, spec, gens, run_dir, start_step)
+
+
+async def drive(cfg: JobConfig, coord: Coordinator, prompts: Any, specs: list[NodeSpec],
+                roles: Any, spec: GroupSpec, gens: list[str], run_dir: Path,
+                start_step: int) -> Any:
+    """Launch the nodes, check the trainer restored `start_step`, join the weight-sync
+    group and run the Driver to the end (local and multi-host runs alike)."""
+    with coord.events() as events:
+        await coord.launch(specs)
+        loaded = await wait_loaded(events, list(roles), coord.ready_timeout)
+        if loaded["trainer"]["step"] != start_step:
+            raise PipelineError(f"the trainer restored step {loaded['trainer']['step']}, "
+                                f"expected {start_step}")
+        spec = await connect_weight_sync(coord, spec, "trainer", gens)
+        driver = Driver(cfg, coord, events, prompts, roles, spec, run_dir,
+                        chunks_per_step(cfg, len(gens)), start_step,
+                        loaded["trainer"]["lineage"])
+        result = await coord.run_until_stop(driver.run())
+    if result is None:
+        raise PipelineError(f"run stopped before it finished: {coord.stop_reason}")
+    return result
 
 
 def run_separation(cfg: JobConfig, art: Artefacts, run_dir: Path,
