@@ -25,8 +25,8 @@ import torch.multiprocessing as mp
 
 from rlhf_async.config import JobConfig
 from rlhf_async.costmodel import Calibration, ModelShape, Workload, train_collectives
-from rlhf_async.interleaving import _free_port
 from rlhf_async.planner import CPU_DEVICE, shape_of, workload_of
+from rlhf_async.process_group import exit_rank, free_port, rank_group
 
 
 def _matmul_flops() -> float:
@@ -49,8 +49,12 @@ def _copy_bw() -> float:
 
 def _collective_worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+    with rank_group("gloo", port, rank, 2):
+        _measure_collectives(rank, out)
+    exit_rank()
+
+
+def _measure_collectives(rank: int, out: str) -> None:
     small, big = torch.zeros(1), torch.zeros(2**20)  # 4 B, 4 MB
     for t in (small, big):
         dist.all_reduce(t)
@@ -65,13 +69,12 @@ def _collective_worker(rank: int, port: int, out: str) -> None:
     if rank == 0:  # ring all-reduce moves 2 (n-1)/n of the bytes: one buffer for n = 2
         Path(out).write_text(json.dumps({"latency": latency,
                                          "bw": big.numel() * 4 / max(per - latency, 1e-9)}))
-    dist.destroy_process_group()
 
 
 def _collectives() -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as d:
         out = f"{d}/c.json"
-        mp.spawn(_collective_worker, args=(_free_port(), out), nprocs=2, join=True)
+        mp.spawn(_collective_worker, args=(free_port(), out), nprocs=2, join=True)
         data = json.loads(Path(out).read_text())
     return data["latency"], data["bw"]
 

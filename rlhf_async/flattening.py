@@ -7,13 +7,11 @@ loop runs in the calling process. Rank 0 writes metrics.jsonl and the final poli
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlhf_async.checkpoint import (
@@ -27,6 +25,7 @@ from rlhf_async.config import JobConfig
 from rlhf_async.generation import SamplingParams
 from rlhf_async.metrics import MetricsWriter, Progress
 from rlhf_async.models import M, frozen_copy, save_policy
+from rlhf_async.process_group import exit_rank, free_port, rank_group
 from rlhf_async.roles import Learner, generate, score
 from rlhf_async.task import Task, make_task
 from rlhf_async.task.pretrain import Artefacts, load_critic, load_reward, load_sft
@@ -121,12 +120,6 @@ def finish(cfg: JobConfig, learner: Learner, run_dir: Path, writer: MetricsWrite
     learner.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _worker(rank: int, world: int, port: int, threads: int, cfg: JobConfig, art: Artefacts,
             run_dir: Path, start_step: int) -> None:
     torch.set_num_threads(threads)
@@ -134,14 +127,9 @@ def _worker(rank: int, world: int, port: int, threads: int, cfg: JobConfig, art:
 
     hf_logging.disable_progress_bar()
     backend = "nccl" if cfg.placement.device == "cuda" else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(_device(cfg, rank))
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
+    with rank_group(backend, port, rank, world):
         rl_loop(cfg, art, run_dir, rank, world, start_step)
-    finally:
-        dist.destroy_process_group()
+    exit_rank()
 
 
 def run_flattening(cfg: JobConfig, art: Artefacts, run_dir: Path,
@@ -154,7 +142,7 @@ def run_flattening(cfg: JobConfig, art: Artefacts, run_dir: Path,
     if world == 1:
         rl_loop(cfg, art, run_dir, 0, 1, start_step)
     else:
-        mp.spawn(_worker, args=(world, _free_port(), cfg.placement.cpu_threads, cfg, art, run_dir,
+        mp.spawn(_worker, args=(world, free_port(), cfg.placement.cpu_threads, cfg, art, run_dir,
                                start_step),
                  nprocs=world, join=True)
     return FlatteningResult(run_dir / "metrics.jsonl", run_dir / "policy",

@@ -16,7 +16,6 @@ every rank the scores of its own rows. A rank without a copy of a model never lo
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ from rlhf_async.placement import (
     runner_problems,
     with_engines,
 )
+from rlhf_async.process_group import exit_rank, free_port, rank_group
 from rlhf_async.roles import Learner, generate
 from rlhf_async.rollout import PromptBatch, RolloutBatch
 from rlhf_async.task import make_task
@@ -197,24 +197,15 @@ def rl_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, owners: Owners, rank:
     finish(cfg, learner, run_dir, writer)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _worker(rank: int, world: int, port: int, cfg: JobConfig, art: Artefacts, run_dir: Path,
             owners: Owners, start_step: int) -> None:
     torch.set_num_threads(cfg.placement.cpu_threads)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
+    with rank_group("gloo", port, rank, world):
         rl_loop(cfg, art, run_dir, owners, rank, world, start_step)
-    finally:
-        dist.destroy_process_group()
+    exit_rank()
 
 
 def interleaving_placement(cfg: JobConfig) -> Placement:
@@ -240,7 +231,7 @@ def run_interleaving(cfg: JobConfig, art: Artefacts, run_dir: Path,
     (run_dir / "placement.txt").write_text(placement.table() + "\n")
     world = cfg.placement.devices
     t0 = time.perf_counter()
-    mp.spawn(_worker, args=(world, _free_port(), cfg, art, run_dir, Owners.of(placement),
+    mp.spawn(_worker, args=(world, free_port(), cfg, art, run_dir, Owners.of(placement),
                             start_step), nprocs=world, join=True)
     return InterleavingResult(run_dir / "metrics.jsonl", run_dir / "policy",
                               time.perf_counter() - t0)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
-import socket
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -28,14 +27,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from rlhf_async.log import get_logger
+from rlhf_async.process_group import free_port
 
 log = get_logger(component="deepspeed")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def init_distributed() -> bool:
@@ -53,7 +47,7 @@ def init_distributed() -> bool:
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     return True
@@ -105,7 +99,7 @@ class DeepSpeedTrainBackend:
         self.model: nn.Module = self.engine
         self._micro = 0
         log.info("deepspeed_engine", zero_stage=zero_stage, world=self.world,
-                 params=sum(p.numel() for p in params))
+                 params=sum(int(getattr(p, "ds_numel", p.numel())) for p in params))
 
     def backward(self, loss: Tensor, *, last: bool = True) -> None:
         self.engine.set_gradient_accumulation_boundary(last)
