@@ -19,6 +19,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import resource
 import shutil
 import statistics
 import sys
@@ -40,6 +41,10 @@ HWM = 16
 IMPLS = ("raw", "raw_async", "ours")  # raw = blocking pyzmq; raw_async = plain zmq.asyncio
 
 
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _schedule(quick: bool, repeats: int, sizes: list[str]) -> list[tuple[str, int, int]]:
     """(size label, warmup, count) for every run, in order; both processes follow it."""
     scale = 10 if quick else 1
@@ -56,10 +61,10 @@ def _recv_raw(address: str, schedule: list, conn) -> None:
     for _, warmup, count in schedule:
         for _ in range(warmup):
             sock.recv(copy=False)
-        start = time.perf_counter()
+        start, faults = time.perf_counter(), _faults()
         for _ in range(count):
             len(sock.recv(copy=False).buffer)
-        conn.send(time.perf_counter() - start)
+        conn.send((time.perf_counter() - start, (_faults() - faults) / count))
     sock.close(0)
     ctx.term()
 
@@ -71,10 +76,10 @@ async def _recv_ours(address: str, schedule: list, conn) -> None:
         for _, warmup, count in schedule:
             for _ in range(warmup):
                 await chan.recv()
-            start = time.perf_counter()
+            start, faults = time.perf_counter(), _faults()
             for _ in range(count):
                 (await chan.recv()).tensors["x"].numel()
-            conn.send(time.perf_counter() - start)
+            conn.send((time.perf_counter() - start, (_faults() - faults) / count))
 
 
 async def _recv_raw_async(address: str, schedule: list, conn) -> None:
@@ -86,10 +91,10 @@ async def _recv_raw_async(address: str, schedule: list, conn) -> None:
     for _, warmup, count in schedule:
         for _ in range(warmup):
             await sock.recv(copy=False)
-        start = time.perf_counter()
+        start, faults = time.perf_counter(), _faults()
         for _ in range(count):
             len((await sock.recv(copy=False)).buffer)
-        conn.send(time.perf_counter() - start)
+        conn.send((time.perf_counter() - start, (_faults() - faults) / count))
     sock.close(0)
     ctx.term()
 
@@ -154,20 +159,24 @@ async def _alternate(addresses: dict[str, str], schedule: list, conns: dict) -> 
                "raw_async": _RawAsyncSender(addresses["raw_async"]),
                "ours": _OurSender(addresses["ours"])}
     times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+    faults: dict[str, list[float]] = {impl: [] for impl in IMPLS}
     try:
         for run, (label, warmup, count) in enumerate(schedule):
             x = torch.ones(SIZES[label], dtype=torch.uint8)  # [N] bytes, reused: zero-copy
             shift = run % len(IMPLS)  # rotate who goes first
             for impl in IMPLS[shift:] + IMPLS[:shift]:
                 await senders[impl].send(x, warmup + count)
-                times[impl].append(await asyncio.to_thread(conns[impl].recv))
+                seconds, per_msg = await asyncio.to_thread(conns[impl].recv)
+                times[impl].append(seconds)
+                faults[impl].append(per_msg)
     finally:
         for sender in senders.values():
             await sender.close()
-    return times
+    return times, faults
 
 
-def run_scheme(scheme: str, schedule: list) -> dict[str, list[float]]:
+def run_scheme(scheme: str, schedule: list) -> tuple[dict[str, list[float]], dict]:
+    """Per implementation: seconds of every run, and the receiver's page faults/message."""
     tmp = tempfile.mkdtemp(prefix="bt-", dir="/tmp")
     ctx = mp.get_context("spawn")
     addresses, conns, procs = {}, {}, []
@@ -211,7 +220,7 @@ def main() -> int:
     schedule = _schedule(args.quick, args.repeats, args.sizes)
     rows = []
     for scheme in args.schemes:
-        runs = run_scheme(scheme, schedule)
+        runs, faults = run_scheme(scheme, schedule)
         for label in args.sizes:
             idx = [i for i, s in enumerate(schedule) if s[0] == label]
             count = schedule[idx[0]][2]
@@ -222,6 +231,10 @@ def main() -> int:
                 row[f"{impl}_mb_per_s"] = round(count * SIZES[label] / best / 1e6, 1)
                 row[f"{impl}_msgs_per_s"] = round(count / best, 1)
                 row[f"{impl}_median_mb_per_s"] = round(count * SIZES[label] / median / 1e6, 1)
+                # minor page faults per received message (median over runs): a fresh
+                # buffer faulted in per message shows here (see rlhf_async/allocator.py)
+                row[f"{impl}_faults_per_msg"] = round(statistics.median(
+                    faults[impl][i] for i in idx), 2)
             # Paired: each repeat ran raw and ours back to back, so their ratio cancels most
             # of the background load; the median over repeats is the headline number.
             row["ratio"] = round(statistics.median(
@@ -239,12 +252,14 @@ def main() -> int:
     args.out.write_text(json.dumps({"machine": machine, "hwm": HWM, "repeats": args.repeats,
                                     "quick": args.quick, "results": rows}, indent=1))
     print(f"{'scheme':<6} {'size':>5} {'raw MB/s':>10} {'async MB/s':>10} {'ours MB/s':>10} "
-          f"{'ratio':>6} {'best':>6} {'vs async':>8} {'raw msg/s':>10} {'ours msg/s':>10}")
+          f"{'ratio':>6} {'best':>6} {'vs async':>8} {'raw msg/s':>10} {'ours msg/s':>10} "
+          f"{'faults raw/ours':>15}")
     for r in rows:
         print(f"{r['scheme']:<6} {r['size']:>5} {r['raw_mb_per_s']:>10.1f} "
               f"{r['raw_async_mb_per_s']:>10.1f} {r['ours_mb_per_s']:>10.1f} "
               f"{r['ratio']:>6.2f} {r['best_ratio']:>6.2f} {r['ratio_vs_async']:>8.2f} "
-              f"{r['raw_msgs_per_s']:>10.0f} {r['ours_msgs_per_s']:>10.0f}")
+              f"{r['raw_msgs_per_s']:>10.0f} {r['ours_msgs_per_s']:>10.0f} "
+              f"{r['raw_faults_per_msg']:>7.1f}/{r['ours_faults_per_msg']:<7.1f}")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -26,6 +26,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from rlhf_async.allocator import keep_freed_buffers
 from rlhf_async.protocol import (
     DEFAULT_MAX_BYTES,
     MAX_HEADER_BYTES,
@@ -44,6 +45,7 @@ from rlhf_async.security import (
 )
 
 SOCKET_TYPES = {"push": zmq.PUSH, "pull": zmq.PULL, "router": zmq.ROUTER, "dealer": zmq.DEALER}
+_NOBLOCK = int(zmq.NOBLOCK)  # a plain int: enum flag arithmetic costs on every call
 IPC_PATH_MAX = 100  # sockaddr_un holds ~107 bytes; keep a margin
 
 
@@ -203,7 +205,7 @@ class Channel:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                frames = self._sync.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = self._recv_nowait()
                 self._wake_waiters()
                 await self._yield_sometimes()
             except zmq.Again:
@@ -217,6 +219,17 @@ class Channel:
                 return peer, decode(frames, self._t.max_bytes)
             except ProtocolError as e:
                 self._t.reject(e, self.endpoint.address)
+
+    def _recv_nowait(self) -> list[zmq.Frame]:
+        """The next message's frames, or zmq.Again. Reads `Frame.more` where
+        `recv_multipart` asks the socket for RCVMORE after every frame (~2 us a message);
+        libzmq delivers a message whole, so once its first frame is here all are."""
+        frame = self._sync.recv(_NOBLOCK, copy=False)
+        frames = [frame]
+        while frame.more:
+            frame = self._sync.recv(_NOBLOCK, copy=False)
+            frames.append(frame)
+        return frames
 
     def __aiter__(self) -> AsyncIterator[Message]:
         return self._iter()
@@ -232,6 +245,7 @@ class Transport:
     def __init__(self, *, counters: Counter[str] | None = None,
                  max_bytes: int = DEFAULT_MAX_BYTES, log: Any = None,
                  keys: Keyring | None = None, insecure: bool = False) -> None:
+        keep_freed_buffers()  # received frames reuse heap memory (see rlhf_async.allocator)
         self.ctx = zmq.asyncio.Context()
         self.keys, self.insecure = keys, insecure
         self._zap: ZapHandler | None = None
