@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+import shutil
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -32,11 +33,26 @@ from rlhf_async.process_group import free_port
 log = get_logger(component="deepspeed")
 
 
+def skip_shm_op_without_compiler() -> bool:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op on first use (~20 s,
+    cached in TORCH_EXTENSIONS_DIR). Without a C++ compiler that compile fails; then gloo
+    does the collectives instead (same results, slower all-reduce). True when skipped."""
+    if torch.cuda.is_available() or shutil.which(os.environ.get("CXX") or "c++"):
+        return False
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    log.warning("deepspeed_shm_op_skipped", reason="no C++ compiler (c++ or $CXX) on PATH",
+                effect="collectives go through gloo")
+    return True
+
+
 def init_distributed() -> bool:
     """Make sure a default process group exists; True when this call created it."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     import deepspeed
 
+    skip_shm_op_without_compiler()
     if dist.is_initialized():  # e.g. Flattening's ranks: DeepSpeed still reads the env
         rank = dist.get_rank()
         local = torch.cuda.current_device() if torch.cuda.is_available() else rank

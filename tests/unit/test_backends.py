@@ -71,3 +71,19 @@ def test_torch_backend_accumulates_micro_batches_then_steps():
     b2.load_state_dict(b.state_dict())
     b2.load_optimizer_state_dict(opt)
     assert b2.optimizer_state_dict()["state"][0]["step"] == 1
+
+
+def test_deepspeed_leaves_collectives_to_gloo_without_a_compiler(monkeypatch):
+    pytest.importorskip("deepspeed")
+    import deepspeed.ops
+
+    from rlhf_async.backends import deepspeed_train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm", True)
+    monkeypatch.setattr(deepspeed_train.shutil, "which", lambda name: "/usr/bin/c++")
+    assert deepspeed_train.skip_shm_op_without_compiler() is False
+    assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is True
+    monkeypatch.setattr(deepspeed_train.shutil, "which", lambda name: None)
+    assert deepspeed_train.skip_shm_op_without_compiler() is True
+    assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is False
