@@ -77,7 +77,7 @@ def steady(records: list[dict], warmup: int) -> dict:
 
 
 def predicted_step(cfg) -> float:
-    from rlhf_async.planner import predictions
+    from rlhf_async.planning.planner import predictions
 
     _, pred, _ = predictions(cfg)[cfg.placement.strategy]
     return pred.step_s if pred is not None else float("nan")
@@ -87,7 +87,7 @@ def compare_with_model(results: dict, per_round: dict[str, list[dict]], base: li
     """Predicted vs measured step-time ratios against Flattening (measured: the median over
     rounds of the ratio within a round, so slow drifts of background load cancel), and
     whether `auto`'s pick is within 10% of the best measured variant."""
-    from rlhf_async.planner import choose
+    from rlhf_async.planning.planner import choose
 
     flat = results.get("flattening")
     if not flat:
@@ -160,13 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):  # taking turns, so background load hits all alike
         print(f"round {r + 1}/{args.rounds}", file=sys.stderr)
         if args.calibrate:
-            from rlhf_async.calibrate import measure_round
+            from rlhf_async.planning.calibrate import measure_round
 
             calib_rounds.append(measure_round(load_config(None, base)))
         for name in names if r % 2 == 0 else names[::-1]:  # no variant always runs first
             per_round[name].append(run_variant(name, variants[name], base, args.warmup))
     if args.calibrate:
-        from rlhf_async.calibrate import calibrate
+        from rlhf_async.planning.calibrate import calibrate
 
         calibrate(load_config(None, base), Path(args.calibration), measured=calib_rounds)
     if Path(args.calibration).exists():

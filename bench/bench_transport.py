@@ -31,9 +31,9 @@ import torch
 import zmq
 import zmq.asyncio
 
-from rlhf_async.protocol import Message
 from rlhf_async.runtime.loop import run_loop
-from rlhf_async.transport import Endpoint, Transport, free_tcp_port
+from rlhf_async.wire.protocol import Message
+from rlhf_async.wire.transport import Endpoint, Transport, free_tcp_port
 
 SIZES = {"1KB": 1 << 10, "1MB": 1 << 20, "64MB": 64 << 20}
 COUNTS = {"1KB": 20000, "1MB": 2000, "64MB": 24}  # ~20 MB, ~2 GB, ~1.5 GB per run
@@ -232,7 +232,7 @@ def main() -> int:
                 row[f"{impl}_msgs_per_s"] = round(count / best, 1)
                 row[f"{impl}_median_mb_per_s"] = round(count * SIZES[label] / median / 1e6, 1)
                 # minor page faults per received message (median over runs): a fresh
-                # buffer faulted in per message shows here (see rlhf_async/allocator.py)
+                # buffer faulted in per message shows here (see rlhf_async/wire/allocator.py)
                 row[f"{impl}_faults_per_msg"] = round(statistics.median(
                     faults[impl][i] for i in idx), 2)
             # Paired: each repeat ran raw and ours back to back, so their ratio cancels most

@@ -18,8 +18,8 @@ from collections import Counter
 from pathlib import Path
 
 from rlhf_async import job
-from rlhf_async.chaos import kill_nodes, random_order
 from rlhf_async.config import load_config
+from rlhf_async.control.chaos import kill_nodes, random_order
 from rlhf_async.log import configure_logging
 
 

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from rlhf_async.config import ModelConfig, TaskConfig
-from rlhf_async.generation import SamplingParams
-from rlhf_async.models import load_actor
+from rlhf_async.modeling.generation import SamplingParams
+from rlhf_async.modeling.models import load_actor
 from rlhf_async.task.sort_digits import EOS, PAD, VOCAB_SIZE, SortDigitsTask
 
 
@@ -51,7 +51,7 @@ def generation(dry: bool, device: str) -> dict[str, Any]:
     prompts = task.prompt_batch(0, "eval", 0, n, 1)
     out: dict[str, Any] = {"prompts": n, "hidden": hidden, "layers": layers}
     if importlib.util.find_spec("vllm") is None:
-        from rlhf_async.roles import generate
+        from rlhf_async.modeling.generation import generate
 
         actor = actor.to(device)
         t0 = time.perf_counter()
@@ -63,7 +63,7 @@ def generation(dry: bool, device: str) -> dict[str, Any]:
     from vllm import LLM
     from vllm import SamplingParams as VSP
 
-    from rlhf_async.backends.vllm_gen import VLLMGenerationBackend
+    from rlhf_async.engines.vllm_gen import VLLMGenerationBackend
 
     with tempfile.TemporaryDirectory() as d:
         actor.save_pretrained(d, safe_serialization=True)

@@ -36,8 +36,8 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nodes.demo_pipeline import address_maker, build_specs
-from rlhf_async.coordinator import Coordinator
+from rlhf_async.control.coordinator import Coordinator
+from rlhf_async.control.demo import address_maker, build_specs
 from rlhf_async.log import configure_logging
 from rlhf_async.runtime import run_loop
 

@@ -36,7 +36,7 @@ from rlhf_async import job
 from rlhf_async.config import JobConfig, load_config
 from rlhf_async.log import configure_logging
 from rlhf_async.metrics import read_metrics
-from rlhf_async.models import sequence_scores
+from rlhf_async.modeling.models import sequence_scores
 from rlhf_async.task import SortDigitsTask
 from rlhf_async.task.pretrain import load_reward_model, prepare_artefacts
 

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from rlhf_async.algorithms import gather_logprobs
-from rlhf_async.backends.vllm_gen import VLLMGenerationBackend
 from rlhf_async.config import ModelConfig, TaskConfig
-from rlhf_async.generation import SamplingParams
-from rlhf_async.models import load_actor, response_logits
+from rlhf_async.engines.vllm_gen import VLLMGenerationBackend
+from rlhf_async.modeling.generation import SamplingParams
+from rlhf_async.modeling.models import load_actor, response_logits
+from rlhf_async.rl.algorithms import gather_logprobs
 from rlhf_async.task.sort_digits import EOS, PAD, VOCAB_SIZE, SortDigitsTask
 from rlhf_async.weight_sync import GroupSpec, make_sender, weights_of
 

@@ -4,7 +4,7 @@
 #
 #   deploy/launch.sh HOSTS CONFIG [key=value ...]
 #
-# HOSTS: hosts file, one `name address[:port] devices` per line (see rlhf_async/hosts.py);
+# HOSTS: hosts file, one `name address[:port] devices` per line (see rlhf_async/runtime/hosts.py);
 # `name` is the ssh destination. Run this on the host whose address is RLHF_ADDRESS
 # (default: the first host's). The keys directory and run.cache_dir/run.output_dir must be
 # on a filesystem every host sees at the same path.
@@ -65,4 +65,4 @@ rm -f /tmp/rlhf-doctor.$$
 
 ARGS=("$CONFIG" "$@")
 echo "launch.sh: coordinator on $ADDRESS"
-"$PY" -m rlhf_async.multihost --hosts "$HOSTS" --keys "$KEYS" --address "$ADDRESS" "${ARGS[@]}"
+"$PY" -m rlhf_async.cli.multihost --hosts "$HOSTS" --keys "$KEYS" --address "$ADDRESS" "${ARGS[@]}"

@@ -9,24 +9,23 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from rlhf_async.config import JobConfig, config_from_dict
-from rlhf_async.flattening import sampling_params
-from rlhf_async.generation import SamplingParams
-from rlhf_async.pipeline.wire import ChunkFormatError
-from rlhf_async.protocol import ProtocolError
+from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.runtime import Node
-from rlhf_async.task import make_task
+from rlhf_async.strategies.separation.wire import ChunkFormatError
+from rlhf_async.task import make_task, sampling_params
 from rlhf_async.task.pretrain import Artefacts
+from rlhf_async.wire.protocol import ProtocolError
 
 
 @dataclass
-class Job:
+class NodeContext:
     cfg: JobConfig
     art: Artefacts
     device: torch.device
     sampling: SamplingParams
 
 
-def load_job(node: Node) -> Job:
+def load_context(node: Node) -> NodeContext:
     hf_logging.disable_progress_bar()
     p = node.params
     cfg = config_from_dict(p["config"])
@@ -34,7 +33,7 @@ def load_job(node: Node) -> Job:
     device = torch.device(node.spec.device if node.spec.device.startswith("cuda") else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    return Job(cfg, art, device, sampling_params(cfg, make_task(cfg)))
+    return NodeContext(cfg, art, device, sampling_params(cfg, make_task(cfg)))
 
 
 def message_errors() -> tuple[type[Exception], ...]:

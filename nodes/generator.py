@@ -14,21 +14,20 @@ import time
 
 import torch
 
-from nodes.common import load_job, message_errors
-from rlhf_async.backends import make_generation_backend
+from nodes.common import NodeContext, load_context, message_errors
 from rlhf_async.config import weight_sync_backend
-from rlhf_async.pipeline.stage import StageClock
-from rlhf_async.pipeline.wire import SFT_LINEAGE, prompts_from_message, rollout_message
+from rlhf_async.engines import GenerationBackend, make_generation_backend
 from rlhf_async.runtime import Node
+from rlhf_async.strategies.separation.stage import StageClock
+from rlhf_async.strategies.separation.wire import SFT_LINEAGE, prompts_from_message, rollout_message
+from rlhf_async.task.pretrain import load_sft
 from rlhf_async.weight_sync import GroupSpec, WeightSyncError
 
 
 async def main(node: Node) -> None:
-    job = load_job(node)
+    job = load_context(node)
     # version 0 = the SFT policy; loaded off the loop so heartbeats go on
-    engine = await asyncio.to_thread(
-        make_generation_backend, job.cfg.generation.backend, str(job.art.sft_dir), job.sampling,
-        sync_backend=weight_sync_backend(job.cfg), device=job.device)
+    engine = await asyncio.to_thread(_engine, job)
     state = {"version": 0, "lineage": SFT_LINEAGE}
     swap = asyncio.Lock()  # held by generation and by the weight swap: one at a time
     received = asyncio.Lock()  # one update in flight: the receiver's staging is reused
@@ -87,3 +86,12 @@ async def main(node: Node) -> None:
         node.info.update(clock.snapshot(), version=version)
         await node.emit("generated", {**cid.meta(), "version": version, **clock.snapshot()},
                         step=cid.step, weight_version=version)
+
+
+def _engine(job: NodeContext) -> GenerationBackend:
+    """The generation engine over the SFT policy (version 0); torch serves a loaded copy."""
+    kind = job.cfg.generation.backend
+    actor = load_sft(job.art.sft_dir).to(job.device) if kind == "torch" else None
+    return make_generation_backend(kind, str(job.art.sft_dir), job.sampling,
+                                   sync_backend=weight_sync_backend(job.cfg), device=job.device,
+                                   actor=actor)

@@ -6,18 +6,18 @@ import asyncio
 
 import torch
 
-from nodes.common import Job, load_job, message_errors
-from rlhf_async.models import ScalarHeadModel, frozen_copy
-from rlhf_async.pipeline.stage import StageClock
-from rlhf_async.pipeline.wire import lineage_of, rollout_from_message, rollout_message
-from rlhf_async.roles import score
+from nodes.common import NodeContext, load_context, message_errors
+from rlhf_async.modeling.models import ScalarHeadModel, frozen_copy
+from rlhf_async.rl.scoring import score
 from rlhf_async.runtime import Node
+from rlhf_async.strategies.separation.stage import StageClock
+from rlhf_async.strategies.separation.wire import lineage_of, rollout_from_message, rollout_message
 from rlhf_async.task import make_task
 from rlhf_async.task.pretrain import load_reward, load_sft
 
 
 async def main(node: Node) -> None:
-    job = load_job(node)
+    job = load_context(node)
     reward_model, reference = await asyncio.to_thread(_models, job)  # heartbeats go on
     task = make_task(job.cfg)
     T = job.cfg.generation.temperature
@@ -43,7 +43,7 @@ async def main(node: Node) -> None:
         await node.emit("scored", {**cid.meta(), **clock.snapshot()}, step=cid.step)
 
 
-def _models(job: Job) -> tuple[ScalarHeadModel | None, torch.nn.Module]:
+def _models(job: NodeContext) -> tuple[ScalarHeadModel | None, torch.nn.Module]:
     """(reward model, or None when the task's rule reward replaces it; reference)."""
     rm = load_reward(job.art)
     return (None if rm is None else frozen_copy(rm).to(job.device),

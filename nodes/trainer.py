@@ -15,24 +15,24 @@ from pathlib import Path
 
 import torch
 
-from nodes.common import Job, load_job, message_errors
-from rlhf_async.checkpoint import learner_state, load_latest, restore_learner, save_checkpoint
+from nodes.common import NodeContext, load_context, message_errors
 from rlhf_async.config import JobConfig, weight_sync_backend
 from rlhf_async.metrics import MetricsWriter, truncate_jsonl
-from rlhf_async.models import save_policy
-from rlhf_async.pipeline.assembler import BatchAssembler
-from rlhf_async.pipeline.stage import StageClock
-from rlhf_async.pipeline.wire import SFT_LINEAGE, lineage_of, rollout_from_message
-from rlhf_async.protocol import Message
-from rlhf_async.roles import Learner
+from rlhf_async.modeling.models import save_policy
+from rlhf_async.rl.checkpoint import learner_state, load_latest, restore_learner, save_checkpoint
+from rlhf_async.rl.learner import Learner
+from rlhf_async.rl.staleness import StalenessPolicy
 from rlhf_async.runtime import Node
-from rlhf_async.staleness import StalenessPolicy
+from rlhf_async.strategies.separation.assembler import BatchAssembler
+from rlhf_async.strategies.separation.stage import StageClock
+from rlhf_async.strategies.separation.wire import SFT_LINEAGE, lineage_of, rollout_from_message
 from rlhf_async.task.pretrain import load_critic, load_sft
 from rlhf_async.weight_sync import GroupSpec, WeightSender, WeightSyncError, make_sender
+from rlhf_async.wire.protocol import Message
 
 
 async def main(node: Node) -> None:
-    job = load_job(node)
+    job = load_context(node)
     cfg = job.cfg
     learner = await asyncio.to_thread(_learner, job)  # off the loop: heartbeats go on
     actor = learner.actor
@@ -109,7 +109,7 @@ async def main(node: Node) -> None:
     learner.close()
 
 
-def _learner(job: Job) -> Learner:
+def _learner(job: NodeContext) -> Learner:
     actor = load_sft(job.art.sft_dir).to(job.device)
     critic = load_critic(job.cfg, job.art)
     critic = critic.to(job.device) if critic is not None else None

@@ -1,5 +1,5 @@
 import sys
 
-from rlhf_async.cli import main
+from rlhf_async.cli.main import main
 
 sys.exit(main())

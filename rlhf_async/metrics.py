@@ -81,3 +81,10 @@ def summarize(records: list[dict[str, Any]], keys: tuple[str, ...], last: int = 
             out[f"{k}_first"] = sum(vals[:last]) / len(vals[:last])
             out[f"{k}_last"] = sum(vals[-last:]) / len(vals[-last:])
     return out
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop records of steps at or after `step` (written after the checkpoint a resumed run
+    continues from; they are trained again)."""
+    for name in ("metrics.jsonl", "trained_samples.jsonl"):
+        truncate_jsonl(run_dir / name, step)

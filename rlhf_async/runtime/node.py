@@ -13,9 +13,9 @@ from typing import Any
 import psutil
 import structlog
 
-from rlhf_async.protocol import Message
 from rlhf_async.runtime.spec import NodeSpec
-from rlhf_async.transport import Channel, Transport
+from rlhf_async.wire.protocol import Message
+from rlhf_async.wire.transport import Channel, Transport
 
 # A command handler gets the command's payload and returns a msgpack-able reply.
 Handler = Callable[[Any], Any | Awaitable[Any]]

@@ -20,12 +20,12 @@ import structlog
 import torch
 
 from rlhf_async.log import configure_logging
-from rlhf_async.protocol import Message
 from rlhf_async.runtime.loop import run_loop
 from rlhf_async.runtime.node import Node
 from rlhf_async.runtime.spec import NodeSpec, SpecError
-from rlhf_async.security import Keyring, SecurityError
-from rlhf_async.transport import Endpoint, Transport
+from rlhf_async.wire.protocol import Message
+from rlhf_async.wire.security import Keyring, SecurityError
+from rlhf_async.wire.transport import Endpoint, Transport
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_SPEC, EXIT_ORPHANED = 0, 1, 2, 3
 NodeMain = Callable[[Node], Awaitable[None]]

@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from rlhf_async.protocol import DEFAULT_MAX_BYTES
-from rlhf_async.transport import Endpoint, EndpointError
+from rlhf_async.wire.protocol import DEFAULT_MAX_BYTES
+from rlhf_async.wire.transport import Endpoint, EndpointError
 
 _ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _NODE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")

@@ -11,10 +11,12 @@ from typing import Protocol
 from torch import Tensor
 
 from rlhf_async.config import JobConfig
-from rlhf_async.rollout import PromptBatch
+from rlhf_async.modeling.generation import SamplingParams
+from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.task.sort_digits import EOS, PAD, VOCAB_SIZE, SortDigitsTask
+from rlhf_async.task.text import TextTask
 
-__all__ = ["EOS", "PAD", "VOCAB_SIZE", "SortDigitsTask", "Task", "make_task"]
+__all__ = ["EOS", "PAD", "VOCAB_SIZE", "SortDigitsTask", "Task", "make_task", "sampling_params"]
 
 
 class Task(Protocol):
@@ -33,7 +35,11 @@ def make_task(cfg: JobConfig) -> Task:
     """The task `cfg.task.name` names (the text task reads its files and imports the reward
     function here; problems are a ConfigError)."""
     if cfg.task.name == "text":
-        from rlhf_async.task.text import TextTask
-
         return TextTask(cfg)
     return SortDigitsTask(cfg.task)
+
+
+def sampling_params(cfg: JobConfig, task: Task) -> SamplingParams:
+    """How the policy samples for this job: the generation settings and the task's tokens."""
+    g = cfg.generation
+    return SamplingParams(g.max_new_tokens, task.eos_id, task.pad_id, g.temperature, g.top_k)

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlhf_async.config import JobConfig
 from rlhf_async.log import get_logger
-from rlhf_async.models import (
+from rlhf_async.modeling.models import (
     ScalarHeadModel,
     load_actor,
     response_logits,
@@ -38,7 +38,7 @@ log = get_logger(component="pretrain")
 ARTEFACT_VERSION = 2
 # The artefacts depend on this code too: any change to it gives new cache keys.
 _CODE_FILES = (Path(__file__), Path(__file__).with_name("sort_digits.py"),
-               Path(__file__).parents[1] / "models.py")
+               Path(__file__).parents[1] / "modeling" / "models.py")
 
 
 def _code_hash() -> str:

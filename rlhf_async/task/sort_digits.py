@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from rlhf_async.config import TaskConfig
-from rlhf_async.determinism import key_seed
-from rlhf_async.rollout import PromptBatch
+from rlhf_async.modeling.determinism import key_seed
+from rlhf_async.modeling.rollout import PromptBatch
 
 PAD, BOS, SEP, EOS = 0, 1, 2, 3
 FIRST_DIGIT = 4

@@ -21,8 +21,8 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_async.config import ConfigError, JobConfig
-from rlhf_async.determinism import key_seed
-from rlhf_async.rollout import PromptBatch
+from rlhf_async.modeling.determinism import key_seed
+from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.task.reward_fn import call_reward, load_reward_fn
 
 HELDOUT_ONE_IN = 8

@@ -11,11 +11,12 @@ import sys
 
 import torch
 
-from rlhf_async.checkpoint import learner_state, load_latest, restore_learner, save_checkpoint
 from rlhf_async.config import AlgoConfig, ModelConfig, TaskConfig, TrainConfig
-from rlhf_async.generation import SamplingParams
-from rlhf_async.models import frozen_copy, load_actor, scalar_model_from_actor
-from rlhf_async.roles import Learner, generate, score
+from rlhf_async.modeling.generation import SamplingParams, generate
+from rlhf_async.modeling.models import frozen_copy, load_actor, scalar_model_from_actor
+from rlhf_async.rl.checkpoint import learner_state, load_latest, restore_learner, save_checkpoint
+from rlhf_async.rl.learner import Learner
+from rlhf_async.rl.scoring import score
 from rlhf_async.task.sort_digits import EOS, PAD, VOCAB_SIZE, SortDigitsTask
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from rlhf_async import job
 from rlhf_async.config import load_config
-from rlhf_async.chaos import kill_nodes
+from rlhf_async.control.chaos import kill_nodes
 
 pytestmark = [pytest.mark.timeout(480)]
 

@@ -8,13 +8,14 @@ import dataclasses
 import pytest
 import torch
 
-from nodes.demo_pipeline import DEMO, address_maker, build_specs
+from nodes.demo_pipeline import DEMO
 from rlhf_async.cli import main as cli_main
-from rlhf_async.coordinator import Coordinator, call_coordinator
+from rlhf_async.control.coordinator import Coordinator, call_coordinator
+from rlhf_async.control.demo import address_maker, build_specs
 from rlhf_async.log import configure_logging
-from rlhf_async.protocol import Message
-from rlhf_async.security import Keyring, generate_keys
-from rlhf_async.transport import Endpoint, Transport, free_tcp_port
+from rlhf_async.wire.protocol import Message
+from rlhf_async.wire.security import Keyring, generate_keys
+from rlhf_async.wire.transport import Endpoint, Transport, free_tcp_port
 
 MESSAGES = 2000
 

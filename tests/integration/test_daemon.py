@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_async.daemon import DaemonError, call_daemon
-from rlhf_async.daemon.jobs import process_alive
+from rlhf_async.ops.daemon import DaemonError, call_daemon
+from rlhf_async.ops.daemon.jobs import process_alive
 
 pytestmark = pytest.mark.timeout(240)
 TINY = ["model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=30",

@@ -4,8 +4,9 @@ import pytest
 from safetensors.torch import load_file
 
 from rlhf_async.config import load_config
-from rlhf_async.flattening import run_flattening
 from rlhf_async.metrics import read_metrics
+from rlhf_async.strategies import flattening
+from rlhf_async.strategies.registry import plan_placement
 from rlhf_async.task import SortDigitsTask
 from rlhf_async.task.pretrain import prepare_artefacts
 
@@ -24,7 +25,8 @@ def test_two_processes_match_one(tmp_path, cache, algo):
     for devices in (1, 2):
         cfg = load_config(None, base + [f"placement.devices={devices}"])
         art = prepare_artefacts(cfg, SortDigitsTask(cfg.task))
-        res = run_flattening(cfg, art, tmp_path / f"d{devices}")
+        res = flattening.run(cfg, plan_placement(cfg.placement, cfg.algo.name), art,
+                             tmp_path / f"d{devices}")
         results[devices] = (read_metrics(res.metrics_path),
                             load_file(str(res.policy_dir / "model.safetensors")))
     sft = load_file(str(art.sft_dir / "model.safetensors"))

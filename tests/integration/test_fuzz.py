@@ -17,13 +17,14 @@ import pytest
 import torch
 import zmq
 
-from nodes.demo_pipeline import DEMO, build_specs
-from rlhf_async.coordinator import Coordinator
-from rlhf_async.launcher import LocalLauncher
+from nodes.demo_pipeline import DEMO
+from rlhf_async.control.coordinator import Coordinator
+from rlhf_async.control.demo import build_specs
 from rlhf_async.log import configure_logging
-from rlhf_async.protocol import PROTOCOL_VERSION, Message, ProtocolError, decode, encode
 from rlhf_async.runtime import NodeSpec
-from rlhf_async.transport import Endpoint
+from rlhf_async.runtime.launcher import LocalLauncher
+from rlhf_async.wire.protocol import PROTOCOL_VERSION, Message, ProtocolError, decode, encode
+from rlhf_async.wire.transport import Endpoint
 
 SEED = 20261129
 PULL_N, ROUTER_N, DEALER_N = 40_000, 30_000, 30_000

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from rlhf_async import job
 from rlhf_async.config import ConfigError, load_config
-from rlhf_async.job import StrategyUnavailableError, run, run_job
+from rlhf_async.job import run, run_job
+from rlhf_async.strategies.placement import PlacementError
 
 
 def test_short_run_improves_hidden_score(tmp_path):
@@ -46,11 +46,12 @@ def test_user_hf_model_from_local_directory_trains(tmp_path, capsys):
     assert any(not torch.equal(a, b) for a, b in zip(start.parameters(), policy.parameters()))
 
 
-def test_config_errors_and_unavailable_strategy(tmp_path, monkeypatch):
+def test_config_errors_and_unknown_strategy(tmp_path):
     with pytest.raises(ConfigError) as ei:
         run_job(None, ["train.steps=0", "model.path=/nonexistent/dir", "algo.name=dpo"])
     assert len(ei.value.problems) == 3
-    monkeypatch.setattr(job, "AVAILABLE_STRATEGIES", ("flattening",))
-    cfg = load_config(None, ["placement.strategy=separation", f"run.output_dir={tmp_path}"])
-    with pytest.raises(StrategyUnavailableError, match="'separation' is not available yet"):
+    cfg = load_config(None, ["placement.strategy=bogus", f"run.output_dir={tmp_path}"])
+    with pytest.raises(PlacementError, match="'bogus' cannot be placed directly; accepted: "
+                       "flattening, interleaving, separation"):
         run(cfg)
+    assert not any(tmp_path.iterdir())  # refused before anything was written

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from rlhf_async.coordinator import CommandError, Coordinator
+from rlhf_async.control.coordinator import CommandError, Coordinator
 from rlhf_async.log import configure_logging
 from rlhf_async.runtime import Node, NodeSpec
 

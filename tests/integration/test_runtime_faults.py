@@ -14,12 +14,12 @@ import time
 import psutil
 import pytest
 
-from nodes.demo_pipeline import address_maker, build_specs
-from rlhf_async.coordinator import Coordinator, call_coordinator, read_coordinator_file
+from rlhf_async.control.coordinator import Coordinator, call_coordinator, read_coordinator_file
+from rlhf_async.control.demo import address_maker, build_specs
 from rlhf_async.log import configure_logging
 from rlhf_async.runtime import NodeSpec
 from rlhf_async.runtime.loop import run_loop
-from rlhf_async.transport import Endpoint
+from rlhf_async.wire.transport import Endpoint
 
 HEARTBEAT, TIME_TO_DEAD = 0.2, 2.0
 

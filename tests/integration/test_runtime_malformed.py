@@ -12,10 +12,11 @@ import torch
 import zmq
 import zmq.asyncio
 
-from nodes.demo_pipeline import DEMO, address_maker, build_specs
-from rlhf_async.coordinator import Coordinator
+from nodes.demo_pipeline import DEMO
+from rlhf_async.control.coordinator import Coordinator
+from rlhf_async.control.demo import address_maker, build_specs
 from rlhf_async.log import configure_logging
-from rlhf_async.protocol import Message, encode
+from rlhf_async.wire.protocol import Message, encode
 
 
 @pytest.fixture(autouse=True)

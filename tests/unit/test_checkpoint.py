@@ -3,8 +3,13 @@ import json
 import pytest
 import torch
 
-from rlhf_async.checkpoint import (CheckpointError, list_checkpoints, load_latest,
-                                   save_checkpoint, verify)
+from rlhf_async.rl.checkpoint import (
+    CheckpointError,
+    list_checkpoints,
+    load_latest,
+    save_checkpoint,
+    verify,
+)
 
 
 def _state(x: float):

@@ -2,7 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_async.config import ConfigError, JobConfig, load_config, render_reference
+from rlhf_async.config import ConfigError, JobConfig, load_config
+from rlhf_async.config.reference import render as render_reference
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -10,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_defaults_load_and_reference_file_matches_generated():
     assert load_config(None, []) == JobConfig()
     committed = (REPO / "configs" / "reference.toml").read_text()
-    assert committed == render_reference(), "regenerate: python -m rlhf_async.config"
+    assert committed == render_reference(), "regenerate: python -m rlhf_async.config.reference"
     assert load_config(REPO / "configs" / "reference.toml", []) == JobConfig()
 
 
@@ -33,15 +34,15 @@ def test_all_problems_reported_together(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('[train]\nstep = 7\nlr = "fast"\n[algo]\nname = "dpo"\n[nope]\nx = 1\n')
     with pytest.raises(ConfigError) as ei:
-        load_config(f, ["generation.temperature=-1", "placement.strategy=spread", "oops"])
+        load_config(f, ["generation.temperature=-1", "oops"])
     probs = ei.value.problems
     text = str(ei.value)
     for needle in ["train.step: unknown key", "train.lr: expected number", "algo.name: 'dpo'",
-                   "nope: unknown key", "generation.temperature", "placement.strategy: 'spread'",
+                   "nope: unknown key", "generation.temperature",
                    "override 'oops'"]:
         assert any(needle in p for p in probs), (needle, probs)
     assert "accepted" in text and "'ppo'" in text
-    assert len(probs) == 7
+    assert len(probs) == 6
 
 
 def test_cross_field_checks():

@@ -8,7 +8,7 @@ import pytest
 
 from rlhf_async.cli import main
 from rlhf_async.config import ConfigError, PlacementConfig, load_config
-from rlhf_async.costmodel import (
+from rlhf_async.planning.costmodel import (
     DEVICES,
     LLAMA,
     Calibration,
@@ -19,8 +19,9 @@ from rlhf_async.costmodel import (
     memory_plan,
     predict,
 )
-from rlhf_async.placement import PlacementError, plan_placement
-from rlhf_async.planner import choose, load_calibration, plan_job, resolve_auto, simulate
+from rlhf_async.planning.planner import choose, load_calibration, plan_job, resolve_auto, simulate
+from rlhf_async.strategies.placement import PlacementError
+from rlhf_async.strategies.registry import plan_placement
 
 SHAPE = ModelShape("toy", 1e6, 2, 64, 16)
 BIG_MEMORY = DeviceSpec("test", 1e12, 100 * GiB, 1e11, 1e10, 1e9, 8)
@@ -28,8 +29,7 @@ WORK = Workload(samples=64, prompt_len=8, gen_len=8, epochs=2, minibatches=2)
 
 
 def _placement(strategy, n=2, **kw):
-    return plan_placement(PlacementConfig(strategy=strategy, devices=n, **kw), "ppo",
-                          runnable=False)
+    return plan_placement(PlacementConfig(strategy=strategy, devices=n, **kw), "ppo")
 
 
 def test_memory_is_summed_per_device_and_sharded_only_when_needed():

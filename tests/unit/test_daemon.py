@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from rlhf_async.daemon import Daemon, JobStore
-from rlhf_async.daemon.jobs import job_command, last_lines, process_alive
-from rlhf_async.daemon.metrics import JobCollector, last_record
+from rlhf_async.ops.daemon import Daemon, JobStore
+from rlhf_async.ops.daemon.jobs import job_command, last_lines, process_alive
+from rlhf_async.ops.daemon.metrics import JobCollector, last_record
 
 
 def _daemon(tmp_path: Path) -> Daemon:
@@ -51,7 +51,7 @@ def test_job_command_fresh_then_resume(tmp_path):
     assert Path(cmd[4]).read_text() == "[train]\nsteps = 2\n"
     assert cmd[5] == "train.lr=1e-4" and cmd[-1] == 'run.name="job-1"'
     assert not (run_dir / "metrics.jsonl").exists()
-    from rlhf_async.checkpoint import save_checkpoint
+    from rlhf_async.rl.checkpoint import save_checkpoint
 
     save_checkpoint(run_dir / "checkpoints", 3, {"w": __import__("torch").zeros(2)}, {})
     cmd, step = job_command(job, tmp_path / "configs", python="py")
@@ -144,7 +144,7 @@ def test_stop_requeues_running_jobs_and_cancel_ends_one(tmp_path, monkeypatch):
     import asyncio
     import signal
 
-    from rlhf_async.daemon import jobs as jobproc
+    from rlhf_async.ops.daemon import jobs as jobproc
 
     sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
     monkeypatch.setattr(jobproc, "job_command", lambda job, configs: (sleeper, None))
@@ -180,7 +180,7 @@ def test_sighup_reopens_the_log_file(tmp_path):
     import subprocess
     import time
 
-    from rlhf_async.daemon import DaemonError, call_daemon
+    from rlhf_async.ops.daemon import DaemonError, call_daemon
 
     log = tmp_path / "daemon.log"
     proc = subprocess.Popen([sys.executable, "-m", "rlhf_async", "serve", "--state-dir",

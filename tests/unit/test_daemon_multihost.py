@@ -12,10 +12,10 @@ import time
 import pytest
 import zmq
 
-from rlhf_async import doctor
-from rlhf_async.hosts import Host, HostsError, device_map, parse_hosts
-from rlhf_async.remote import AgentLink, AgentUnavailable
-from rlhf_async.security import Keyring, generate_keys
+from rlhf_async.ops import doctor
+from rlhf_async.runtime.hosts import Host, HostsError, device_map, parse_hosts
+from rlhf_async.runtime.remote import AgentLink, AgentUnavailable
+from rlhf_async.wire.security import Keyring, generate_keys
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,7 +122,7 @@ def test_doctor_cli_exit_codes(agent, tmp_path):
 
 
 def test_remote_launch_on_an_unreachable_agent_is_a_failed_node(agent, tmp_path):
-    from rlhf_async.remote import LAUNCH_FAILED, RemoteLauncher
+    from rlhf_async.runtime.remote import LAUNCH_FAILED, RemoteLauncher
     from rlhf_async.runtime.spec import NodeSpec
 
     tmp, port = agent

@@ -1,6 +1,6 @@
 import torch
 
-from rlhf_async.determinism import (
+from rlhf_async.modeling.determinism import (
     all_gather_1d,
     all_reduce_grads,
     all_reduce_sum,

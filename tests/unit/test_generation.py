@@ -1,9 +1,9 @@
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from rlhf_async.algorithms import gather_logprobs
-from rlhf_async.generation import SamplingParams, generate, sampling_uniforms
-from rlhf_async.models import response_logits
+from rlhf_async.modeling.generation import SamplingParams, sample, sampling_uniforms
+from rlhf_async.modeling.models import response_logits
+from rlhf_async.rl.algorithms import gather_logprobs
 
 EOS, PAD = 3, 0
 
@@ -26,13 +26,13 @@ def test_tokens_depend_only_on_sample_id_not_batch_composition():
     lm, (ids, mask) = tiny_lm(), prompts()
     sp = SamplingParams(max_new_tokens=6, eos_id=EOS, pad_id=PAD)
     sids = [10, 11, 12, 13]
-    full = generate(lm, ids, mask, sp, sampling_uniforms(7, 3, sids, 6))
+    full = sample(lm, ids, mask, sp, sampling_uniforms(7, 3, sids, 6))
     order = [2, 0, 3]  # a different, smaller batch in another order
-    part = generate(lm, ids[order], mask[order], sp,
+    part = sample(lm, ids[order], mask[order], sp,
                     sampling_uniforms(7, 3, [sids[i] for i in order], 6))
     assert torch.equal(part.response_ids, full.response_ids[order])
     assert torch.allclose(part.logprobs, full.logprobs[order], atol=1e-5)
-    other_step = generate(lm, ids, mask, sp, sampling_uniforms(7, 4, sids, 6))
+    other_step = sample(lm, ids, mask, sp, sampling_uniforms(7, 4, sids, 6))
     assert not torch.equal(other_step.response_ids, full.response_ids)
 
 
@@ -40,7 +40,7 @@ def test_masks_eos_padding_and_behaviour_logprobs():
     lm, (ids, mask) = tiny_lm(1), prompts()
     ids, mask = ids.repeat(4, 1), mask.repeat(4, 1)  # 16 rows, each with its own noise
     sp = SamplingParams(max_new_tokens=8, eos_id=EOS, pad_id=PAD, temperature=0.7)
-    g = generate(lm, ids, mask, sp, sampling_uniforms(0, 0, list(range(16)), 8))
+    g = sample(lm, ids, mask, sp, sampling_uniforms(0, 0, list(range(16)), 8))
     assert g.response_ids.shape == (16, 8)
     lengths = g.response_mask.sum(1)
     assert (lengths < 8).any() and (lengths == 8).any()  # both early EOS and truncation
@@ -63,7 +63,7 @@ def test_sampling_follows_the_distribution():
     lm, (ids, mask) = tiny_lm(3), prompts()
     ids, mask = ids[:1].repeat(4000, 1), mask[:1].repeat(4000, 1)
     sp = SamplingParams(max_new_tokens=1, eos_id=EOS, pad_id=PAD)
-    g = generate(lm, ids, mask, sp, sampling_uniforms(0, 0, list(range(4000)), 1))
+    g = sample(lm, ids, mask, sp, sampling_uniforms(0, 0, list(range(4000)), 1))
     probs = torch.softmax(lm(input_ids=ids[:1], attention_mask=mask[:1],
                              position_ids=(mask[:1].cumsum(1) - 1).clamp(min=0)).logits[0, -1],
                           -1)
@@ -74,7 +74,7 @@ def test_sampling_follows_the_distribution():
 def test_top_k_restricts_choices():
     lm, (ids, mask) = tiny_lm(2), prompts()
     sp = SamplingParams(max_new_tokens=4, eos_id=EOS, pad_id=PAD, top_k=1)
-    g = generate(lm, ids, mask, sp, sampling_uniforms(0, 0, [0, 1, 2, 3], 4))
+    g = sample(lm, ids, mask, sp, sampling_uniforms(0, 0, [0, 1, 2, 3], 4))
     greedy = response_logits(lm, ids, mask, g.response_ids, g.response_mask).argmax(-1)
     m = g.response_mask.bool()
     assert torch.equal(g.response_ids[m], greedy[m])

@@ -1,7 +1,7 @@
 import io
 
 from rlhf_async.metrics import MetricsWriter, Progress, format_progress, read_metrics, summarize
-from rlhf_async.plotting import plot_metrics
+from rlhf_async.ops.plotting import plot_metrics
 
 
 def test_writer_progress_summary_and_plot(tmp_path):
@@ -24,7 +24,7 @@ def test_writer_progress_summary_and_plot(tmp_path):
 
 
 def test_rule_reward_runs_plot_one_reward_panel():
-    from rlhf_async.plotting import panels_for
+    from rlhf_async.ops.plotting import panels_for
 
     recs = [{"step": 0, "reward": 1.0, "hidden_score": 1.0, "kl": 0.1}]
     assert [k for k, _ in panels_for(recs)] == ["reward", "hidden_score", "kl"]

@@ -3,7 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from rlhf_async.config import ConfigError, ModelConfig
-from rlhf_async.models import (
+from rlhf_async.modeling.models import (
     ScalarHeadModel,
     load_actor,
     response_values,
@@ -55,7 +55,7 @@ def test_scalar_head_roundtrip_and_padding_invariance(tmp_path):
 
 
 def test_saved_policy_loads_with_transformers(tmp_path):
-    from rlhf_async.models import save_policy
+    from rlhf_async.modeling.models import save_policy
     actor = load_actor(ModelConfig(), 16, SPECIAL, seed=0)
     save_policy(actor, tmp_path / "p", {"algo": "ppo"})
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "p")

@@ -1,12 +1,17 @@
 import pytest
 import torch
 
-from rlhf_async.pipeline.assembler import BatchAssembler
-from rlhf_async.pipeline.wire import (ChunkFormatError, ChunkId, prompts_from_message,
-                                      prompts_message, rollout_from_message, rollout_message,
-                                      split_prompts)
-from rlhf_async.protocol import decode, encode
-from rlhf_async.rollout import PromptBatch, RolloutBatch
+from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
+from rlhf_async.strategies.separation.assembler import BatchAssembler
+from rlhf_async.strategies.separation.wire import (
+    ChunkFormatError,
+    ChunkId,
+    prompts_from_message,
+    prompts_message,
+    rollout_from_message,
+    rollout_message,
+)
+from rlhf_async.wire.protocol import decode, encode
 
 
 def _prompts(n=8, step=0):
@@ -24,10 +29,10 @@ def _rollout(prompts: PromptBatch, version=0, step=0):
 
 
 def test_split_keeps_groups_whole_and_covers_the_batch():
-    parts = split_prompts(_prompts(8), group_size=2, chunks=3)
+    parts = _prompts(8).split(2, 3)
     assert [len(p) for p in parts] == [2, 2, 4]
     assert torch.cat([p.sample_ids for p in parts]).tolist() == list(range(8))
-    assert len(split_prompts(_prompts(4), group_size=2, chunks=8)) == 2
+    assert len(_prompts(4).split(2, 8)) == 2
 
 
 def test_messages_round_trip_through_the_wire():
@@ -56,8 +61,8 @@ def test_malformed_chunks_are_refused_with_a_reason():
 
 def test_assembler_orders_chunks_and_refuses_duplicates():
     asm = BatchAssembler()
-    parts = split_prompts(_prompts(8), 2, 2)
-    later = split_prompts(_prompts(8, step=1), 2, 2)
+    parts = _prompts(8).split(2, 2)
+    later = _prompts(8, step=1).split(2, 2)
     assert asm.add(ChunkId(1, 0, 2), _rollout(later[0], step=1))  # a future step waits
     assert asm.add(ChunkId(0, 1, 2), _rollout(parts[1]))
     assert asm.pop_ready() is None

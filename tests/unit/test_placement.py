@@ -1,7 +1,13 @@
 import pytest
 
-from rlhf_async.config import PlacementConfig
-from rlhf_async.placement import PlacementError, plan_placement, runner_problems, with_engines
+from rlhf_async.config import (
+    GenerationConfig,
+    JobConfig,
+    PlacementConfig,
+    TrainConfig,
+)
+from rlhf_async.strategies.placement import PlacementError, with_engines
+from rlhf_async.strategies.registry import plan_placement, runner_problems
 
 
 def test_separation_defaults_keep_training_apart():
@@ -53,8 +59,7 @@ def test_overrides_apply_to_every_preset():
                 "backend": ["actor=deepspeed"]}
     for strategy in ("flattening", "interleaving", "separation"):
         extra = {"generator": [1], "reward": [2, 3]} if strategy == "separation" else {}
-        p = plan_placement(PlacementConfig(strategy=strategy, **over, **extra), "ppo",
-                           runnable=False)
+        p = plan_placement(PlacementConfig(strategy=strategy, **over, **extra), "ppo")
         assert p.model("reference").dtype == "bf16", strategy
         assert p.model("actor").backend == "deepspeed", strategy
         assert p.model("reward").tensor_parallel == 2, strategy
@@ -82,20 +87,43 @@ def test_placement_problems_are_all_reported_together():
 
 
 def test_runner_limits_are_separate_from_plan_validity():
-    p = plan_placement(PlacementConfig(strategy="flattening", devices=2,
-                                       tensor_parallel=["actor=2"], backend=["reward=vllm"]),
-                       "ppo")
-    problems = runner_problems(p)
+    cfg = JobConfig(placement=PlacementConfig(strategy="flattening", devices=2,
+                                              tensor_parallel=["actor=2"],
+                                              backend=["reward=vllm"]))
+    problems = runner_problems(cfg, plan_placement(cfg.placement, "ppo"))
     assert any("actor=2 is not run" in x for x in problems)
     assert any("reward=vllm cannot run it" in x for x in problems)
-    engines = with_engines(plan_placement(PlacementConfig(strategy="separation", devices=2),
-                                          "ppo"), "deepspeed", "vllm")
+    sep = JobConfig(train=TrainConfig(backend="deepspeed"),
+                    generation=GenerationConfig(backend="vllm"),
+                    placement=PlacementConfig(strategy="separation", devices=2))
+    engines = with_engines(plan_placement(sep.placement, "ppo"), "deepspeed", "vllm")
     assert engines.model("actor").backend == "deepspeed"
     assert engines.model("shadow_actor").backend == "vllm"
-    assert engines.model("reward").backend == "torch" and runner_problems(engines) == []
-    ok = plan_placement(PlacementConfig(strategy="interleaving", devices=2,
-                                        dtype=["reference=bf16"]), "ppo")
-    assert runner_problems(ok) == []
+    assert engines.model("reward").backend == "torch"
+    assert runner_problems(sep, plan_placement(sep.placement, "ppo")) == []
+    ok = JobConfig(placement=PlacementConfig(strategy="interleaving", devices=2,
+                                             dtype=["reference=bf16"]))
+    assert runner_problems(ok, plan_placement(ok.placement, "ppo")) == []
+
+
+def test_each_strategy_reports_what_its_runner_cannot_do():
+    flat = JobConfig(train=TrainConfig(prompts_per_step=3),
+                     generation=GenerationConfig(backend="vllm"),
+                     placement=PlacementConfig(strategy="flattening", devices=2))
+    problems = runner_problems(flat, plan_placement(flat.placement, "ppo"))
+    assert any("must divide evenly over placement.devices = 2" in p for p in problems)
+    assert any("generation.backend: vllm runs in generator processes" in p for p in problems)
+    inter = JobConfig(train=TrainConfig(prompts_per_step=2),
+                      placement=PlacementConfig(strategy="interleaving", devices=4,
+                                                device="cuda", dtype=["actor=bf16"]))
+    problems = runner_problems(inter, plan_placement(inter.placement, "ppo"))
+    for needle in ("actor=bf16 is run only for the frozen", "interleaving on cpu only",
+                   "2 prompts cannot be shared by 4 devices"):
+        assert any(needle in p for p in problems), (needle, problems)
+    sep = JobConfig(placement=PlacementConfig(strategy="separation", devices=3, actor=[0, 1],
+                                              generator=[2]))
+    assert any("one process on one device" in p
+               for p in runner_problems(sep, plan_placement(sep.placement, "ppo")))
 
 
 def test_hosts_are_checked_against_the_hosts_file(tmp_path):

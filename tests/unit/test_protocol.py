@@ -2,8 +2,8 @@ import msgpack
 import pytest
 import torch
 
-from rlhf_async import protocol as P
-from rlhf_async.protocol import Message, decode, encode
+from rlhf_async.wire import protocol as P
+from rlhf_async.wire.protocol import Message, decode, encode
 
 
 def _bytes(frames):

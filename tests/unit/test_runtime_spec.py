@@ -5,7 +5,7 @@ import pytest
 from rlhf_async.runtime import NodeSpec, SpecError
 from rlhf_async.runtime.process import main as node_main
 from rlhf_async.runtime.process import resolve_entry
-from rlhf_async.transport import Endpoint
+from rlhf_async.wire.transport import Endpoint
 
 
 def _spec(**over):
@@ -56,4 +56,4 @@ def test_resolve_entry():
     with pytest.raises(SpecError, match="cannot be loaded"):
         resolve_entry("nodes.no_such_module:main")
     with pytest.raises(SpecError, match="async def"):
-        resolve_entry("nodes.demo_pipeline:build_specs")
+        resolve_entry("rlhf_async.control.demo:build_specs")

@@ -13,12 +13,18 @@ import torch
 import zmq
 
 from rlhf_async.cli import main as cli_main
-from rlhf_async.coordinator import Coordinator
+from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.log import configure_logging
-from rlhf_async.protocol import PROTOCOL_VERSION, Message, MessageTooLarge, decode, encode
 from rlhf_async.runtime import NodeSpec, SpecError
-from rlhf_async.security import Keyring, SecurityError, generate_keys, is_loopback, load_authorized
-from rlhf_async.transport import Endpoint, Transport, free_tcp_port
+from rlhf_async.wire.protocol import PROTOCOL_VERSION, Message, MessageTooLarge, decode, encode
+from rlhf_async.wire.security import (
+    Keyring,
+    SecurityError,
+    generate_keys,
+    is_loopback,
+    load_authorized,
+)
+from rlhf_async.wire.transport import Endpoint, Transport, free_tcp_port
 
 pytestmark = pytest.mark.timeout(60)
 

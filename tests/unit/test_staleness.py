@@ -8,7 +8,7 @@ import msgpack
 import pytest
 
 from rlhf_async.log import configure_logging
-from rlhf_async.staleness import StalenessPolicy
+from rlhf_async.rl.staleness import StalenessPolicy
 
 
 @pytest.fixture(autouse=True)

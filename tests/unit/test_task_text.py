@@ -10,10 +10,10 @@ import torch
 
 from rlhf_async import cli
 from rlhf_async.config import ConfigError, load_config
-from rlhf_async.flattening import sampling_params
-from rlhf_async.models import frozen_copy
-from rlhf_async.roles import generate, score
-from rlhf_async.task import make_task
+from rlhf_async.modeling.generation import generate
+from rlhf_async.modeling.models import frozen_copy
+from rlhf_async.rl.scoring import score
+from rlhf_async.task import make_task, sampling_params
 from rlhf_async.task.pretrain import load_sft
 from rlhf_async.task.text import TextTask, heldout_split
 from tests.text_model import make_text_model

@@ -5,8 +5,8 @@ import torch
 import zmq
 
 from rlhf_async.log import configure_logging
-from rlhf_async.protocol import Message, encode
-from rlhf_async.transport import Endpoint, EndpointError, Transport, free_tcp_port, ipc_address
+from rlhf_async.wire.protocol import Message, encode
+from rlhf_async.wire.transport import Endpoint, EndpointError, Transport, free_tcp_port, ipc_address
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,0 +1,211 @@
+"""Deployment subcommands: the daemon (serve, submit, jobs, logs, cancel) and multi-host
+(agent, doctor). `rlhf-async COMMAND --help` for each."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from rlhf_async.cli.errors import UserError
+from rlhf_async.log import configure_logging
+from rlhf_async.ops.daemon.client import call_daemon
+from rlhf_async.ops.daemon.server import Daemon, DaemonError, StatePaths
+
+
+def default_state_dir() -> Path:
+    env = os.environ.get("RLHF_ASYNC_STATE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(base) / "rlhf-async"
+
+
+def add_commands(sub: Any) -> None:
+    state_help = "daemon state directory (default $RLHF_ASYNC_STATE_DIR or " \
+                 "~/.local/state/rlhf-async)"
+    serve = sub.add_parser("serve", help="run the job daemon (until SIGTERM)")
+    serve.add_argument("--max-jobs", type=int, default=1, help="jobs run at the same time")
+    serve.add_argument("--metrics-port", type=int, default=0,
+                       help="serve Prometheus /metrics on 127.0.0.1:PORT (0: off)")
+    serve.add_argument("--log-file", type=Path, help="append logs here; SIGHUP reopens it")
+    serve.add_argument("--stop-timeout", type=float, default=60.0,
+                       help="seconds a job gets to stop on SIGTERM before SIGKILL")
+    serve.add_argument("--log-level", default="info",
+                       choices=("debug", "info", "warning", "error"))
+    submit = sub.add_parser("submit", help="queue a job on the daemon")
+    submit.add_argument("config", nargs="?", help="TOML config file (optional)")
+    submit.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+    jobs = sub.add_parser("jobs", help="list the daemon's jobs, or show one")
+    jobs.add_argument("job", nargs="?", type=int, help="job id")
+    jobs.add_argument("--json", action="store_true", help="machine-readable output")
+    logs = sub.add_parser("logs", help="print a job's output")
+    logs.add_argument("job", type=int)
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing until it ends")
+    cancel = sub.add_parser("cancel", help="cancel a queued or running job")
+    cancel.add_argument("job", type=int)
+    for p in (serve, submit, jobs, logs, cancel):
+        p.add_argument("--state-dir", type=Path, default=None, help=state_help)
+
+    agent = sub.add_parser("agent", help="multi-host: start node processes for coordinators")
+    agent.add_argument("--bind", required=True, help="tcp://ADDRESS:PORT (this host's line in "
+                       "the hosts file)")
+    agent.add_argument("--work-dir", type=Path, default=Path("runs/agent"),
+                       help="node run directories and logs go under here")
+    doctor = sub.add_parser("doctor", help="multi-host: check hosts, ports, keys, versions "
+                            "and devices before a run")
+    doctor.add_argument("hosts", type=Path, help="hosts file (name address[:port] devices)")
+    doctor.add_argument("--timeout", type=float, default=3.0, help="seconds per check")
+    for p in (agent, doctor):
+        p.add_argument("--keys", type=Path, help="CURVE keys directory (`rlhf-async keys`)")
+        p.add_argument("--insecure", action="store_true",
+                       help="allow plaintext tcp beyond loopback (trusted networks only)")
+
+
+def _state(args: argparse.Namespace) -> Path:
+    return args.state_dir if args.state_dir is not None else default_state_dir()
+
+
+def _call(args: argparse.Namespace, request: dict[str, Any]) -> Any:
+    try:
+        return call_daemon(_state(args), request)
+    except DaemonError as e:
+        raise UserError(str(e)) from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from rlhf_async.runtime import run_loop
+
+    if args.max_jobs < 1:
+        raise UserError(f"--max-jobs must be >= 1, got {args.max_jobs}")
+    daemon = Daemon(_state(args), max_jobs=args.max_jobs, stop_timeout=args.stop_timeout,
+                    log_file=args.log_file)
+    if args.log_file is not None:
+        try:
+            daemon.reopen_log()
+        except OSError as e:
+            raise UserError(f"--log-file {args.log_file}: {e.strerror}") from None
+    configure_logging(args.log_level)
+    if StatePaths(daemon.paths.root).socket.exists():
+        try:
+            call_daemon(daemon.paths.root, {"op": "ping"}, timeout=2.0)
+        except DaemonError:
+            pass  # a stale socket of a dead daemon
+        else:
+            raise UserError(f"a daemon already serves {daemon.paths.root}")
+    if args.metrics_port:
+        from rlhf_async.ops.daemon.metrics import serve_metrics
+
+        try:
+            serve_metrics(daemon.paths.db, args.metrics_port)
+        except OSError as e:
+            raise UserError(f"--metrics-port {args.metrics_port}: {e.strerror}") from None
+    return int(run_loop(daemon.serve()))
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:  # `submit key=value` without a config file
+        config, overrides = None, [config, *overrides]
+    text, name = "", ""
+    if config is not None:
+        try:
+            text, name = Path(config).read_text(), str(Path(config).resolve())
+        except OSError as e:
+            raise UserError(f"cannot read config {config}: {e.strerror}") from None
+    job = _call(args, {"op": "submit", "config_text": text, "config_name": name,
+                       "overrides": overrides})
+    print(f"job {job['id']} queued (run dir {job['run_dir']})")
+    return 0
+
+
+def _when(t: float | None) -> str:
+    return "-" if t is None else datetime.fromtimestamp(t, UTC).strftime("%m-%d %H:%M:%S")
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    result = _call(args, {"op": "job", "id": args.job} if args.job is not None else
+                   {"op": "jobs"})
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    rows = [result] if args.job is not None else result
+    print(f"{'job':>5} {'state':<10} {'tries':>5} {'resumed':>7} {'submitted':<15} "
+          f"{'finished':<15} config")
+    for j in rows:
+        resumed = "-" if j["resumed_from"] is None else str(j["resumed_from"])
+        config = " ".join([Path(j["config_name"]).name or "(built-in)", *j["overrides"]])
+        print(f"{j['id']:>5} {j['state']:<10} {j['attempts']:>5} {resumed:>7} "
+              f"{_when(j['submitted']):<15} {_when(j['finished']):<15} {config}")
+        if j["error"]:
+            print(f"      error: {j['error']}")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    job = _call(args, {"op": "job", "id": args.job})
+    path = Path(job["log_path"])
+    if not path.exists():
+        print(f"job {args.job} has no output yet ({job['state']})", file=sys.stderr)
+        return 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(65536)
+            if chunk:
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.flush()
+                continue
+            if not args.follow or job["state"] not in ("queued", "running"):
+                return 0
+            time.sleep(0.5)
+            job = _call(args, {"op": "job", "id": args.job})
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    job = _call(args, {"op": "cancel", "id": args.job})
+    print(f"job {job['id']}: " + ("cancelled" if job["state"] == "cancelled" else
+                                  "cancel requested; its processes are stopping"))
+    return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from rlhf_async.runtime import run_loop
+    from rlhf_async.runtime.agent import Agent
+    from rlhf_async.wire.security import SecurityError
+    from rlhf_async.wire.transport import EndpointError
+
+    configure_logging("info")
+    if not args.bind.startswith("tcp://"):
+        raise UserError(f"--bind {args.bind!r} must be tcp://ADDRESS:PORT")
+    try:
+        return int(run_loop(Agent(args.bind, args.work_dir, keys=args.keys,
+                                  insecure=args.insecure).serve()))
+    except (SecurityError, EndpointError) as e:
+        raise UserError(str(e)) from None
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from rlhf_async.ops.doctor import run_doctor
+    from rlhf_async.runtime.hosts import HostsError, load_hosts
+    from rlhf_async.wire.security import SecurityError
+
+    configure_logging("error")
+    try:
+        findings = run_doctor(load_hosts(args.hosts), args.keys, args.timeout, args.insecure)
+    except (HostsError, SecurityError) as e:
+        raise UserError(str(e)) from None
+    for f in findings:
+        print(f.line())
+    bad = sum(not f.ok for f in findings)
+    print(f"{len(findings) - bad} of {len(findings)} hosts ready" + (f"; {bad} with a "
+          "problem" if bad else ""))
+    return 1 if bad else 0
+
+
+HANDLERS = {"serve": cmd_serve, "submit": cmd_submit, "jobs": cmd_jobs, "logs": cmd_logs,
+            "cancel": cmd_cancel, "agent": cmd_agent, "doctor": cmd_doctor}

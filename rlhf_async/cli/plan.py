@@ -1,0 +1,93 @@
+"""`rlhf-async plan`: the placement table and predicted cost of a config, the simulation
+table for LLaMA-shaped models on GPU clusters, or a calibration run on this machine.
+(The CLI may print; this module is the CLI's.)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rlhf_async.config import ConfigError, load_config
+from rlhf_async.planning.costmodel import ASSUMPTIONS, DEVICES, LLAMA
+from rlhf_async.planning.planner import format_prediction, machine, plan_job, predictions, simulate
+from rlhf_async.strategies.placement import with_engines
+
+
+def _int_list(text: str, key: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise ConfigError([f"{key}: {text!r} is not a comma list of positive integers"])
+    return out
+
+
+def run_plan(args: argparse.Namespace, config: str | None, overrides: list[str]) -> int:
+    if args.simulate:
+        return _simulate(args)
+    cfg = load_config(config, overrides)
+    if args.calibrate:
+        from rlhf_async.planning.calibrate import calibrate
+
+        data = calibrate(cfg, args.out)
+        print(json.dumps(data, indent=2) if args.json else
+              f"calibration written to {args.out}; use it with "
+              f"placement.calibration={str(args.out)!r}\n" +
+              json.dumps(data["calibration"], indent=2))
+        return 0
+    placement, pred = plan_job(cfg)
+    placement = with_engines(placement, cfg.train.backend, cfg.generation.backend)
+    dev, cal = machine(cfg)
+    if args.json:
+        print(json.dumps({"placement": placement.to_dict(), "step_s": pred.step_s,
+                          "phases": pred.phases, "memory_bytes": pred.memory,
+                          "notes": pred.notes}, indent=2))
+        return 0
+    print(placement.table())
+    print()
+    print(format_prediction(pred, dev, cal))
+    others = [f"  {n}: {pr.step_s * 1e3:.1f} ms" if pr else f"  {n}: not possible ({why})"
+              for n, (_, pr, why) in predictions(cfg).items()]
+    print("predicted step time of each strategy on this config:\n" + "\n".join(others))
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    models = [m.strip().upper() for m in args.models.split(",") if m.strip()]
+    bad = [m for m in models if m not in LLAMA]
+    if bad or not models:
+        raise ConfigError([f"--models: {bad or args.models!r} not among {', '.join(LLAMA)}"])
+    sizes = _int_list(args.gpus, "--gpus")
+    rows = simulate(args.gpu, models, sizes)
+    if args.json:
+        print(json.dumps({"gpu": args.gpu, "assumptions": ASSUMPTIONS, "rows": rows}, indent=1))
+        return 0
+    print(format_simulation(rows, args.gpu))
+    return 0
+
+
+def format_simulation(rows: list[dict], gpu: str) -> str:
+    """Markdown table, one row per (model, GPUs): each strategy's predicted step time and
+    peak memory per GPU, Separation's speed-up over Flattening and its best layout."""
+    dev = DEVICES[gpu]
+    out = [f"Predicted PPO step time on {dev.name} (actor, critic, reward, reference)",
+           "", "Assumptions:"] + [f"- {a}" for a in ASSUMPTIONS] + [""]
+    names = ["flattening", "interleaving", "separation k=0", "separation k=1"]
+    out.append("| model | GPUs | " + " | ".join(f"{n} s (GiB)" for n in names)
+               + " | sep k=0 vs flat | sep k=1 vs flat | separation layout (k=0) |")
+    out.append("| --- | ---: | " + " | ".join("---:" for _ in names) + " | ---: | ---: | --- |")
+    by = {(r["model"], r["gpus"], r["strategy"]): r for r in rows}
+    for model, n in dict.fromkeys((r["model"], r["gpus"]) for r in rows):
+        cells, step = [], {}
+        for name in names:
+            r = by[(model, n, name)]
+            step[name] = r["step_s"] if r["feasible"] else None
+            cells.append(f"{r['step_s']:.1f} ({r['memory_gib']:.0f})" if r["feasible"]
+                         else f"OOM ({r['memory_gib']:.0f})")
+        flat = step["flattening"]
+        vs = [f"{flat / step[k]:.1f}x" if flat and step[k] else "-"
+              for k in ("separation k=0", "separation k=1")]
+        out.append(f"| {model} | {n} | " + " | ".join(cells) + f" | {vs[0]} | {vs[1]} | "
+                   f"{by[(model, n, 'separation k=0')]['layout']} |")
+    return "\n".join(out)

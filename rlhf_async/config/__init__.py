@@ -1,0 +1,26 @@
+"""Typed job configuration: the dataclasses (`schema`), loading with every problem in one
+error (`load`), cross-field checks (`checks`), the generated reference file (`reference`)."""
+
+from rlhf_async.config.load import config_from_dict, load_config, parse_override
+from rlhf_async.config.schema import (
+    AlgoConfig,
+    ConfigError,
+    GenerationConfig,
+    JobConfig,
+    ModelConfig,
+    PlacementConfig,
+    RewardModelConfig,
+    RunConfig,
+    RuntimeConfig,
+    SFTConfig,
+    TaskConfig,
+    TrainConfig,
+    WeightSyncConfig,
+    to_dict,
+    weight_sync_backend,
+)
+
+__all__ = ["AlgoConfig", "ConfigError", "GenerationConfig", "JobConfig", "ModelConfig",
+           "PlacementConfig", "RewardModelConfig", "RunConfig", "RuntimeConfig", "SFTConfig",
+           "TaskConfig", "TrainConfig", "WeightSyncConfig", "config_from_dict", "load_config",
+           "parse_override", "to_dict", "weight_sync_backend"]

@@ -1,0 +1,53 @@
+"""Cross-field checks of a parsed `JobConfig` (each field's own type and range are checked
+in `load.py` while parsing); every problem is one line naming its key."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from rlhf_async.config.schema import JobConfig
+
+
+def cross_checks(cfg: JobConfig) -> list[str]:
+    """Problems that involve several fields (each field alone already parsed)."""
+    out = []
+    if cfg.task.min_len > cfg.task.max_len:
+        out.append(f"task.min_len: {cfg.task.min_len} exceeds task.max_len {cfg.task.max_len}")
+    if cfg.algo.name in ("grpo", "rloo") and cfg.algo.group_size < 2:
+        out.append(f"algo.group_size: {cfg.algo.name} needs >= 2 responses per prompt")
+    if cfg.task.name == "text":
+        out.extend(_text_task_checks(cfg))
+    elif cfg.generation.max_new_tokens < cfg.task.max_len + 1:
+        out.append(f"generation.max_new_tokens: {cfg.generation.max_new_tokens} cannot hold "
+                   f"a full answer; needs >= task.max_len + 1 = {cfg.task.max_len + 1}")
+    samples = cfg.train.prompts_per_step * cfg.algo.group_size
+    if samples < cfg.train.minibatches:
+        out.append(f"train.minibatches: {cfg.train.minibatches} exceeds the {samples} samples "
+                   "per step")
+    if cfg.model.path and not Path(cfg.model.path).is_dir():
+        out.append(f"model.path: {cfg.model.path!r} is not a directory")
+    for key, engine, extra in (("train.backend", cfg.train.backend, "deepspeed"),
+                               ("generation.backend", cfg.generation.backend, "vllm")):
+        if engine == extra and importlib.util.find_spec(extra) is None:
+            out.append(f"{key}: {extra} is not installed (pip install 'rlhf-async[{extra}]'); "
+                       "accepted here: torch")
+    if cfg.model.hidden % cfg.model.heads:
+        out.append(f"model.hidden: {cfg.model.hidden} must be divisible by model.heads")
+    return out
+
+
+def _text_task_checks(cfg: JobConfig) -> list[str]:
+    """What the text task needs before its files are read (rlhf_async.task.text)."""
+    t, out = cfg.task, []
+    if not cfg.model.path:
+        out.append("model.path: task.name = 'text' needs a local Hugging Face model "
+                   "directory with a tokenizer")
+    if not t.prompts:
+        out.append("task.prompts: task.name = 'text' needs a prompts file (.jsonl or .txt)")
+    elif not Path(t.prompts).is_file():
+        out.append(f"task.prompts: {t.prompts!r} is not a file")
+    if ":" not in t.reward:
+        out.append("task.reward: task.name = 'text' needs 'module.path:function' or "
+                   f"'path/to/file.py:function', got {t.reward!r}")
+    return out

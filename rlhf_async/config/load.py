@@ -1,0 +1,151 @@
+"""Loading a `JobConfig`: TOML and dotted overrides, every field type- and range-checked,
+then the cross-field checks; all problems together in one `ConfigError`."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+from rlhf_async.config.checks import cross_checks
+from rlhf_async.config.schema import ConfigError, JobConfig
+
+
+def _section_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is list:
+        return f"list of {typing.get_args(tp)[0].__name__}"
+    return {int: "integer", float: "number", bool: "true/false", str: "string"}.get(tp, str(tp))
+
+
+def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
+    """Check `value` against a field type; returns (ok, value converted where lossless)."""
+    if typing.get_origin(tp) is list:
+        inner = typing.get_args(tp)[0]
+        if not isinstance(value, list):
+            return False, value
+        items = [_coerce(inner, v) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if tp is str:
+        return isinstance(value, str), value
+    return False, value
+
+
+def _check_value(path: str, f: dataclasses.Field, value: Any) -> list[str]:
+    m = f.metadata
+    out = []
+    if m.get("choices") is not None and value not in m["choices"]:
+        out.append(f"{path}: {value!r} is not one of {', '.join(map(repr, m['choices']))}")
+    values = value if isinstance(value, list) else [value]
+    for v in values:
+        if m.get("ge") is not None and v < m["ge"]:
+            out.append(f"{path}: {v!r} is below the minimum {m['ge']}")
+        if m.get("gt") is not None and v <= m["gt"]:
+            out.append(f"{path}: {v!r} must be greater than {m['gt']}")
+        if m.get("le") is not None and v > m["le"]:
+            out.append(f"{path}: {v!r} is above the maximum {m['le']}")
+    return out
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str, problems: list[str]) -> Any:
+    types_ = _section_types(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            problems.append(f"{path}: unknown key; accepted: {', '.join(fields)}")
+            continue
+        tp = types_[key]
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                problems.append(f"{path}: expected a table/section, got {value!r}")
+                continue
+            kwargs[key] = _build(tp, value, path + ".", problems)
+            continue
+        ok, converted = _coerce(tp, value)
+        if not ok:
+            problems.append(f"{path}: expected {_type_name(tp)}, got {value!r}")
+            continue
+        bad = _check_value(path, fields[key], converted)
+        problems.extend(bad)
+        if not bad:
+            kwargs[key] = converted
+    return cls(**kwargs)
+
+
+def _add_cross_checks(cfg: JobConfig, problems: list[str]) -> None:
+    """Cross-field checks run on the fields that parsed (bad ones are at their defaults);
+    a key that already has a problem is not reported twice."""
+    seen = {p.split(":", 1)[0] for p in problems}
+    problems.extend(p for p in cross_checks(cfg) if p.split(":", 1)[0] not in seen)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """'a.b=value' -> (['a', 'b'], value); the value is read as TOML, else as a bare string."""
+    if "=" not in item:
+        raise ConfigError([f"override {item!r}: expected key.path=value"])
+    key, raw = item.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError as e:
+        if raw.strip()[:1] in ("\"", "'", "[", "{"):  # meant as TOML, but broken
+            raise ConfigError([(f"override {item!r}: the value is not valid TOML ({e}); "
+                                "quote a whole string, e.g. key=\"a/b\"")]) from None
+        value = raw.strip()
+    return key.strip().split("."), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Load TOML (optional) then apply dotted overrides; raise ConfigError listing all problems."""
+    data: dict[str, Any] = {}
+    problems: list[str] = []
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError([f"config file {str(path)!r}: not found"]) from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError([f"config file {str(path)!r}: not valid TOML ({e})"]) from None
+    for item in overrides or []:
+        try:
+            keys, value = parse_override(item)
+        except ConfigError as e:
+            problems.extend(e.problems)
+            continue
+        node = data
+        for k in keys[:-1]:
+            nxt = node.setdefault(k, {})
+            if not isinstance(nxt, dict):
+                problems.append(f"override {item!r}: {k} is not a section")
+                break
+            node = nxt
+        else:
+            node[keys[-1]] = value
+    cfg = _build(JobConfig, data, "", problems)
+    _add_cross_checks(cfg, problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> JobConfig:
+    """A JobConfig from its `to_dict` form (e.g. shipped to a node); same checks as TOML."""
+    problems: list[str] = []
+    cfg = _build(JobConfig, data, "", problems)
+    _add_cross_checks(cfg, problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg

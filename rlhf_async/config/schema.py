@@ -1,0 +1,209 @@
+"""Typed job configuration: nested dataclasses, loaded from TOML with dotted overrides.
+
+Every problem (unknown key, wrong type, bad value) is collected and raised together in one
+`ConfigError` (`load.py`). The reference file `configs/reference.toml` is rendered from these
+classes (`reference.py`), so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; `problems` lists every issue as 'key.path: what is wrong'."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
+
+
+def opt(default: Any, help: str, *, choices: tuple[Any, ...] | None = None,
+        ge: float | None = None, gt: float | None = None, le: float | None = None) -> Any:
+    """A config field with its help text and accepted values (used by validation and docs)."""
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class RunConfig:
+    name: str = opt("", "run directory name under output_dir; empty = a UTC timestamp")
+    seed: int = opt(0, "seed for every keyed random stream (sampling, shuffling, init)", ge=0)
+    output_dir: str = opt("runs", "where run directories are created")
+    cache_dir: str = opt("runs/cache", "where SFT and reward-model artefacts are cached")
+    eval_prompts: int = opt(256, "held-out prompts for the SFT-vs-final comparison", ge=1)
+    progress: bool = opt(True, "print a compact progress line per step to stderr")
+    plot: bool = opt(True, "write metrics.png at the end of the run")
+    checkpoint_every: int = opt(10, "checkpoint every N RL steps (and on stop); 0 = on stop only",
+                                ge=0)
+    keep_checkpoints: int = opt(3, "newest checkpoints kept in RUN_DIR/checkpoints", ge=1)
+
+
+@dataclass
+class ModelConfig:
+    path: str = opt("", "local Hugging Face model directory for the actor; empty = built-in")
+    arch: str = opt("gpt2", "architecture of the built-in tiny model", choices=("gpt2", "llama"))
+    hidden: int = opt(64, "hidden size of the built-in model", ge=8)
+    layers: int = opt(2, "transformer layers of the built-in model", ge=1)
+    heads: int = opt(4, "attention heads of the built-in model", ge=1)
+    dropout: float = opt(0.0, "dropout of the built-in model", ge=0.0, le=0.9)
+    max_positions: int = opt(64, "context length of the built-in model", ge=8)
+
+
+@dataclass
+class TaskConfig:
+    name: str = opt("sort_digits", "sort_digits = the built-in task (SFT + reward model); "
+                    "text = your prompts + your reward function (needs model.path)",
+                    choices=("sort_digits", "text"))
+    min_len: int = opt(3, "shortest prompt (digits; sort_digits)", ge=2)
+    max_len: int = opt(6, "longest prompt (digits; sort_digits)", ge=2)
+    num_digits: int = opt(10, "digit alphabet size (sort_digits)", ge=2, le=10)
+    prompts: str = opt("", "text: prompts file, .jsonl ({\"prompt\": \"...\"} per line) or "
+                       "one prompt per line; ~1 in 8 held out for evaluation")
+    reward: str = opt("", "text: rule reward 'module.path:function' or 'file.py:function', "
+                      "called as f(prompt: str, response: str) -> float")
+    chat_template: bool = opt(True, "text: wrap each prompt in the tokenizer's chat template "
+                              "(with the generation prompt)")
+    max_prompt_tokens: int = opt(256, "text: longest prompt accepted (tokens, template "
+                                 "included)", ge=1)
+
+
+@dataclass
+class SFTConfig:
+    steps: int = opt(250, "supervised fine-tuning steps on synthetic demonstrations", ge=0)
+    batch_size: int = opt(64, "demonstrations per SFT step", ge=1)
+    lr: float = opt(3e-3, "SFT learning rate", gt=0.0)
+
+
+@dataclass
+class RewardModelConfig:
+    steps: int = opt(1200, "Bradley-Terry training steps", ge=0)
+    batch_size: int = opt(64, "preference pairs per step", ge=1)
+    lr: float = opt(1e-3, "reward-model learning rate", gt=0.0)
+    label_noise: float = opt(0.05, "temperature of the noisy labeller: P(a>b)=sigmoid(dh/t)", gt=0.0)
+    heldout_pairs: int = opt(1024, "held-out pairs for reward-model accuracy", ge=1)
+
+
+@dataclass
+class AlgoConfig:
+    name: str = opt("ppo", "RL algorithm", choices=("ppo", "grpo", "rloo"))
+    kl_coef: float = opt(0.05, "weight of the KL penalty to the reference", ge=0.0)
+    kl_estimator: str = opt("k1", "per-token KL estimator", choices=("k1", "k3"))
+    kl_mode: str = opt("reward", "where the KL penalty goes", choices=("reward", "loss"))
+    clip_eps: float = opt(0.2, "PPO ratio clip", gt=0.0)
+    value_clip: float = opt(0.2, "PPO value clip", gt=0.0)
+    vf_coef: float = opt(0.5, "value-loss weight (ppo)", ge=0.0)
+    entropy_coef: float = opt(0.0, "entropy bonus weight", ge=0.0)
+    gamma: float = opt(1.0, "discount (ppo GAE)", ge=0.0, le=1.0)
+    lam: float = opt(0.95, "GAE lambda (ppo)", ge=0.0, le=1.0)
+    whiten_advantages: bool = opt(True, "whiten advantages over the global batch (ppo)")
+    group_size: int = opt(4, "responses sampled per prompt (grpo/rloo need >= 2)", ge=1)
+    is_cap: float = opt(0.0, "truncated importance-sampling cap vs behaviour log-probs; 0 = off",
+                        ge=0.0)
+    max_staleness: int = opt(0, "weight versions generation may run ahead of training", ge=0)
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = opt(8, "response length limit (tokens, EOS included)", ge=1)
+    temperature: float = opt(1.0, "sampling temperature (also used for training log-probs)",
+                             gt=0.0)
+    top_k: int = opt(0, "sample from the k most likely tokens; 0 = all", ge=0)
+    backend: str = opt("torch", "generator engine (separation); vllm needs the [vllm] extra",
+                       choices=("torch", "vllm"))
+
+
+@dataclass
+class TrainConfig:
+    steps: int = opt(100, "RL steps (one global batch each)", ge=1)
+    prompts_per_step: int = opt(32, "prompts per global batch (x group_size samples)", ge=1)
+    epochs: int = opt(2, "passes over each batch", ge=1)
+    minibatches: int = opt(2, "optimizer steps per epoch", ge=1)
+    lr: float = opt(5e-4, "actor learning rate", gt=0.0)
+    critic_lr: float = opt(1e-3, "critic learning rate (ppo)", gt=0.0)
+    grad_clip: float = opt(1.0, "global gradient-norm clip; 0 = off", ge=0.0)
+    weight_decay: float = opt(0.0, "AdamW weight decay", ge=0.0)
+    publish_every: int = opt(1, "publish weights to generators every N steps", ge=1)
+    backend: str = opt("torch", "training engine for actor and critic; deepspeed needs the "
+                       "[deepspeed] extra", choices=("torch", "deepspeed"))
+    zero_stage: int = opt(2, "DeepSpeed ZeRO stage (train.backend = deepspeed)",
+                          choices=(1, 2, 3))
+    grad_accum: int = opt(1, "micro-batches per minibatch (gradient accumulation)", ge=1)
+
+
+@dataclass
+class WeightSyncConfig:
+    bucket_mb: float = opt(100.0, "flattened bucket size for weight broadcasts (MB)", gt=0.0)
+    backend: str = opt("auto", "collective for the broadcast; auto = nccl on cuda, else gloo",
+                       choices=("auto", "gloo", "nccl"))
+    timeout_s: float = opt(60.0, "limit for joining the group and for each transfer (s)",
+                           gt=0.0)
+
+
+@dataclass
+class RuntimeConfig:
+    time_to_dead: float = opt(10.0, "seconds without a heartbeat before a node is dead", gt=0.0)
+    restart_limit: int = opt(3, "restarts per node before the run stops with a checkpoint",
+                             ge=0)
+
+
+@dataclass
+class PlacementConfig:
+    strategy: str = opt("flattening", "placement strategy: auto, or one registered in "
+                        "rlhf_async/strategies/registry.py (`rlhf-async plan` lists them)")
+    device: str = opt("cpu", "device kind", choices=("cpu", "cuda"))
+    devices: int = opt(1, "devices (CPU slots or GPUs) for the job", ge=1)
+    cpu_threads: int = opt(1, "torch threads per process on CPU (tiny models run best on 1)",
+                           ge=1)
+    actor: list[int] = opt([], "explicit device ids for the actor; empty = strategy decides")  # noqa: RUF009
+    critic: list[int] = opt([], "explicit device ids for the critic")  # noqa: RUF009
+    reward: list[int] = opt([], "explicit device ids for the reward model")  # noqa: RUF009
+    reference: list[int] = opt([], "explicit device ids for the reference model")  # noqa: RUF009
+    generator: list[int] = opt([], "explicit device ids for generator shadows (separation)")  # noqa: RUF009
+    generators: int = opt(1, "generator replicas (separation)", ge=1)
+    scorers: int = opt(1, "scorer replicas, each holding reward + reference (separation)", ge=1)
+    replicas: list[str] = opt([], "per-model data-parallel replicas, e.g. ['reward=2']")  # noqa: RUF009
+    tensor_parallel: list[str] = opt([], "per-model tensor-parallel size, e.g. ['actor=2']")  # noqa: RUF009
+    backend: list[str] = opt([], "per-model runtime backend, e.g. ['shadow_actor=vllm'] "  # noqa: RUF009
+                             "(torch | hf | deepspeed | vllm)")
+    dtype: list[str] = opt([], "per-model dtype, e.g. ['reference=bf16'] (fp32 | bf16 | fp16)")  # noqa: RUF009
+    memory_gb: float = opt(0.0, "per-device memory budget for validation (GiB); 0 = the "
+                           "device's own", ge=0.0)
+    gpu: str = opt("H100", "GPU kind the cost model assumes when device = cuda",
+                   choices=("A100", "H100", "H200"))
+    calibration: str = opt("", "calibration JSON from `rlhf-async plan --calibrate`; empty = "
+                           "the built-in one")
+    hosts_file: str = opt("", "hosts file naming the machines and their devices (global "
+                          "device i = i-th device in file order); empty = this machine")
+    host: list[str] = opt([], "per-model host pin, e.g. ['reward=gpu-b']; needs hosts_file")  # noqa: RUF009
+
+
+@dataclass
+class JobConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+
+def weight_sync_backend(cfg: JobConfig) -> str:
+    """The collective the weight broadcast uses: `weight_sync.backend`, with auto resolved."""
+    if cfg.weight_sync.backend != "auto":
+        return cfg.weight_sync.backend
+    return "nccl" if cfg.placement.device == "cuda" else "gloo"
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,1 @@
+"""Control plane: the coordinator (launch, handshake, heartbeats, restarts), its client, chaos."""

@@ -1,0 +1,388 @@
+"""Coordinator: launches node processes, holds the control plane, and always cleans up.
+
+    async with Coordinator(run_dir) as coord:
+        await coord.launch(specs)                    # returns once every node is ready
+        reply = await coord.command("gen0", "status")
+        async for event in coord.events(): ...       # app events + node_dead / node_restarted
+
+Nodes connect a DEALER (identity = node_id) to the coordinator's ROUTER. The coordinator
+answers each heartbeat, so a node notices a vanished coordinator and exits by itself.
+`RUN_DIR/coordinator.json` names the control endpoint for the CLI's `status` and `stop`.
+
+Security: the control socket is an owner-only ipc file. Nodes get the coordinator's CURVE
+keys directory (`keys=`) in their spec; when a spec uses tcp and no keys were given, the
+coordinator makes a fresh set in RUN_DIR/keys, so tcp between nodes is never plaintext
+unless `insecure=True`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Self, TypeVar
+
+import structlog
+import zmq
+
+from rlhf_async.control.client import (
+    COORDINATOR_FILE,
+    CommandError,
+    CoordinatorError,
+    EventStream,
+    NodeEvent,
+    NodeNotReady,
+    call_coordinator,
+    read_coordinator_file,
+)
+from rlhf_async.runtime.launcher import Launcher, LocalLauncher, NodeProcess
+from rlhf_async.runtime.spec import NodeSpec
+from rlhf_async.wire.protocol import Message
+from rlhf_async.wire.security import Keyring, generate_keys
+from rlhf_async.wire.transport import IPC_PATH_MAX, Endpoint, Transport
+
+__all__ = ["COORDINATOR_FILE", "CommandError", "Coordinator", "CoordinatorError",
+           "EventStream", "NodeEvent", "NodeNotReady", "call_coordinator",
+           "read_coordinator_file"]
+T = TypeVar("T")
+# A coordinator-level command handler: payload -> msgpack-able reply.
+CoordHandler = Callable[[Any], Any]
+
+
+@dataclass
+class _Node:
+    spec: NodeSpec
+    process: NodeProcess
+    started: float
+    last_seen: float
+    state: str = "starting"  # starting | ready | exited | dead
+    restarts: int = 0
+    exit_code: int | None = None
+    goodbye: dict[str, Any] | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Coordinator:
+    def __init__(self, run_dir: str | Path, *, launcher: Launcher | None = None,
+                 control: str | None = None, heartbeat_s: float = 0.5,
+                 time_to_dead: float = 5.0, ready_timeout: float = 120.0,
+                 restart_limit: int = 0, stop_timeout: float = 5.0,
+                 keys: str | Path | None = None, insecure: bool = False) -> None:
+        self.run_dir = Path(run_dir).resolve()
+        # CURVE keys for tcp (ours and the nodes'); made on first need when not given
+        self.keyring = Keyring.load(keys) if keys is not None else None
+        self.insecure = insecure
+        self._ctl_dir: str | None = None
+        self.launcher = launcher or LocalLauncher()
+        self.control = control
+        self.heartbeat_s, self.time_to_dead = heartbeat_s, time_to_dead
+        self.ready_timeout, self.restart_limit = ready_timeout, restart_limit
+        self.stop_timeout = stop_timeout
+        self.nodes: dict[str, _Node] = {}
+        self.log = structlog.get_logger().bind(role="coordinator")
+        self.stop_requested = asyncio.Event()
+        self.stop_reason = ""
+        self._transport = Transport(log=self.log, keys=self.keyring, insecure=insecure)
+        self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._listeners: list[Callable[[NodeEvent], Any]] = []
+        self._handlers: dict[str, CoordHandler] = {
+            "status": lambda _: self.status(),
+            "stop": lambda p: self.request_stop(f"command: {p or 'stop'}"),
+        }
+        self._started = time.monotonic()
+        self._stopped = False
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return dict(self._transport.counters)
+
+    # lifecycle
+    async def __aenter__(self) -> Self:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.control is None:
+            path = str(self.run_dir / "ctl.sock")
+            if len(path) > IPC_PATH_MAX:  # a short private directory keeps control on ipc
+                self._ctl_dir = tempfile.mkdtemp(prefix="rlhf-ctl-")
+                path = os.path.join(self._ctl_dir, "ctl.sock")
+            self.control = f"ipc://{path}"
+        elif self.control.startswith("tcp://") and not self.insecure:
+            self._ensure_keys()
+        try:
+            self._router = self._transport.channel(
+                Endpoint("router", self.control, bind=True, hwm=10000))
+        except Exception:
+            await self._transport.close()
+            raise
+        self._router.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted node reuses its id
+        self._transport.spawn(self._control_loop(), name="coordinator-control")
+        self._transport.spawn(self._monitor_loop(), name="coordinator-monitor")
+        info = {"control": self.control, "pid": os.getpid(), "run_dir": str(self.run_dir),
+                "keys": self.keyring.directory if self.keyring else None}
+        tmp = self.run_dir / f".{COORDINATOR_FILE}.tmp"
+        tmp.write_text(json.dumps(info))
+        tmp.replace(self.run_dir / COORDINATOR_FILE)
+        self.log.info("coordinator_started", control=self.control, run_dir=str(self.run_dir))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await self.stop()
+        finally:
+            await self._transport.close()
+            (self.run_dir / COORDINATOR_FILE).unlink(missing_ok=True)
+            if self._ctl_dir is not None:
+                shutil.rmtree(self._ctl_dir, ignore_errors=True)
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT set `stop_requested`; `async with` exit then stops every node."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop, signal.Signals(sig).name)
+
+    def request_stop(self, reason: str = "requested") -> dict[str, Any]:
+        if not self.stop_requested.is_set():
+            self.stop_reason = reason
+            self.log.info("stop_requested", reason=reason)
+            self.stop_requested.set()
+        return {"stopping": True}
+
+    async def run_until_stop(self, job: Coroutine[Any, Any, T]) -> T | None:
+        """Run `job` until it returns (its result) or a stop is requested (None)."""
+        task = asyncio.ensure_future(job)
+        stop = asyncio.ensure_future(self.stop_requested.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        return None if task.cancelled() else task.result()
+
+    async def launch(self, specs: list[NodeSpec], *, wait_ready: bool = True) -> None:
+        ids = [s.node_id for s in specs]
+        dup = sorted({i for i in ids if ids.count(i) > 1 or i in self.nodes})
+        if dup:
+            raise CoordinatorError(f"duplicate node ids: {dup}")
+        for spec in specs:
+            self._start(self._with_keys(spec.with_control(self.control or "")))
+        if wait_ready:
+            await self.wait_ready(ids)
+
+    def _ensure_keys(self) -> Keyring:
+        if self.keyring is None:
+            keys = self.run_dir / "keys"
+            if not (keys / "server.key_secret").exists():
+                generate_keys(keys, force=True)
+            self.keyring = Keyring.load(keys)
+            self._transport.keys = self.keyring
+            self.log.info("curve_keys", directory=str(keys))
+        return self.keyring
+
+    def _with_keys(self, spec: NodeSpec) -> NodeSpec:
+        """Hand the node our keys: always when we have some, else when it uses tcp."""
+        if spec.keys or spec.insecure:
+            return spec
+        if self.insecure and spec.tcp_addresses():
+            return replace(spec, insecure=True)
+        if self.keyring is None and not spec.tcp_addresses():
+            return spec
+        return replace(spec, keys=self._ensure_keys().directory)
+
+    def _start(self, spec: NodeSpec, restarts: int = 0) -> None:
+        process = self.launcher.launch(spec, self.run_dir)
+        now = time.monotonic()
+        self.nodes[spec.node_id] = _Node(spec, process, now, now, restarts=restarts)
+        self.log.info("node_launched", node=spec.node_id, role=spec.role, pid=process.pid)
+
+    async def wait_ready(self, node_ids: list[str] | None = None,
+                         timeout: float | None = None) -> None:
+        """Wait until the nodes are ready; NodeNotReady names any node that never came up."""
+        ids = list(self.nodes) if node_ids is None else node_ids
+        deadline = time.monotonic() + (timeout or self.ready_timeout)
+        while True:
+            waiting = [i for i in ids if self.nodes[i].state != "ready"]
+            if not waiting:
+                return
+            for i in waiting:
+                node = self.nodes[i]
+                if node.state in ("dead", "exited") or node.process.poll() is not None:
+                    raise NodeNotReady(f"node {i!r} exited with code {node.process.poll()} "
+                                       f"before it was ready; see {self._log_hint(node)}")
+            if time.monotonic() > deadline:
+                hints = ", ".join(f"{i} ({self._log_hint(self.nodes[i])})" for i in waiting)
+                raise NodeNotReady(f"nodes not ready after {timeout or self.ready_timeout}s: "
+                                   f"{hints}")
+            await asyncio.sleep(0.05)
+
+    def _log_hint(self, node: _Node) -> str:
+        return str(getattr(node.process, "log_path", "its log"))
+
+    async def stop(self) -> None:
+        """Stop every node: stop command, wait, terminate, wait, kill. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        alive = [n for n in self.nodes.values() if n.process.poll() is None]
+        for n in alive:
+            stop = Message("command", source="coordinator",
+                           meta={"name": "stop", "payload": "coordinator shutdown"})
+            try:
+                await self._router.send(stop, to=n.spec.node_id.encode(), timeout=0.1)
+            except TimeoutError:
+                pass
+        for action in ("terminate", "kill"):
+            deadline = time.monotonic() + self.stop_timeout
+            while alive and time.monotonic() < deadline:
+                alive = [n for n in alive if n.process.poll() is None]
+                await asyncio.sleep(0.02)
+            for n in alive:
+                self.log.warning("node_" + action, node=n.spec.node_id, pid=n.process.pid)
+                getattr(n.process, action)()
+        for n in alive:
+            await n.process.wait(timeout=self.stop_timeout)
+        self.log.info("coordinator_stopped", reason=self.stop_reason)
+
+    # commands and events
+    async def command(self, node_id: str, kind: str, payload: Any = None,
+                      timeout: float = 10.0) -> Any:
+        """Invoke the node's `kind` handler; returns its reply or raises CommandError."""
+        if node_id not in self.nodes:
+            raise CoordinatorError(f"unknown node {node_id!r}; nodes: {sorted(self.nodes)}")
+        msg = Message("command", source="coordinator", meta={"name": kind, "payload": payload})
+        future = asyncio.get_running_loop().create_future()
+        self._pending[msg.id] = future
+        try:
+            await self._router.send(msg, to=node_id.encode(), timeout=timeout)
+            reply = await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            raise TimeoutError(f"node {node_id!r} did not answer {kind!r} in {timeout}s") from None
+        finally:
+            self._pending.pop(msg.id, None)
+        if not reply.get("ok"):
+            raise CommandError(f"node {node_id!r} failed command {kind!r}: {reply.get('error')}")
+        return reply.get("result")
+
+    def on_command(self, kind: str, handler: CoordHandler) -> None:
+        """Coordinator-level command reachable by nodes and the CLI (see `call_coordinator`)."""
+        self._handlers[kind] = handler
+
+    def on_event(self, callback: Callable[[NodeEvent], Any]) -> None:
+        self._listeners.append(callback)
+
+    def events(self) -> EventStream:
+        """NodeEvents from now on: `with coord.events() as stream: async for ev in stream`."""
+        return EventStream(self._listeners)
+
+    def _publish(self, event: NodeEvent) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception:
+                self.log.exception("event_listener_failed", event=event.kind)
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        nodes = {
+            i: {"role": n.spec.role, "pid": n.process.pid, "state": n.state,
+                "last_seen_s": round(now - n.last_seen, 2), "restarts": n.restarts,
+                "exit_code": n.exit_code}
+            for i, n in self.nodes.items()
+        }
+        return {"pid": os.getpid(), "control": self.control, "run_dir": str(self.run_dir),
+                "uptime_s": round(now - self._started, 2), "stopping": self.stop_requested.is_set(),
+                "counters": self.counters, "nodes": nodes}
+
+    # background loops
+    async def _control_loop(self) -> None:
+        while True:
+            peer, msg = await self._router.recv_from()
+            try:
+                await self._on_control(peer, msg)
+            except Exception:  # one odd message must not deafen the whole control plane
+                self._transport.counters["control.errors"] += 1
+                self.log.exception("control_message_failed", kind=msg.kind, source=msg.source)
+
+    async def _on_control(self, peer: bytes, msg: Message) -> None:
+        if msg.kind == "command":
+            self._transport.spawn(self._answer(peer, msg), name=f"answer-{msg.id}")
+            return
+        node = self.nodes.get(msg.source)
+        if node is None or peer != msg.source.encode():
+            self._transport.counters["control.unknown_peer"] += 1
+            return
+        node.last_seen = time.monotonic()
+        if msg.kind == "heartbeat":
+            await self._router.send(msg.reply("heartbeat", source="coordinator"), to=peer)
+        elif msg.kind == "reply" and msg.parent in self._pending:
+            future = self._pending[msg.parent]
+            if not future.done():
+                future.set_result(msg.meta)
+        elif msg.kind == "ready":
+            node.state = "ready"
+            node.ready.set()
+            self._publish(NodeEvent(msg.source, "ready", msg.meta))
+        elif msg.kind == "event":
+            self._publish(NodeEvent(msg.source, str(msg.meta.get("name")),
+                                    msg.meta.get("payload"), msg.step, msg.weight_version,
+                                    msg.timestamp))
+        elif msg.kind == "stop":
+            node.goodbye = msg.meta
+
+    async def _answer(self, peer: bytes, msg: Message) -> None:
+        name = msg.meta.get("name")
+        handler = self._handlers.get(name) if isinstance(name, str) else None
+        try:
+            if handler is None:
+                raise KeyError(f"unknown command {name!r}; known: {sorted(self._handlers)}")
+            result = handler(msg.meta.get("payload"))
+            if asyncio.iscoroutine(result):
+                result = await result
+            meta = {"ok": True, "result": result}
+        except Exception as e:  # noqa: BLE001 - the caller gets the error as the reply
+            meta = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        await self._router.send(msg.reply("reply", meta=meta, source="coordinator"), to=peer)
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s / 2)
+            if self._stopped:
+                return
+            now = time.monotonic()
+            for node in list(self.nodes.values()):
+                if node.state in ("dead", "exited"):
+                    continue
+                rc = node.process.poll()
+                if rc == 0:  # finished or stopped on request: not a failure
+                    node.state, node.exit_code = "exited", 0
+                    self._publish(NodeEvent(node.spec.node_id, "exited", node.goodbye))
+                elif rc is not None:
+                    reason = (node.goodbye or {}).get("reason", "")
+                    self._dead(node, f"exited with code {rc}" + (f" ({reason})" if reason else ""), rc)
+                elif node.state == "ready" and now - node.last_seen > self.time_to_dead:
+                    self._dead(node, f"no heartbeat for {now - node.last_seen:.1f}s", None)
+                elif node.state == "starting" and now - node.started > self.ready_timeout:
+                    self._dead(node, f"not ready after {self.ready_timeout}s", None)
+
+    def _dead(self, node: _Node, reason: str, rc: int | None) -> None:
+        node_id = node.spec.node_id
+        node.state, node.exit_code = "dead", rc
+        node.process.kill()  # a hung node must not linger beside its replacement
+        restart = node.restarts < self.restart_limit and not self.stop_requested.is_set()
+        self.log.error("node_dead", node=node_id, role=node.spec.role, reason=reason,
+                       restart=restart, log=self._log_hint(node))
+        self._publish(NodeEvent(node_id, "node_dead",
+                                {"reason": reason, "exit_code": rc, "will_restart": restart}))
+        if restart:
+            self._start(node.spec, restarts=node.restarts + 1)
+            self._publish(NodeEvent(node_id, "node_restarted", {"restarts": node.restarts + 1}))

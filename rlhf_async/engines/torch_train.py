@@ -1,0 +1,57 @@
+"""The plain-torch training engine: AdamW on the module's parameters, gradients summed over
+ranks by one all-reduce when torch.distributed is up (the CPU / CI default)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rlhf_async.modeling.determinism import all_reduce_grads
+
+
+class TorchTrainBackend:
+    name = "torch"
+
+    def __init__(self, module: nn.Module, *, lr: float, weight_decay: float,
+                 grad_clip: float) -> None:
+        self.module = self.model = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self.grad_clip = grad_clip
+
+    def backward(self, loss: Tensor, *, last: bool = True) -> None:
+        loss.backward()  # micro-batch gradients accumulate in .grad until step()
+
+    def step(self) -> float:
+        all_reduce_grads(self.params)
+        clip = self.grad_clip or float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return dict(self.module.state_dict())
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        self.module.load_state_dict(state)
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.optimizer.load_state_dict(dict(state))
+
+    def iter_weight_groups(self, max_bytes: int) -> Iterator[dict[str, Tensor]]:
+        """The whole state dict as one group: nothing is sharded, nothing to gather."""
+        yield {k: v.detach() for k, v in self.module.state_dict().items()}
+
+    def gathered(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def close(self) -> None:
+        """Nothing to release: plain torch modules and optimizers."""

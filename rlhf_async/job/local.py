@@ -1,0 +1,156 @@
+"""`run_job`: a job on this machine, end to end (SFT -> reward model -> RL -> evaluation)
+with the strategy its placement names (`strategies.registry`).
+
+The CLI's `run` subcommand calls `run_job(config_path, overrides)`; `ConfigError` (and its
+subclass `PlacementError`) carry every problem in one message for it to print.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from rlhf_async.config import ConfigError, JobConfig, config_from_dict, load_config, to_dict
+from rlhf_async.log import get_logger
+from rlhf_async.metrics import truncate_metrics
+from rlhf_async.modeling.generation import generate
+from rlhf_async.modeling.models import ScalarHeadModel, sequence_scores
+from rlhf_async.ops.plotting import plot_metrics
+from rlhf_async.planning.planner import prepare_run
+from rlhf_async.rl.checkpoint import CheckpointError, list_checkpoints, load_latest
+from rlhf_async.strategies.registry import STRATEGIES
+from rlhf_async.task import Task, make_task, sampling_params
+from rlhf_async.task.pretrain import load_reward, load_sft, prepare_artefacts
+
+log = get_logger(component="job")
+EVAL_STEP = -1  # key of the evaluation sampling noise; never a training step
+
+
+@torch.no_grad()
+def evaluate(actor: torch.nn.Module, reward_model: ScalarHeadModel | None, task: Task,
+             cfg: JobConfig) -> dict[str, float]:
+    """Sampled responses on held-out prompts: hidden score, reward (the reward model's
+    score, or the rule reward when there is no reward model), length."""
+    prompts = task.prompt_batch(cfg.run.seed, "eval", 0, cfg.run.eval_prompts, 1)
+    b = generate(actor, prompts, sampling_params(cfg, task), cfg.run.seed, EVAL_STEP, 0)
+    args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
+    hidden = task.hidden_scores(b.prompt_ids, b.response_ids, b.response_mask)
+    reward = hidden if reward_model is None else sequence_scores(reward_model, *args)
+    return {"hidden_score": float(hidden.mean()),
+            "reward": float(reward.mean()),
+            "response_length": float(b.response_mask.float().sum(1).mean()),
+            "prompts": len(b)}
+
+
+def _run_dir(cfg: JobConfig) -> Path:
+    name = cfg.run.name or datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    return Path(cfg.run.output_dir) / name
+
+
+def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None) -> dict:
+    """Run the whole job for a validated config; returns the summary (also summary.json).
+    With `run_dir`, continue that run from its newest good checkpoint."""
+    hf_logging.disable_progress_bar()
+    cfg, placement = prepare_run(cfg)  # auto resolved; every problem before any work
+    if cfg.placement.device == "cpu":
+        torch.set_num_threads(cfg.placement.cpu_threads)
+    task = make_task(cfg)  # a bad prompts file or reward function stops the run here
+    t_start = time.perf_counter()
+    start_step = 0
+    if run_dir is None:  # a fresh run
+        run_dir = _run_dir(cfg)
+        if list_checkpoints(run_dir / "checkpoints") or (run_dir / "metrics.jsonl").exists():
+            raise ConfigError([f"run.name: {run_dir} already holds a run; continue it with "
+                               f"`rlhf-async resume {run_dir}` or choose another run.name"])
+    else:  # resume: the newest good checkpoint decides where the run continues
+        ck = load_latest(run_dir / "checkpoints")
+        if ck is None:
+            raise CheckpointError(f"no usable checkpoint in {run_dir / 'checkpoints'}")
+        start_step = ck.step
+        truncate_metrics(run_dir, start_step)
+        log.info("resuming", run_dir=str(run_dir), step=start_step, checkpoint=str(ck.path))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+
+    t0 = time.perf_counter()
+    art = prepare_artefacts(cfg, task)
+    t_pre = time.perf_counter() - t0
+    reward_model = load_reward(art)
+    sft_eval = evaluate(load_sft(art.sft_dir), reward_model, task, cfg)
+    log.info("sft policy evaluated", **sft_eval)
+
+    (run_dir / "placement.txt").write_text(placement.table() + "\n")
+    result = STRATEGIES[cfg.placement.strategy].run(cfg, placement, art, run_dir, start_step)
+    final_eval = evaluate(load_sft(result.policy_dir), reward_model, task, cfg)
+    log.info("final policy evaluated", **final_eval)
+    if cfg.run.plot:
+        plot_metrics(result.metrics_path, run_dir / "metrics.png",
+                     f"{cfg.algo.name} on {cfg.task.name} (seed {cfg.run.seed})",
+                     rule_reward=task.rule_reward)
+    samples = (cfg.train.steps - start_step) * cfg.train.prompts_per_step * cfg.algo.group_size
+    summary = {
+        "run_dir": str(run_dir), "algo": cfg.algo.name, "seed": cfg.run.seed,
+        "strategy": cfg.placement.strategy, "devices": cfg.placement.devices,
+        "sft_hidden_score": sft_eval["hidden_score"],
+        "final_hidden_score": final_eval["hidden_score"],
+        "sft_reward": sft_eval["reward"], "final_reward": final_eval["reward"],
+        "eval_prompts": final_eval["prompts"],
+        "task": cfg.task.name,
+        "rm_accuracy": art.rm_stats.get("rm_accuracy"),
+        "rm_label_accuracy": art.rm_stats.get("rm_label_accuracy"),
+        "pretrain_seconds": t_pre, "rl_seconds": result.seconds,
+        "rl_samples_per_s": samples / result.seconds,
+        "wall_seconds": time.perf_counter() - t_start,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if out is not None:
+        out.write(format_summary(summary))
+        out.flush()
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    head = (f"\nrun {s['run_dir']} ({s['algo']}, seed {s['seed']}, {s['strategy']} x"
+            f"{s['devices']})\n")
+    if s.get("rm_accuracy") is None:  # a rule reward: no SFT, no reward model
+        head += (f"  rule reward on {s['eval_prompts']} held-out prompts: initial "
+                 f"{s['sft_reward']:.3f} -> final {s['final_reward']:.3f}\n")
+    else:
+        head += (
+            f"  hidden score on {s['eval_prompts']} held-out prompts: "
+            f"SFT {s['sft_hidden_score']:.3f} -> final {s['final_hidden_score']:.3f}\n"
+            f"  reward-model score: SFT {s['sft_reward']:.3f} -> final {s['final_reward']:.3f}\n"
+            f"  reward-model accuracy on held-out pairs: {s['rm_accuracy']:.3f} "
+            f"(vs noisy labels {s['rm_label_accuracy']:.3f})\n")
+    return head + (
+        f"  time: SFT+RM {s['pretrain_seconds']:.1f}s, RL {s['rl_seconds']:.1f}s "
+        f"({s['rl_samples_per_s']:.3g} samples/s), total {s['wall_seconds']:.1f}s\n"
+        f"  policy: {s['run_dir']}/policy   curves: {s['run_dir']}/metrics.png\n")
+
+
+def resume_job(run_dir: str | Path) -> int:
+    """Continue RUN_DIR with the config it was started with; 0 on success."""
+    run_dir = Path(run_dir)
+    try:
+        data = json.loads((run_dir / "config.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{run_dir} is not a run directory (no config.json)") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {run_dir / 'config.json'}: {e}") from None
+    run(config_from_dict(data), sys.stdout, run_dir=run_dir)
+    return 0
+
+
+def run_job(config_path: str | None, overrides: list[str]) -> int:
+    """Load the config (TOML file and/or dotted overrides) and run the job; 0 on success.
+    Raises ConfigError (one message listing every problem) for bad configuration."""
+    cfg = load_config(config_path, overrides)
+    run(cfg, sys.stdout)
+    return 0

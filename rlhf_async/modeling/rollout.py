@@ -1,0 +1,151 @@
+"""RolloutBatch: the plain data that flows generator -> scorer -> trainer.
+
+Named tensors plus two integers of metadata. `to_tensors()` / `from_tensors()` give a flat
+{name: Tensor} dict and a small meta dict, so a pipeline can ship a batch as a msgpack
+header plus one zero-copy frame per tensor, with no pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+REQUIRED = ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
+            "behaviour_logprobs", "sample_ids", "group_ids")
+OPTIONAL = ("rewards", "ref_logprobs", "hidden_scores")
+
+
+@dataclass
+class PromptBatch:
+    prompt_ids: Tensor  # [B, P] long, left-padded; one row per sample (prompts repeated)
+    prompt_mask: Tensor  # [B, P]
+    sample_ids: Tensor  # [B] long
+    group_ids: Tensor  # [B] long
+
+    def __len__(self) -> int:
+        return int(self.prompt_ids.shape[0])
+
+    def split(self, group_size: int, parts: int) -> list[PromptBatch]:
+        """Contiguous parts of whole prompt groups: `parts` of them (fewer when there are
+        fewer groups) whose sizes differ by at most one group. Every
+        strategy cuts a step's prompts this way: Flattening and Interleaving one part per
+        rank, Separation one per chunk."""
+        bounds = split_bounds(len(self) // group_size, parts, group_size)
+        return [PromptBatch(self.prompt_ids[lo:hi], self.prompt_mask[lo:hi],
+                            self.sample_ids[lo:hi], self.group_ids[lo:hi])
+                for lo, hi in itertools.pairwise(bounds)]
+
+    def to(self, device: torch.device | str) -> PromptBatch:
+        return PromptBatch(*(t.to(device) for t in (self.prompt_ids, self.prompt_mask,
+                                                     self.sample_ids, self.group_ids)))
+
+
+def split_bounds(groups: int, parts: int, group_size: int) -> list[int]:
+    """Row boundaries of `PromptBatch.split`: part i holds rows bounds[i]..bounds[i+1]
+    (every rank can compute another rank's share without a message)."""
+    parts = max(1, min(parts, groups))
+    return [group_size * (groups * i // parts) for i in range(parts + 1)]
+
+
+class RolloutFormatError(ValueError):
+    """A tensor dict that is not a valid RolloutBatch (missing names, bad shapes or dtypes)."""
+
+
+@dataclass
+class RolloutBatch:
+    prompt_ids: Tensor  # [B, P] long, left-padded
+    prompt_mask: Tensor  # [B, P] long, 1 = real token
+    response_ids: Tensor  # [B, R] long, right-padded after EOS
+    response_mask: Tensor  # [B, R] long, 1 = real token (EOS included)
+    behaviour_logprobs: Tensor  # [B, R] float32, log mu(token) of the generating policy
+    sample_ids: Tensor  # [B] long, globally unique per (prompt, response) sample
+    group_ids: Tensor  # [B] long, samples of the same prompt share it
+    version: int = 0  # weight version of the generating policy
+    step: int = 0  # RL step whose keyed randomness produced the batch
+    rewards: Tensor | None = None  # [B] float32 reward-model scores (scorer)
+    ref_logprobs: Tensor | None = None  # [B, R] float32 reference log-probs (scorer)
+    hidden_scores: Tensor | None = None  # [B] float32 task's true score (reported only)
+
+    def __len__(self) -> int:
+        return int(self.prompt_ids.shape[0])
+
+    def to_tensors(self) -> dict[str, Tensor]:
+        out = {k: getattr(self, k) for k in REQUIRED}
+        out.update({k: getattr(self, k) for k in OPTIONAL if getattr(self, k) is not None})
+        return {k: v.contiguous() for k, v in out.items()}
+
+    def meta(self) -> dict[str, int]:
+        return {"version": self.version, "step": self.step}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor], meta: dict[str, int]) -> RolloutBatch:
+        """Rebuild and validate; raises RolloutFormatError naming what is wrong."""
+        problems = [f"missing tensor {k!r}" for k in REQUIRED if k not in tensors]
+        unknown = set(tensors) - set(REQUIRED) - set(OPTIONAL)
+        problems += [f"unknown tensor {k!r}" for k in sorted(unknown)]
+        for k in ("version", "step"):
+            if not isinstance(meta.get(k), int):
+                problems.append(f"meta {k!r} must be an integer")
+        if problems:
+            raise RolloutFormatError("; ".join(problems))
+        kwargs: dict[str, Any] = dict(tensors)
+        batch = cls(**kwargs, version=meta["version"],
+                    step=meta["step"])
+        batch.validate()
+        return batch
+
+    def validate(self) -> None:
+        B = len(self)
+        P, R = self.prompt_ids.shape[-1], self.response_ids.shape[-1]
+        want = {"prompt_ids": (B, P), "prompt_mask": (B, P), "response_ids": (B, R),
+                "response_mask": (B, R), "behaviour_logprobs": (B, R), "sample_ids": (B,),
+                "group_ids": (B,), "rewards": (B,), "ref_logprobs": (B, R),
+                "hidden_scores": (B,)}
+        problems = []
+        for name, shape in want.items():
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if tuple(t.shape) != shape:
+                problems.append(f"{name}: shape {tuple(t.shape)}, expected {shape}")
+            integer = name.endswith(("_ids", "_mask"))
+            if integer != (not t.is_floating_point()):
+                problems.append(f"{name}: dtype {t.dtype} is not {'integer' if integer else 'float'}")
+        if problems:
+            raise RolloutFormatError("; ".join(problems))
+
+    def select(self, index: Tensor) -> RolloutBatch:
+        """Rows `index` (a long tensor) of every tensor field."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        kwargs: dict[str, Any] = {k: v[index] if isinstance(v, Tensor) else v
+                                  for k, v in fields.items()}
+        return RolloutBatch(**kwargs)
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        kwargs: dict[str, Any] = {k: v.to(device) if isinstance(v, Tensor) else v
+                                  for k, v in fields.items()}
+        return RolloutBatch(**kwargs)
+
+    def replace(self, **changes: Any) -> RolloutBatch:
+        return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def concat(batches: list[RolloutBatch]) -> RolloutBatch:
+        """Stack batches of equal widths; version/step are the minimum (the oldest policy)."""
+        first = batches[0]
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(first):
+            vals = [getattr(b, f.name) for b in batches]
+            if isinstance(vals[0], Tensor):
+                out[f.name] = torch.cat(vals)
+            elif vals[0] is None:
+                out[f.name] = None
+            else:
+                out[f.name] = min(vals)
+        return RolloutBatch(**out)

@@ -1,0 +1,261 @@
+"""`rlhf-async serve`: a long-lived service that runs submitted jobs one after another.
+
+    STATE_DIR/jobs.db        job table (SQLite, WAL)
+    STATE_DIR/control.sock   control socket (unix, 0600; the state dir itself is 0700)
+    STATE_DIR/runs/job-N     run directories;   STATE_DIR/logs/job-N.log   job output
+    STATE_DIR/configs/       submitted configs, frozen at submit time
+
+Control protocol: one JSON object per line each way, e.g. `{"op": "submit", ...}` ->
+`{"ok": true, "result": ...}` or `{"ok": false, "error": "..."}`.
+
+Signals: SIGTERM/SIGINT stop every job's process group (the job writes what it can; the
+next start resumes from its newest good checkpoint), mark those jobs queued and exit 0.
+SIGHUP reopens the log file (after logrotate moved it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import rlhf_async.ops.daemon.jobs as jobproc
+from rlhf_async.log import get_logger
+from rlhf_async.ops.daemon.store import DONE_STATES, Job, JobStore
+
+log = get_logger(component="daemon")
+MAX_REQUEST_BYTES = 4 << 20
+
+
+class DaemonError(RuntimeError):
+    """The daemon cannot start or cannot be reached; one line for the CLI."""
+
+
+@dataclass(frozen=True)
+class StatePaths:
+    root: Path
+
+    @property
+    def db(self) -> Path:
+        return self.root / "jobs.db"
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "control.sock"
+
+    @property
+    def runs(self) -> Path:
+        return self.root / "runs"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def configs(self) -> Path:
+        return self.root / "configs"
+
+
+class Daemon:
+    def __init__(self, state_dir: str | Path, *, max_jobs: int = 1, stop_timeout: float = 60.0,
+                 log_file: Path | None = None, poll_s: float = 0.2) -> None:
+        self.paths = StatePaths(Path(state_dir).resolve())
+        self.max_jobs, self.stop_timeout, self.poll_s = max_jobs, stop_timeout, poll_s
+        self.log_file = log_file
+        self.children: dict[int, subprocess.Popen[bytes]] = {}
+        self.stopping = asyncio.Event()
+        self.store: JobStore | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def prepare(self) -> JobStore:
+        """Make the state dir (0700), open the store, and settle jobs a previous daemon left
+        running: a job with summary.json finished; any other goes back to the queue."""
+        self.paths.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.paths.root, 0o700)
+        for d in (self.paths.runs, self.paths.logs, self.paths.configs):
+            d.mkdir(exist_ok=True)
+        store = self.store = JobStore(self.paths.db)
+        for job in store.list(("running",)):
+            jobproc.stop_leftover(job, self.stop_timeout)
+            if (Path(job.run_dir) / "summary.json").exists():
+                store.update(job.id, state="finished", pid=None, exit_code=0,
+                             finished=time.time())
+            elif job.cancel_requested:
+                store.update(job.id, state="cancelled", pid=None, finished=time.time())
+            else:
+                store.update(job.id, state="queued", pid=None)
+                log.warning("job interrupted by a daemon restart; requeued", job=job.id)
+        return store
+
+    async def serve(self) -> int:
+        store = self.prepare()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._request_stop, signal.Signals(sig).name)
+        loop.add_signal_handler(signal.SIGHUP, self.reopen_log)
+        self.paths.socket.unlink(missing_ok=True)
+        old_umask = os.umask(0o177)  # the socket file is created owner-only
+        try:
+            server = await asyncio.start_unix_server(self._client, path=str(self.paths.socket),
+                                                     limit=MAX_REQUEST_BYTES)
+        finally:
+            os.umask(old_umask)
+        log.info("daemon serving", state_dir=str(self.paths.root), pid=os.getpid(),
+                 queued=store.counts()["queued"])
+        try:
+            while not self.stopping.is_set():
+                self._reap()
+                self._start_queued()
+                try:
+                    await asyncio.wait_for(self.stopping.wait(), self.poll_s)
+                except TimeoutError:
+                    pass
+            await self._stop_children()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+            server.close()
+            self.paths.socket.unlink(missing_ok=True)
+            store.close()
+        log.info("daemon stopped")
+        return 0
+
+    def _request_stop(self, why: str) -> None:
+        log.info("daemon stop requested", signal=why)
+        self.stopping.set()
+
+    def reopen_log(self) -> None:
+        """Point stdout/stderr at a freshly opened log file (after a rotation)."""
+        if self.log_file is None:
+            return
+        fd = os.open(self.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        log.info("log reopened", path=str(self.log_file))
+
+    # ---- scheduling ------------------------------------------------------------------
+    def _reap(self) -> None:
+        assert self.store is not None
+        for job_id, popen in list(self.children.items()):
+            rc = popen.poll()
+            if rc is None:
+                continue
+            del self.children[job_id]
+            job = self.store.get(job_id)
+            done = rc == 0 and (Path(job.run_dir) / "summary.json").exists()
+            if self.stopping.is_set() and not job.cancel_requested and not done:
+                self.store.update(job_id, state="queued", pid=None)
+                log.info("job stopped with the daemon; requeued", job=job_id, exit_code=rc)
+                continue
+            state = "finished" if rc == 0 else "cancelled" if job.cancel_requested else "failed"
+            error = "" if rc == 0 else jobproc.last_lines(Path(job.log_path))
+            self.store.update(job_id, state=state, exit_code=rc, pid=None, error=error,
+                              finished=time.time())
+            log.info("job ended", job=job_id, state=state, exit_code=rc)
+
+    def _start_queued(self) -> None:
+        assert self.store is not None
+        for job in self.store.list(("queued",)):
+            if len(self.children) >= self.max_jobs:
+                return
+            cmd, step = jobproc.job_command(job, self.paths.configs)
+            popen = jobproc.start_job(cmd, Path(job.log_path))
+            self.children[job.id] = popen
+            self.store.update(job.id, state="running", pid=popen.pid,
+                              pid_started=jobproc.create_time(popen.pid),
+                              attempts=job.attempts + 1, resumed_from=step,
+                              started=time.time(), exit_code=None)
+            log.info("job started", job=job.id, pid=popen.pid, resumed_from=step)
+
+    async def _stop_children(self) -> None:
+        assert self.store is not None
+        for popen in self.children.values():
+            jobproc.signal_group(popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout
+        while any(p.poll() is None for p in self.children.values()):
+            if time.monotonic() > deadline:
+                for p in self.children.values():
+                    jobproc.signal_group(p.pid, signal.SIGKILL)
+            await asyncio.sleep(0.1)
+        self._reap()  # requeues them (cancelled ones settle as cancelled)
+
+    # ---- control socket --------------------------------------------------------------
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await reader.readline()
+            try:
+                request = json.loads(line)
+                if not isinstance(request, dict):
+                    raise TypeError("a request is a JSON object")
+                reply = {"ok": True, "result": self.handle(request)}
+            except (ValueError, KeyError, TypeError) as e:
+                reply = {"ok": False, "error": str(e).strip("'\"")}
+            writer.write(json.dumps(reply).encode() + b"\n")
+            await writer.drain()
+        except (ConnectionError, asyncio.LimitOverrunError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+    def handle(self, request: dict[str, Any]) -> Any:
+        assert self.store is not None
+        op = request.get("op")
+        if op == "ping":
+            return {"pid": os.getpid(), "state_dir": str(self.paths.root)}
+        if op == "submit":
+            return self._submit(request).to_dict()
+        if op == "jobs":
+            return [j.to_dict() for j in self.store.list()]
+        if op in ("job", "cancel"):
+            job = self._job(request.get("id"))
+            return (self._cancel(job) if op == "cancel" else job).to_dict()
+        raise ValueError(f"unknown op {op!r}; accepted: ping, submit, jobs, job, cancel")
+
+    def _job(self, job_id: Any) -> Job:
+        assert self.store is not None
+        if type(job_id) is not int:
+            raise ValueError(f"job id must be an integer, got {job_id!r}")
+        try:
+            return self.store.get(job_id)
+        except KeyError:
+            raise ValueError(f"no job {job_id}") from None
+
+    def _submit(self, request: dict[str, Any]) -> Job:
+        from rlhf_async.config import ConfigError, load_config
+
+        assert self.store is not None
+        text, name = request.get("config_text", ""), request.get("config_name", "")
+        overrides = request.get("overrides", [])
+        if not isinstance(text, str) or not isinstance(name, str) or not isinstance(
+                overrides, list) or not all(isinstance(o, str) for o in overrides):
+            raise ValueError("submit takes config_text and config_name strings and a list "
+                             "of key=value override strings")
+        with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+            f.write(text)
+            f.flush()
+            try:  # reject a bad config now, not when its turn comes
+                load_config(f.name if text else None, overrides)
+            except ConfigError as e:
+                raise ValueError(str(e)) from None
+        job = self.store.add(name, text, overrides, self.paths.runs, self.paths.logs)
+        log.info("job submitted", job=job.id, config=name, overrides=overrides)
+        return job
+
+    def _cancel(self, job: Job) -> Job:
+        assert self.store is not None
+        if job.state in DONE_STATES:
+            raise ValueError(f"job {job.id} already {job.state}")
+        self.store.update(job.id, cancel_requested=1)
+        if job.state == "queued":
+            self.store.update(job.id, state="cancelled", finished=time.time())
+        elif job.id in self.children:
+            jobproc.signal_group(self.children[job.id].pid, signal.SIGTERM)
+        return self.store.get(job.id)

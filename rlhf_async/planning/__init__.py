@@ -1,0 +1,1 @@
+"""Planning: the cost model, the `auto` choice, simulation of large clusters, calibration on this machine."""

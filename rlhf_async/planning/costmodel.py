@@ -1,0 +1,303 @@
+"""Cost model: predicted per-phase time and per-device memory of a `Placement`.
+
+Each phase's time on a device is a roofline term (FLOPs / effective FLOP/s, or bytes /
+effective memory bandwidth for decoding, whichever is larger) plus a fixed cost per layer
+pass (kernel launches, Python), plus collectives (bytes / effective link bandwidth plus a
+latency each). Phases a strategy runs in lock-step add up; models on disjoint devices run
+concurrently (phase time = the busiest device); Separation with max_staleness > 0 overlaps
+generation with training (step time = the busiest pipeline stage).
+
+What makes Flattening slow at scale is modelled explicitly: when the training states do
+not fit one device unsharded, every data-parallel model is ZeRO-3 sharded, and *every*
+generation forward pass (prefill and each decoded token) first gathers the actor's full
+weights over the interconnect; the memory the resident models leave is what the KV cache
+gets, which bounds the rows decoded at once (more sequential passes when it is small).
+
+The efficiencies and fixed costs come from a `Calibration`: measured on this machine by
+`rlhf-async plan --calibrate`, or assumed for GPUs (stated in `ASSUMPTIONS`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from rlhf_async.strategies.placement import INFER, TRAIN, ModelPlacement, Placement
+
+GiB = 1024**3
+ASSUMPTIONS = [
+    ("LLaMA-1 shapes (7B/13B/33B/65B: 32/40/60/80 layers, hidden 4096/5120/6656/8192, "
+    "vocab 32000, no GQA); actor, critic, reward and reference all of the actor's size"),
+    ("bf16 weights; training states 16 bytes/param (bf16 weights + grads, fp32 Adam m, v, "
+    "master); ZeRO-3 over each model's data-parallel group when the unsharded states of a "
+    "device's models exceed 75% of its memory, else plain data parallelism"),
+    ("per step: prompt 512 tokens, 480 generated tokens (the paper's setting), 1024 samples, "
+    "1 PPO epoch in 4 minibatches, activation checkpointing (activations ignored)"),
+    ("effective throughput: 40% of peak FLOP/s in training, 50% in prefill/scoring, 70% of "
+    "memory bandwidth when decoding, 70% of link bandwidth in collectives, 30 us per "
+    "collective, 30 us per layer pass (CUDA-graph-like decoding)"),
+    ("ZeRO-3 generation gathers the full actor for every forward pass (prefill and each "
+    "token), not overlapped with compute; 10% of device memory reserved"),
+    ("8 GPUs per node on NVLink; across nodes one 400 Gb/s (H100/H200) or 200 Gb/s (A100) "
+    "NIC per GPU; Separation's trainer broadcasts bf16 actor weights once per step"),
+]
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    flops: float  # peak dense FLOP/s in the compute dtype
+    memory: float  # bytes
+    mem_bw: float  # bytes/s
+    link_bw: float  # bytes/s per device inside a node (NVLink; loopback for CPU slots)
+    net_bw: float  # bytes/s per device across nodes
+    per_node: int  # devices per node
+
+
+DEVICES = {
+    "A100": DeviceSpec("A100-SXM4-80GB", 312e12, 80 * GiB, 2.04e12, 300e9, 25e9, 8),
+    "H100": DeviceSpec("H100-SXM5-80GB", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, 8),
+    "H200": DeviceSpec("H200-SXM-141GB", 989e12, 141 * GiB, 4.8e12, 450e9, 50e9, 8),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    params: float
+    layers: int
+    hidden: int
+    vocab: int
+
+
+LLAMA = {
+    "7B": ModelShape("LLaMA-7B", 6.7e9, 32, 4096, 32000),
+    "13B": ModelShape("LLaMA-13B", 13.0e9, 40, 5120, 32000),
+    "33B": ModelShape("LLaMA-33B", 32.5e9, 60, 6656, 32000),
+    "65B": ModelShape("LLaMA-65B", 65.2e9, 80, 8192, 32000),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    samples: int  # sequences per step (prompts x group size)
+    prompt_len: int
+    gen_len: int
+    epochs: int = 1
+    minibatches: int = 4
+    critic: bool = True
+    max_staleness: int = 0
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Effective fractions of the device's peaks and fixed costs; see module docstring."""
+
+    source: str = "assumed (GPU defaults)"
+    gen_call_s: float = 3e-5  # per layer per forward pass
+    score_call_s: float = 3e-5
+    train_call_s: float = 3e-5  # per layer per (forward or backward) pass
+    gen_eff: float = 0.5
+    score_eff: float = 0.5
+    train_eff: float = 0.4
+    bw_eff: float = 0.7
+    link_eff: float = 0.7
+    collective_s: float = 3e-5
+    step_s: float = 0.0  # fixed per-step cost of the job loop
+    pipeline_step_s: float = 0.0  # extra per step for Separation's queues and control plane
+    # how much slower each device works while several are busy at once (1.0 on dedicated
+    # GPUs; above 1 on a CPU box shared with other jobs, where busy slots compete)
+    parallel_slowdown: float = 1.0
+
+
+@dataclass
+class Prediction:
+    strategy: str
+    step_s: float
+    phases: dict[str, float]  # generate, score, train, sync (seconds)
+    memory: dict[int, float]  # bytes per device
+    feasible: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_memory(self) -> float:
+        return max(self.memory.values(), default=0.0)
+
+
+def dtype_bytes(dtype: str) -> int:
+    return 4 if dtype == "fp32" else 2
+
+
+def _state_bytes(runtime: str, dtype: str) -> float:
+    """Bytes per parameter of a resident model (training: weights, grads, Adam)."""
+    return 16.0 if runtime == TRAIN else float(dtype_bytes(dtype))
+
+
+def _budget(dev: DeviceSpec) -> float:
+    return 0.9 * dev.memory
+
+
+def _bw(devices: tuple[int, ...], dev: DeviceSpec, cal: Calibration) -> float:
+    """Collective bandwidth of a device group: NVLink inside a node, the NIC across."""
+    nodes = {d // dev.per_node for d in devices}
+    return (dev.link_bw if len(nodes) <= 1 else dev.net_bw) * cal.link_eff
+
+
+def sharded(p: Placement, m: ModelPlacement, zero3: bool) -> bool:
+    """ZeRO-3 shards training copies, and under flattening / interleaving the frozen models
+    too (one engine for all); Separation's inference replicas stay whole."""
+    return zero3 and m.replicas > 1 and (m.runtime == TRAIN or p.strategy != "separation")
+
+
+def memory_plan(p: Placement, shape: ModelShape, dev: DeviceSpec
+                ) -> tuple[dict[int, float], bool]:
+    """Resident bytes per device and whether data-parallel models are ZeRO-3 sharded."""
+    def per_device(zero3: bool) -> dict[int, float]:
+        mem = {d: 0.0 for d in range(p.num_devices)}
+        for m in p.models:
+            shard = m.tensor_parallel * (m.replicas if sharded(p, m, zero3) else 1)
+            for d in m.devices:
+                mem[d] = mem.get(d, 0.0) + _state_bytes(m.runtime, m.dtype) * shape.params / shard
+        return mem
+    plain = per_device(False)
+    if max(plain.values()) <= 0.75 * _budget(dev):
+        return plain, False
+    return per_device(True), True
+
+
+def _gen_time(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec, cal: Calibration,
+              mem: dict[int, float], zero3: bool, notes: list[str]) -> float | None:
+    """Generation time of the slowest replica; None when not even one row's KV cache fits."""
+    m = p.model("shadow_actor") or p.model("actor")
+    assert m is not None
+    tp, reps = m.tensor_parallel, max(1, m.replicas)
+    rows = math.ceil(w.samples / reps)
+    seq = w.prompt_len + w.gen_len
+    kv_row = 2 * shape.layers * shape.hidden * dtype_bytes(m.dtype) * seq / tp
+    free = min(_budget(dev) - mem.get(d, 0.0) for d in m.devices)
+    fit = min(rows, int(free // kv_row)) if free > 0 else 0
+    if fit < 1:
+        notes.append("no memory left for the KV cache")
+        return None
+    passes = math.ceil(rows / fit)
+    wbytes = dtype_bytes(m.dtype) * shape.params / tp
+    gather = wbytes * (reps - 1) / reps / _bw(m.devices, dev, cal) if sharded(p, m, zero3) \
+        else 0.0
+    tp_comm = 2 * shape.layers * cal.collective_s if tp > 1 else 0.0
+    fixed = shape.layers * cal.gen_call_s + tp_comm + gather
+    eff_flops, eff_bw = dev.flops * cal.gen_eff, dev.mem_bw * cal.bw_eff
+    total = 0.0
+    for i in range(passes):
+        c = min(fit, rows - i * fit)
+        prefill = max(2 * shape.params * c * w.prompt_len / tp / eff_flops, wbytes / eff_bw)
+        kv_read = c * kv_row * 0.5  # on average half the sequence is cached
+        token = max(2 * shape.params * c / tp / eff_flops, (wbytes + kv_read) / eff_bw)
+        total += prefill + fixed + w.gen_len * (token + fixed)
+    if gather:
+        notes.append(f"ZeRO-3 generation gathers {wbytes * (reps - 1) / reps / GiB:.1f} GiB "
+                     f"per forward pass ({gather * 1e3:.1f} ms each)")
+    if passes > 1:
+        notes.append(f"KV cache fits {fit} of {rows} rows: {passes} generation passes")
+    return total
+
+
+def _forward_s(flops: float, layers: int, call_s: float, eff: float, dev: DeviceSpec) -> float:
+    return flops / (dev.flops * eff) + layers * call_s
+
+
+def _score_times(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
+                 cal: Calibration, zero3: bool) -> dict[int, float]:
+    """Busy seconds per device scoring; owners of different models work concurrently."""
+    busy = {d: 0.0 for d in range(p.num_devices)}
+    seq = w.prompt_len + w.gen_len
+    for m in p.models:
+        if m.model not in ("reward", "reference"):
+            continue
+        reps = max(1, m.replicas)
+        rows = math.ceil(w.samples / reps)
+        t = _forward_s(2 * shape.params * rows * seq / m.tensor_parallel, shape.layers,
+                       cal.score_call_s, cal.score_eff, dev)
+        if sharded(p, m, zero3):
+            t += dtype_bytes(m.dtype) * shape.params / _bw(m.devices, dev, cal)
+        for d in m.devices:
+            busy[d] = busy.get(d, 0.0) + t
+    return busy
+
+
+def _train_times(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
+                 cal: Calibration, zero3: bool) -> dict[int, float]:
+    busy = {d: 0.0 for d in range(p.num_devices)}
+    seq = w.prompt_len + w.gen_len
+    updates = w.epochs * w.minibatches
+    for m in p.models:
+        if m.runtime != TRAIN:
+            continue
+        reps = max(1, m.replicas)
+        rows = math.ceil(w.samples / reps)
+        flops = (2 + 6 * w.epochs) * shape.params * rows * seq / m.tensor_parallel
+        passes = 1 + 3 * updates  # old log-probs/values, then forward + backward
+        t = _forward_s(flops, passes * shape.layers, cal.train_call_s, cal.train_eff, dev)
+        grads = dtype_bytes(m.dtype) * shape.params / m.tensor_parallel
+        if reps > 1:
+            volume = 2 * grads * (reps - 1) / reps * (2.5 if sharded(p, m, zero3) else 1.0)
+            t += updates * volume / _bw(m.devices, dev, cal)
+            if m.model == "actor":  # the critic's gradients travel with the actor's
+                t += train_collectives(w) * cal.collective_s
+        t += updates * 16 * shape.params / (m.tensor_parallel * (reps if zero3 else 1)) / (
+            dev.mem_bw * cal.bw_eff)  # optimizer step streams the states
+        for d in m.devices:
+            busy[d] = busy.get(d, 0.0) + t
+    return busy
+
+
+def train_collectives(w: Workload) -> int:
+    """Collectives of one data-parallel training step besides the gradient volume: per
+    update the token count and the gradients, per epoch the minibatch split (2), then
+    advantage whitening (2) and the metrics (1)."""
+    return 2 * w.epochs * w.minibatches + 2 * w.epochs + 3
+
+
+def _sync_time(p: Placement, shape: ModelShape, dev: DeviceSpec, cal: Calibration) -> float:
+    gen, actor = p.model("shadow_actor"), p.model("actor")
+    if gen is None or actor is None:
+        return 0.0
+    group = tuple(sorted(set(actor.devices[:1]) | set(gen.devices)))
+    return dtype_bytes(gen.dtype) * shape.params / _bw(group, dev, cal) + cal.collective_s
+
+
+def predict(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
+            cal: Calibration) -> Prediction:
+    """Predicted step time (and its phases) and per-device memory of a placement."""
+    notes: list[str] = []
+    mem, zero3 = memory_plan(p, shape, dev)
+    if max(mem.values()) > _budget(dev):
+        notes.append(f"resident models need {max(mem.values()) / GiB:.1f} GiB on a device, "
+                     f"budget {_budget(dev) / GiB:.1f} GiB")
+    gen = _gen_time(p, shape, w, dev, cal, mem, zero3, notes)
+    score = _score_times(p, shape, w, dev, cal, zero3)
+    train = _train_times(p, shape, w, dev, cal, zero3)
+    phases = {"generate": gen or math.inf, "score": max(score.values()),
+              "train": max(train.values()), "sync": 0.0}
+    step, slow = cal.step_s, cal.parallel_slowdown
+    if p.strategy == "separation":
+        phases["sync"] = _sync_time(p, shape, dev, cal)
+        gen_devs = set(p.model("shadow_actor").devices)  # type: ignore[union-attr]
+        score_devs = {d for m in p.models if m.runtime == INFER and m.model != "shadow_actor"
+                      for d in m.devices}
+        infer = phases["generate"] + phases["score"] if gen_devs & score_devs else \
+            slow * max(phases["generate"], phases["score"])
+        train_devs = p.model("actor").devices  # type: ignore[union-attr]
+        train_side = phases["train"] * (slow if len(train_devs) > 1 else 1.0) + phases["sync"]
+        step += cal.pipeline_step_s + (infer + train_side if w.max_staleness == 0
+                                       else slow * max(infer, train_side))
+    else:
+        if p.strategy == "interleaving":  # all-gather rollouts, all-reduce the scores
+            phases["score"] += 2 * cal.collective_s + 16.0 * w.samples * (
+                w.prompt_len + 3 * w.gen_len) / _bw(tuple(range(p.num_devices)), dev, cal)
+        if p.num_devices > 1:
+            phases = {k: v * slow for k, v in phases.items()}
+        step += phases["generate"] + phases["score"] + phases["train"]
+    if zero3:
+        notes.insert(0, "ZeRO-3 sharding of data-parallel models")
+    feasible = gen is not None and max(mem.values()) <= _budget(dev)
+    return Prediction(p.strategy, step, phases, mem, feasible, notes)

@@ -1,0 +1,256 @@
+"""The planner: `auto` placement, memory validation, simulation and calibration.
+
+    prepare_run(cfg)             -> (JobConfig, Placement): auto resolved, checked for running
+    plan_job(cfg)                -> Placement (auto resolved, predicted memory checked)
+    resolve_auto(cfg)            -> JobConfig with the predicted fastest feasible strategy
+    simulate(gpu, models, sizes) -> predicted step time and memory per strategy
+    calibrate(cfg, out)          -> measures this machine, writes a calibration JSON
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from pathlib import Path
+
+import psutil
+
+from rlhf_async.config import ConfigError, JobConfig, PlacementConfig
+from rlhf_async.log import get_logger
+from rlhf_async.planning.costmodel import (
+    DEVICES,
+    LLAMA,
+    Calibration,
+    DeviceSpec,
+    GiB,
+    ModelShape,
+    Prediction,
+    Workload,
+    predict,
+)
+from rlhf_async.strategies.placement import Placement, PlacementError, with_reason
+from rlhf_async.strategies.registry import (
+    AUTO,
+    STRATEGIES,
+    build_placement,
+    plan_placement,
+    runner_problems,
+)
+from rlhf_async.task import VOCAB_SIZE
+
+log = get_logger(component="planner")
+# measured on the 2-core CI box by `rlhf-async plan --calibrate` (bench config); see
+# bench/README.md. A calibration JSON named by placement.calibration replaces it.
+CPU_CALIBRATION = Calibration(
+    source="built-in: measured on the 2-core CI box (bench config, 2026-11-29)",
+    gen_call_s=6.4e-4, score_call_s=6.3e-3, train_call_s=1.8e-3, gen_eff=0.23,
+    score_eff=0.32, train_eff=0.34, bw_eff=1.0, link_eff=1.0, collective_s=2.8e-4)
+CPU_DEVICE = DeviceSpec("cpu-core", 5.0e10, 8 * GiB, 1.3e10, 1.3e9, 1.3e9, 64)
+
+
+def load_calibration(path: str) -> tuple[Calibration, DeviceSpec | None]:
+    """A calibration JSON written by `calibrate`; ConfigError naming what is wrong."""
+    try:
+        data = json.loads(Path(path).read_text())
+        cal = Calibration(**data["calibration"])
+        device = DeviceSpec(**data["device"]) if "device" in data else None
+    except FileNotFoundError:
+        raise ConfigError([f"placement.calibration: {path!r} not found"]) from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError([(f"placement.calibration: {path!r} is not a calibration JSON "
+                           f"from `rlhf-async plan --calibrate` ({e})")]) from None
+    return cal, device
+
+
+def machine(cfg: JobConfig) -> tuple[DeviceSpec, Calibration]:
+    """Device spec and calibration the planner uses for this config."""
+    cal, device = CPU_CALIBRATION, None
+    if cfg.placement.calibration:
+        cal, device = load_calibration(cfg.placement.calibration)
+    if cfg.placement.device == "cuda":
+        dev = DEVICES[cfg.placement.gpu]
+        cal = cal if cfg.placement.calibration else Calibration()
+    else:
+        dev = device or dataclasses.replace(
+            CPU_DEVICE, memory=psutil.virtual_memory().total / max(1, cfg.placement.devices))
+    if cfg.placement.memory_gb:
+        dev = dataclasses.replace(dev, memory=cfg.placement.memory_gb * GiB / 0.9)
+    return dev, cal
+
+
+def shape_of(cfg: JobConfig) -> ModelShape:
+    """The actor's shape: the user's HF config, else the built-in tiny model's."""
+    if cfg.model.path:
+        hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        h = int(hf.get("hidden_size", hf.get("n_embd", 0)))
+        layers = int(hf.get("num_hidden_layers", hf.get("n_layer", 0)))
+        vocab = int(hf.get("vocab_size", 0))
+        inter = int(hf.get("intermediate_size", 4 * h))
+        params = layers * (4 * h * h + 3 * h * inter) + 2 * vocab * h
+        return ModelShape(Path(cfg.model.path).name, float(params), layers, h, vocab)
+    h, layers, vocab = cfg.model.hidden, cfg.model.layers, VOCAB_SIZE
+    params = 12 * layers * h * h + (vocab + cfg.model.max_positions) * h
+    return ModelShape("built-in", float(params), layers, h, vocab)
+
+
+def workload_of(cfg: JobConfig) -> Workload:
+    prompt_len = cfg.task.max_prompt_tokens if cfg.task.name == "text" else cfg.task.max_len + 2
+    return Workload(cfg.train.prompts_per_step * cfg.algo.group_size, prompt_len,
+                    cfg.generation.max_new_tokens, cfg.train.epochs, cfg.train.minibatches,
+                    cfg.algo.name == "ppo", cfg.algo.max_staleness)
+
+
+def predictions(cfg: JobConfig) -> dict[str, tuple[Placement | None, Prediction | None, str]]:
+    """Every candidate strategy's placement and prediction (or why it cannot be placed)."""
+    dev, cal = machine(cfg)
+    shape, work = shape_of(cfg), workload_of(cfg)
+    out: dict[str, tuple[Placement | None, Prediction | None, str]] = {}
+    for name in STRATEGIES:
+        pc = dataclasses.replace(cfg.placement, strategy=name)
+        try:
+            p = plan_placement(pc, cfg.algo.name)
+        except PlacementError as e:
+            out[name] = (None, None, "; ".join(e.problems))
+            continue
+        out[name] = (p, predict(p, shape, work, dev, cal), "")
+    return out
+
+
+def choose(cfg: JobConfig) -> tuple[Placement, str]:
+    """The predicted fastest feasible placement and a sentence saying why."""
+    preds = predictions(cfg)
+    ok = {n: (p, pr) for n, (p, pr, _) in preds.items()
+          if p is not None and pr is not None and pr.feasible}
+    if not ok:
+        raise PlacementError([f"placement.strategy: auto found no feasible placement: {n}: "
+                              f"{why or '; '.join(pr.notes if pr else [])}"
+                              for n, (_, pr, why) in preds.items()])
+    best = min(ok, key=lambda n: ok[n][1].step_s)
+    times = ", ".join(f"{n} {pr.step_s * 1e3:.1f} ms" for n, (_, pr) in ok.items())
+    skipped = "".join(f"; {n} not possible ({why or 'infeasible'})"
+                      for n, (p, pr, why) in preds.items() if n not in ok)
+    reason = (f"predicted step time {times} (max_staleness {cfg.algo.max_staleness}); "
+              f"{best} is the fastest feasible{skipped}")
+    return with_reason(ok[best][0], reason), reason
+
+
+def resolve_auto(cfg: JobConfig) -> JobConfig:
+    """cfg with `placement.strategy = auto` replaced by the planner's choice (logged)."""
+    placement, reason = choose(cfg)
+    log.info("auto placement", strategy=placement.strategy, reason=reason)
+    return dataclasses.replace(cfg, placement=dataclasses.replace(
+        cfg.placement, strategy=placement.strategy))
+
+
+def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
+    """Before anything starts: `auto` resolved to a strategy (logged with its reason), and
+    the placement checked as a plan (memory included) and for what this build's runner
+    executes, every problem in one PlacementError."""
+    if cfg.placement.strategy == AUTO:
+        cfg = resolve_auto(cfg)
+    placement, _, problems = _plan(cfg)
+    if placement is not None:
+        problems += [p for p in runner_problems(cfg, placement) if p not in problems]
+    if problems or placement is None:
+        raise PlacementError(problems)
+    return cfg, placement
+
+
+def plan_job(cfg: JobConfig) -> tuple[Placement, Prediction]:
+    """The placement a run would use, its prediction, and every problem in one error:
+    the placement's own conflicts plus predicted memory over the device budget."""
+    placement, pred, problems = _plan(cfg)
+    if problems or placement is None or pred is None:
+        raise PlacementError(problems)
+    return placement, pred
+
+
+def _plan(cfg: JobConfig) -> tuple[Placement | None, Prediction | None, list[str]]:
+    problems: list[str] = []
+    found: Placement | None
+    if cfg.placement.strategy == AUTO:
+        found, _ = choose(cfg)
+    else:
+        found, problems = build_placement(cfg.placement, cfg.algo.name)
+    if found is None:
+        return None, None, problems
+    dev, cal = machine(cfg)
+    pred = predict(found, shape_of(cfg), workload_of(cfg), dev, cal)
+    problems += [f"placement: predicted memory over budget on device {d}: {b / GiB:.3g} GiB "
+                 f"> {0.9 * dev.memory / GiB:.3g} GiB (placement.memory_gb or the device's "
+                 "memory)" for d, b in pred.memory.items() if b > 0.9 * dev.memory]
+    return found, pred, problems
+
+
+def format_prediction(pred: Prediction, dev: DeviceSpec, cal: Calibration) -> str:
+    ph = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in pred.phases.items())
+    lines = [f"predicted step {pred.step_s * 1e3:.1f} ms ({ph})",
+             (f"predicted peak memory {pred.peak_memory / GiB:.3g} GiB per device "
+             f"(budget {0.9 * dev.memory / GiB:.3g} GiB on {dev.name})"),
+             f"calibration: {cal.source}"]
+    return "\n".join(lines + [f"note: {n}" for n in pred.notes])
+
+
+# ---- simulation --------------------------------------------------------------------------
+
+SIM_WORK = Workload(samples=1024, prompt_len=512, gen_len=480, epochs=1, minibatches=4)
+
+
+def _sim_placements(n: int) -> dict[str, list[Placement]]:
+    """Flattening and Interleaving presets, and Separation over a grid of device splits
+    and generator tensor-parallel sizes (the planner keeps the best)."""
+    base = PlacementConfig(device="cuda", devices=n)
+    out = {s: [plan_placement(dataclasses.replace(base, strategy=s), "ppo")]
+           for s in ("flattening", "interleaving")}
+    seps = []
+    for train_frac in (0.25, 0.5, 0.75):
+        nt = max(1, int(n * train_frac))
+        for score_frac in (0.125, 0.25, 0.5):
+            ns = max(1, int(n * score_frac))
+            ng = n - nt - ns
+            for tp, ts in itertools.product((1, 2, 4, 8), (1, 2, 4, 8)):
+                if ng < tp or ng % tp or ns < ts or ns % ts:
+                    continue
+                cfg = dataclasses.replace(
+                    base, strategy="separation", actor=list(range(nt)),
+                    generator=list(range(nt, nt + ng)), reward=list(range(nt + ng, n)),
+                    scorers=ns // ts, generators=ng // tp,
+                    tensor_parallel=[f"shadow_actor={tp}", f"reward={ts}", f"reference={ts}"])
+                seps.append(plan_placement(cfg, "ppo"))
+    out["separation"] = seps
+    return out
+
+
+def simulate(gpu: str, models: list[str], sizes: list[int], work: Workload = SIM_WORK,
+             cal: Calibration | None = None) -> list[dict]:
+    """One row per (model, devices, strategy): best predicted step time and memory."""
+    dev, cal = DEVICES[gpu], cal or Calibration()
+    rows = []
+    for name in models:
+        shape = LLAMA[name]
+        for n in sizes:
+            for strategy, options in _sim_placements(n).items():
+                for k in ((0, 1) if strategy == "separation" else (0,)):
+                    w = dataclasses.replace(work, max_staleness=k)
+                    preds = [(predict(p, shape, w, dev, cal), p) for p in options]
+                    feasible = [x for x in preds if x[0].feasible] or preds
+                    pred, p = min(feasible, key=lambda x: x[0].step_s)
+                    label = f"separation k={k}" if strategy == "separation" else strategy
+                    rows.append({"model": name, "gpus": n, "strategy": label,
+                                 "step_s": pred.step_s, "phases": pred.phases,
+                                 "memory_gib": pred.peak_memory / GiB,
+                                 "feasible": pred.feasible, "notes": pred.notes,
+                                 "layout": _layout(p)})
+    return rows
+
+
+def _layout(p: Placement) -> str:
+    if p.strategy != "separation":
+        return ""
+    parts = []
+    for m in p.models:
+        if m.model in ("actor", "shadow_actor", "reward"):  # reference: as reward
+            tp = f" tp{m.tensor_parallel}" if m.tensor_parallel > 1 else ""
+            parts.append(f"{m.model} {len(m.devices)}{tp}")
+    return ", ".join(parts)

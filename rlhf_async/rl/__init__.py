@@ -1,0 +1,1 @@
+"""RL: the algorithms (advantages, KL, losses), scoring, the Learner, staleness, checkpoints."""

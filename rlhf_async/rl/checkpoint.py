@@ -1,0 +1,157 @@
+"""Checkpoints: written atomically (temp dir, then rename), checksummed, newest good one wins.
+
+A checkpoint is a directory `ckpt-00000012/` (the step to train next) holding `state.pt`
+(tensors and optimizer states, loaded with `weights_only=True`: no arbitrary pickle runs),
+`meta.json` (plain data: step, weight version, staleness bookkeeping, counts) and
+`manifest.json` (sha256 and size of both files). A truncated or corrupted checkpoint fails
+its checksum, is reported with a warning, and the previous one is used instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_async.log import get_logger
+from rlhf_async.rl.learner import Learner
+
+log = get_logger(component="checkpoint")
+PREFIX, MANIFEST, FORMAT = "ckpt-", "manifest.json", 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (missing files, bad checksum, wrong format)."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int  # the next step to train
+    state: dict[str, Any]  # tensors / optimizer states
+    meta: dict[str, Any]  # plain data
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(root: str | Path, step: int, state: dict[str, Any], meta: dict[str, Any],
+                    keep: int = 3) -> Path:
+    """Write checkpoint `step` under `root` atomically; keep the newest `keep`."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:08d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{PREFIX}", dir=root))
+    try:
+        torch.save(state, tmp / "state.pt")
+        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
+        files = {n: {"sha256": _sha256(tmp / n), "bytes": (tmp / n).stat().st_size}
+                 for n in ("state.pt", "meta.json")}
+        (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "step": step,
+                                                "files": files}, indent=1))
+        for name in (*files, MANIFEST):
+            with (tmp / name).open("rb") as f:
+                os.fsync(f.fileno())
+        if final.exists():  # the same step written again (e.g. on stop right after a save)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    log.info("checkpoint_saved", step=step, path=str(final))
+    return final
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Checkpoint directories under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
+                  and p.name[len(PREFIX):].isdigit())
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """The manifest of a complete, intact checkpoint; CheckpointError says what is wrong."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path.name}: unreadable manifest ({e})") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path.name}: format {manifest.get('format')!r}, "
+                              f"this build reads {FORMAT}")
+    for name, want in manifest.get("files", {}).items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{path.name}: {name} is missing")
+        if f.stat().st_size != want["bytes"]:
+            raise CheckpointError(f"{path.name}: {name} has {f.stat().st_size} bytes, "
+                                  f"manifest says {want['bytes']} (truncated?)")
+        if _sha256(f) != want["sha256"]:
+            raise CheckpointError(f"{path.name}: {name} fails its sha256 checksum")
+    return manifest
+
+
+def load_latest(root: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint | None:
+    """The newest checkpoint that passes its checksums; broken ones are skipped with a
+    warning. None when there is none."""
+    for path in reversed(list_checkpoints(root)):
+        try:
+            manifest = verify(path)
+            state = torch.load(path / "state.pt", map_location=map_location,
+                               weights_only=True)
+            meta = json.loads((path / "meta.json").read_text())
+        except (CheckpointError, OSError, RuntimeError, ValueError) as e:
+            log.warning("checkpoint_skipped", path=str(path), error=str(e))
+            continue
+        return Checkpoint(path, int(manifest["step"]), state, meta)
+    return None
+
+
+def learner_state(learner: Learner) -> dict[str, Any]:
+    """Everything that shapes the learner's next update: weights, optimizer moments, RNG.
+    Full (gathered) weights whatever the training backend; optimizer state as the backend
+    gives it (a ZeRO optimizer's partitions, one per rank, under DeepSpeed)."""
+    state: dict[str, Any] = {"version": learner.version, "torch_rng": torch.get_rng_state()}
+    for name, backend in learner.backends().items():
+        state[name] = backend.state_dict()
+        state[f"{name}_opt"] = backend.optimizer_state_dict()
+    return state
+
+
+def restore_learner(learner: Learner, state: dict[str, Any]) -> None:
+    for name, backend in learner.backends().items():
+        if name not in state:
+            raise CheckpointError(f"checkpoint has no {name}, but this run trains one "
+                                  "(was it written by a critic-free algorithm?)")
+        backend.load_state_dict(state[name])
+        try:
+            backend.load_optimizer_state_dict(state[f"{name}_opt"])
+        except (KeyError, ValueError) as e:
+            raise CheckpointError(f"checkpoint's {name} optimizer state does not fit this "
+                                  f"run's train.backend={learner.train.backend}: {e}") from None
+    learner.version = int(state["version"])
+    torch.set_rng_state(state["torch_rng"])

@@ -1,0 +1,233 @@
+"""The trainer's role: training copies of actor (+ critic) and one PPO/GRPO/RLOO update per
+global batch (`Learner.train_step`).
+
+The other two roles are `modeling.generation.generate` and `rl.scoring.score`; all three
+take and return plain data (`RolloutBatch`), so any of them can sit behind a queue. When
+torch.distributed is initialised, `Learner` treats its batch as this rank's shard of a
+global batch: every normaliser and statistic is global, gradients are summed over ranks,
+so N ranks produce the same update as one rank holding the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rlhf_async.config import AlgoConfig, TrainConfig
+from rlhf_async.engines import TrainingBackend, make_training_backend
+from rlhf_async.modeling.determinism import all_gather_1d, all_reduce_sum, keyed_order
+from rlhf_async.modeling.models import (
+    ScalarHeadModel,
+    response_logits,
+    response_values,
+)
+from rlhf_async.modeling.rollout import RolloutBatch
+from rlhf_async.rl import algorithms as A
+
+
+class Learner:
+    """Training copies of actor (+ critic for PPO), each owned by a training backend
+    (`train.backend`: torch AdamW, or DeepSpeed ZeRO) that holds its optimizer."""
+
+    def __init__(self, actor: nn.Module, critic: ScalarHeadModel | None, algo: AlgoConfig,
+                 train: TrainConfig, seed: int, temperature: float = 1.0) -> None:
+        if algo.name == "ppo" and critic is None:
+            raise ValueError("PPO needs a critic")
+        self.algo, self.train, self.seed, self.temperature = algo, train, seed, temperature
+        self.version = 0
+        self.actor_backend = self._backend(actor, train.lr)
+        self.actor = self.actor_backend.module
+        self.critic_backend: TrainingBackend | None = None
+        self.critic: ScalarHeadModel | None = None
+        if algo.name == "ppo" and critic is not None:
+            self.critic_backend = self._backend(critic, train.critic_lr)
+            self.critic = critic
+
+    def _backend(self, module: nn.Module, lr: float) -> TrainingBackend:
+        t = self.train
+        return make_training_backend(t.backend, module, lr=lr, weight_decay=t.weight_decay,
+                                     grad_clip=t.grad_clip, zero_stage=t.zero_stage,
+                                     grad_accum=t.grad_accum)
+
+    def backends(self) -> dict[str, TrainingBackend]:
+        out = {"actor": self.actor_backend}
+        if self.critic_backend is not None:
+            out["critic"] = self.critic_backend
+        return out
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Full actor weights to publish to generators (gathered when sharded)."""
+        return self.actor_backend.state_dict()
+
+    def optimizer_state(self) -> dict:
+        out = {name: b.optimizer_state_dict() for name, b in self.backends().items()}
+        return {**out, "version": self.version}
+
+    def close(self) -> None:
+        """Release the engines (DeepSpeed's process group, when it made one)."""
+        for b in reversed(list(self.backends().values())):
+            b.close()
+
+    def _reuses_logprobs(self) -> bool:
+        """One optimizer step per batch, and advantages that need no log-probs: the policy
+        is still the batch's "old" policy when the loss is computed, so the old log-probs are
+        the loss forward's own (detached) and the separate forward pass is skipped."""
+        a, t = self.algo, self.train
+        return t.epochs == 1 and t.minibatches == 1 and a.name != "ppo" and a.kl_mode == "loss"
+
+    @torch.no_grad()
+    def _advantages(self, b: RolloutBatch, old_lp: Tensor | None,
+                    values: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """-> advantages [B, R], returns [B, R] (PPO only), per-token KL [B, R] (None
+        without `old_lp`)."""
+        algo, m = self.algo, b.response_mask.float()
+        assert b.rewards is not None and b.ref_logprobs is not None  # checked by train_step
+        if old_lp is None:  # _reuses_logprobs: rewards alone decide the advantages
+            fn = A.grpo_advantages if algo.name == "grpo" else A.rloo_advantages
+            return fn(b.rewards, b.group_ids)[:, None] * m, None, None
+        kl = A.kl_per_token(old_lp, b.ref_logprobs, algo.kl_estimator) * m
+        kl_r = algo.kl_coef if algo.kl_mode == "reward" else 0.0
+        if algo.name == "ppo":
+            r = A.token_rewards(b.rewards, kl, m, kl_r)
+            assert values is not None  # PPO always has a critic
+            adv, ret = A.gae(r, values, m, algo.gamma, algo.lam)
+            if algo.whiten_advantages:
+                adv = A.whiten(adv, m, all_reduce_sum)
+            return adv, ret, kl
+        seq = b.rewards - kl_r * kl.sum(dim=1)  # [B]
+        fn = A.grpo_advantages if algo.name == "grpo" else A.rloo_advantages
+        return fn(seq, b.group_ids)[:, None] * m, None, kl
+
+    def _minibatches(self, b: RolloutBatch, epoch: int) -> list[Tensor]:
+        """Local row indices of each minibatch; the split is over the GLOBAL batch, keyed by
+        (seed, step, epoch), so it does not depend on how samples are spread over ranks."""
+        all_ids = all_gather_1d(b.sample_ids).tolist()
+        order = keyed_order(self.seed, ("minibatch", b.step, epoch), all_ids)
+        M = self.train.minibatches
+        mb_of = {sid: i * M // len(order) for i, sid in enumerate(order)}
+        local = torch.tensor([mb_of[int(s)] for s in b.sample_ids], device=b.sample_ids.device)
+        return [torch.nonzero(local == k).flatten() for k in range(M)]
+
+    def _loss(self, b: RolloutBatch, idx: Tensor, adv: Tensor, ret: Tensor | None,
+              old_lp: Tensor, old_v: Tensor | None, n_tokens: Tensor,
+              fill_old: bool = False) -> tuple[Tensor, Tensor | None, dict]:
+        """-> actor loss, critic loss (already scaled by vf_coef; PPO only), stats. With
+        `fill_old`, this forward's detached log-probs are the old ones (written to old_lp)."""
+        algo = self.algo
+        mb = b.select(idx)
+        m = mb.response_mask.float()
+        args = (mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask)
+        logits = response_logits(self.actor_backend.model, *args)  # [b, R, V]
+        lp = A.gather_logprobs(logits, mb.response_ids, self.temperature)
+        if fill_old:
+            old_lp[idx] = lp.detach() * m
+        pg, st = A.ppo_policy_loss(lp, old_lp[idx], adv[idx], m, algo.clip_eps,
+                                   mb.behaviour_logprobs, algo.is_cap, n_tokens)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and algo.entropy_coef > 0):
+            # only a bonus needs its gradient (a softmax backward over the whole vocabulary)
+            ent = A.masked_token_mean(A.entropy_from_logits(logits / self.temperature), m,
+                                      n_tokens)
+        loss = pg - algo.entropy_coef * ent if algo.entropy_coef > 0 else pg
+        stats = {"policy_loss": pg.detach(), "entropy": ent.detach(), **st}
+        if algo.kl_mode == "loss":
+            assert mb.ref_logprobs is not None
+            kl = A.kl_per_token(lp, mb.ref_logprobs, algo.kl_estimator)
+            kl_loss = A.masked_token_mean(kl, m, n_tokens)
+            loss = loss + algo.kl_coef * kl_loss
+            stats["kl_loss"] = kl_loss.detach()
+        if self.critic_backend is not None:
+            assert old_v is not None and ret is not None
+            critic_fwd: Any = self.critic_backend.model  # the engine wraps a ScalarHeadModel
+            v = response_values(critic_fwd, *args)
+            vl = A.value_loss(v, old_v[idx], ret[idx], m, algo.value_clip, n_tokens)
+            stats["value_loss"] = vl.detach()
+            return loss, algo.vf_coef * vl, stats
+        return loss, None, stats
+
+    def _stat_names(self) -> list[str]:
+        names = ["policy_loss", "entropy", "clip_frac", "approx_kl"]
+        names += ["kl_loss"] if self.algo.kl_mode == "loss" else []
+        return names + (["value_loss"] if self.critic_backend is not None else [])
+
+    def _optimizer_step(self) -> dict[str, float]:
+        return {f"{name}_grad_norm": b.step() for name, b in self.backends().items()}
+
+    def _backward(self, b: RolloutBatch, idx: Tensor, adv: Tensor, ret: Tensor | None,
+                  old_lp: Tensor, old_v: Tensor | None, n_tokens: Tensor,
+                  fill_old: bool = False) -> dict[str, Tensor]:
+        """Gradients of one minibatch, in `train.grad_accum` micro-batches (losses are
+        normalised by the minibatch's global token count, so micro-gradients add up)."""
+        micro = [i for i in idx.tensor_split(min(self.train.grad_accum, len(idx))) if len(i)]
+        stats: dict[str, Tensor] = {}
+        for j, i in enumerate(micro):
+            actor_loss, critic_loss, st = self._loss(b, i, adv, ret, old_lp, old_v, n_tokens,
+                                                     fill_old)
+            last = j == len(micro) - 1
+            # separate graphs (values never depend on the actor): each engine owns its backward
+            self.actor_backend.backward(actor_loss, last=last)
+            if self.critic_backend is not None and critic_loss is not None:
+                self.critic_backend.backward(critic_loss, last=last)
+            for k, v in st.items():  # every stat is a share of a minibatch-global mean
+                stats[k] = stats.get(k, v.new_zeros(())) + v
+        return stats
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """PPO / GRPO / RLOO update on a scored batch (this rank's shard). Returns global
+        metrics (identical on every rank)."""
+        if batch.rewards is None or batch.ref_logprobs is None:
+            raise ValueError("train_step needs a scored batch (rewards and ref_logprobs)")
+        b, m = batch, batch.response_mask.float()
+        args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
+        reuse = self._reuses_logprobs()
+        with torch.no_grad():
+            old_lp = m.new_zeros(m.shape) if reuse else A.gather_logprobs(
+                response_logits(self.actor_backend.model, *args), b.response_ids,
+                self.temperature) * m
+            old_v = None
+            if self.critic_backend is not None:  # the engine wraps a ScalarHeadModel
+                critic_fwd: Any = self.critic_backend.model
+                old_v = response_values(critic_fwd, *args) * m
+        adv, ret, kl = self._advantages(b, None if reuse else old_lp, old_v)
+        sums: dict[str, Tensor] = {}
+        grad_norms: dict[str, float] = {}
+        n_updates = 0
+        self.actor.train()
+        for epoch in range(self.train.epochs):
+            for idx in self._minibatches(b, epoch):
+                n_tokens = all_reduce_sum(m[idx].sum()).clamp(min=1.0)
+                if len(idx):
+                    stats = self._backward(b, idx, adv, ret, old_lp, old_v, n_tokens, reuse)
+                else:  # this rank holds none of the minibatch; it still joins the all-reduce
+                    stats = {k: m.new_zeros(()) for k in self._stat_names()}
+                grad_norms = self._optimizer_step()
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, m.new_zeros(())) + v.float()
+                n_updates += 1
+        self.actor.eval()
+        self.version += 1
+        if kl is None:  # old_lp was filled by the loss forward
+            kl = A.kl_per_token(old_lp, b.ref_logprobs, self.algo.kl_estimator) * m
+        return {**self._global_stats(b, kl, adv, sums, n_updates), **grad_norms,
+                "version": self.version}
+
+    def _global_stats(self, b: RolloutBatch, kl: Tensor, adv: Tensor, sums: dict[str, Tensor],
+                      n_updates: int) -> dict[str, float]:
+        """One all-reduce for every metric: per-sample sums + counts, loss partial sums."""
+        m = b.response_mask.float()
+        assert b.rewards is not None
+        per_sample = {"reward": b.rewards.float(), "kl": kl.sum(dim=1),
+                      "response_length": m.sum(dim=1), "advantage_abs": (adv.abs() * m).sum(1)
+                      / m.sum(1).clamp(min=1)}
+        if b.hidden_scores is not None:
+            per_sample["hidden_score"] = b.hidden_scores.float()
+        vec = torch.stack([v.sum() for v in per_sample.values()] + list(sums.values())
+                          + [m.new_tensor(float(len(b)))])
+        vec = all_reduce_sum(vec.double())
+        count = vec[-1].clamp(min=1.0)
+        out = {k: float(vec[i] / count) for i, k in enumerate(per_sample)}
+        out.update({k: float(vec[len(per_sample) + i] / n_updates)
+                    for i, k in enumerate(sums)})
+        out["samples"] = float(vec[-1])
+        return out

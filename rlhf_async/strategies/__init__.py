@@ -1,0 +1,1 @@
+"""Placement strategies: placement as plain data, one module per strategy (preset, checks, runner), the registry."""

@@ -1,0 +1,40 @@
+"""What a placement strategy is: a preset placement, the checks it adds, and the runner that
+executes it. A strategy is a plain value; `registry.py` maps `placement.strategy` to one.
+
+    preset(placement_cfg, algo, overrides) -> Placement    where each model and process goes
+    placement_problems(placement_cfg, placement) -> [str]  what makes the plan itself invalid
+    runner_problems(job_cfg, placement) -> [str]           what this build cannot execute
+    run(job_cfg, placement, artefacts, run_dir, start_step) -> RunResult
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhf_async.config import JobConfig, PlacementConfig
+from rlhf_async.strategies.placement import Placement
+from rlhf_async.task.pretrain import Artefacts
+
+Overrides = dict[str, dict[str, object]]  # model -> {override key: value}
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """Where the RL phase of a run left its records, and how long it took."""
+
+    metrics_path: Path
+    policy_dir: Path
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    summary: str  # one line for `rlhf-async plan` and the docs
+    roles: tuple[str, ...]  # process roles every placement of it has
+    preset: Callable[[PlacementConfig, str, Overrides], Placement]
+    placement_problems: Callable[[PlacementConfig, Placement], list[str]]
+    runner_problems: Callable[[JobConfig, Placement], list[str]]
+    run: Callable[[JobConfig, Placement, Artefacts, Path, int], RunResult]

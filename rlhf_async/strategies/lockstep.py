@@ -1,0 +1,141 @@
+"""The lock-step rank loop that Flattening and Interleaving share.
+
+One process per device (in-process when there is one device): every rank takes its part of
+the step's prompts (whole groups), generates, scores, trains with gradients summed over
+ranks (gloo on CPU, NCCL on GPU), in order, step after step. The strategies differ only in
+how a rank scores its rollouts: that is the `ScorerFactory` each passes in, built once per
+rank from the freshly loaded SFT actor (the reference is a copy of it). Rank 0 writes
+metrics.jsonl, the checkpoints and the final policy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from transformers.utils import logging as hf_logging
+
+from rlhf_async.config import JobConfig
+from rlhf_async.engines.process_group import exit_rank, free_port, rank_group
+from rlhf_async.metrics import MetricsWriter, Progress
+from rlhf_async.modeling.generation import generate
+from rlhf_async.modeling.models import save_policy
+from rlhf_async.modeling.rollout import RolloutBatch
+from rlhf_async.rl.checkpoint import (
+    CheckpointError,
+    learner_state,
+    load_latest,
+    restore_learner,
+    save_checkpoint,
+)
+from rlhf_async.rl.learner import Learner
+from rlhf_async.strategies.base import RunResult
+from rlhf_async.task import Task, make_task, sampling_params
+from rlhf_async.task.pretrain import Artefacts, load_critic, load_sft
+
+Scorer = Callable[[RolloutBatch], RolloutBatch]
+# (cfg, artefacts, task, SFT actor, rank, world, device) -> this rank's scorer
+ScorerFactory = Callable[[JobConfig, Artefacts, Task, nn.Module, int, int, torch.device],
+                         Scorer]
+
+
+def device_of(cfg: JobConfig, rank: int) -> torch.device:
+    if cfg.placement.device == "cuda":
+        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+    return torch.device("cpu")
+
+
+def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: int,
+              start_step: int, make_scorer: ScorerFactory, strategy: str) -> None:
+    """The hot loop; identical on every rank except what it holds and who writes files."""
+    device = device_of(cfg, rank)
+    task = make_task(cfg)
+    actor = load_sft(art.sft_dir).to(device)
+    scorer = make_scorer(cfg, art, task, actor, rank, world, device)  # before training
+    critic = load_critic(cfg, art)
+    learner = Learner(actor, critic.to(device) if critic is not None else None, cfg.algo,
+                      cfg.train, cfg.run.seed, cfg.generation.temperature)
+    if start_step:  # every rank restores the same checkpoint
+        ck = load_latest(run_dir / "checkpoints", map_location=device)
+        if ck is None or ck.step != start_step:
+            raise CheckpointError(f"rank {rank}: checkpoint of step {start_step} not found")
+        restore_learner(learner, ck.state)
+    writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
+    progress = Progress(cfg.train.steps, cfg.run.progress and rank == 0)
+    params, seed, G = sampling_params(cfg, task), cfg.run.seed, cfg.algo.group_size
+    for step in range(start_step, cfg.train.steps):
+        prompts = task.prompt_batch(seed, "train", step, cfg.train.prompts_per_step, G)
+        mine = prompts.split(G, world)[rank].to(device)  # [B/world, P], whole groups
+        t0 = time.perf_counter()
+        batch = generate(actor, mine, params, seed, step, learner.version)
+        t1 = time.perf_counter()
+        batch = scorer(batch)
+        t2 = time.perf_counter()
+        metrics = learner.train_step(batch)
+        t3 = time.perf_counter()
+        _end_step(cfg, learner, run_dir, writer, progress, step, metrics, (t0, t1, t2, t3),
+                  strategy)
+    _finish(cfg, learner, run_dir, writer)
+
+
+def _end_step(cfg: JobConfig, learner: Learner, run_dir: Path, writer: MetricsWriter | None,
+              progress: Progress, step: int, metrics: dict, times: tuple[float, ...],
+              strategy: str) -> None:
+    """Metrics line, then (when due) the checkpoint that includes the step. Every rank
+    calls it: gathering the learner state is collective under ZeRO."""
+    t0, t1, t2, t3 = times
+    every = cfg.run.checkpoint_every
+    due = every and (step + 1) % every == 0 and step + 1 < cfg.train.steps
+    state = learner_state(learner) if due else None
+    if writer is None:
+        return
+    record = {"step": step, **metrics, "time_generate": t1 - t0, "time_score": t2 - t1,
+              "time_train": t3 - t2, "samples_per_s": metrics["samples"] / (t3 - t0)}
+    writer.write(record)  # before the checkpoint that includes the step
+    progress.update(record)
+    if state is not None:
+        save_checkpoint(run_dir / "checkpoints", step + 1, state,
+                        {"version": learner.version, "strategy": strategy},
+                        cfg.run.keep_checkpoints)
+
+
+def _finish(cfg: JobConfig, learner: Learner, run_dir: Path,
+            writer: MetricsWriter | None) -> None:
+    """Rank 0 saves the final policy; every rank joins the gather and closes its engines."""
+    with learner.actor_backend.gathered():  # full weights even under ZeRO-3 (collective)
+        if writer is not None:
+            writer.close()
+            save_policy(learner.actor, run_dir / "policy",  # type: ignore[arg-type]
+                        {"algo": cfg.algo.name, "steps": cfg.train.steps,
+                         "version": learner.version})
+    learner.close()
+
+
+def _worker(rank: int, world: int, port: int, cfg: JobConfig, art: Artefacts, run_dir: Path,
+            start_step: int, make_scorer: ScorerFactory, strategy: str) -> None:
+    torch.set_num_threads(cfg.placement.cpu_threads)
+    hf_logging.disable_progress_bar()
+    backend = "nccl" if cfg.placement.device == "cuda" else "gloo"
+    with rank_group(backend, port, rank, world):
+        rank_loop(cfg, art, run_dir, rank, world, start_step, make_scorer, strategy)
+    exit_rank()
+
+
+def run_ranks(cfg: JobConfig, art: Artefacts, run_dir: Path, start_step: int,
+              make_scorer: ScorerFactory, strategy: str) -> RunResult:
+    """The RL phase over `placement.devices` rank processes (in-process when 1), from
+    `start_step` (restored from that step's checkpoint). `make_scorer` must pickle (a
+    module-level function or a frozen dataclass): it travels to every rank."""
+    world = cfg.placement.devices
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    if world == 1:
+        rank_loop(cfg, art, run_dir, 0, 1, start_step, make_scorer, strategy)
+    else:
+        mp.spawn(_worker, args=(world, free_port(), cfg, art, run_dir, start_step, make_scorer,
+                                strategy), nprocs=world, join=True)
+    return RunResult(run_dir / "metrics.jsonl", run_dir / "policy", time.perf_counter() - t0)

@@ -1,0 +1,272 @@
+"""Placement as plain data: which node process runs which models on which devices.
+
+A strategy's preset (in the strategy's module) is a function from (placement config,
+algorithm, per-model overrides) to a `Placement`; its runner applies one. Every preset goes
+through the same mechanism here: default device groups per model, then the per-model
+overrides of the config (devices, replicas, tensor parallelism, backend, dtype), then the
+processes that host them. A `Placement`
+prints as a table, round-trips through dicts and is validated as a whole (every problem in
+one `PlacementError`) before any process starts.
+
+Devices are slot numbers 0..devices-1: GPUs with `device = "cuda"`, CPU cores otherwise
+(one node thread per slot; nodes that share a slot take turns).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+from rlhf_async.config import ConfigError, PlacementConfig
+from rlhf_async.runtime.hosts import HostsError, device_map, load_hosts
+
+TRAIN, INFER = "train", "infer"
+MODELS = ("actor", "critic", "reward", "reference", "shadow_actor")
+DTYPES = ("fp32", "bf16", "fp16")
+BACKENDS = ("torch", "hf", "deepspeed", "vllm")
+OVERRIDES = ("replicas", "tensor_parallel", "backend", "dtype", "host")
+
+
+class PlacementError(ConfigError):
+    """An invalid placement; `problems` lists every conflict with its config key."""
+
+
+@dataclass(frozen=True)
+class ProcessPlacement:
+    node_id: str
+    role: str  # worker (flattening, interleaving) | trainer | generator | scorer
+    models: tuple[str, ...]  # actor, critic, reward, reference, shadow_actor
+    devices: tuple[int, ...]
+    runtime: str  # train | infer
+
+
+@dataclass(frozen=True)
+class ModelPlacement:
+    """One model's device group and how it is run there."""
+
+    model: str
+    devices: tuple[int, ...]
+    replicas: int  # data-parallel copies (each on len(devices) // replicas devices)
+    tensor_parallel: int
+    runtime: str  # train | infer
+    backend: str  # torch | hf | deepspeed | vllm
+    dtype: str  # fp32 | bf16 | fp16
+
+
+@dataclass(frozen=True)
+class Placement:
+    strategy: str
+    device_kind: str
+    num_devices: int
+    processes: tuple[ProcessPlacement, ...]
+    models: tuple[ModelPlacement, ...] = field(default=())
+    reason: str = ""  # why `auto` chose this strategy; empty otherwise
+
+    def by_role(self, role: str) -> list[ProcessPlacement]:
+        return [p for p in self.processes if p.role == role]
+
+    def model(self, name: str) -> ModelPlacement | None:
+        return next((m for m in self.models if m.model == name), None)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def table(self) -> str:
+        kind = self.device_kind
+        head = f"strategy {self.strategy} on {self.num_devices} {kind} device(s)"
+        procs = _columns([("node", "role", "runtime", "devices", "models")] + [
+            (p.node_id, p.role, p.runtime, ",".join(f"{kind}:{d}" for d in p.devices),
+             ", ".join(p.models)) for p in self.processes])
+        models = _columns([("model", "runtime", "devices", "replicas", "tp", "backend",
+                            "dtype")] + [
+            (m.model, m.runtime, ranges(m.devices), str(m.replicas), str(m.tensor_parallel),
+             m.backend, m.dtype) for m in self.models])
+        why = f"\nwhy: {self.reason}" if self.reason else ""
+        return f"{head}{why}\n\nprocesses\n{procs}\n\nmodels\n{models}"
+
+
+def _columns(rows: Sequence[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def ranges(devs: tuple[int, ...]) -> str:
+    """(0, 1, 2, 5) -> '0-2,5'."""
+    runs: list[list[int]] = []
+    for d in devs:
+        if runs and runs[-1][1] == d - 1:
+            runs[-1][1] = d
+        else:
+            runs.append([d, d])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+# ---- per-model overrides ----------------------------------------------------------------
+
+def parse_overrides(cfg: PlacementConfig) -> tuple[dict[str, dict[str, object]], list[str]]:
+    """{model: {key: value}} from the `model=value` lists, and every problem found."""
+    out: dict[str, dict[str, object]] = {}
+    problems = []
+    for key in OVERRIDES:
+        for i, item in enumerate(getattr(cfg, key)):
+            path = f"placement.{key}[{i}]"
+            name, _, raw = item.partition("=")
+            name, raw = name.strip(), raw.strip()
+            if name not in MODELS or not raw:
+                problems.append(f"{path}: {item!r} is not MODEL=VALUE with MODEL one of "
+                                f"{', '.join(MODELS)}")
+                continue
+            value, problem = _override_value(key, raw)
+            if problem:
+                problems.append(f"{path}: {problem}")
+            else:
+                out.setdefault(name, {})[key] = value
+    return out, problems
+
+
+def _override_value(key: str, raw: str) -> tuple[object, str]:
+    if key == "host":
+        return raw, ""  # checked against the hosts file in _host_problems
+    if key in ("replicas", "tensor_parallel"):
+        ok = raw.isdigit() and int(raw) >= 1
+        return (int(raw), "") if ok else (None, f"{raw!r} is not an integer >= 1")
+    accepted = DTYPES if key == "dtype" else BACKENDS
+    return (raw, "") if raw in accepted else (None, (f"{raw!r} is not one of "
+                                                    f"{', '.join(accepted)}"))
+
+
+def model_placement(cfg: PlacementConfig, name: str, devices: list[int] | tuple[int, ...],
+           runtime: str, over: dict[str, dict[str, object]], replicas: int | None = None
+           ) -> ModelPlacement:
+    o = over.get(name, {})
+    tp = int(o.get("tensor_parallel", 1))  # type: ignore[call-overload]
+    default_reps = replicas if replicas is not None else max(1, len(devices) // tp)
+    default_dtype = "bf16" if cfg.device == "cuda" else "fp32"
+    default_backend = "torch"
+    return ModelPlacement(name, tuple(devices), int(o.get("replicas", default_reps)),  # type: ignore[call-overload]
+                          tp, runtime, str(o.get("backend", default_backend)),
+                          str(o.get("dtype", default_dtype)))
+
+
+# ---- checks every strategy shares ----------------------------------------------------
+
+def host_problems(cfg: PlacementConfig, p: Placement, over: dict) -> list[str]:
+    """Hosts named by `placement.host` must exist in the hosts file, which must lend
+    exactly `placement.devices` devices; a pinned model's devices must be that host's."""
+    pins = {m: str(o["host"]) for m, o in over.items() if "host" in o}
+    if not cfg.hosts_file:
+        return [f"placement.host: {m}={h} needs placement.hosts_file" for m, h in pins.items()]
+    try:
+        hosts = load_hosts(cfg.hosts_file)
+    except HostsError as e:
+        return [f"placement.hosts_file: {x}" for x in e.problems]
+    owner = [h.name for h, _ in device_map(hosts)]  # global device -> host name
+    out = []
+    if len(owner) != cfg.devices:
+        out.append(f"placement.devices: {cfg.devices}, but {cfg.hosts_file} lends "
+                   f"{len(owner)} device(s)")
+    names = [h.name for h in hosts]
+    for model, host in pins.items():
+        m = p.model(model)
+        if host not in names:
+            out.append(f"placement.host: unknown host {host!r} for {model}; hosts: "
+                       f"{', '.join(names)}")
+        elif m is not None:
+            off = [d for d in m.devices if d >= len(owner) or owner[d] != host]
+            if off:
+                out.append(f"placement.host: {model} is pinned to {host} but its devices "
+                           f"{off} are not {host}'s")
+    return out
+
+
+def with_reason(p: Placement, reason: str) -> Placement:
+    return replace(p, reason=reason)
+
+
+def config_problems(cfg: PlacementConfig) -> list[str]:
+    """Pinned device ids outside 0..devices-1."""
+    out = []
+    for key in ("actor", "critic", "reward", "reference", "generator"):
+        bad = [d for d in getattr(cfg, key) if not 0 <= d < cfg.devices]
+        if bad:
+            out.append(f"placement.{key}: device ids {bad} outside 0..{cfg.devices - 1} "
+                       f"(placement.devices = {cfg.devices})")
+    return out
+
+
+def validate(p: Placement, roles: Sequence[str]) -> list[str]:
+    """Conflicts of a placement every strategy rejects, all of them: process `roles` or
+    models missing, devices out of range, node ids twice, tensor-parallel sizes that do not
+    divide (or replicas that over-subscribe) a model's devices."""
+    out = []
+    have = {q.role for q in p.processes}
+    out += [f"placement: no {r} process" for r in sorted(set(roles) - have)]
+    hosted = {m for q in p.processes for m in q.models}
+    out += [f"placement: no process hosts the {m} model" for m in ("actor", "reward",
+                                                                    "reference")
+            if m not in hosted]
+    ids = [q.node_id for q in p.processes]
+    out += [f"placement: node id {i!r} used twice" for i in sorted({i for i in ids
+                                                                     if ids.count(i) > 1})]
+    for q in p.processes:
+        bad = [d for d in q.devices if not 0 <= d < p.num_devices]
+        if bad or not q.devices:
+            out.append(f"placement: {q.node_id} on devices {list(q.devices)}, "
+                       f"accepted 0..{p.num_devices - 1}")
+    return out + _model_problems(p)
+
+
+def _model_problems(p: Placement) -> list[str]:
+    out = []
+    for m in p.models:
+        key = f"placement.tensor_parallel ({m.model})"
+        if len(m.devices) % m.tensor_parallel:
+            out.append(f"{key}: {m.tensor_parallel} does not divide the {len(m.devices)} "
+                       f"device(s) of {m.model} ({ranges(m.devices)})")
+        elif m.tensor_parallel > 1 and m.replicas * m.tensor_parallel > len(m.devices):
+            out.append(f"placement.replicas ({m.model}): {m.replicas} replica(s) x tensor "
+                       f"parallel {m.tensor_parallel} over-subscribe its {len(m.devices)} "
+                       "device(s)")
+    return out
+
+
+def with_engines(p: Placement, train: str, generate: str) -> Placement:
+    """Models left at the default backend show the engines the job configures
+    (`train.backend` for training copies, `generation.backend` for the shadow actor)."""
+    def engine(m: ModelPlacement) -> str:
+        if m.backend != "torch":
+            return m.backend
+        return train if m.runtime == TRAIN else generate if m.model == "shadow_actor" else "torch"
+    return replace(p, models=tuple(replace(m, backend=engine(m)) for m in p.models))
+
+
+def engine_problems(p: Placement, fp32_only: Sequence[str] = MODELS,
+                    one_replica_per_device: bool = True) -> list[str]:
+    """What this build's runners cannot execute (the plan itself may be valid): tensor
+    parallelism, a per-model engine other than the one the job configures for all training
+    copies (`train.backend`) or generators (`generation.backend`; run `with_engines`
+    first), a dtype other than fp32 for the models in `fp32_only`, and (when the runner
+    keeps one copy per device) replica counts that differ from that."""
+    out = []
+    for m in p.models:
+        if m.tensor_parallel > 1:
+            out.append(f"placement.tensor_parallel: {m.model}={m.tensor_parallel} is not run "
+                       "by this build's runners (they keep whole copies); use 1")
+        need = {TRAIN: ("torch", "hf", "deepspeed")}.get(m.runtime, ("torch", "hf"))
+        if m.model == "shadow_actor":
+            need = ("torch", "hf", "vllm")
+        if m.backend not in need:
+            out.append(f"placement.backend: {m.model}={m.backend} cannot run it; accepted "
+                       f"here: {', '.join(need)}")
+        trained = [x.backend for x in p.models if x.runtime == TRAIN]
+        if m.runtime == TRAIN and len(set(trained)) > 1:
+            out.append(f"placement.backend: {m.model}={m.backend}; actor and critic train "
+                       "with one engine (train.backend)")
+        if m.dtype != "fp32" and m.model in fp32_only:
+            out.append(f"placement.dtype: {m.model}={m.dtype} is run only for the frozen "
+                       "reward/reference models under interleaving; use fp32")
+        default_reps = len(m.devices) // m.tensor_parallel
+        if one_replica_per_device and m.replicas != default_reps:
+            out.append(f"placement.replicas: {m.model}={m.replicas}; under {p.strategy} a "
+                       f"model has one replica per device of its group ({default_reps})")
+    return out

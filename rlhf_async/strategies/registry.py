@@ -1,0 +1,90 @@
+"""The strategies by name, and planning a placement through them.
+
+Adding a strategy is one module that defines a `Strategy` value and one line below.
+`placement.strategy = "auto"` is not a strategy: the planner (`planning.planner`) resolves
+it to one of these before anything runs.
+"""
+
+from __future__ import annotations
+
+from rlhf_async.config import JobConfig, PlacementConfig
+from rlhf_async.strategies import flattening, interleaving, separation
+from rlhf_async.strategies.base import Strategy
+from rlhf_async.strategies.placement import (
+    Placement,
+    PlacementError,
+    config_problems,
+    host_problems,
+    parse_overrides,
+    validate,
+    with_engines,
+)
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
+    flattening.STRATEGY,
+    interleaving.STRATEGY,
+    separation.STRATEGY,
+)}
+AUTO = "auto"
+
+
+def get(name: str) -> Strategy:
+    if name not in STRATEGIES:
+        raise PlacementError([f"placement.strategy: {name!r} is not a strategy; accepted: "
+                              f"{', '.join([*STRATEGIES, AUTO])}"])
+    return STRATEGIES[name]
+
+
+def build_placement(cfg: PlacementConfig, algo: str) -> tuple[Placement | None, list[str]]:
+    """The placement (None when the config cannot be placed at all) and every problem of
+    the plan itself (not of what this build's runners execute: see `runner_problems`)."""
+    over, problems = parse_overrides(cfg)
+    problems += config_problems(cfg)
+    if cfg.strategy not in STRATEGIES:
+        accepted = ", ".join(STRATEGIES)
+        how = " (auto: the planner resolves it first)" if cfg.strategy == AUTO else ""
+        problems.append(f"placement.strategy: {cfg.strategy!r} cannot be placed directly"
+                        f"{how}; accepted: {accepted}")
+        return None, problems
+    strategy = STRATEGIES[cfg.strategy]
+    placement = strategy.preset(cfg, algo, over)
+    problems += validate(placement, strategy.roles)
+    problems += strategy.placement_problems(cfg, placement)
+    return placement, problems + host_problems(cfg, placement, over)
+
+
+def plan_placement(cfg: PlacementConfig, algo: str) -> Placement:
+    """The valid placement for a config; PlacementError lists every problem."""
+    placement, problems = build_placement(cfg, algo)
+    if problems or placement is None:
+        raise PlacementError(problems)
+    return placement
+
+
+def runner_problems(cfg: JobConfig, placement: Placement) -> list[str]:
+    """What this build's runner for the placement's strategy cannot execute, all of it:
+    per-model engines against `train.backend` / `generation.backend`, then the strategy's
+    own limits (which see the placement with the job's engines filled in)."""
+    engines = with_engines(placement, cfg.train.backend, cfg.generation.backend)
+    problems = []
+    actor = engines.model("actor")
+    if actor is not None and actor.backend != cfg.train.backend:
+        problems.append(f"placement.backend: the actor's engine is set by train.backend "
+                        f"({cfg.train.backend!r}), not per model")
+    if cfg.generation.backend != "torch" and engines.model("shadow_actor") is None:
+        problems.append(f"generation.backend: {cfg.generation.backend} runs in generator "
+                        f"processes (a shadow actor, as in separation); placement.strategy "
+                        f"= {placement.strategy} generates with torch")
+    own = STRATEGIES[placement.strategy].runner_problems(cfg, engines)
+    return problems + [p for p in own if p not in problems]
+
+
+def runnable_placement(cfg: JobConfig) -> Placement:
+    """The placement of a config whose strategy is resolved, with every problem of the plan
+    and of running it in one PlacementError."""
+    placement, problems = build_placement(cfg.placement, cfg.algo.name)
+    if placement is not None:
+        problems += [p for p in runner_problems(cfg, placement) if p not in problems]
+    if problems or placement is None:
+        raise PlacementError(problems)
+    return placement

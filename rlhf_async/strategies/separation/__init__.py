@@ -1,0 +1,11 @@
+"""The Separation pipeline: generator, scorer and trainer nodes joined by ZeroMQ queues.
+
+`wire` turns prompt chunks and rollout batches into protocol messages, `stage` measures
+each node's busy and idle time, `driver` is the coordinator's side (dispatch under the
+staleness gate, weight-version bookkeeping, metrics), `runner` builds the node specs and
+runs them, `strategy` is the preset and checks behind `placement.strategy = separation`.
+"""
+
+from rlhf_async.strategies.separation.strategy import STRATEGY
+
+__all__ = ["STRATEGY"]

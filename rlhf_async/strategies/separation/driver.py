@@ -1,0 +1,334 @@
+"""The coordinator's side of the Separation pipeline.
+
+It owns the data cursor: prompts of step s go out (cut into chunks) only when the staleness
+gate allows, i.e. when every live generator has applied a recent enough weight version of
+the current trainer's lineage. It forwards each weight publication to the generators, turns
+node events into one metrics record per trained step, re-sends chunks the trainer refused,
+and recovers from node deaths: chunks a dead node held are sent again (the trainer drops
+duplicates, so each prompt is trained on exactly once), a restarted trainer continues from
+its checkpoint, and the weight-broadcast group is rebuilt under a new epoch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from rlhf_async.config import JobConfig
+from rlhf_async.control.coordinator import Coordinator, EventStream, NodeEvent
+from rlhf_async.log import get_logger
+from rlhf_async.metrics import MetricsWriter, Progress, truncate_metrics
+from rlhf_async.modeling.rollout import PromptBatch
+from rlhf_async.rl.staleness import StalenessPolicy
+from rlhf_async.strategies.separation.wire import (
+    SFT_LINEAGE,
+    ChunkId,
+    prompts_message,
+)
+from rlhf_async.task import make_task
+from rlhf_async.weight_sync import GroupSpec
+from rlhf_async.wire.transport import Channel
+
+log = get_logger(component="pipeline")
+Key = tuple[int, int]  # (step, chunk)
+
+
+class PipelineError(RuntimeError):
+    """The pipeline cannot go on (a node died too often, the weight broadcast failed)."""
+
+
+async def wait_loaded(events: EventStream, node_ids: list[str], timeout: float) -> dict:
+    """Wait until every node has loaded its models (its `loaded` event); their payloads."""
+    waiting, loaded = set(node_ids), {}
+    deadline = time.monotonic() + timeout
+    while waiting:
+        try:
+            ev = await events.get(timeout=max(0.01, deadline - time.monotonic()))
+        except TimeoutError:
+            raise PipelineError(f"nodes did not load their models within {timeout:.0f}s: "
+                                f"{sorted(waiting)} (see RUN_DIR/logs)") from None
+        if ev.kind == "loaded":
+            waiting.discard(ev.node_id)
+            loaded[ev.node_id] = ev.payload
+        elif ev.kind == "node_dead":
+            raise PipelineError(f"node {ev.node_id} died while loading: "
+                                f"{(ev.payload or {}).get('reason')} (see RUN_DIR/logs)")
+    return loaded
+
+
+async def connect_weight_sync(coord: Coordinator, spec: GroupSpec, trainer: str,
+                              generators: list[str]) -> GroupSpec:
+    """Build (or rebuild, under `spec.epoch`) the trainer -> generators broadcast group.
+    The generators start joining before the trainer does; every step is bounded."""
+    spec = GroupSpec(spec.backend, spec.master_addr, 0, 1 + len(generators), spec.name,
+                     spec.epoch, spec.timeout_s, (trainer, *generators))
+    try:
+        spec = GroupSpec.from_dict(await coord.command(trainer, "weight_sync_prepare",
+                                                       {"spec": spec.to_dict()}))
+    except (TimeoutError, RuntimeError) as e:  # the trainer died or is restarting
+        raise PipelineError(f"weight-sync group {spec.group_name}: {e}") from None
+    limit = spec.timeout_s + 10
+    joins = [asyncio.ensure_future(coord.command(g, "weight_sync_connect",
+                                                 {"spec": spec.to_dict(), "rank": r}, limit))
+             for r, g in enumerate(generators, start=1)]
+    await asyncio.sleep(0)  # let the generators' join commands go out first
+    try:
+        await asyncio.gather(coord.command(trainer, "weight_sync_connect",
+                                           {"spec": spec.to_dict()}, limit), *joins)
+    except (TimeoutError, RuntimeError) as e:
+        for j in joins:
+            j.cancel()
+        raise PipelineError(f"weight-sync group {spec.group_name}: {e}") from None
+    log.info("weight_sync_connected", group=spec.group_name, world=spec.world_size)
+    return spec
+
+
+class Driver:
+    def __init__(self, cfg: JobConfig, coord: Coordinator, events: EventStream,
+                 prompts: Channel, roles: dict[str, str], spec: GroupSpec, run_dir: Path,
+                 chunks_per_step: int, start_step: int, lineage: str) -> None:
+        self.cfg, self.coord, self.events, self.chan = cfg, coord, events, prompts
+        self.roles, self.spec, self.run_dir, self.chunks = roles, spec, run_dir, chunks_per_step
+        self.policy = StalenessPolicy(cfg.algo.max_staleness, cfg.train.publish_every)
+        self.task = make_task(cfg)
+        # generator -> (version, lineage) of the weights it holds; all start from the SFT
+        self.applied = {n: (0, SFT_LINEAGE) for n, r in roles.items() if r == "generator"}
+        self.lineage = lineage  # the live trainer's incarnation
+        self.gate = asyncio.Event()
+        self.next_step = self.start_step = start_step
+        self.chunk_state: dict[Key, str] = {}  # dispatched -> generated -> scored
+        self.chunk_prompts: dict[Key, tuple[ChunkId, PromptBatch]] = {}
+        self.down: set[str] = set()
+        self.trained_ids = Counter[int]()
+        self.busy: dict[str, float] = {}  # node -> cumulative busy seconds
+        self.last_busy: dict[str, float] = {}
+        self.counts = Counter[str]()  # restarts, resent chunks, regroups
+        self.progress = Progress(cfg.train.steps, cfg.run.progress)
+        self.t_last = time.perf_counter()
+        self.result: dict[str, Any] = {}
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self._regrouping: asyncio.Future[None] | None = None
+        self._want_regroup = False
+        self._open_logs()
+
+    def _open_logs(self) -> None:
+        self.writer = MetricsWriter(self.run_dir / "metrics.jsonl")
+
+    @property
+    def generators(self) -> list[str]:
+        return [n for n in self.applied if n not in self.down]
+
+    async def run(self) -> dict[str, Any]:
+        self.dispatcher = asyncio.ensure_future(self._dispatch_loop())
+        if self.start_step:  # generators hold the SFT weights: send the checkpoint's
+            self._spawn(self._republish())
+        try:
+            while True:
+                if await self._handle(await self._next_event()):
+                    return self.result
+        finally:
+            self.dispatcher.cancel()
+            for task in list(self._tasks):
+                task.cancel()
+            self.writer.close()
+
+    async def _next_event(self) -> NodeEvent:
+        """The next node event, or the failure of a background task that must not fail."""
+        get = asyncio.ensure_future(self.events.get())
+        watched = {t for t in (self.dispatcher, self._regrouping) if t is not None}
+        await asyncio.wait({get, *watched}, return_when=asyncio.FIRST_COMPLETED)
+        for task, what in ((self.dispatcher, "dispatching prompts"),
+                           (self._regrouping, "rebuilding the weight-sync group")):
+            if task is not None and task.done() and not task.cancelled() and \
+                    task.exception() is not None:
+                get.cancel()
+                raise PipelineError(f"{what} failed: {task.exception()}")
+        return await get
+
+    def _published(self) -> int | None:
+        """Oldest version the live generators hold, if all hold the live trainer's weights."""
+        held = [self.applied[g] for g in self.generators]
+        if not held or any(lin not in (self.lineage, SFT_LINEAGE) or
+                           (lin == SFT_LINEAGE and v != 0) for v, lin in held):
+            return None
+        return min(v for v, _ in held)
+
+    async def _dispatch_loop(self) -> None:
+        g = self.cfg.algo.group_size
+        while self.next_step < self.cfg.train.steps:
+            step = self.next_step
+            while (v := self._published()) is None or not self.policy.can_dispatch(step, v):
+                self.gate.clear()
+                await self.gate.wait()
+            prompts = self.task.prompt_batch(self.cfg.run.seed, "train", step,
+                                             self.cfg.train.prompts_per_step, g)
+            parts = prompts.split(g, self.chunks)
+            for c, part in enumerate(parts):
+                self.chunk_prompts[(step, c)] = (ChunkId(step, c, len(parts)), part)
+                await self._send((step, c))
+            self.next_step = step + 1
+
+    async def _send(self, key: Key) -> None:
+        cid, part = self.chunk_prompts[key]
+        self.chunk_state[key] = "dispatched"
+        await self.chan.send(prompts_message(cid, part, "coordinator"))
+
+    def _resend(self, states: tuple[str, ...]) -> None:
+        """Send again every chunk not yet trained that is in one of `states`."""
+        keys = sorted(k for k, s in self.chunk_state.items() if s in states)
+        self.counts["resent_chunks"] += len(keys)
+
+        async def resend() -> None:
+            for key in keys:
+                if key in self.chunk_state:  # not trained meanwhile
+                    await self._send(key)
+        self._spawn(resend())
+
+    async def _handle(self, ev: NodeEvent) -> bool:
+        """One node event; True when the run is complete."""
+        p = ev.payload if isinstance(ev.payload, dict) else {}
+        key = (p.get("step"), p.get("chunk"))
+        if ev.kind == "publish":
+            for gen in self.generators:
+                self._spawn(self._forward(gen, {"plan": p["plan"], "lineage": p["lineage"]}))
+        elif ev.kind == "weights_applied":
+            self.applied[ev.node_id] = (int(p["version"]), p["lineage"])
+            self.gate.set()
+        elif ev.kind in ("generated", "scored"):
+            if key in self.chunk_state:
+                self.chunk_state[key] = ev.kind
+            self.busy[ev.node_id] = float(p.get("busy_s", 0.0))
+        elif ev.kind == "chunk_dropped":
+            if key in self.chunk_prompts:
+                self.counts["resent_chunks"] += 1
+                self._spawn(self._send(key))
+        elif ev.kind == "trained":
+            self._record(ev.node_id, p)
+        elif ev.kind == "done":
+            self.result = p
+            return True
+        elif ev.kind == "node_dead":
+            await self._node_dead(ev.node_id, p)
+        elif ev.kind == "loaded" and ev.node_id in self.down:
+            await self._recover(ev.node_id, p)
+        elif ev.kind == "weight_sync_failed":
+            log.warning("weight_sync_failed", node=ev.node_id, error=p.get("error"))
+        return False
+
+    async def _node_dead(self, node: str, p: dict) -> None:
+        if not p.get("will_restart"):
+            raise PipelineError(
+                f"node {node} died ({p.get('reason')}) and runtime.restart_limit = "
+                f"{self.cfg.runtime.restart_limit} restarts are used up; the run stops with a "
+                f"checkpoint: continue it with `rlhf-async resume {self.run_dir}`")
+        self.down.add(node)
+        self.counts["restarts"] += 1
+        log.warning("node_down", node=node, role=self.roles[node], reason=p.get("reason"))
+        if self.roles[node] == "generator":
+            self._regroup()  # the others go on while it restarts
+
+    async def _recover(self, node: str, p: dict) -> None:
+        """A restarted node has loaded its models: give it back its share of the work."""
+        self.down.discard(node)
+        role = self.roles[node]
+        log.info("node_recovered", node=node, role=role)
+        if role == "trainer":
+            await self._rollback(int(p["step"]), str(p["lineage"]))
+        elif role == "generator":
+            self.applied[node] = (0, SFT_LINEAGE)
+            self._resend(("dispatched",))  # lost in its queue, or in flight
+        else:
+            self._resend(("dispatched", "generated"))
+        if role != "scorer":
+            self._regroup()
+
+    async def _rollback(self, step: int, lineage: str) -> None:
+        """The trainer restarted from the checkpoint of `step`: dispatch again from there;
+        records of steps it lost are dropped, they will be trained (and logged) again."""
+        self.dispatcher.cancel()
+        self.lineage, self.next_step = lineage, step
+        self.chunk_state.clear()
+        self.chunk_prompts.clear()
+        self.writer.close()
+        truncate_metrics(self.run_dir, step)
+        self._open_logs()
+        first = step * self.cfg.train.prompts_per_step * self.cfg.algo.group_size
+        for sid in [s for s in self.trained_ids if s >= first]:
+            del self.trained_ids[sid]
+        self.dispatcher = asyncio.ensure_future(self._dispatch_loop())
+
+    def _regroup(self) -> None:
+        """Ask for the broadcast group to be rebuilt with the live generators. One task does
+        it, retrying while membership changes under it (a node dying mid-rebuild)."""
+        self._want_regroup = True
+        if self._regrouping is None or self._regrouping.done():
+            self._regrouping = asyncio.ensure_future(self._regroup_loop())
+            self._tasks.add(self._regrouping)
+
+    async def _regroup_loop(self) -> None:
+        failures = 0
+        while self._want_regroup:
+            self._want_regroup = False
+            if "trainer" in self.down or not self.generators:
+                return  # the trainer's or a generator's recovery asks again
+            self.spec = self.spec.with_epoch(self.spec.epoch + 1)
+            self.counts["regroups"] += 1
+            try:
+                self.spec = await connect_weight_sync(self.coord, self.spec, "trainer",
+                                                      self.generators)
+            except PipelineError as e:
+                failures += 1
+                log.warning("regroup_failed", error=str(e), attempt=failures)
+                if failures > 2 * max(1, self.cfg.runtime.restart_limit):
+                    raise
+                self._want_regroup = True
+                await asyncio.sleep(0.5)
+                continue
+            await self._republish()
+
+    async def _republish(self) -> None:
+        try:
+            await self.coord.command("trainer", "republish", None,
+                                     timeout=self.cfg.weight_sync.timeout_s + 10)
+        except (TimeoutError, RuntimeError) as e:  # a death is reported on its own
+            log.warning("republish_failed", error=str(e))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _forward(self, gen: str, payload: dict) -> None:
+        try:
+            await self.coord.command(gen, "update_weights", payload, timeout=30.0)
+        except (TimeoutError, RuntimeError) as e:  # a death is reported on its own
+            log.warning("weights_not_forwarded", node=gen, error=str(e))
+
+    def _record(self, trainer: str, p: dict) -> None:
+        step, now = int(p["step"]), time.perf_counter()
+        dt, self.t_last = now - self.t_last, now
+        for s in p["sample_ids"]:
+            self.trained_ids[int(s)] += 1
+        for key in [k for k in self.chunk_state if k[0] <= step]:
+            del self.chunk_state[key], self.chunk_prompts[key]
+        self.busy[trainer] = float(p.get("busy_s", 0.0))
+        util = {f"util/{n}": (b - self.last_busy.get(n, 0.0)) / dt for n, b in self.busy.items()}
+        self.last_busy = dict(self.busy)
+        states = Counter(self.chunk_state.values())
+        m = p["metrics"]
+        record = {"step": step, **m, "time_step": dt, "samples_per_s": m["samples"] / dt,
+                  "rollout_version": p["rollout_version"],
+                  "published_version": self._published(),
+                  "weight_sync_s": p.get("weight_sync_s", 0.0),
+                  "weight_sync_bytes": p.get("weight_sync_bytes", 0),
+                  "staleness_hist": p.get("staleness_hist", {}),
+                  **{k: v for k, v in p.items() if k.startswith("staleness/")},
+                  **{f"queue/{s}": states.get(s, 0) for s in ("dispatched", "generated",
+                                                              "scored")},
+                  "queue/trainer": p.get("queue_trainer", 0), **util,
+                  **{f"faults/{k}": v for k, v in self.counts.items()}}
+        self.writer.write(record)
+        self.progress.update(record)

@@ -1,0 +1,83 @@
+"""Separation as a strategy: trainer (actor, critic) apart from the inference side, shadow
+actors in generator processes and reward + reference in scorer processes; the trainer
+broadcasts new weights to the shadows (`runner.py` runs it)."""
+
+from __future__ import annotations
+
+from rlhf_async.config import JobConfig, PlacementConfig
+from rlhf_async.strategies.base import Overrides, Strategy
+from rlhf_async.strategies.placement import (
+    INFER,
+    TRAIN,
+    Placement,
+    ProcessPlacement,
+    engine_problems,
+    model_placement,
+)
+from rlhf_async.strategies.separation.runner import run
+
+
+def _spread(devices: list[int], replicas: int) -> list[tuple[int, ...]]:
+    """Replica i gets every replicas-th device starting at i (or shares one when fewer)."""
+    if len(devices) >= replicas:
+        return [tuple(devices[i::replicas]) for i in range(replicas)]
+    return [(devices[i % len(devices)],) for i in range(replicas)]
+
+
+def preset(cfg: PlacementConfig, algo: str, over: Overrides) -> Placement:
+    """Trainer (actor + critic) apart from the inference side: shadow actors and scorers.
+
+    Defaults: the trainer on device 0, generators on the other devices, scorers sharing the
+    generators' devices (scoring is one forward pass, generation many).
+    """
+    n = cfg.devices
+    rest = list(range(1, n)) or [0]
+    trainer = cfg.actor or [0]
+    generator = cfg.generator or rest
+    scorer = cfg.reward or cfg.reference or generator
+    train_models = ("actor", "critic") if algo == "ppo" else ("actor",)
+    gens = int(over.get("shadow_actor", {}).get("replicas", cfg.generators))
+    procs = [ProcessPlacement("trainer", "trainer", train_models, tuple(trainer), TRAIN)]
+    procs += [ProcessPlacement(f"gen{i}", "generator", ("shadow_actor",), d, INFER)
+              for i, d in enumerate(_spread(generator, gens))]
+    procs += [ProcessPlacement(f"scorer{i}", "scorer", ("reward", "reference"), d, INFER)
+              for i, d in enumerate(_spread(scorer, cfg.scorers))]
+    models = [model_placement(cfg, m, trainer, TRAIN, over) for m in train_models]
+    models.append(model_placement(cfg, "shadow_actor", sorted(set(generator)), INFER, over, gens))
+    models += [model_placement(cfg, m, sorted(set(scorer)), INFER, over, cfg.scorers)
+               for m in ("reward", "reference")]
+    return Placement("separation", cfg.device, n, tuple(procs), tuple(models))
+
+
+def placement_problems(cfg: PlacementConfig, p: Placement) -> list[str]:
+    out = []
+    if cfg.critic and cfg.actor and sorted(cfg.critic) != sorted(cfg.actor):
+        out.append("placement.critic: separation trains actor and critic in one trainer "
+                   "process; give them the same devices or leave critic empty")
+    if cfg.reward and cfg.reference and sorted(cfg.reward) != sorted(cfg.reference):
+        out.append("placement.reference: separation scores reward and reference in one "
+                   "scorer process; give them the same devices or leave one empty")
+    if p.num_devices > 1:
+        train = {d for q in p.processes if q.runtime == TRAIN for d in q.devices}
+        for q in p.processes:
+            shared = sorted(train & set(q.devices)) if q.runtime == INFER else []
+            if shared:
+                out.append(f"placement: {q.node_id} ({q.role}) shares device(s) {shared} "
+                           "with the trainer; separation keeps training and inference apart")
+    return out
+
+
+def runner_problems(cfg: JobConfig, p: Placement) -> list[str]:
+    """Any replica count per model; the trainer is one process on one device for now."""
+    out = engine_problems(p, one_replica_per_device=False)
+    if len(cfg.placement.actor) > 1:
+        out.append(f"placement.actor: the separation trainer is one process on one device "
+                   f"for now, got {cfg.placement.actor}")
+    return out
+
+
+STRATEGY = Strategy(
+    name="separation",
+    summary="trainer apart from generators (shadow actors) and scorers; weights broadcast",
+    roles=("trainer", "generator", "scorer"), preset=preset,
+    placement_problems=placement_problems, runner_problems=runner_problems, run=run)
