@@ -108,7 +108,7 @@ def compare_with_model(results: dict, per_round: dict[str, list[dict]], base: li
               f"{r['predicted_step_s'] * 1e3:12.1f} {m:9.2f} {p:9.2f} {p / m - 1:+6.0%}")
     out: dict = {"ratios": rows}
     for k in (0, 1, 2):
-        cfg = load_config(None, base + [f"algo.max_staleness={k}", "placement.strategy=auto"])
+        cfg = load_config(None, [*base, f"algo.max_staleness={k}", "placement.strategy=auto"])
         picked, reason = choose(cfg)
         name = picked.strategy if picked.strategy != "separation" else f"separation k={k}"
         same_k = [n for n in results if n in VARIANTS

@@ -35,7 +35,7 @@ def _section(name: str, fn: Any, *args: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         out = fn(*args)
-    except Exception as e:  # noqa: BLE001 -- a section that cannot run says why
+    except Exception as e:
         out = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-1500:]}
     out["section_s"] = round(time.perf_counter() - t0, 3)
     print(json.dumps({name: {k: v for k, v in out.items() if k != "trace"}}), flush=True)
@@ -145,10 +145,7 @@ def ppo_step(dry: bool, device: str) -> dict[str, Any]:
              "reward_model.steps=50", "train.steps=6", "train.prompts_per_step=64"])
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as d:
-        base = size + ["run.plot=false", "run.progress=false", "run.eval_prompts=16",
-                       "reward_model.heldout_pairs=64", "algo.group_size=2",
-                       f"run.output_dir={json.dumps(d)}", f"run.cache_dir={json.dumps(d + '/c')}",
-                       f"placement.device={device}"]
+        base = [*size, "run.plot=false", "run.progress=false", "run.eval_prompts=16", "reward_model.heldout_pairs=64", "algo.group_size=2", f"run.output_dir={json.dumps(d)}", f"run.cache_dir={json.dumps(d + '/c')}", f"placement.device={device}"]
         for name, extra in (("flattening", []),
                             ("separation", ["placement.strategy=separation",
                                             "placement.devices=2", "algo.max_staleness=1"])):

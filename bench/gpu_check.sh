@@ -4,7 +4,7 @@
 #
 #   bench/gpu_check.sh [--dry-run] [--out FILE]
 #
-# --dry-run: CPU, tiny sizes, installs nothing (exercised by tests/unit/test_gpu_check.py).
+# --dry-run: CPU, tiny sizes, installs nothing (exercised by tests/integration/test_gpu_check.py).
 # Wheels: put deepspeed/vllm wheels (and their deps) in .whl/ at the repository root; only
 # what `import` cannot find is installed, with --no-index (no network needed).
 set -euo pipefail

@@ -167,7 +167,8 @@ def summarize(run: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     a, b = mean(s["queue_depth"] for s in first), mean(s["queue_depth"] for s in last)
     rows["queue depth (msgs)"] = {"first": a, "last": b, "growth": _growth(a, b),
                                   "trend": _trend(steady, lambda s: s["queue_depth"])}
-    span = lambda w: (w[-1]["received"] - w[0]["received"]) / max(w[-1]["t"] - w[0]["t"], 1e-9)
+    def span(w):
+        return (w[-1]["received"] - w[0]["received"]) / max(w[-1]["t"] - w[0]["t"], 1e-9)
     return {"rows": rows, "seconds": total, "received": samples[-1]["received"],
             "msgs_per_s_first": span(first), "msgs_per_s_last": span(last),
             "rejected": samples[-1]["rejected"], "auth_refused": samples[-1]["auth_refused"],

@@ -18,8 +18,19 @@ from nodes.common import NodeContext, load_context, message_errors
 from rlhf_async.config import weight_sync_backend
 from rlhf_async.engines import GenerationBackend, make_generation_backend
 from rlhf_async.runtime import Node
+from rlhf_async.strategies.separation.events import (
+    SFT_LINEAGE,
+    Generated,
+    Loaded,
+    UpdateWeights,
+    WeightsApplied,
+    WeightSyncConnect,
+    WeightSyncFailed,
+    decode_command,
+    emit,
+)
 from rlhf_async.strategies.separation.stage import StageClock
-from rlhf_async.strategies.separation.wire import SFT_LINEAGE, prompts_from_message, rollout_message
+from rlhf_async.strategies.separation.wire import prompts_from_message, rollout_message
 from rlhf_async.task.pretrain import load_sft
 from rlhf_async.weight_sync import GroupSpec, WeightSyncError
 
@@ -34,15 +45,17 @@ async def main(node: Node) -> None:
 
     async def connect(payload: dict) -> dict:
         """Join (or re-join under a new epoch) the trainer's broadcast group."""
-        spec, rank = GroupSpec.from_dict(payload["spec"]), int(payload["rank"])
+        cmd = decode_command(WeightSyncConnect.kind, payload)
+        spec, rank = GroupSpec.from_dict(cmd.spec), cmd.rank
         async with received:
             await asyncio.to_thread(engine.connect, spec, rank)
         return {"connected": spec.group_name}
 
     async def update(payload: dict) -> dict:
-        node.transport.spawn(_update(payload["plan"], payload["lineage"]),
-                             name=f"weights-v{payload['plan'].get('version')}")
-        return {"receiving": payload["plan"].get("version")}
+        cmd = decode_command(UpdateWeights.kind, payload)
+        version = cmd.plan.get("version")
+        node.transport.spawn(_update(cmd.plan, cmd.lineage), name=f"weights-v{version}")
+        return {"receiving": version}
 
     async def _update(plan: dict, lineage: str) -> None:
         t0 = time.perf_counter()
@@ -56,16 +69,14 @@ async def main(node: Node) -> None:
                 version = await asyncio.to_thread(engine.swap, staged)
                 state.update(version=version, lineage=lineage)
         except WeightSyncError as e:  # the group broke (a peer died): regrouped and re-sent
-            await node.emit("weight_sync_failed", {"error": str(e)})
+            await emit(node, WeightSyncFailed(str(e)))
             return
-        await node.emit("weights_applied", {"version": version, "lineage": lineage,
-                                            "receive_s": t1 - t0,
-                                            "swap_wait_s": time.perf_counter() - t1},
-                        weight_version=version)
+        await emit(node, WeightsApplied(version, lineage, t1 - t0, time.perf_counter() - t1),
+                   weight_version=version)
 
-    node.on_command("weight_sync_connect", connect)
-    node.on_command("update_weights", update)
-    await node.emit("loaded", {"version": 0})
+    node.on_command(WeightSyncConnect.kind, connect)
+    node.on_command(UpdateWeights.kind, update)
+    await emit(node, Loaded())
     seed = job.cfg.run.seed
     inp, out, clock = node.socket("prompts"), node.socket("rollouts"), StageClock()
     torch.set_grad_enabled(False)
@@ -84,8 +95,8 @@ async def main(node: Node) -> None:
                 engine.generate, prompts.to(job.device), seed, cid.step, version))
         await out.send(rollout_message("rollout", cid, batch.to("cpu"), node.node_id, lineage))
         node.info.update(clock.snapshot(), version=version)
-        await node.emit("generated", {**cid.meta(), "version": version, **clock.snapshot()},
-                        step=cid.step, weight_version=version)
+        await emit(node, Generated(cid.step, cid.chunk, cid.chunks, version, clock.busy_s,
+                                   clock.idle_s), step=cid.step, weight_version=version)
 
 
 def _engine(job: NodeContext) -> GenerationBackend:

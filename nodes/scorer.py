@@ -10,6 +10,7 @@ from nodes.common import NodeContext, load_context, message_errors
 from rlhf_async.modeling.models import ScalarHeadModel, frozen_copy
 from rlhf_async.rl.scoring import score
 from rlhf_async.runtime import Node
+from rlhf_async.strategies.separation.events import Loaded, Scored, emit
 from rlhf_async.strategies.separation.stage import StageClock
 from rlhf_async.strategies.separation.wire import lineage_of, rollout_from_message, rollout_message
 from rlhf_async.task import make_task
@@ -24,7 +25,7 @@ async def main(node: Node) -> None:
     inp, out = node.socket("rollouts"), node.socket("scored")
     clock = StageClock()
     torch.set_grad_enabled(False)
-    await node.emit("loaded", {})
+    await emit(node, Loaded())
     while not node.stopping:
         await node.wait_resumed()
         msg = await clock.idle(inp.recv())
@@ -40,7 +41,8 @@ async def main(node: Node) -> None:
         await out.send(rollout_message("scored_rollout", cid, scored.to("cpu"), node.node_id,
                                        lineage))
         node.info.update(clock.snapshot())
-        await node.emit("scored", {**cid.meta(), **clock.snapshot()}, step=cid.step)
+        await emit(node, Scored(cid.step, cid.chunk, cid.chunks, clock.busy_s, clock.idle_s),
+                   step=cid.step)
 
 
 def _models(job: NodeContext) -> tuple[ScalarHeadModel | None, torch.nn.Module]:

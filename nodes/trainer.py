@@ -24,8 +24,21 @@ from rlhf_async.rl.learner import Learner
 from rlhf_async.rl.staleness import StalenessPolicy
 from rlhf_async.runtime import Node
 from rlhf_async.strategies.separation.assembler import BatchAssembler
+from rlhf_async.strategies.separation.events import (
+    SFT_LINEAGE,
+    ChunkDropped,
+    Done,
+    Loaded,
+    Published,
+    Trained,
+    WeightSyncConnect,
+    WeightSyncFailed,
+    WeightSyncPrepare,
+    decode_command,
+    emit,
+)
 from rlhf_async.strategies.separation.stage import StageClock
-from rlhf_async.strategies.separation.wire import SFT_LINEAGE, lineage_of, rollout_from_message
+from rlhf_async.strategies.separation.wire import lineage_of, rollout_from_message
 from rlhf_async.task.pretrain import load_critic, load_sft
 from rlhf_async.weight_sync import GroupSpec, WeightSender, WeightSyncError, make_sender
 from rlhf_async.wire.protocol import Message
@@ -45,10 +58,11 @@ async def main(node: Node) -> None:
     lineage = os.urandom(4).hex()  # this incarnation's weights (see wire.SFT_LINEAGE)
 
     async def prepare(payload: dict) -> dict:
-        return sender.prepare(GroupSpec.from_dict(payload["spec"])).to_dict()
+        cmd = decode_command(WeightSyncPrepare.kind, payload)
+        return sender.prepare(GroupSpec.from_dict(cmd.spec)).to_dict()
 
     async def connect(payload: dict) -> dict:  # (re)build the group; never under a send
-        spec = GroupSpec.from_dict(payload["spec"])
+        spec = GroupSpec.from_dict(decode_command(WeightSyncConnect.kind, payload).spec)
         async with weights_lock:
             await asyncio.to_thread(sender.connect, spec)
         return {"connected": spec.group_name}
@@ -57,10 +71,10 @@ async def main(node: Node) -> None:
         async with weights_lock:
             return await _publish(node, sender, learner, lineage, force=True)
 
-    node.on_command("weight_sync_prepare", prepare)
-    node.on_command("weight_sync_connect", connect)
+    node.on_command(WeightSyncPrepare.kind, prepare)
+    node.on_command(WeightSyncConnect.kind, connect)
     node.on_command("republish", republish)
-    await node.emit("loaded", {"step": start, "version": learner.version, "lineage": lineage})
+    await emit(node, Loaded(start, learner.version, lineage))
     inp, clock = node.socket("scored"), StageClock()
     samples_path = ckpt_dir.parent / "trained_samples.jsonl"
     truncate_jsonl(samples_path, start)  # steps after the checkpoint are trained again
@@ -87,12 +101,11 @@ async def main(node: Node) -> None:
                                "version": full.version})
             # reported before the checkpoint: a crash in between makes the restarted
             # trainer train (and report) the step again, never leave it unreported
-            await node.emit("trained", {
-                "step": step, "metrics": metrics, "sample_ids": full.sample_ids.tolist(),
-                "rollout_version": full.version, "queue_trainer": batches.waiting(), **sync,
-                **policy.metrics(), **clock.snapshot(),
-                "staleness_hist": {str(k): v for k, v in policy.histogram.items()}},
-                step=step, weight_version=learner.version)
+            await emit(node, Trained(
+                step, metrics, full.sample_ids.tolist(), full.version, batches.waiting(),
+                sync["weight_sync_s"], sync["weight_sync_bytes"], clock.busy_s, clock.idle_s,
+                policy.metrics(), {str(k): v for k, v in policy.histogram.items()},
+                sync.get("published_version")), step=step, weight_version=learner.version)
             if every and (step + 1) % every == 0 and step + 1 < steps:
                 await _checkpoint(node, ckpt_dir, step + 1, learner, policy, cfg)
     await _checkpoint(node, ckpt_dir, batches.next_step, learner, policy, cfg)
@@ -102,7 +115,7 @@ async def main(node: Node) -> None:
             save_policy(actor, policy_dir, {"algo": cfg.algo.name, "steps": steps,
                                             "version": learner.version,
                                             "strategy": "separation"})
-        await node.emit("done", {"policy_dir": str(policy_dir), "steps": steps})
+        await emit(node, Done(str(policy_dir), steps))
     samples_log.close()
     await node.wait_stop()
     sender.close()
@@ -135,8 +148,8 @@ def _accept(node: Node, msg: Message, batches: BatchAssembler, policy: Staleness
         node.counters["dropped.lineage"] += 1
     if not ours or not policy.admit(cid.step, batch.version):  # the coordinator re-sends it
         node.counters["dropped.stale"] += ours
-        node.transport.spawn(node.emit("chunk_dropped", {**cid.meta(), "version": batch.version}),
-                             name="chunk-dropped")
+        dropped = ChunkDropped(cid.step, cid.chunk, cid.chunks, batch.version)
+        node.transport.spawn(emit(node, dropped), name="chunk-dropped")
         return False
     return batches.add(cid, batch)
 
@@ -170,13 +183,13 @@ async def _publish(node: Node, sender: WeightSender, learner: Learner, lineage: 
     version = learner.version // every
     weights = learner.state_dict()  # full weights (gathered group by group under ZeRO-3)
     plan = sender.plan(weights, version)
-    await node.emit("publish", {"plan": plan, "lineage": lineage}, weight_version=version)
+    await emit(node, Published(plan, lineage), weight_version=version)
     t0 = time.perf_counter()
     try:  # the send packs buckets straight from the live parameters: callers hold the lock
         await asyncio.to_thread(sender.send, weights, plan)
     except WeightSyncError as e:  # a generator died mid-transfer: regrouped and re-sent later
         node.log.warning("publish_failed", version=version, error=str(e))
-        await node.emit("weight_sync_failed", {"error": str(e), "version": version})
+        await emit(node, WeightSyncFailed(str(e), version))
         return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_bytes": 0}
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_bytes": nbytes,

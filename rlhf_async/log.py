@@ -42,7 +42,7 @@ def configure_logging(level: str | None = None, *, json: bool | None = None) -> 
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]  # a TextIO by duck typing
         cache_logger_on_first_use=False,
     )
 

@@ -85,7 +85,8 @@ class RewardModelConfig:
     steps: int = opt(1200, "Bradley-Terry training steps", ge=0)
     batch_size: int = opt(64, "preference pairs per step", ge=1)
     lr: float = opt(1e-3, "reward-model learning rate", gt=0.0)
-    label_noise: float = opt(0.05, "temperature of the noisy labeller: P(a>b)=sigmoid(dh/t)", gt=0.0)
+    label_noise: float = opt(0.05, "temperature of the noisy labeller: P(a>b)=sigmoid(dh/t)",
+                             gt=0.0)
     heldout_pairs: int = opt(1024, "held-out pairs for reward-model accuracy", ge=1)
 
 

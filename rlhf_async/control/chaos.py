@@ -51,7 +51,7 @@ def kill_nodes(run_dir: str | Path, order: list[str], every_steps: int,
 
 def random_order(nodes: list[str], kills: int, seed: int = 0) -> list[str]:
     """`kills` victims covering every node before repeating, in a seeded random order."""
-    rng, order = random.Random(seed), []
+    rng, order = random.Random(seed), list[str]()
     while len(order) < kills:
         batch = list(nodes)
         rng.shuffle(batch)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from rlhf_async.wire.protocol import Message
 from rlhf_async.wire.security import Keyring
@@ -43,6 +43,17 @@ class NodeEvent:
     step: int = 0
     weight_version: int = 0
     timestamp: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class NodeDead:
+    """The payload of the coordinator's own `node_dead` event: heartbeats stopped or the
+    process exited, and whether it is being restarted."""
+
+    kind: ClassVar[str] = "node_dead"
+    reason: str = ""
+    will_restart: bool = False
+    exit_code: int | None = None  # None: killed for silence
 
 
 class EventStream:

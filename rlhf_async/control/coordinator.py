@@ -18,6 +18,7 @@ unless `insecure=True`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
@@ -37,6 +38,7 @@ from rlhf_async.control.client import (
     CommandError,
     CoordinatorError,
     EventStream,
+    NodeDead,
     NodeEvent,
     NodeNotReady,
     call_coordinator,
@@ -237,10 +239,8 @@ class Coordinator:
         for n in alive:
             stop = Message("command", source="coordinator",
                            meta={"name": "stop", "payload": "coordinator shutdown"})
-            try:
+            with contextlib.suppress(TimeoutError):
                 await self._router.send(stop, to=n.spec.node_id.encode(), timeout=0.1)
-            except TimeoutError:
-                pass
         for action in ("terminate", "kill"):
             deadline = time.monotonic() + self.stop_timeout
             while alive and time.monotonic() < deadline:
@@ -349,7 +349,7 @@ class Coordinator:
             if asyncio.iscoroutine(result):
                 result = await result
             meta = {"ok": True, "result": result}
-        except Exception as e:  # noqa: BLE001 - the caller gets the error as the reply
+        except Exception as e:
             meta = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         await self._router.send(msg.reply("reply", meta=meta, source="coordinator"), to=peer)
 
@@ -368,7 +368,8 @@ class Coordinator:
                     self._publish(NodeEvent(node.spec.node_id, "exited", node.goodbye))
                 elif rc is not None:
                     reason = (node.goodbye or {}).get("reason", "")
-                    self._dead(node, f"exited with code {rc}" + (f" ({reason})" if reason else ""), rc)
+                    why = f"exited with code {rc}" + (f" ({reason})" if reason else "")
+                    self._dead(node, why, rc)
                 elif node.state == "ready" and now - node.last_seen > self.time_to_dead:
                     self._dead(node, f"no heartbeat for {now - node.last_seen:.1f}s", None)
                 elif node.state == "starting" and now - node.started > self.ready_timeout:
@@ -381,8 +382,7 @@ class Coordinator:
         restart = node.restarts < self.restart_limit and not self.stop_requested.is_set()
         self.log.error("node_dead", node=node_id, role=node.spec.role, reason=reason,
                        restart=restart, log=self._log_hint(node))
-        self._publish(NodeEvent(node_id, "node_dead",
-                                {"reason": reason, "exit_code": rc, "will_restart": restart}))
+        self._publish(NodeEvent(node_id, NodeDead.kind, asdict(NodeDead(reason, restart, rc))))
         if restart:
             self._start(node.spec, restarts=node.restarts + 1)
             self._publish(NodeEvent(node_id, "node_restarted", {"restarts": node.restarts + 1}))

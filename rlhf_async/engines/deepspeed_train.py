@@ -60,9 +60,9 @@ def init_distributed() -> bool:
                            ("WORLD_SIZE", dist.get_world_size())):
             os.environ.setdefault(key, str(value))
         return False
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+    for name, text in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
+        os.environ.setdefault(name, text)
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)

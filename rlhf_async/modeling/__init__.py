@@ -1,1 +1,2 @@
-"""Models and the data they make: HF actor/critic/reward/reference, the keyed sampler, rollout batches, keyed randomness."""
+"""Models and the data they make: HF actor/critic/reward/reference, the keyed sampler and
+the `generate` role, prompt and rollout batches, keyed randomness."""

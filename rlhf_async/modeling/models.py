@@ -37,7 +37,8 @@ M = TypeVar("M", bound=nn.Module)
 def tiny_config(cfg: ModelConfig, vocab_size: int, pad_id: int, bos_id: int,
                 eos_id: int) -> PretrainedConfig:
     """The built-in model's HF config (no hub access)."""
-    special: dict[str, Any] = {"pad_token_id": pad_id, "bos_token_id": bos_id, "eos_token_id": eos_id}
+    special: dict[str, Any] = {"pad_token_id": pad_id, "bos_token_id": bos_id,
+                               "eos_token_id": eos_id}
     if cfg.arch == "llama":
         return LlamaConfig(vocab_size=vocab_size, hidden_size=cfg.hidden,
                            intermediate_size=cfg.hidden * 4, num_hidden_layers=cfg.layers,

@@ -115,7 +115,8 @@ class RolloutBatch:
                 problems.append(f"{name}: shape {tuple(t.shape)}, expected {shape}")
             integer = name.endswith(("_ids", "_mask"))
             if integer != (not t.is_floating_point()):
-                problems.append(f"{name}: dtype {t.dtype} is not {'integer' if integer else 'float'}")
+                kind = "integer" if integer else "float"
+                problems.append(f"{name}: dtype {t.dtype} is not {kind}")
         if problems:
             raise RolloutFormatError("; ".join(problems))
 

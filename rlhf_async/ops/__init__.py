@@ -1,1 +1,2 @@
-"""Operating a deployment: the daemon, plots of a run's metrics, host checks, offline model preparation."""
+"""Operating a deployment: the daemon, plots of a run's metrics, host checks, offline model
+preparation."""

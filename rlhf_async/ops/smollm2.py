@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
 from rlhf_async.log import get_logger
 
@@ -74,7 +75,7 @@ def prepare(out_dir: str | Path = DEFAULT_DIR, force: bool = False) -> Path:
     return out
 
 
-def _plain_copy(model: torch.nn.Module) -> torch.nn.Module:
+def _plain_copy(model: torch.nn.Module) -> PreTrainedModel:
     """The same weights in a model without the GGUF quantizer attached (transformers
     refuses to save one that has it, though its weights are already float32)."""
     from transformers import AutoModelForCausalLM

@@ -1,1 +1,2 @@
-"""Planning: the cost model, the `auto` choice, simulation of large clusters, calibration on this machine."""
+"""Planning: the cost model, the `auto` choice, simulation of large clusters, calibration
+on this machine."""

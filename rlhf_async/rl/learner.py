@@ -208,6 +208,7 @@ class Learner:
         self.actor.eval()
         self.version += 1
         if kl is None:  # old_lp was filled by the loss forward
+            assert b.ref_logprobs is not None  # a scored batch (validated by train_step)
             kl = A.kl_per_token(old_lp, b.ref_logprobs, self.algo.kl_estimator) * m
         return {**self._global_stats(b, kl, adv, sums, n_updates), **grad_norms,
                 "version": self.version}

@@ -135,7 +135,7 @@ class StalenessPolicy:
         a resumed run may change `max_staleness`; the counters carry over either way."""
         if not isinstance(state, Mapping):
             # ValueError like every other bad-state case, so the checkpoint loader catches one type
-            raise ValueError(  # noqa: TRY004
+            raise ValueError(
                 f"staleness state: expected a mapping, got {type(state).__name__}"
             )
         if state.get("format") != _STATE_FORMAT:

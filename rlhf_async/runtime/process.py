@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import inspect
 import os
@@ -60,10 +61,9 @@ async def _heartbeat_loop(node: Node, heard: list[float], orphaned: asyncio.Even
             node.request_stop("coordinator lost")
             return
         beat = Message("heartbeat", source=node.node_id, meta={"paused": node.paused})
-        try:
+        # control queue full: the coordinator is not reading; the check above decides
+        with contextlib.suppress(TimeoutError):
             await node._control.send(beat, timeout=spec.heartbeat_s)
-        except TimeoutError:
-            pass  # control queue full: the coordinator is not reading; the check above decides
         await asyncio.sleep(spec.heartbeat_s)
 
 
@@ -122,10 +122,8 @@ async def serve(spec: NodeSpec) -> int:
         if orphaned.is_set():
             rc = EXIT_ORPHANED
         bye = {"rc": rc, "reason": node.stop_reason or "finished"}
-        try:
+        with contextlib.suppress(TimeoutError):
             await control.send(Message("stop", source=spec.node_id, meta=bye), timeout=0.5)
-        except TimeoutError:
-            pass
         node.log.info("node_exit", **bye)
         return rc
 

@@ -14,6 +14,7 @@ heartbeat timeout declares its nodes dead, as for any hung node.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -190,9 +191,7 @@ class RemoteLauncher:
 
     def close(self) -> None:
         for link in self.links.values():
-            try:
+            with contextlib.suppress(AgentUnavailable):
                 link.send("stop_run", {"run": self.run})
-            except AgentUnavailable:
-                pass
             link.close()
         self.ctx.term()

@@ -1,1 +1,2 @@
-"""Placement strategies: placement as plain data, one module per strategy (preset, checks, runner), the registry."""
+"""Placement strategies: placement as plain data, one module per strategy (preset, checks,
+runner), the registry, the lock-step rank loop two of them share."""

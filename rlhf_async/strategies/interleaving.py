@@ -174,8 +174,9 @@ def preset(cfg: PlacementConfig, algo: str, over: Overrides) -> Placement:
               "reference": cfg.reference or ref_default, "reward": cfg.reward or rw_default}
     if algo != "ppo":
         del groups["critic"]
-    models = tuple(model_placement(cfg, m, sorted(devs), TRAIN if m in ("actor", "critic") else INFER,
-                          over) for m, devs in groups.items())
+    models = tuple(model_placement(cfg, m, sorted(devs),
+                                   TRAIN if m in ("actor", "critic") else INFER, over)
+                   for m, devs in groups.items())
     procs = []
     for d in range(n):
         here = tuple(m for m, devs in groups.items() if d in devs)

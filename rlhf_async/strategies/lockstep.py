@@ -54,7 +54,7 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
     """The hot loop; identical on every rank except what it holds and who writes files."""
     device = device_of(cfg, rank)
     task = make_task(cfg)
-    actor = load_sft(art.sft_dir).to(device)
+    actor = load_sft(art.sft_dir).to(device)  # type: ignore[arg-type]  # HF's .to overloads
     scorer = make_scorer(cfg, art, task, actor, rank, world, device)  # before training
     critic = load_critic(cfg, art)
     learner = Learner(actor, critic.to(device) if critic is not None else None, cfg.algo,

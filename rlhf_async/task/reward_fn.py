@@ -60,7 +60,7 @@ def _import(where: str, spec: str) -> object:
             sys.path.remove(str(Path.cwd()))
     except RewardFunctionError:
         raise
-    except Exception as e:  # noqa: BLE001  # whatever the user's module raises on import
+    except Exception as e:  # whatever the user's module raises on import
         raise RewardFunctionError(f"cannot import {where!r} for {spec!r}: "
                                   f"{type(e).__name__}: {e}") from None
 
@@ -87,7 +87,7 @@ def call_reward(fn: RewardFn, spec: str, prompt: str, response: str, index: int)
     where = f"prompt {index} of task.prompts" if index >= 0 else "a prompt not in task.prompts"
     try:
         value = fn(prompt, response)
-    except Exception as e:  # noqa: BLE001  # the user's code: any failure, one report
+    except Exception as e:  # the user's code: any failure, one report
         raise RewardFunctionError(f"{spec} raised {type(e).__name__}: {e} on {where} "
                                   f"(prompt {prompt!r}, response {response!r})") from None
     if not isinstance(value, numbers.Real):  # bools count: True = 1.0

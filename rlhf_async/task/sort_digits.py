@@ -147,7 +147,8 @@ class SortDigitsTask:
 
     def preference_pairs(self, seed: int, purpose: str, step: int, count: int,
                          noise: float) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
-        """(prompts, chosen tokens, rejected tokens), labelled by the hidden score with Bradley-Terry noise."""
+        """(prompts, chosen tokens, rejected tokens), labelled by the hidden score with
+        Bradley-Terry noise."""
         prompts = self.prompts(seed, purpose, step, count)
         rng = random.Random(key_seed(seed, "pairs", purpose, step))
         chosen, rejected = [], []

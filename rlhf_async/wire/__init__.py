@@ -1,1 +1,2 @@
-"""Wire layer: the message protocol, ZeroMQ transport, CURVE security, buffer policy. No torch.distributed, no RL."""
+"""Wire layer: the message protocol, ZeroMQ transport, CURVE security, buffer policy.
+No torch.distributed, no RL."""

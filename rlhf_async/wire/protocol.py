@@ -141,7 +141,7 @@ _HEADER_TYPES: dict[str, tuple[str, tuple[type, ...]]] = {
 def _tensor_frame(t: torch.Tensor) -> memoryview:
     # reshape(-1) of a contiguous tensor is a view, and view(uint8) reinterprets bytes, so
     # this handles bfloat16/float8 (which numpy lacks) and 0-d tensors without a copy.
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # ndarray is a buffer
 
 
 def encode(msg: Message) -> list[bytes | memoryview]:
@@ -196,7 +196,10 @@ def _unpack_header(frame: Any) -> dict[str, Any]:
     return header
 
 
-def _tensor_specs(descs: list[Any], max_bytes: int) -> list[tuple[str, torch.dtype, list[int], int]]:
+TensorSpec = tuple[str, torch.dtype, list[int], int]  # name, dtype, shape, bytes
+
+
+def _tensor_specs(descs: list[Any], max_bytes: int) -> list[TensorSpec]:
     if len(descs) > MAX_TENSORS:
         raise MessageTooLarge(f"{len(descs)} tensors, limit {MAX_TENSORS}")
     specs, total = [], 0

@@ -26,9 +26,7 @@ TINY = ["model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=30",
 
 def test_run_survives_five_kills_and_trains_each_prompt_once(tmp_path):
     steps, kills = 40, 5
-    cfg = load_config(None, TINY + [f"run.cache_dir={json.dumps(str(tmp_path / 'cache'))}",
-                                    f"run.output_dir={json.dumps(str(tmp_path))}",
-                                    "run.name=chaos", f"train.steps={steps}"])
+    cfg = load_config(None, [*TINY, f"run.cache_dir={json.dumps(str(tmp_path / 'cache'))}", f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=chaos", f"train.steps={steps}"])
     victims: list = []
     stop = threading.Event()
     # every role at least once, the trainer twice, in a random order

@@ -63,7 +63,7 @@ def test_curve_pipeline_refuses_and_counts_peers_without_the_right_key(tmp_path)
             data = [s.endpoints["in"].address for s in specs if "in" in s.endpoints]
             with coord.events() as events:
                 await coord.launch(specs)
-                await _attack([wrong_key, no_key], data + [control])
+                await _attack([wrong_key, no_key], [*data, control])
                 while (event := await events.get(timeout=60)).kind != "done":
                     assert event.kind != "node_dead", event
             assert event.payload["received"] == MESSAGES

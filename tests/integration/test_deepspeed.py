@@ -66,15 +66,6 @@ def test_zero_learner_matches_torch_and_resumes_exactly(tmp_path, torch_ppo, sta
     assert ds["repeat_metrics"] == ds["metrics"][2]
 
 
-@pytest.fixture
-def one_thread():
-    """The in-process Flattening run uses node processes' 1 thread (same float order)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_separation_trainer_on_zero3_matches_flattening_on_torch(tmp_path, one_thread):
     cache = tmp_path / "cache"
     _, flat = _run(tmp_path, cache, "flat", "algo.name=ppo")

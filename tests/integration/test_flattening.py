@@ -11,11 +11,6 @@ from rlhf_async.task import SortDigitsTask
 from rlhf_async.task.pretrain import prepare_artefacts
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_two_processes_match_one(tmp_path, cache, algo):
     base = [f"run.cache_dir={cache}", "sft.steps=40", "reward_model.steps=40",
@@ -23,7 +18,7 @@ def test_two_processes_match_one(tmp_path, cache, algo):
             "train.minibatches=3", "run.progress=false", f"algo.name={algo}", "algo.is_cap=2.0"]
     results = {}
     for devices in (1, 2):
-        cfg = load_config(None, base + [f"placement.devices={devices}"])
+        cfg = load_config(None, [*base, f"placement.devices={devices}"])
         art = prepare_artefacts(cfg, SortDigitsTask(cfg.task))
         res = flattening.run(cfg, plan_placement(cfg.placement, cfg.algo.name), art,
                              tmp_path / f"d{devices}")
@@ -34,7 +29,7 @@ def test_two_processes_match_one(tmp_path, cache, algo):
     assert len(m1) == len(m2) == 3
     keys = ["policy_loss", "reward", "kl", "entropy", "response_length", "samples"]
     keys += ["value_loss"] if algo == "ppo" else []
-    for a, b in zip(m1, m2):
+    for a, b in zip(m1, m2, strict=False):
         for k in keys:
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (k, a[k], b[k])
     moved = max((w1[k] - sft[k]).abs().max().item() for k in w1)

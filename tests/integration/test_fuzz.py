@@ -58,7 +58,7 @@ def _mutate(rng: random.Random) -> list[bytes]:
     if pick == 0:
         return [rng.randbytes(rng.randint(0, 64)) for _ in range(rng.randint(1, 4))]
     if pick == 1:
-        return [msgpack.packb(rng.choice(JUNK[:-2] + [[h]])), *frames]
+        return [msgpack.packb(rng.choice([*JUNK[:-2], [h]])), *frames]
     if pick == 2:
         del h[rng.choice(FIELDS)]
     elif pick == 3:

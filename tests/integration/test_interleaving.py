@@ -23,11 +23,6 @@ TINY = ["model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=30",
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
 def flat(tmp_path_factory, cache):
     """Flattening in this process with one torch thread, like the worker processes: a
     different thread count changes float reduction order (and Adam magnifies it)."""
@@ -38,9 +33,7 @@ def flat(tmp_path_factory, cache):
 
 
 def _run(tmp_path, cache, name, *overrides):
-    cfg = load_config(None, TINY + [f"run.cache_dir={json.dumps(str(cache))}",
-                                    f"run.output_dir={json.dumps(str(tmp_path))}",
-                                    f"run.name={name}", *overrides])
+    cfg = load_config(None, [*TINY, f"run.cache_dir={json.dumps(str(cache))}", f"run.output_dir={json.dumps(str(tmp_path))}", f"run.name={name}", *overrides])
     summary = job.run(cfg)
     weights = load_file(str(tmp_path / name / "policy" / "model.safetensors"))
     return summary, read_metrics(tmp_path / name / "metrics.jsonl"), weights
@@ -51,7 +44,7 @@ def _same_trajectory(a, b):
     keys = ["policy_loss", "value_loss", "reward", "kl", "entropy", "response_length",
             "samples"]
     assert len(ma) == len(mb) == 3
-    for ra, rb in zip(ma, mb):
+    for ra, rb in zip(ma, mb, strict=False):
         for k in keys:
             assert ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-5), (ra["step"], k)
     assert wa.keys() == wb.keys()

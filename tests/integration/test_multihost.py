@@ -9,6 +9,7 @@ Needs root and `ip netns` (iproute2); skipped with the reason otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -89,10 +90,8 @@ class Cluster:
         for i in range(1, self.n + 1):  # agents launch.sh left behind after a failure
             pids = _ip("netns", "pids", self.ns(i)).stdout.split()
             for pid in pids:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(int(pid), 15)
-                except ProcessLookupError:
-                    pass
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()

@@ -5,7 +5,6 @@ import asyncio
 import pytest
 
 from rlhf_async.control.coordinator import CommandError, Coordinator
-from rlhf_async.log import configure_logging
 from rlhf_async.runtime import Node, NodeSpec
 
 
@@ -25,11 +24,6 @@ async def echo_node(node: Node) -> None:
     node.info["threads"] = __import__("torch").get_num_threads()
     await node.emit("hello", {"params": node.params}, step=3, weight_version=7)
     await node.wait_stop()
-
-
-@pytest.fixture(autouse=True)
-def _logs():
-    configure_logging("warning")
 
 
 @pytest.mark.timeout(60)

@@ -4,11 +4,9 @@ process outlives its coordinator (SIGTERM, CLI stop, SIGKILL) or a silent coordi
 import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import psutil
@@ -16,24 +14,11 @@ import pytest
 
 from rlhf_async.control.coordinator import Coordinator, call_coordinator, read_coordinator_file
 from rlhf_async.control.demo import address_maker, build_specs
-from rlhf_async.log import configure_logging
 from rlhf_async.runtime import NodeSpec
 from rlhf_async.runtime.loop import run_loop
 from rlhf_async.wire.transport import Endpoint
 
 HEARTBEAT, TIME_TO_DEAD = 0.2, 2.0
-
-
-@pytest.fixture(autouse=True)
-def _logs():
-    configure_logging("warning")
-
-
-@pytest.fixture()
-def ipc_dir():
-    d = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 async def _next_event(events, kind, timeout):

@@ -3,8 +3,6 @@ keeps serving the good traffic mixed in between."""
 
 import asyncio
 import random
-import shutil
-import tempfile
 
 import msgpack
 import pytest
@@ -15,20 +13,7 @@ import zmq.asyncio
 from nodes.demo_pipeline import DEMO
 from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.control.demo import address_maker, build_specs
-from rlhf_async.log import configure_logging
 from rlhf_async.wire.protocol import Message, encode
-
-
-@pytest.fixture(autouse=True)
-def _logs():
-    configure_logging("warning")
-
-
-@pytest.fixture()
-def ipc_dir():
-    d = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _good(seq):
@@ -94,7 +79,7 @@ def test_malformed_flood_is_rejected_counted_and_good_traffic_flows(tmp_path, ip
                         await push.send_multipart(frames)
                         if i % 4 == 0:  # good messages interleaved with the flood
                             await push.send_multipart(_good(i // 4))
-                    for i in range(50):
+                    for _ in range(50):
                         await dealer.send_multipart(next(bad)[1])
                     while True:
                         event = await events.get(timeout=60)

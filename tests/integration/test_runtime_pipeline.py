@@ -2,26 +2,11 @@
 makes the source block at the high-water mark with flat memory."""
 
 import asyncio
-import shutil
-import tempfile
 
 import pytest
 
 from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.control.demo import address_maker, build_specs, run_demo
-from rlhf_async.log import configure_logging
-
-
-@pytest.fixture(autouse=True)
-def _logs():
-    configure_logging("warning")
-
-
-@pytest.fixture()
-def ipc_dir():
-    d = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.mark.timeout(120)

@@ -22,25 +22,8 @@ TINY = ["model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=30",
         "run.progress=false"]
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture
-def one_thread():
-    """Node processes run one torch thread; the in-process Flattening run must too, since a
-    different thread count changes float reduction order (and Adam magnifies it)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _run(tmp_path, cache, name, *overrides):
-    cfg = load_config(None, TINY + [f"run.cache_dir={json.dumps(str(cache))}",
-                                    f"run.output_dir={json.dumps(str(tmp_path))}",
-                                    f"run.name={name}", *overrides])
+    cfg = load_config(None, [*TINY, f"run.cache_dir={json.dumps(str(cache))}", f"run.output_dir={json.dumps(str(tmp_path))}", f"run.name={name}", *overrides])
     summary = job.run(cfg)
     return summary, read_metrics(tmp_path / name / "metrics.jsonl")
 
@@ -57,7 +40,7 @@ def test_separation_matches_flattening_when_synchronous(tmp_path, cache, algo, o
     keys = ["policy_loss", "reward", "kl", "entropy", "response_length"]
     keys += ["value_loss"] if algo == "ppo" else []
     assert len(flat) == len(sep) == 3
-    for a, b in zip(flat, sep):
+    for a, b in zip(flat, sep, strict=False):
         for k in keys:
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (a["step"], k)
     assert all(r["rollout_version"] == r["step"] for r in sep)  # on-policy: version = step

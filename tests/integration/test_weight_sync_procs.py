@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
-from rlhf_async.log import configure_logging
 from rlhf_async.weight_sync import (
     GroupSpec,
     TorchBroadcastReceiver,
@@ -26,13 +25,6 @@ from rlhf_async.weight_sync import (
     WeightSyncTimeout,
     weights_of,
 )
-
-
-@pytest.fixture(autouse=True)
-def _logs_to_current_stderr() -> None:
-    # Another test may have bound structlog to a captured stream that is closed by now.
-    configure_logging("warning")
-
 
 BUCKET_MB = 4096 / 2**20  # 4 KiB buckets: the embedding below spans several
 PEERS = ("trainer", "generator g0", "generator g1")

@@ -8,6 +8,7 @@ leaves a job running on that a restarted daemon would start a second time.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -74,7 +75,7 @@ def start_job(cmd: list[str], log_path: Path) -> subprocess.Popen[bytes]:
         log.flush()
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=_die_with_daemon)  # noqa: PLW1509 (no lock taken)
+                                preexec_fn=_die_with_daemon)
 
 
 def process_alive(pid: int | None, started: float | None) -> bool:
@@ -97,10 +98,8 @@ def create_time(pid: int) -> float | None:
 
 
 def signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def stop_leftover(job: Job, timeout: float) -> None:

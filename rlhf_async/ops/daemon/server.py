@@ -16,6 +16,7 @@ SIGHUP reopens the log file (after logrotate moved it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -113,10 +114,8 @@ class Daemon:
             while not self.stopping.is_set():
                 self._reap()
                 self._start_queued()
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stopping.wait(), self.poll_s)
-                except TimeoutError:
-                    pass
             await self._stop_children()
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

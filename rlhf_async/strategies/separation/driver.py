@@ -12,22 +12,40 @@ its checkpoint, and the weight-broadcast group is rebuilt under a new epoch.
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from rlhf_async.config import JobConfig
-from rlhf_async.control.coordinator import Coordinator, EventStream, NodeEvent
+from rlhf_async.control.client import EventStream, NodeEvent
+from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.log import get_logger
 from rlhf_async.metrics import MetricsWriter, Progress, truncate_metrics
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.rl.staleness import StalenessPolicy
-from rlhf_async.strategies.separation.wire import (
+from rlhf_async.strategies.separation.events import (
     SFT_LINEAGE,
-    ChunkId,
-    prompts_message,
+    ChunkDropped,
+    Done,
+    Event,
+    EventError,
+    Generated,
+    Loaded,
+    NodeDead,
+    Published,
+    Scored,
+    Trained,
+    UpdateWeights,
+    WeightsApplied,
+    WeightSyncConnect,
+    WeightSyncFailed,
+    WeightSyncPrepare,
+    decode_event,
+    encode,
 )
+from rlhf_async.strategies.separation.wire import ChunkId, prompts_message
 from rlhf_async.task import make_task
 from rlhf_async.weight_sync import GroupSpec
 from rlhf_async.wire.transport import Channel
@@ -36,12 +54,21 @@ log = get_logger(component="pipeline")
 Key = tuple[int, int]  # (step, chunk)
 
 
+class ChunkState(enum.StrEnum):
+    """Where a chunk of a step's prompts is; it is forgotten once its step is trained."""
+
+    DISPATCHED = "dispatched"  # sent to the generators' queue
+    GENERATED = "generated"  # rollouts on their way to (or at) a scorer
+    SCORED = "scored"  # scored rollouts on their way to (or at) the trainer
+
+
 class PipelineError(RuntimeError):
     """The pipeline cannot go on (a node died too often, the weight broadcast failed)."""
 
 
-async def wait_loaded(events: EventStream, node_ids: list[str], timeout: float) -> dict:
-    """Wait until every node has loaded its models (its `loaded` event); their payloads."""
+async def wait_loaded(events: EventStream, node_ids: list[str],
+                      timeout: float) -> dict[str, Loaded]:
+    """Wait until every node has loaded its models (its `loaded` event)."""
     waiting, loaded = set(node_ids), {}
     deadline = time.monotonic() + timeout
     while waiting:
@@ -50,12 +77,15 @@ async def wait_loaded(events: EventStream, node_ids: list[str], timeout: float) 
         except TimeoutError:
             raise PipelineError(f"nodes did not load their models within {timeout:.0f}s: "
                                 f"{sorted(waiting)} (see RUN_DIR/logs)") from None
-        if ev.kind == "loaded":
+        if ev.kind == Loaded.kind:
             waiting.discard(ev.node_id)
-            loaded[ev.node_id] = ev.payload
-        elif ev.kind == "node_dead":
-            raise PipelineError(f"node {ev.node_id} died while loading: "
-                                f"{(ev.payload or {}).get('reason')} (see RUN_DIR/logs)")
+            event = decode_event(ev.kind, ev.payload)
+            assert isinstance(event, Loaded)
+            loaded[ev.node_id] = event
+        elif ev.kind == NodeDead.kind:
+            reason = (ev.payload or {}).get("reason") if isinstance(ev.payload, dict) else None
+            raise PipelineError(f"node {ev.node_id} died while loading: {reason} "
+                                "(see RUN_DIR/logs)")
     return loaded
 
 
@@ -66,18 +96,17 @@ async def connect_weight_sync(coord: Coordinator, spec: GroupSpec, trainer: str,
     spec = GroupSpec(spec.backend, spec.master_addr, 0, 1 + len(generators), spec.name,
                      spec.epoch, spec.timeout_s, (trainer, *generators))
     try:
-        spec = GroupSpec.from_dict(await coord.command(trainer, "weight_sync_prepare",
-                                                       {"spec": spec.to_dict()}))
+        prepare = WeightSyncPrepare(spec.to_dict())
+        spec = GroupSpec.from_dict(await coord.command(trainer, prepare.kind, encode(prepare)))
     except (TimeoutError, RuntimeError) as e:  # the trainer died or is restarting
         raise PipelineError(f"weight-sync group {spec.group_name}: {e}") from None
     limit = spec.timeout_s + 10
-    joins = [asyncio.ensure_future(coord.command(g, "weight_sync_connect",
-                                                 {"spec": spec.to_dict(), "rank": r}, limit))
-             for r, g in enumerate(generators, start=1)]
+    joins = [asyncio.ensure_future(_command(coord, g, WeightSyncConnect(spec.to_dict(), r),
+                                            limit)) for r, g in enumerate(generators, start=1)]
     await asyncio.sleep(0)  # let the generators' join commands go out first
     try:
-        await asyncio.gather(coord.command(trainer, "weight_sync_connect",
-                                           {"spec": spec.to_dict()}, limit), *joins)
+        await asyncio.gather(_command(coord, trainer, WeightSyncConnect(spec.to_dict()), limit),
+                             *joins)
     except (TimeoutError, RuntimeError) as e:
         for j in joins:
             j.cancel()
@@ -86,7 +115,20 @@ async def connect_weight_sync(coord: Coordinator, spec: GroupSpec, trainer: str,
     return spec
 
 
+async def _command(coord: Coordinator, node: str, cmd: WeightSyncConnect | UpdateWeights,
+                   timeout: float) -> Any:
+    return await coord.command(node, cmd.kind, encode(cmd), timeout)
+
+
 class Driver:
+    """The coordinator's side of a Separation run: a state machine over node events.
+
+    State: the data cursor (`next_step`), each chunk's `ChunkState`, the weights each
+    generator holds (`applied`), which nodes are down, the live trainer's `lineage`.
+    Everything it does is an answer to one event (`_handle`) or the dispatch loop
+    waking up when the staleness gate opens.
+    """
+
     def __init__(self, cfg: JobConfig, coord: Coordinator, events: EventStream,
                  prompts: Channel, roles: dict[str, str], spec: GroupSpec, run_dir: Path,
                  chunks_per_step: int, start_step: int, lineage: str) -> None:
@@ -99,7 +141,7 @@ class Driver:
         self.lineage = lineage  # the live trainer's incarnation
         self.gate = asyncio.Event()
         self.next_step = self.start_step = start_step
-        self.chunk_state: dict[Key, str] = {}  # dispatched -> generated -> scored
+        self.chunk_state: dict[Key, ChunkState] = {}
         self.chunk_prompts: dict[Key, tuple[ChunkId, PromptBatch]] = {}
         self.down: set[str] = set()
         self.trained_ids = Counter[int]()
@@ -138,7 +180,8 @@ class Driver:
     async def _next_event(self) -> NodeEvent:
         """The next node event, or the failure of a background task that must not fail."""
         get = asyncio.ensure_future(self.events.get())
-        watched = {t for t in (self.dispatcher, self._regrouping) if t is not None}
+        watched: set[asyncio.Future[Any]] = {t for t in (self.dispatcher, self._regrouping)
+                                             if t is not None}
         await asyncio.wait({get, *watched}, return_when=asyncio.FIRST_COMPLETED)
         for task, what in ((self.dispatcher, "dispatching prompts"),
                            (self._regrouping, "rebuilding the weight-sync group")):
@@ -173,10 +216,10 @@ class Driver:
 
     async def _send(self, key: Key) -> None:
         cid, part = self.chunk_prompts[key]
-        self.chunk_state[key] = "dispatched"
+        self.chunk_state[key] = ChunkState.DISPATCHED
         await self.chan.send(prompts_message(cid, part, "coordinator"))
 
-    def _resend(self, states: tuple[str, ...]) -> None:
+    def _resend(self, states: tuple[ChunkState, ...]) -> None:
         """Send again every chunk not yet trained that is in one of `states`."""
         keys = sorted(k for k, s in self.chunk_state.items() if s in states)
         self.counts["resent_chunks"] += len(keys)
@@ -188,60 +231,72 @@ class Driver:
         self._spawn(resend())
 
     async def _handle(self, ev: NodeEvent) -> bool:
-        """One node event; True when the run is complete."""
-        p = ev.payload if isinstance(ev.payload, dict) else {}
-        key = (p.get("step"), p.get("chunk"))
-        if ev.kind == "publish":
-            for gen in self.generators:
-                self._spawn(self._forward(gen, {"plan": p["plan"], "lineage": p["lineage"]}))
-        elif ev.kind == "weights_applied":
-            self.applied[ev.node_id] = (int(p["version"]), p["lineage"])
-            self.gate.set()
-        elif ev.kind in ("generated", "scored"):
-            if key in self.chunk_state:
-                self.chunk_state[key] = ev.kind
-            self.busy[ev.node_id] = float(p.get("busy_s", 0.0))
-        elif ev.kind == "chunk_dropped":
-            if key in self.chunk_prompts:
-                self.counts["resent_chunks"] += 1
-                self._spawn(self._send(key))
-        elif ev.kind == "trained":
-            self._record(ev.node_id, p)
-        elif ev.kind == "done":
-            self.result = p
-            return True
-        elif ev.kind == "node_dead":
-            await self._node_dead(ev.node_id, p)
-        elif ev.kind == "loaded" and ev.node_id in self.down:
-            await self._recover(ev.node_id, p)
-        elif ev.kind == "weight_sync_failed":
-            log.warning("weight_sync_failed", node=ev.node_id, error=p.get("error"))
+        """One node event; True when the run is complete. A payload that is not the record
+        its kind names is logged and counted, never fatal."""
+        try:
+            event = decode_event(ev.kind, ev.payload)
+        except EventError as e:
+            if ev.kind not in ("ready", "exited", "node_restarted"):  # coordinator-internal
+                self.counts["bad_events"] += 1
+                log.warning("bad_event", node=ev.node_id, kind=ev.kind, error=str(e))
+            return False
+        return await self._on(ev.node_id, event)
+
+    async def _on(self, node: str, event: Event) -> bool:
+        match event:
+            case Published(plan=plan, lineage=lineage):
+                for gen in self.generators:
+                    self._spawn(self._forward(gen, UpdateWeights(plan, lineage)))
+            case WeightsApplied(version=version, lineage=lineage):
+                self.applied[node] = (version, lineage)
+                self.gate.set()
+            case Generated() | Scored():
+                key = (event.step, event.chunk)
+                if key in self.chunk_state:
+                    self.chunk_state[key] = ChunkState(event.kind)
+                self.busy[node] = event.busy_s
+            case ChunkDropped():
+                key = (event.step, event.chunk)
+                if key in self.chunk_prompts:
+                    self.counts["resent_chunks"] += 1
+                    self._spawn(self._send(key))
+            case Trained():
+                self._record(node, event)
+            case Done():
+                self.result = encode(event)
+                return True
+            case NodeDead():
+                await self._node_dead(node, event)
+            case Loaded() if node in self.down:
+                await self._recover(node, event)
+            case WeightSyncFailed(error=error):
+                log.warning("weight_sync_failed", node=node, error=error)
         return False
 
-    async def _node_dead(self, node: str, p: dict) -> None:
-        if not p.get("will_restart"):
+    async def _node_dead(self, node: str, dead: NodeDead) -> None:
+        if not dead.will_restart:
             raise PipelineError(
-                f"node {node} died ({p.get('reason')}) and runtime.restart_limit = "
+                f"node {node} died ({dead.reason}) and runtime.restart_limit = "
                 f"{self.cfg.runtime.restart_limit} restarts are used up; the run stops with a "
                 f"checkpoint: continue it with `rlhf-async resume {self.run_dir}`")
         self.down.add(node)
         self.counts["restarts"] += 1
-        log.warning("node_down", node=node, role=self.roles[node], reason=p.get("reason"))
+        log.warning("node_down", node=node, role=self.roles[node], reason=dead.reason)
         if self.roles[node] == "generator":
             self._regroup()  # the others go on while it restarts
 
-    async def _recover(self, node: str, p: dict) -> None:
+    async def _recover(self, node: str, loaded: Loaded) -> None:
         """A restarted node has loaded its models: give it back its share of the work."""
         self.down.discard(node)
         role = self.roles[node]
         log.info("node_recovered", node=node, role=role)
         if role == "trainer":
-            await self._rollback(int(p["step"]), str(p["lineage"]))
+            await self._rollback(loaded.step, loaded.lineage)
         elif role == "generator":
             self.applied[node] = (0, SFT_LINEAGE)
-            self._resend(("dispatched",))  # lost in its queue, or in flight
+            self._resend((ChunkState.DISPATCHED,))  # lost in its queue, or in flight
         else:
-            self._resend(("dispatched", "generated"))
+            self._resend((ChunkState.DISPATCHED, ChunkState.GENERATED))
         if role != "scorer":
             self._regroup()
 
@@ -301,34 +356,31 @@ class Driver:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _forward(self, gen: str, payload: dict) -> None:
+    async def _forward(self, gen: str, update: UpdateWeights) -> None:
         try:
-            await self.coord.command(gen, "update_weights", payload, timeout=30.0)
+            await _command(self.coord, gen, update, 30.0)
         except (TimeoutError, RuntimeError) as e:  # a death is reported on its own
             log.warning("weights_not_forwarded", node=gen, error=str(e))
 
-    def _record(self, trainer: str, p: dict) -> None:
-        step, now = int(p["step"]), time.perf_counter()
+    def _record(self, trainer: str, t: Trained) -> None:
+        now = time.perf_counter()
         dt, self.t_last = now - self.t_last, now
-        for s in p["sample_ids"]:
-            self.trained_ids[int(s)] += 1
-        for key in [k for k in self.chunk_state if k[0] <= step]:
+        for s in t.sample_ids:
+            self.trained_ids[s] += 1
+        for key in [k for k in self.chunk_state if k[0] <= t.step]:
             del self.chunk_state[key], self.chunk_prompts[key]
-        self.busy[trainer] = float(p.get("busy_s", 0.0))
+        self.busy[trainer] = t.busy_s
         util = {f"util/{n}": (b - self.last_busy.get(n, 0.0)) / dt for n, b in self.busy.items()}
         self.last_busy = dict(self.busy)
         states = Counter(self.chunk_state.values())
-        m = p["metrics"]
-        record = {"step": step, **m, "time_step": dt, "samples_per_s": m["samples"] / dt,
-                  "rollout_version": p["rollout_version"],
+        record = {"step": t.step, **t.metrics, "time_step": dt,
+                  "samples_per_s": t.metrics["samples"] / dt,
+                  "rollout_version": t.rollout_version,
                   "published_version": self._published(),
-                  "weight_sync_s": p.get("weight_sync_s", 0.0),
-                  "weight_sync_bytes": p.get("weight_sync_bytes", 0),
-                  "staleness_hist": p.get("staleness_hist", {}),
-                  **{k: v for k, v in p.items() if k.startswith("staleness/")},
-                  **{f"queue/{s}": states.get(s, 0) for s in ("dispatched", "generated",
-                                                              "scored")},
-                  "queue/trainer": p.get("queue_trainer", 0), **util,
+                  "weight_sync_s": t.weight_sync_s, "weight_sync_bytes": t.weight_sync_bytes,
+                  "staleness_hist": t.staleness_hist, **t.staleness,
+                  **{f"queue/{s}": states.get(s, 0) for s in ChunkState},
+                  "queue/trainer": t.queue_trainer, **util,
                   **{f"faults/{k}": v for k, v in self.counts.items()}}
         self.writer.write(record)
         self.progress.update(record)

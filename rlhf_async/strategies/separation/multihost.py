@@ -68,8 +68,8 @@ def tcp_specs(specs: list[NodeSpec], prompts: str, where: dict[str, tuple[Host, 
     return out, new_prompts
 
 
-async def run_hosts(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placement, hosts: list[Host],
-               keys: Path, address: str, start_step: int) -> dict:
+async def run_hosts(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placement,
+                    hosts: list[Host], keys: Path, address: str, start_step: int) -> dict:
     where = node_hosts(placement, hosts)
     specs, prompts = build_specs(cfg, art, run_dir, placement, "/unused")
     specs, prompts = tcp_specs(specs, prompts, where, address)

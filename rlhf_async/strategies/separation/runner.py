@@ -98,13 +98,13 @@ async def drive(cfg: JobConfig, coord: Coordinator, prompts: Any, specs: list[No
     with coord.events() as events:
         await coord.launch(specs)
         loaded = await wait_loaded(events, list(roles), coord.ready_timeout)
-        if loaded["trainer"]["step"] != start_step:
-            raise PipelineError(f"the trainer restored step {loaded['trainer']['step']}, "
+        if loaded["trainer"].step != start_step:
+            raise PipelineError(f"the trainer restored step {loaded['trainer'].step}, "
                                 f"expected {start_step}")
         spec = await connect_weight_sync(coord, spec, "trainer", gens)
         driver = Driver(cfg, coord, events, prompts, roles, spec, run_dir,
                         chunks_per_step(cfg, len(gens)), start_step,
-                        loaded["trainer"]["lineage"])
+                        loaded["trainer"].lineage)
         result = await coord.run_until_stop(driver.run())
     if result is None:
         raise PipelineError(f"run stopped before it finished: {coord.stop_reason}")

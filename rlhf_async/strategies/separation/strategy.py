@@ -36,7 +36,7 @@ def preset(cfg: PlacementConfig, algo: str, over: Overrides) -> Placement:
     generator = cfg.generator or rest
     scorer = cfg.reward or cfg.reference or generator
     train_models = ("actor", "critic") if algo == "ppo" else ("actor",)
-    gens = int(over.get("shadow_actor", {}).get("replicas", cfg.generators))
+    gens = int(over.get("shadow_actor", {}).get("replicas", cfg.generators))  # type: ignore[call-overload]  # parse_overrides made it an int
     procs = [ProcessPlacement("trainer", "trainer", train_models, tuple(trainer), TRAIN)]
     procs += [ProcessPlacement(f"gen{i}", "generator", ("shadow_actor",), d, INFER)
               for i, d in enumerate(_spread(generator, gens))]

@@ -13,11 +13,6 @@ from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch, RolloutFormat
 from rlhf_async.wire.protocol import Message
 
 PROMPT_FIELDS = ("prompt_ids", "prompt_mask", "sample_ids", "group_ids")
-# Lineage names which trainer incarnation produced the weights behind a rollout: a trainer
-# restarted from a checkpoint refuses rollouts made by weights its predecessor published
-# after that checkpoint (same version number, different weights). Version 0 is the SFT
-# policy, the same for every incarnation.
-SFT_LINEAGE = "sft"
 
 
 class ChunkFormatError(ValueError):
@@ -36,10 +31,11 @@ class ChunkId:
     @classmethod
     def from_meta(cls, meta: dict) -> ChunkId:
         vals = [meta.get(k) for k in ("step", "chunk", "chunks")]
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in vals):
+        ints = [v for v in vals if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+        if len(ints) != len(vals):
             raise ChunkFormatError(f"chunk header needs integers step, chunk, chunks >= 0; "
-                                   f"got {[meta.get(k) for k in ('step', 'chunk', 'chunks')]}")
-        cid = cls(*vals)
+                                   f"got {vals}")
+        cid = cls(*ints)
         if cid.chunk >= cid.chunks:
             raise ChunkFormatError(f"chunk {cid.chunk} out of range for {cid.chunks} chunks")
         return cid
@@ -88,7 +84,7 @@ def rollout_from_message(msg: Message, kind: str) -> tuple[ChunkId, RolloutBatch
         raise ChunkFormatError(f"expected a {kind!r} message, got {msg.kind!r}")
     cid = ChunkId.from_meta(msg.meta)
     try:
-        batch = RolloutBatch.from_tensors(msg.tensors, {"version": msg.meta.get("version"),
+        batch = RolloutBatch.from_tensors(msg.tensors, {"version": msg.meta.get("version"),  # type: ignore[dict-item]  # from_tensors checks it
                                                         "step": cid.step})
     except (RolloutFormatError, TypeError) as e:
         raise ChunkFormatError(f"{kind} message: {e}") from None

@@ -5,7 +5,7 @@ import pytest
 from rlhf_async.config import ConfigError, JobConfig, load_config
 from rlhf_async.config.reference import render as render_reference
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_defaults_load_and_reference_file_matches_generated():

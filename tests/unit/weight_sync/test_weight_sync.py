@@ -13,7 +13,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf_async.log import configure_logging
 from rlhf_async.weight_sync import (
     GroupSpec,
     TorchBroadcastReceiver,
@@ -36,12 +35,6 @@ from rlhf_async.weight_sync.plan import (
     plan_dict,
     views,
 )
-
-
-@pytest.fixture(autouse=True)
-def _logs_to_current_stderr() -> None:
-    # Another test may have bound structlog to a captured stream that is closed by now.
-    configure_logging("warning")
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -148,9 +141,9 @@ def test_plan_is_msgpack_roundtrip_and_validated() -> None:
     assert (version, group, parsed.signature) == (7, "actor@0", layout.signature)
     broken = [
         {**plan, "format": 2},
-        {**plan, "tensors": [{**plan["tensors"][0], "dtype": "complex64"}] + plan["tensors"][1:]},
+        {**plan, "tensors": [{**plan["tensors"][0], "dtype": "complex64"}, *plan["tensors"][1:]]},
         {**plan, "total_bytes": plan["total_bytes"] + 64},
-        {**plan, "tensors": [{**plan["tensors"][1], "offset": 0}] + plan["tensors"][1:]},
+        {**plan, "tensors": [{**plan["tensors"][1], "offset": 0}, *plan["tensors"][1:]]},
         {k: v for k, v in plan.items() if k != "buckets"},
         {**plan, "version": "x"},
     ]
@@ -214,7 +207,7 @@ def _run_threads(fns: list[Callable[[], Any]]) -> list[Any]:
     def wrap(i: int) -> None:
         try:
             results[i] = fns[i]()
-        except Exception as exc:  # noqa: BLE001 - handed back to the test
+        except Exception as exc:
             results[i] = exc
 
     threads = [threading.Thread(target=wrap, args=(i,)) for i in range(len(fns))]

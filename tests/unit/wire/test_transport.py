@@ -4,27 +4,10 @@ import pytest
 import torch
 import zmq
 
-from rlhf_async.log import configure_logging
 from rlhf_async.wire.protocol import Message, encode
 from rlhf_async.wire.transport import Endpoint, EndpointError, Transport, free_tcp_port, ipc_address
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture(autouse=True)
-def _logs_to_current_stderr():
-    # Another test may have bound structlog to a captured stream that is closed by now.
-    configure_logging("warning")
-
-
-@pytest.fixture()
-def ipc_dir():
-    import shutil
-    import tempfile
-
-    d = tempfile.mkdtemp(prefix="rt-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.mark.parametrize("scheme", ["ipc", "tcp"])

@@ -65,7 +65,7 @@ def test_batches_are_left_padded_to_one_width_and_keyed(files):
     assert b.sample_ids.tolist() == list(range(12, 18)) and b.group_ids.tolist() == [6, 6, 7,
                                                                                        7, 8, 8]
     assert torch.equal(b.prompt_ids[0], b.prompt_ids[1])  # a group repeats its prompt
-    for ids, mask in zip(b.prompt_ids, b.prompt_mask):
+    for ids, mask in zip(b.prompt_ids, b.prompt_mask, strict=False):
         n = int(mask.sum())
         assert mask[-n:].all() and not mask[:-n].any()  # left padding
         assert ids[-n:][0] == 4 and ids[-1] == 5  # <user> ... <bot>: the chat template
@@ -116,7 +116,7 @@ def test_score_uses_the_rule_as_reward_without_a_reward_model(files):
                      0, 0, 0)
     scored = score(None, frozen_copy(actor), batch, 1.0, task.hidden_scores)
     want = [len(task.response_text(r, m).split()) for r, m in
-            zip(batch.response_ids, batch.response_mask)]
+            zip(batch.response_ids, batch.response_mask, strict=False)]
     assert scored.rewards.tolist() == want == scored.hidden_scores.tolist()
     assert scored.ref_logprobs.shape == batch.response_ids.shape
     with pytest.raises(ValueError, match="reward model or a rule reward"):

@@ -54,7 +54,7 @@ def test_preference_labels_follow_hidden_score():
     task = SortDigitsTask(TaskConfig())
     prompts, ch, rj = task.preference_pairs(0, "rm", 0, 400, noise=0.05)
     h = [(task.hidden_score_tokens(p, c), task.hidden_score_tokens(p, r))
-         for p, c, r in zip(prompts, ch, rj)]
+         for p, c, r in zip(prompts, ch, rj, strict=False)]
     decided = [(a, b) for a, b in h if abs(a - b) > 0.2]
     assert sum(a > b for a, b in decided) / len(decided) > 0.95
     _, demos = task.demonstrations(0, 0, 50)

@@ -229,7 +229,7 @@ def test_fast_path_send_does_not_strand_a_task_waiting_to_receive(tmp_path):
                 waiting = asyncio.ensure_future(dealer.recv())
                 await asyncio.sleep(0.02)
                 router.send_multipart([b"n", *[bytes(f) for f in encode(Message("reply"))]])
-                time.sleep(0.05)  # noqa: ASYNC251 - block the loop so it misses the fd edge
+                time.sleep(0.05)
                 await dealer.send(Message("heartbeat"))
                 assert (await asyncio.wait_for(waiting, 5)).kind == "reply"
         finally:

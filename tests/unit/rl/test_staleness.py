@@ -7,15 +7,7 @@ import json
 import msgpack
 import pytest
 
-from rlhf_async.log import configure_logging
 from rlhf_async.rl.staleness import StalenessPolicy
-
-
-@pytest.fixture(autouse=True)
-def _logs_to_current_stderr() -> None:
-    # Another test may have bound structlog to a captured stream that is closed by now.
-    configure_logging("warning")
-
 
 # required_version for steps 0..9, worked by hand: max(0, floor(s / N) - k)
 REQUIRED = {

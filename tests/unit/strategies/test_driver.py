@@ -1,0 +1,184 @@
+"""The Separation Driver as a state machine, without processes: a fake coordinator records
+commands, a queue stands in for the event stream, a list for the prompts channel."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from rlhf_async.config import load_config
+from rlhf_async.control.client import NodeEvent
+from rlhf_async.strategies.separation.driver import ChunkState, Driver, PipelineError
+from rlhf_async.strategies.separation.events import (
+    ChunkDropped,
+    Done,
+    Generated,
+    Loaded,
+    NodeDead,
+    Published,
+    Scored,
+    Trained,
+    WeightsApplied,
+    encode,
+)
+from rlhf_async.weight_sync import GroupSpec
+
+ROLES = {"trainer": "trainer", "gen0": "generator", "gen1": "generator", "scorer0": "scorer"}
+LINEAGE = "abcd"
+
+
+class FakeCoord:
+    def __init__(self) -> None:
+        self.commands: list[tuple[str, str, object]] = []
+
+    async def command(self, node: str, kind: str, payload: object = None,
+                      timeout: float = 5.0) -> object:
+        self.commands.append((node, kind, payload))
+        if kind == "weight_sync_prepare":
+            return payload["spec"]  # type: ignore[index]
+        return {}
+
+
+class Events:
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[NodeEvent] = asyncio.Queue()
+
+    async def get(self, timeout: float | None = None) -> NodeEvent:
+        return await asyncio.wait_for(self.queue.get(), timeout)
+
+    def put(self, node: str, event: object) -> None:
+        self.queue.put_nowait(NodeEvent(node, event.kind, encode(event)))  # type: ignore[attr-defined]
+
+
+class Prompts:
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, int]] = []  # (step, chunk) of each prompts message
+
+    async def send(self, msg: object, timeout: float | None = None) -> None:
+        self.sent.append((msg.meta["step"], msg.meta["chunk"]))  # type: ignore[attr-defined]
+
+
+class Harness:
+    def __init__(self, tmp_path, staleness: int = 0, steps: int = 3) -> None:
+        cfg = load_config(None, [f"train.steps={steps}", "train.prompts_per_step=4",
+                                 f"algo.max_staleness={staleness}", "run.progress=false",
+                                 "runtime.restart_limit=2"])
+        self.coord, self.events, self.prompts = FakeCoord(), Events(), Prompts()
+        spec = GroupSpec("gloo", "127.0.0.1", 0, 3, timeout_s=5)
+        self.driver = Driver(cfg, self.coord, self.events, self.prompts, ROLES,  # type: ignore[arg-type]
+                             spec, tmp_path, 2, 0, LINEAGE)
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.ensure_future(self.driver.run())
+        await settle()
+
+    async def send(self, node: str, event: object) -> None:
+        self.events.put(node, event)
+        await settle()
+
+    async def trained(self, step: int, version: int = 0) -> None:
+        ids = list(range(step * 4, step * 4 + 4))
+        await self.send("trainer", Trained(step, {"samples": 4.0, "loss": 0.5}, ids, version,
+                                           0, 0.0, 0, 1.0, 0.0))
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def test_dispatch_waits_for_every_generator_to_apply_the_next_version(tmp_path):
+    async def main() -> None:
+        h = Harness(tmp_path)
+        await h.start()
+        assert h.prompts.sent == [(0, 0), (0, 1)]  # step 0: two chunks, then the gate
+        await h.trained(0)
+        await h.send("trainer", Published({"version": 1}, LINEAGE))
+        forwarded = [(n, k) for n, k, _ in h.coord.commands if k == "update_weights"]
+        assert sorted(forwarded) == [("gen0", "update_weights"), ("gen1", "update_weights")]
+        await h.send("gen0", WeightsApplied(1, LINEAGE))
+        assert len(h.prompts.sent) == 2  # gen1 still holds version 0
+        await h.send("gen1", WeightsApplied(1, LINEAGE))
+        assert h.prompts.sent[2:] == [(1, 0), (1, 1)]
+        await h.send("gen0", WeightsApplied(2, "someone-else"))  # a dead trainer's weights
+        await h.trained(1, 1)
+        await h.send("gen1", WeightsApplied(2, LINEAGE))
+        assert len(h.prompts.sent) == 4  # gen0 holds weights of another lineage
+        await h.send("trainer", Done("/p", 3))
+        assert (await h.task) == {"policy_dir": "/p", "steps": 3}  # type: ignore[misc]
+    asyncio.run(main())
+
+
+def test_staleness_lets_generation_run_one_version_ahead(tmp_path):
+    async def main() -> None:
+        h = Harness(tmp_path, staleness=1)
+        await h.start()
+        assert [s for s, _ in h.prompts.sent] == [0, 0, 1, 1]  # step 1 on version 0
+        await h.trained(0)
+        assert len(h.prompts.sent) == 4  # step 2 needs version 1 applied
+        for gen in ("gen0", "gen1"):
+            await h.send(gen, WeightsApplied(1, LINEAGE))
+        assert [s for s, _ in h.prompts.sent[4:]] == [2, 2]
+        h.task.cancel()  # type: ignore[union-attr]
+    asyncio.run(main())
+
+
+def test_a_dead_nodes_chunks_are_sent_again_by_state(tmp_path):
+    async def main() -> None:
+        h = Harness(tmp_path)
+        await h.start()
+        await h.send("gen0", Generated(0, 0, 2, 0, 1.0, 0.0))
+        assert h.driver.chunk_state == {(0, 0): ChunkState.GENERATED,
+                                        (0, 1): ChunkState.DISPATCHED}
+        # the payload exactly as the coordinator publishes it
+        h.events.queue.put_nowait(NodeEvent("gen0", "node_dead", {
+            "reason": "heartbeats stopped", "exit_code": None, "will_restart": True}))
+        await settle()
+        assert "gen0" in h.driver.down and h.driver.generators == ["gen1"]
+        await h.send("gen0", Loaded())
+        assert h.prompts.sent[2:] == [(0, 1)]  # only what was still in a generator's queue
+        await h.send("scorer0", Scored(0, 0, 2, 1.0, 0.0))
+        await h.send("scorer0", NodeDead("killed", will_restart=True))
+        await h.send("scorer0", Loaded())
+        assert h.prompts.sent[3:] == [(0, 1)]  # the scored chunk is past the scorer
+        assert h.driver.counts["restarts"] == 2 and h.driver.counts["resent_chunks"] == 2
+        h.task.cancel()  # type: ignore[union-attr]
+    asyncio.run(main())
+
+
+def test_a_trained_step_is_forgotten_and_a_dropped_chunk_resent(tmp_path):
+    async def main() -> None:
+        h = Harness(tmp_path)
+        await h.start()
+        await h.send("trainer", ChunkDropped(0, 1, 2, 0))  # stale: the trainer refused it
+        assert h.prompts.sent == [(0, 0), (0, 1), (0, 1)]
+        await h.trained(0)
+        assert h.driver.chunk_state == {} and h.driver.chunk_prompts == {}
+        await h.send("gen1", Generated(0, 1, 2, 0, 1.0, 0.0))  # late news of a trained step
+        await h.send("trainer", ChunkDropped(0, 1, 2, 0))  # a duplicate the trainer dropped
+        await h.send("scorer0", NodeDead("killed", will_restart=True))
+        await h.send("scorer0", Loaded())
+        assert h.driver.chunk_state == {} and len(h.prompts.sent) == 3
+        assert h.driver.trained_ids == Counter(range(4))  # each sample once
+        record = (tmp_path / "metrics.jsonl").read_text()
+        assert '"step": 0' in record and '"queue/dispatched": 0' in record
+        h.task.cancel()  # type: ignore[union-attr]
+    asyncio.run(main())
+
+
+def test_malformed_events_are_counted_and_a_used_up_restart_limit_stops(tmp_path):
+    async def main() -> None:
+        h = Harness(tmp_path)
+        await h.start()
+        h.events.queue.put_nowait(NodeEvent("gen0", "generated", {"step": "zero"}))
+        h.events.queue.put_nowait(NodeEvent("gen0", "no_such_event", {}))
+        await settle()
+        assert h.driver.counts["bad_events"] == 2 and not h.task.done()  # type: ignore[union-attr]
+        await h.send("gen1", NodeDead("exit code 1", will_restart=False))
+        with pytest.raises(PipelineError, match="restart_limit = 2 restarts are used up.*"
+                           "rlhf-async resume"):
+            await h.task  # type: ignore[misc]
+    asyncio.run(main())
