@@ -4,6 +4,7 @@ in `load.py` while parsing); every problem is one line naming its key."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 from rlhf_async.config.schema import JobConfig
@@ -34,7 +35,43 @@ def cross_checks(cfg: JobConfig) -> list[str]:
                        "accepted here: torch")
     if cfg.model.hidden % cfg.model.heads:
         out.append(f"model.hidden: {cfg.model.hidden} must be divisible by model.heads")
+    out.extend(_context_checks(cfg))
     return out
+
+
+def _model_context(cfg: JobConfig) -> tuple[int, str] | None:
+    """The actor's context length and where it comes from; None when the model's config
+    cannot be read (loading the model reports that)."""
+    if not cfg.model.path:
+        return cfg.model.max_positions, "model.max_positions"
+    path = Path(cfg.model.path) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    for key in ("max_position_embeddings", "n_positions"):
+        if isinstance(hf.get(key), int):
+            return hf[key], f"{key} in {path}"
+    return None
+
+
+def _context_checks(cfg: JobConfig) -> list[str]:
+    """The longest prompt plus a full response must fit the model's positions (past them a
+    GPT-2 position embedding raises an IndexError mid-generation)."""
+    found = _model_context(cfg)
+    if found is None:
+        return []
+    context, source = found
+    if cfg.task.name == "text":
+        prompt, prompt_key = cfg.task.max_prompt_tokens, "task.max_prompt_tokens"
+    else:
+        prompt, prompt_key = cfg.task.max_len + 2, "task.max_len + 2"
+    new = cfg.generation.max_new_tokens
+    if prompt + new <= context:
+        return []
+    return [f"generation.max_new_tokens: a prompt of up to {prompt} tokens ({prompt_key}) "
+            f"plus {new} new tokens needs {prompt + new} positions, over the model's context "
+            f"of {context} ({source}); accepted: prompt + max_new_tokens <= {context}"]
 
 
 def _text_task_checks(cfg: JobConfig) -> list[str]:

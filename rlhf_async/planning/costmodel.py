@@ -165,16 +165,29 @@ def memory_plan(p: Placement, shape: ModelShape, dev: DeviceSpec
     return per_device(True), True
 
 
+def _generator(p: Placement) -> ModelPlacement:
+    m = p.model("shadow_actor") or p.model("actor")
+    assert m is not None  # every placement holds an actor
+    return m
+
+
+def kv_cache_room(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
+                  mem: dict[int, float]) -> tuple[float, float]:
+    """(KV-cache bytes of one full sequence, bytes the resident models leave for it on the
+    generator's fullest device)."""
+    m = _generator(p)
+    seq = w.prompt_len + w.gen_len
+    kv_row = 2 * shape.layers * shape.hidden * dtype_bytes(m.dtype) * seq / m.tensor_parallel
+    return kv_row, min(_budget(dev) - mem.get(d, 0.0) for d in m.devices)
+
+
 def _gen_time(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec, cal: Calibration,
               mem: dict[int, float], zero3: bool, notes: list[str]) -> float | None:
     """Generation time of the slowest replica; None when not even one row's KV cache fits."""
-    m = p.model("shadow_actor") or p.model("actor")
-    assert m is not None
+    m = _generator(p)
     tp, reps = m.tensor_parallel, max(1, m.replicas)
     rows = math.ceil(w.samples / reps)
-    seq = w.prompt_len + w.gen_len
-    kv_row = 2 * shape.layers * shape.hidden * dtype_bytes(m.dtype) * seq / tp
-    free = min(_budget(dev) - mem.get(d, 0.0) for d in m.devices)
+    kv_row, free = kv_cache_room(p, shape, w, dev, mem)
     fit = min(rows, int(free // kv_row)) if free > 0 else 0
     if fit < 1:
         notes.append("no memory left for the KV cache")

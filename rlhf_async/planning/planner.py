@@ -27,6 +27,7 @@ from rlhf_async.planning.costmodel import (
     ModelShape,
     Prediction,
     Workload,
+    kv_cache_room,
     predict,
 )
 from rlhf_async.strategies.placement import Placement, PlacementError, with_reason
@@ -176,10 +177,21 @@ def _plan(cfg: JobConfig) -> tuple[Placement | None, Prediction | None, list[str
     if found is None:
         return None, None, problems
     dev, cal = machine(cfg)
-    pred = predict(found, shape_of(cfg), workload_of(cfg), dev, cal)
+    shape, work = shape_of(cfg), workload_of(cfg)
+    pred = predict(found, shape, work, dev, cal)
     problems += [f"placement: predicted memory over budget on device {d}: {b / GiB:.3g} GiB "
                  f"> {0.9 * dev.memory / GiB:.3g} GiB (placement.memory_gb or the device's "
                  "memory)" for d, b in pred.memory.items() if b > 0.9 * dev.memory]
+    # the resident models alone can fit while not one sequence's KV cache does (a huge
+    # generation.max_new_tokens): generation would then grow until the machine swaps
+    kv_row, free = kv_cache_room(found, shape, work, dev, pred.memory)
+    if 0 < free < kv_row:
+        problems.append(
+            f"generation.max_new_tokens: {cfg.generation.max_new_tokens} new tokens after a "
+            f"{work.prompt_len}-token prompt need a predicted {kv_row / GiB:.3g} GiB of KV "
+            f"cache for one sequence, over the {free / GiB:.3g} GiB the models leave on a "
+            "generating device (placement.memory_gb or the device's memory); accepted: a "
+            "smaller generation.max_new_tokens")
     return found, pred, problems
 
 

@@ -47,7 +47,8 @@ def _run(files, tmp_path, monkeypatch, name, *overrides):
         f"model.path={json.dumps(str(files / 'model'))}", "task.name=text",
         f"task.prompts={json.dumps(str(files / 'prompts.jsonl'))}",
         f"task.reward={json.dumps(str(files / 'reward.py') + ':logged')}",
-        "generation.max_new_tokens=6", "train.steps=3", "train.prompts_per_step=4",
+        "generation.max_new_tokens=6", "task.max_prompt_tokens=32", "train.steps=3",
+        "train.prompts_per_step=4",
         "algo.group_size=2", "algo.name=grpo", "run.eval_prompts=16", "run.plot=false",
         "run.progress=false", f"run.output_dir={json.dumps(str(tmp_path))}",
         f"run.name={name}", *overrides])

@@ -65,3 +65,22 @@ def test_override_that_looks_like_toml_but_is_broken_is_an_error():
     with pytest.raises(ConfigError, match="not valid TOML.*quote a whole string"):
         load_config(None, ['run.cache_dir="/tmp/x"/c'])
     assert load_config(None, ["run.cache_dir=/tmp/x/c"]).run.cache_dir == "/tmp/x/c"
+
+
+def test_prompt_plus_response_must_fit_the_models_context(tmp_path):
+    # built-in: BOS + 6 digits + SEP = 8 prompt tokens; 100 new tokens would pass position 64
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["generation.max_new_tokens=100"])
+    (problem,) = ei.value.problems
+    assert problem.startswith("generation.max_new_tokens: a prompt of up to 8 tokens")
+    assert "108 positions, over the model's context of 64 (model.max_positions)" in problem
+    assert load_config(None, ["generation.max_new_tokens=56"]).generation.max_new_tokens == 56
+    # model.path: the HF config's own limit, whichever key the architecture uses
+    for key in ("n_positions", "max_position_embeddings"):
+        model = tmp_path / key
+        model.mkdir()
+        (model / "config.json").write_text(f'{{"{key}": 32}}')
+        with pytest.raises(ConfigError, match=f"context of 32 \\({key} in "):
+            load_config(None, [f"model.path={str(model)!r}", "generation.max_new_tokens=30"])
+        assert load_config(None, [f"model.path={str(model)!r}",
+                                  "generation.max_new_tokens=24"]).model.path == str(model)

@@ -127,3 +127,22 @@ def test_plan_command_prints_table_and_simulation(capsys):
     assert main(["plan", "--simulate", "--gpus", "eight"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "--gpus" in err[1]
+
+
+def test_a_kv_cache_that_cannot_fit_one_sequence_stops_the_run_before_any_work(tmp_path,
+                                                                              capsys):
+    model = tmp_path / "model"  # an HF config whose context is no limit: memory is
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"n_embd": 64, "n_layer": 2,
+                                                   "vocab_size": 16, "n_positions": 10**9}))
+    args = [f"model.path={str(model)!r}", "generation.max_new_tokens=100000000",
+            "placement.memory_gb=8", f"run.output_dir={str(tmp_path / 'runs')!r}"]
+    with pytest.raises(PlacementError) as e:
+        plan_job(load_config(None, args))
+    (problem,) = e.value.problems
+    assert problem.startswith("generation.max_new_tokens: 100000000 new tokens after a "
+                              "8-token prompt need a predicted 95.4 GiB of KV cache")
+    assert main(["run", *args]) == 2
+    err = capsys.readouterr().err
+    assert "95.4 GiB of KV cache" in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()

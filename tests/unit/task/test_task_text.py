@@ -54,7 +54,8 @@ def cfg_for(files, *more, prompts="prompts.jsonl", fn="words", model="model"):
     return load_config(None, [f"model.path={json.dumps(str(files / model))}", "task.name=text",
                               f"task.prompts={json.dumps(str(files / prompts))}",
                               f"task.reward={json.dumps(str(files / 'rewards.py') + ':' + fn)}",
-                              "generation.max_new_tokens=5", *more])
+                              "generation.max_new_tokens=5", "task.max_prompt_tokens=32",
+                              *more])
 
 
 def test_batches_are_left_padded_to_one_width_and_keyed(files):
@@ -174,6 +175,7 @@ def test_cli_prints_one_line_for_a_bad_reward_function(files, tmp_path, capsys):
     rc = cli.main(["run", f"model.path={json.dumps(str(files / 'model'))}", "task.name=text",
                    f"task.prompts={json.dumps(str(files / 'prompts.jsonl'))}",
                    f"task.reward={json.dumps(str(files / 'rewards.py') + ':missing')}",
+                   "task.max_prompt_tokens=32",
                    f"run.output_dir={json.dumps(str(tmp_path))}", "run.progress=false"])
     err = capsys.readouterr().err
     assert rc != 0 and "has no attribute 'missing'" in err and "Traceback" not in err
