@@ -1,63 +1,127 @@
-"""SFT vs final hidden score for PPO and GRPO over several seeds (the acceptance table).
+"""Does the default recipe learn on every seed? SFT vs final hidden score for PPO and GRPO.
 
-    .venv/bin/python bench/eval_seeds.py [--seeds 0 1 2] [--algos ppo grpo] [override ...]
+    .venv/bin/python bench/eval_seeds.py [--seeds 0 1 ... 7] [--algos ppo grpo] [override ...]
 
 Each seed trains (or reuses from the cache) its own SFT policy and reward model; every run
-is the default `rlhf-async run` job with `algo.name` and `run.seed` set. Prints a table and
-writes bench/results/eval_seeds.json.
+is the default `rlhf-async run` job with `algo.name` and `run.seed` set, as a user runs it.
+Per run: SFT and final hidden score on the held-out prompts, the peak of the training
+curve's hidden score (5-step moving average, on the training prompts), the final KL to the
+reference, the reward model's accuracy. A run "collapsed" when its final hidden score is
+more than 0.10 below its own peak. Prints the table and the load average, writes
+bench/results/eval_seeds.json and a PNG of every seed's hidden-score curve.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
 from rlhf_async.config import load_config
 from rlhf_async.job import run
+from rlhf_async.metrics import read_metrics
 
-COLUMNS = ("algo", "seed", "sft_hidden_score", "final_hidden_score", "sft_reward",
-           "final_reward", "rm_accuracy", "pretrain_seconds", "rl_seconds", "rl_samples_per_s")
+SMOOTH = 5  # steps in the moving average of the training curve
+COLLAPSE = 0.10  # final more than this below the run's own peak
+
+
+def smoothed(values: list[float], k: int = SMOOTH) -> list[float]:
+    return [statistics.mean(values[max(0, i - k + 1): i + 1]) for i in range(len(values))]
+
+
+def one_run(algo: str, seed: int, stamp: str, overrides: list[str]) -> dict:
+    cfg = load_config(None, [f"algo.name={algo}", f"run.seed={seed}",
+                             f"run.name=eval-{stamp}-{algo}-s{seed}", "run.progress=false",
+                             "run.plot=false", *overrides])
+    s = run(cfg)
+    records = read_metrics(Path(s["run_dir"]) / "metrics.jsonl")
+    curve = smoothed([r["hidden_score"] for r in records])
+    kl = [r["kl"] for r in records]
+    return {"algo": algo, "seed": seed, "sft": s["sft_hidden_score"],
+            "final": s["final_hidden_score"], "peak": max(curve),
+            "final_kl": statistics.mean(kl[-SMOOTH:]), "rm_accuracy": s["rm_accuracy"],
+            "rl_seconds": s["rl_seconds"], "wall_seconds": s["wall_seconds"],
+            "curve": curve, "kl_curve": kl}
+
+
+def table(rows: list[dict]) -> str:
+    out = [f"{'algo':5} {'seed':>4} {'SFT':>6} {'final':>6} {'gain':>7} {'peak':>6} "
+           f"{'KL':>6} {'RM acc':>6}  note"]
+    for r in rows:
+        note = []
+        if r["final"] <= r["sft"]:
+            note.append("WORSE than SFT")
+        if r["peak"] - r["final"] > COLLAPSE:
+            note.append(f"collapsed ({r['peak'] - r['final']:.2f} below peak)")
+        out.append(f"{r['algo']:5} {r['seed']:>4} {r['sft']:>6.3f} {r['final']:>6.3f} "
+                   f"{r['final'] - r['sft']:>+7.3f} {r['peak']:>6.3f} {r['final_kl']:>6.2f} "
+                   f"{r['rm_accuracy']:>6.3f}  {', '.join(note)}")
+    for algo in dict.fromkeys(r["algo"] for r in rows):
+        sel = [r for r in rows if r["algo"] == algo]
+        gain = [r["final"] - r["sft"] for r in sel]
+        sd = statistics.stdev(gain) if len(gain) > 1 else 0.0
+        better = sum(g > 0 for g in gain)
+        collapsed = sum(r["peak"] - r["final"] > COLLAPSE for r in sel)
+        out.append(f"{algo}: SFT {statistics.mean(r['sft'] for r in sel):.3f} -> final "
+                   f"{statistics.mean(r['final'] for r in sel):.3f}, gain "
+                   f"{statistics.mean(gain):+.3f} +- {sd:.3f}; {better}/{len(sel)} seeds "
+                   f"above SFT, {collapsed} collapsed; mean final KL "
+                   f"{statistics.mean(r['final_kl'] for r in sel):.2f}")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    algos = list(dict.fromkeys(r["algo"] for r in rows))
+    fig, axes = plt.subplots(1, len(algos), figsize=(6 * len(algos), 4), squeeze=False)
+    for ax, algo in zip(axes[0], algos, strict=True):
+        for r in (r for r in rows if r["algo"] == algo):
+            line, = ax.plot(r["curve"], label=f"seed {r['seed']}")
+            ax.axhline(r["sft"], color=line.get_color(), linestyle=":", linewidth=0.8)
+        ax.set_title(f"{algo}: hidden score ({SMOOTH}-step mean; dotted: SFT)")
+        ax.set_xlabel("RL step")
+        ax.legend(fontsize=7, ncol=2)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--seeds", type=int, nargs="+", default=list(range(8)))
     ap.add_argument("--algos", nargs="+", default=["ppo", "grpo"])
     ap.add_argument("--out", default="bench/results/eval_seeds.json")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.steps=50")
     args = ap.parse_args()
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    stamp, load0, t0 = time.strftime("%Y%m%d-%H%M%S"), os.getloadavg(), time.perf_counter()
     rows = []
     for seed in args.seeds:
         for algo in args.algos:
-            cfg = load_config(None, [f"algo.name={algo}", f"run.seed={seed}",
-                                     f"run.name=eval-{stamp}-{algo}-s{seed}",
-                                     "run.progress=false", *args.overrides])
-            s = run(cfg)
-            rows.append({k: s[k] for k in COLUMNS})
-            print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                           for k, v in rows[-1].items()), file=sys.stderr, flush=True)
-    print(f"\n{'algo':5} {'seed':>4} {'SFT hidden':>10} {'final hidden':>12} {'RM acc':>7} "
-          f"{'pre s':>6} {'RL s':>6} {'smp/s':>6}")
-    for r in rows:
-        print(f"{r['algo']:5} {r['seed']:>4} {r['sft_hidden_score']:>10.3f} "
-              f"{r['final_hidden_score']:>12.3f} {r['rm_accuracy']:>7.3f} "
-              f"{r['pretrain_seconds']:>6.1f} {r['rl_seconds']:>6.1f} "
-              f"{r['rl_samples_per_s']:>6.0f}")
-    for algo in args.algos:
-        sel = [r for r in rows if r["algo"] == algo]
-        gain = [r["final_hidden_score"] - r["sft_hidden_score"] for r in sel]
-        sd = statistics.stdev(gain) if len(gain) > 1 else 0.0
-        print(f"{algo}: mean SFT {statistics.mean(r['sft_hidden_score'] for r in sel):.3f} -> "
-              f"final {statistics.mean(r['final_hidden_score'] for r in sel):.3f} "
-              f"(gain {statistics.mean(gain):+.3f} +- {sd:.3f} over {len(sel)} seeds)")
+            rows.append(one_run(algo, seed, stamp, args.overrides))
+            r = rows[-1]
+            print(f"{algo} seed {seed}: SFT {r['sft']:.3f} -> final {r['final']:.3f} (peak "
+                  f"{r['peak']:.3f}, KL {r['final_kl']:.2f}) in {r['wall_seconds']:.0f}s",
+                  file=sys.stderr, flush=True)
+    load1 = os.getloadavg()
+    text = table(rows)
+    print(text)
+    print(f"load average at start {load0[0]:.1f}, at end {load1[0]:.1f}; "
+          f"{time.perf_counter() - t0:.0f}s for {len(rows)} runs")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"overrides": args.overrides, "rows": rows}, indent=2))
+    out.write_text(json.dumps({"overrides": args.overrides, "load": [load0[0], load1[0]],
+                               "rows": rows}, indent=1))
+    plot(rows, out.with_suffix(".png"), "default recipe" + (
+        f" + {' '.join(args.overrides)}" if args.overrides else ""))
     return 0
 
 

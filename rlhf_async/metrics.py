@@ -6,10 +6,10 @@ Metrics are data, kept apart from logs: the JSONL file is what plots and benchma
 from __future__ import annotations
 
 import json
-import sys
-import time
 from pathlib import Path
 from typing import IO, Any
+
+from rlhf_async.progress import Phase
 
 PROGRESS_KEYS = (("reward", "rm"), ("hidden_score", "hidden"), ("kl", "kl"),
                  ("policy_loss", "pg"), ("value_loss", "vf"), ("entropy", "ent"),
@@ -47,29 +47,33 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
+def progress_metrics(record: dict[str, Any]) -> dict[str, float]:
+    """The few numbers of a step record that the progress line shows, by their short label."""
+    return {label: record[key] for key, label in PROGRESS_KEYS if key in record}
+
+
 def format_progress(record: dict[str, Any], total_steps: int) -> str:
     parts = [f"step {record['step'] + 1}/{total_steps}"]
-    for key, label in PROGRESS_KEYS:
-        if key in record:
-            parts.append(f"{label} {record[key]:.3f}" if abs(record[key]) < 100
-                         else f"{label} {record[key]:.0f}")
+    for label, v in progress_metrics(record).items():
+        parts.append(f"{label} {v:.3f}" if abs(v) < 100 else f"{label} {v:.0f}")
     return " | ".join(parts)
 
 
 class Progress:
-    """One line per step on stderr (rewritten in place on a terminal)."""
+    """The RL phase's progress (`progress.Phase`): a bar with the step's key metrics on a
+    terminal, a plain line every few seconds elsewhere. `start_step` counts as done (a
+    resumed run)."""
 
-    def __init__(self, total_steps: int, enabled: bool = True, stream: IO[str] | None = None):
-        self.total, self.enabled = total_steps, enabled
-        self.stream = stream or sys.stderr
-        self.t0 = time.perf_counter()
+    def __init__(self, total_steps: int, enabled: bool = True, stream: IO[str] | None = None,
+                 start_step: int = 0) -> None:
+        self.phase = Phase("rl", total_steps, enabled=enabled, stream=stream)
+        self.phase.done = start_step
 
     def update(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        line = f"[rl {time.perf_counter() - self.t0:6.1f}s] {format_progress(record, self.total)}"
-        self.stream.write(line + "\n")
-        self.stream.flush()
+        self.phase.update(1, **progress_metrics(record))
+
+    def close(self) -> None:
+        self.phase.close()
 
 
 def summarize(records: list[dict[str, Any]], keys: tuple[str, ...], last: int = 5) -> dict:

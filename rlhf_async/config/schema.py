@@ -93,7 +93,12 @@ class RewardModelConfig:
 @dataclass
 class AlgoConfig:
     name: str = opt("ppo", "RL algorithm", choices=("ppo", "grpo", "rloo"))
-    kl_coef: float = opt(0.05, "weight of the KL penalty to the reference", ge=0.0)
+    kl_coef: float = opt(0.05, "weight of the KL penalty to the reference (the initial one "
+                         "when kl_target > 0)", ge=0.0)
+    kl_target: float = opt(6.0, "adaptive KL controller: target KL to the reference per "
+                           "sample (nats); 0 = a fixed kl_coef", ge=0.0)
+    kl_horizon: float = opt(3.0, "adaptive KL controller: steps over which the coefficient "
+                            "moves by at most 20%", gt=0.0)
     kl_estimator: str = opt("k1", "per-token KL estimator", choices=("k1", "k3"))
     kl_mode: str = opt("reward", "where the KL penalty goes", choices=("reward", "loss"))
     clip_eps: float = opt(0.2, "PPO ratio clip", gt=0.0)

@@ -18,13 +18,16 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from rlhf_async.config import ConfigError, JobConfig, config_from_dict, load_config, to_dict
+from rlhf_async.job.lock import hold_run_dir
 from rlhf_async.log import get_logger
 from rlhf_async.metrics import truncate_metrics
 from rlhf_async.modeling.generation import generate
 from rlhf_async.modeling.models import ScalarHeadModel, sequence_scores
 from rlhf_async.ops.plotting import plot_metrics
 from rlhf_async.planning.planner import prepare_run
+from rlhf_async.progress import Phase
 from rlhf_async.rl.checkpoint import CheckpointError, list_checkpoints, load_latest
+from rlhf_async.strategies.placement import Placement
 from rlhf_async.strategies.registry import STRATEGIES
 from rlhf_async.task import Task, make_task, sampling_params
 from rlhf_async.task.pretrain import load_reward, load_sft, prepare_artefacts
@@ -35,14 +38,17 @@ EVAL_STEP = -1  # key of the evaluation sampling noise; never a training step
 
 @torch.no_grad()
 def evaluate(actor: torch.nn.Module, reward_model: ScalarHeadModel | None, task: Task,
-             cfg: JobConfig) -> dict[str, float]:
+             cfg: JobConfig, label: str = "policy") -> dict[str, float]:
     """Sampled responses on held-out prompts: hidden score, reward (the reward model's
     score, or the rule reward when there is no reward model), length."""
     prompts = task.prompt_batch(cfg.run.seed, "eval", 0, cfg.run.eval_prompts, 1)
-    b = generate(actor, prompts, sampling_params(cfg, task), cfg.run.seed, EVAL_STEP, 0)
-    args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
-    hidden = task.hidden_scores(b.prompt_ids, b.response_ids, b.response_mask)
-    reward = hidden if reward_model is None else sequence_scores(reward_model, *args)
+    with Phase(f"eval {label}", len(prompts), enabled=cfg.run.progress, unit="prompt") as bar:
+        # one batch: the evaluation is the same whatever the progress display
+        b = generate(actor, prompts, sampling_params(cfg, task), cfg.run.seed, EVAL_STEP, 0)
+        args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
+        hidden = task.hidden_scores(b.prompt_ids, b.response_ids, b.response_mask)
+        reward = hidden if reward_model is None else sequence_scores(reward_model, *args)
+        bar.update(len(b), hidden=float(hidden.mean()), reward=float(reward.mean()))
     return {"hidden_score": float(hidden.mean()),
             "reward": float(reward.mean()),
             "response_length": float(b.response_mask.float().sum(1).mean()),
@@ -62,10 +68,16 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None)
     if cfg.placement.device == "cpu":
         torch.set_num_threads(cfg.placement.cpu_threads)
     task = make_task(cfg)  # a bad prompts file or reward function stops the run here
+    # one job per run directory, held before anything is written there (job/lock.py)
+    with hold_run_dir(_run_dir(cfg) if run_dir is None else run_dir) as held:
+        return _run_held(cfg, placement, task, out, held, resume=run_dir is not None)
+
+
+def _run_held(cfg: JobConfig, placement: Placement, task: Task, out: IO[str] | None,
+              run_dir: Path, resume: bool) -> dict:
     t_start = time.perf_counter()
     start_step = 0
-    if run_dir is None:  # a fresh run
-        run_dir = _run_dir(cfg)
+    if not resume:  # a fresh run
         if list_checkpoints(run_dir / "checkpoints") or (run_dir / "metrics.jsonl").exists():
             raise ConfigError([f"run.name: {run_dir} already holds a run; continue it with "
                                f"`rlhf-async resume {run_dir}` or choose another run.name"])
@@ -83,12 +95,13 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None)
     art = prepare_artefacts(cfg, task)
     t_pre = time.perf_counter() - t0
     reward_model = load_reward(art)
-    sft_eval = evaluate(load_sft(art.sft_dir), reward_model, task, cfg)
+    sft_eval = evaluate(load_sft(art.sft_dir), reward_model, task, cfg,
+                        "initial" if task.rule_reward else "sft")
     log.info("sft policy evaluated", **sft_eval)
 
     (run_dir / "placement.txt").write_text(placement.table() + "\n")
     result = STRATEGIES[cfg.placement.strategy].run(cfg, placement, art, run_dir, start_step)
-    final_eval = evaluate(load_sft(result.policy_dir), reward_model, task, cfg)
+    final_eval = evaluate(load_sft(result.policy_dir), reward_model, task, cfg, "final")
     log.info("final policy evaluated", **final_eval)
     if cfg.run.plot:
         plot_metrics(result.metrics_path, run_dir / "metrics.png",
@@ -129,10 +142,28 @@ def format_summary(s: dict) -> str:
             f"  reward-model score: SFT {s['sft_reward']:.3f} -> final {s['final_reward']:.3f}\n"
             f"  reward-model accuracy on held-out pairs: {s['rm_accuracy']:.3f} "
             f"(vs noisy labels {s['rm_label_accuracy']:.3f})\n")
+    head += _worse_warning(s)
     return head + (
         f"  time: SFT+RM {s['pretrain_seconds']:.1f}s, RL {s['rl_seconds']:.1f}s "
         f"({s['rl_samples_per_s']:.3g} samples/s), total {s['wall_seconds']:.1f}s\n"
         f"  policy: {s['run_dir']}/policy   curves: {s['run_dir']}/metrics.png\n")
+
+
+def _worse_warning(s: dict) -> str:
+    """A plain line when RL made the policy worse on what it is judged by."""
+    rule = s.get("rm_accuracy") is None
+    before, after = (s["sft_reward"], s["final_reward"]) if rule else \
+        (s["sft_hidden_score"], s["final_hidden_score"])
+    if after >= before:
+        return ""
+    what = "rule reward" if rule else "hidden score"
+    hacked = not rule and s["final_reward"] > s["sft_reward"]
+    why = (" while the reward model's score rose: the policy over-optimised the reward model "
+           "(reward hacking)") if hacked else ""
+    return (f"  WARNING: the final policy is WORSE than the {'initial' if rule else 'SFT'} "
+            f"policy on the {what} ({before:.3f} -> {after:.3f}){why}. Look at the kl and "
+            f"reward panels of {s['run_dir']}/metrics.png; algo.kl_target (a target KL per "
+            "sample) or fewer train.steps hold the policy nearer the reference.\n")
 
 
 def resume_job(run_dir: str | Path) -> int:

@@ -135,7 +135,8 @@ def learner_state(learner: Learner) -> dict[str, Any]:
     """Everything that shapes the learner's next update: weights, optimizer moments, RNG.
     Full (gathered) weights whatever the training backend; optimizer state as the backend
     gives it (a ZeRO optimizer's partitions, one per rank, under DeepSpeed)."""
-    state: dict[str, Any] = {"version": learner.version, "torch_rng": torch.get_rng_state()}
+    state: dict[str, Any] = {"version": learner.version, "kl_coef": learner.kl_coef,
+                             "torch_rng": torch.get_rng_state()}
     for name, backend in learner.backends().items():
         state[name] = backend.state_dict()
         state[f"{name}_opt"] = backend.optimizer_state_dict()
@@ -154,4 +155,5 @@ def restore_learner(learner: Learner, state: dict[str, Any]) -> None:
             raise CheckpointError(f"checkpoint's {name} optimizer state does not fit this "
                                   f"run's train.backend={learner.train.backend}: {e}") from None
     learner.version = int(state["version"])
+    learner.kl_coef = float(state.get("kl_coef", learner.algo.kl_coef))  # older checkpoints
     torch.set_rng_state(state["torch_rng"])

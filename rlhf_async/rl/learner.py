@@ -37,6 +37,7 @@ class Learner:
             raise ValueError("PPO needs a critic")
         self.algo, self.train, self.seed, self.temperature = algo, train, seed, temperature
         self.version = 0
+        self.kl_coef = algo.kl_coef  # moved by the adaptive controller when kl_target > 0
         self.actor_backend = self._backend(actor, train.lr)
         self.actor = self.actor_backend.module
         self.critic_backend: TrainingBackend | None = None
@@ -88,7 +89,7 @@ class Learner:
             fn = A.grpo_advantages if algo.name == "grpo" else A.rloo_advantages
             return fn(b.rewards, b.group_ids)[:, None] * m, None, None
         kl = A.kl_per_token(old_lp, b.ref_logprobs, algo.kl_estimator) * m
-        kl_r = algo.kl_coef if algo.kl_mode == "reward" else 0.0
+        kl_r = self.kl_coef if algo.kl_mode == "reward" else 0.0
         if algo.name == "ppo":
             r = A.token_rewards(b.rewards, kl, m, kl_r)
             assert values is not None  # PPO always has a critic
@@ -135,7 +136,7 @@ class Learner:
             assert mb.ref_logprobs is not None
             kl = A.kl_per_token(lp, mb.ref_logprobs, algo.kl_estimator)
             kl_loss = A.masked_token_mean(kl, m, n_tokens)
-            loss = loss + algo.kl_coef * kl_loss
+            loss = loss + self.kl_coef * kl_loss
             stats["kl_loss"] = kl_loss.detach()
         if self.critic_backend is not None:
             assert old_v is not None and ret is not None
@@ -210,8 +211,13 @@ class Learner:
         if kl is None:  # old_lp was filled by the loss forward
             assert b.ref_logprobs is not None  # a scored batch (validated by train_step)
             kl = A.kl_per_token(old_lp, b.ref_logprobs, self.algo.kl_estimator) * m
-        return {**self._global_stats(b, kl, adv, sums, n_updates), **grad_norms,
-                "version": self.version}
+        out: dict[str, float] = {**self._global_stats(b, kl, adv, sums, n_updates),
+                                 **grad_norms, "version": self.version,
+                                 "kl_coef": self.kl_coef}
+        if self.algo.kl_target > 0:  # from the global KL: every rank moves it alike
+            self.kl_coef = A.adaptive_kl_coef(self.kl_coef, out["kl"], self.algo.kl_target,
+                                              self.algo.kl_horizon)
+        return out
 
     def _global_stats(self, b: RolloutBatch, kl: Tensor, adv: Tensor, sums: dict[str, Tensor],
                       n_updates: int) -> dict[str, float]:

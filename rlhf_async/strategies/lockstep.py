@@ -65,7 +65,7 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
             raise CheckpointError(f"rank {rank}: checkpoint of step {start_step} not found")
         restore_learner(learner, ck.state)
     writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
-    progress = Progress(cfg.train.steps, cfg.run.progress and rank == 0)
+    progress = Progress(cfg.train.steps, cfg.run.progress and rank == 0, start_step=start_step)
     params, seed, G = sampling_params(cfg, task), cfg.run.seed, cfg.algo.group_size
     for step in range(start_step, cfg.train.steps):
         prompts = task.prompt_batch(seed, "train", step, cfg.train.prompts_per_step, G)
@@ -79,6 +79,7 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
         t3 = time.perf_counter()
         _end_step(cfg, learner, run_dir, writer, progress, step, metrics, (t0, t1, t2, t3),
                   strategy)
+    progress.close()
     _finish(cfg, learner, run_dir, writer)
 
 

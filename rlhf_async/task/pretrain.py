@@ -31,6 +31,7 @@ from rlhf_async.modeling.models import (
     scalar_model_from_actor,
     sequence_scores,
 )
+from rlhf_async.progress import Phase, announce
 from rlhf_async.task import Task
 from rlhf_async.task.sort_digits import VOCAB_SIZE, SortDigitsTask
 
@@ -95,6 +96,7 @@ def train_sft(task: SortDigitsTask, actor: PreTrainedModel, cfg: JobConfig) -> d
     opt = torch.optim.AdamW(actor.parameters(), lr=cfg.sft.lr, weight_decay=0.0)
     actor.train()
     loss = torch.tensor(float("nan"))
+    bar = Phase("sft", cfg.sft.steps, enabled=cfg.run.progress)
     for step in range(cfg.sft.steps):
         prompts, demos = task.demonstrations(cfg.run.seed, step, cfg.sft.batch_size)
         p_ids, p_mask = task.encode_prompts(prompts)
@@ -106,6 +108,8 @@ def train_sft(task: SortDigitsTask, actor: PreTrainedModel, cfg: JobConfig) -> d
         loss.backward()
         torch.nn.utils.clip_grad_norm_(actor.parameters(), 1.0)
         opt.step()
+        bar.update(1, loss=loss.item())
+    bar.close()
     actor.eval()
     return {"sft_final_loss": loss.item()}
 
@@ -124,6 +128,7 @@ def train_reward_model(task: SortDigitsTask, rm: ScalarHeadModel, cfg: JobConfig
     opt = torch.optim.AdamW(rm.parameters(), lr=rcfg.lr, weight_decay=0.0)
     rm.train()
     loss = torch.tensor(float("nan"))
+    bar = Phase("reward model", rcfg.steps, enabled=cfg.run.progress)
     for step in range(rcfg.steps):
         prompts, ch, rj = task.preference_pairs(cfg.run.seed, "rm", step, rcfg.batch_size,
                                                 rcfg.label_noise)
@@ -133,6 +138,8 @@ def train_reward_model(task: SortDigitsTask, rm: ScalarHeadModel, cfg: JobConfig
         loss.backward()
         torch.nn.utils.clip_grad_norm_(rm.parameters(), 1.0)
         opt.step()
+        bar.update(1, loss=loss.item())
+    bar.close()
     rm.eval()
     return {"rm_final_loss": loss.item(), **reward_model_accuracy(task, rm, cfg)}
 
@@ -170,6 +177,9 @@ def prepare_artefacts(cfg: JobConfig, task: Task) -> Artefacts:
     assert isinstance(task, SortDigitsTask)  # the only task with SFT and reward-model data
     cache = Path(cfg.run.cache_dir)
     sft_dir, rm_dir = cache / stage_key(cfg, "sft"), cache / stage_key(cfg, "rm")
+    if (sft_dir / "stats.json").exists() and (rm_dir / "stats.json").exists():
+        announce("sft + reward model", f"cached in {cache} (same config and code): skipped",
+                 enabled=cfg.run.progress)
     if not (sft_dir / "stats.json").exists():
         t0 = time.perf_counter()
         actor = _new_actor(cfg, task)

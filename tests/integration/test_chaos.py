@@ -49,4 +49,4 @@ def test_run_survives_five_kills_and_trains_each_prompt_once(tmp_path):
     records = [json.loads(x) for x in (tmp_path / "chaos" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(steps))
     assert records[-1]["faults/restarts"] >= kills, victims
-    assert summary["final_hidden_score"] >= 0
+    assert summary["final_reward"] != summary["sft_reward"]  # the saved policy is the trained one

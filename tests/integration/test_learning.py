@@ -11,23 +11,28 @@ from rlhf_async.job import run, run_job
 from rlhf_async.strategies.placement import PlacementError
 
 
-def test_short_run_improves_hidden_score(tmp_path):
-    cfg = load_config(None, [f"run.cache_dir={tmp_path / 'cache'}",
+@pytest.mark.parametrize("seed", [1, 2])
+def test_default_recipe_improves_hidden_score_without_collapse(tmp_path, seed):
+    """The default recipe, shortened (half the reward-model steps, 60 RL steps), on two
+    seeds of their own: better than SFT on held-out prompts, and no collapse after a peak."""
+    cfg = load_config(None, [f"run.cache_dir={tmp_path / 'cache'}", f"run.seed={seed}",
                              f"run.output_dir={tmp_path}", "run.name=short",
                              "reward_model.steps=600", "train.steps=60", "run.progress=false"])
     s = run(cfg)
     assert s["final_hidden_score"] > s["sft_hidden_score"] + 0.08, s
-    assert s["rm_accuracy"] > 0.75 and s["eval_prompts"] == 256
-    run_dir = tmp_path / "short"
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 60 and "hidden_score" in json.loads(lines[-1])
-    assert (run_dir / "metrics.png").exists() and (run_dir / "summary.json").exists()
-    # second run reuses the cached SFT and reward model
-    s2 = run(load_config(None, [f"run.cache_dir={tmp_path / 'cache'}", "run.plot=false",
-                                f"run.output_dir={tmp_path}", "run.name=again",
-                                "reward_model.steps=600", "train.steps=1",
-                                "run.progress=false"]))
-    assert s2["pretrain_seconds"] < 2.0 and s2["rm_accuracy"] == s["rm_accuracy"]
+    curve = [json.loads(x)["hidden_score"] for x in
+             (tmp_path / "short" / "metrics.jsonl").read_text().splitlines()]
+    peak = max(sum(curve[i - 5:i]) / 5 for i in range(5, len(curve) + 1))
+    assert s["final_hidden_score"] > peak - 0.10, (s, peak)
+    assert s["rm_accuracy"] > 0.75 and s["eval_prompts"] == 256 and len(curve) == 60
+    assert (tmp_path / "short" / "metrics.png").exists()
+    assert (tmp_path / "short" / "summary.json").exists()
+    if seed == 1:  # a second run reuses the cached SFT and reward model
+        s2 = run(load_config(None, [f"run.cache_dir={tmp_path / 'cache'}", "run.plot=false",
+                                    f"run.output_dir={tmp_path}", "run.name=again",
+                                    "reward_model.steps=600", "train.steps=1",
+                                    f"run.seed={seed}", "run.progress=false"]))
+        assert s2["pretrain_seconds"] < 2.0 and s2["rm_accuracy"] == s["rm_accuracy"]
 
 
 def test_user_hf_model_from_local_directory_trains(tmp_path, capsys):

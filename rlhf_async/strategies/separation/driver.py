@@ -148,7 +148,7 @@ class Driver:
         self.busy: dict[str, float] = {}  # node -> cumulative busy seconds
         self.last_busy: dict[str, float] = {}
         self.counts = Counter[str]()  # restarts, resent chunks, regroups
-        self.progress = Progress(cfg.train.steps, cfg.run.progress)
+        self.progress = Progress(cfg.train.steps, cfg.run.progress, start_step=start_step)
         self.t_last = time.perf_counter()
         self.result: dict[str, Any] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
@@ -176,6 +176,7 @@ class Driver:
             for task in list(self._tasks):
                 task.cancel()
             self.writer.close()
+            self.progress.close()
 
     async def _next_event(self) -> NodeEvent:
         """The next node event, or the failure of a background task that must not fail."""
@@ -305,6 +306,7 @@ class Driver:
         records of steps it lost are dropped, they will be trained (and logged) again."""
         self.dispatcher.cancel()
         self.lineage, self.next_step = lineage, step
+        self.progress.phase.done = step
         self.chunk_state.clear()
         self.chunk_prompts.clear()
         self.writer.close()
