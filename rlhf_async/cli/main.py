@@ -176,13 +176,15 @@ def _cmd_resume(args: argparse.Namespace) -> int:
 def _job_errors(job: Any) -> int:
     """Failures a user can act on, as one message (configuration errors pass through)."""
     from rlhf_async.control.coordinator import CoordinatorError
+    from rlhf_async.job.lock import RunLockError
     from rlhf_async.rl.checkpoint import CheckpointError
     from rlhf_async.strategies.separation.driver import PipelineError
     from rlhf_async.wire.security import SecurityError
 
     try:
         return int(job())
-    except (PipelineError, CoordinatorError, CheckpointError, SecurityError) as e:
+    except (PipelineError, CoordinatorError, CheckpointError, SecurityError,
+            RunLockError) as e:
         raise UserError(str(e)) from None
 
 

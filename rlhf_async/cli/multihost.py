@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from rlhf_async.config import ConfigError, load_config
+from rlhf_async.job.lock import RunLockError
 from rlhf_async.job.multihost import run_multihost
 from rlhf_async.log import configure_logging
 from rlhf_async.runtime.hosts import HostsError, load_hosts
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = run_multihost(load_config(config, overrides), load_hosts(args.hosts),
                                 args.keys, args.address)
-    except (ConfigError, HostsError, SecurityError, PipelineError) as e:
+    except (ConfigError, HostsError, SecurityError, PipelineError, RunLockError) as e:
         print(f"multihost: error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(summary))

@@ -9,11 +9,13 @@ import time
 from pathlib import Path
 
 from rlhf_async.config import JobConfig, to_dict
+from rlhf_async.job.lock import hold_run_dir
 from rlhf_async.metrics import truncate_metrics
 from rlhf_async.planning.planner import prepare_run
 from rlhf_async.rl.checkpoint import load_latest
 from rlhf_async.runtime import run_loop
 from rlhf_async.runtime.hosts import Host
+from rlhf_async.strategies.placement import Placement
 from rlhf_async.strategies.separation.driver import PipelineError
 from rlhf_async.strategies.separation.multihost import run_hosts
 from rlhf_async.task import make_task
@@ -29,6 +31,12 @@ def run_multihost(cfg: JobConfig, hosts: list[Host], keys: Path, address: str) -
     if not cfg.run.name:
         raise PipelineError("multi-host runs need run.name (the agents' run directory name)")
     run_dir = (Path(cfg.run.output_dir) / cfg.run.name).resolve()
+    with hold_run_dir(run_dir):  # one job per run directory, before anything is written
+        return _run_held(cfg, placement, hosts, keys, address, run_dir)
+
+
+def _run_held(cfg: JobConfig, placement: Placement, hosts: list[Host], keys: Path,
+              address: str, run_dir: Path) -> dict:
     ck = load_latest(run_dir / "checkpoints")
     start_step = 0 if ck is None else ck.step
     truncate_metrics(run_dir, start_step)  # steps after the checkpoint are trained again
