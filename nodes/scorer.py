@@ -10,11 +10,12 @@ from nodes.common import NodeContext, load_context, message_errors
 from rlhf_async.modeling.models import ScalarHeadModel, frozen_copy
 from rlhf_async.rl.scoring import score
 from rlhf_async.runtime import Node
-from rlhf_async.strategies.separation.events import Loaded, Scored, emit
+from rlhf_async.strategies.separation.events import Loaded, Scored, emit, fail
 from rlhf_async.strategies.separation.stage import StageClock
 from rlhf_async.strategies.separation.wire import lineage_of, rollout_from_message, rollout_message
 from rlhf_async.task import make_task
 from rlhf_async.task.pretrain import load_reward, load_sft
+from rlhf_async.task.reward_fn import RewardFunctionError
 
 
 async def main(node: Node) -> None:
@@ -36,8 +37,12 @@ async def main(node: Node) -> None:
             node.counters["rejected.chunk"] += 1
             node.log.warning("bad_rollout", error=str(e))
             continue
-        scored = await clock.busy(asyncio.to_thread(
-            score, reward_model, reference, batch.to(job.device), T, task.hidden_scores))
+        try:
+            scored = await clock.busy(asyncio.to_thread(
+                score, reward_model, reference, batch.to(job.device), T, task.hidden_scores))
+        except RewardFunctionError as e:  # the user's reward: the same on any restart
+            await fail(node, "; ".join(e.problems))
+            return
         await out.send(rollout_message("scored_rollout", cid, scored.to("cpu"), node.node_id,
                                        lineage))
         node.info.update(clock.snapshot())

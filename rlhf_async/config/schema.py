@@ -71,6 +71,8 @@ class TaskConfig:
                               "(with the generation prompt)")
     max_prompt_tokens: int = opt(256, "text: longest prompt accepted (tokens, template "
                                  "included)", ge=1)
+    reward_timeout_s: float = opt(60.0, "text: longest one call of task.reward may take "
+                                  "(s); past it the run stops with an error", gt=0.0)
 
 
 @dataclass

@@ -192,7 +192,8 @@ class TextTask:
                                strict=True):
             index, prompt = self._prompt_of(p, pm)
             response = self.response_text(r, m)
-            out.append(call_reward(self.reward_fn, self.reward_spec, prompt, response, index))
+            out.append(call_reward(self.reward_fn, self.reward_spec, prompt, response, index,
+                                   self.cfg.reward_timeout_s))
         return torch.tensor(out, dtype=torch.float32)
 
     def _mask_of(self, prompt_ids: Tensor) -> Tensor:

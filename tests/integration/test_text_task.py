@@ -5,12 +5,14 @@ from the policy's trunk), Interleaving, and Separation (the rule runs in the sco
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from rlhf_async import job
 from rlhf_async.config import load_config
 from rlhf_async.metrics import read_metrics
+from rlhf_async.strategies.separation.driver import PipelineError
 from rlhf_async.task.text import heldout_split
 from tests.text_model import make_text_model
 
@@ -95,3 +97,27 @@ def test_separation_scores_with_the_rule_in_the_scorer(files, tmp_path, monkeypa
     _, metrics, calls = _run(files, tmp_path, monkeypatch, "sep",
                              "placement.strategy=separation", "placement.devices=2")
     _check_rule_rewards(metrics, calls, per_step=8)
+
+
+def test_a_reward_that_exits_in_the_scorer_stops_the_run_naming_it(files, tmp_path,
+                                                                   monkeypatch):
+    # the job process evaluates the initial policy itself; only the scorer node exits
+    (tmp_path / "exits.py").write_text(
+        "import os, sys\n\ndef reward(prompt, response):\n"
+        "    if os.getpid() != int(os.environ['REWARD_TEST_PID']):\n        sys.exit(3)\n"
+        "    return 0.0\n")
+    monkeypatch.setenv("REWARD_TEST_PID", str(os.getpid()))
+    spec = f"{tmp_path / 'exits.py'}:reward"
+    cfg = load_config(None, [
+        f"model.path={json.dumps(str(files / 'model'))}", "task.name=text",
+        f"task.prompts={json.dumps(str(files / 'prompts.jsonl'))}",
+        f"task.reward={json.dumps(spec)}", "task.max_prompt_tokens=32",
+        "generation.max_new_tokens=6", "train.steps=3", "train.prompts_per_step=4",
+        "algo.group_size=2", "algo.name=grpo", "run.eval_prompts=16", "run.plot=false",
+        "run.progress=false", f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=sep",
+        "placement.strategy=separation", "placement.devices=2"])
+    with pytest.raises(PipelineError) as e:
+        job.run(cfg)
+    assert str(e.value).startswith(f"scorer0: task.reward: {spec} called sys.exit(3) on "
+                                   "prompt "), e.value
+    assert "restart" not in str(e.value)

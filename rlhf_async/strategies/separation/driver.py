@@ -31,6 +31,7 @@ from rlhf_async.strategies.separation.events import (
     Done,
     Event,
     EventError,
+    Failed,
     Generated,
     Loaded,
     NodeDead,
@@ -266,6 +267,8 @@ class Driver:
             case Done():
                 self.result = encode(event)
                 return True
+            case Failed(error=error):  # a restart would repeat it: stop with the cause
+                raise PipelineError(f"{node}: {error}")
             case NodeDead():
                 await self._node_dead(node, event)
             case Loaded() if node in self.down:

@@ -33,6 +33,10 @@ class Emitter(Protocol):
                    weight_version: int = 0) -> None: ...
 
 
+class StoppableEmitter(Emitter, Protocol):
+    async def wait_stop(self) -> Any: ...
+
+
 # ---- events: node -> coordinator (and the coordinator's own `NodeDead`) -------------------
 
 @dataclass(frozen=True)
@@ -126,6 +130,15 @@ class WeightSyncFailed:
 
 
 @dataclass(frozen=True)
+class Failed:
+    """A node hit an error that a restart would only repeat (the user's reward function, a
+    full disk): the Driver stops the run with `error` instead of restarting the node."""
+
+    kind: ClassVar[str] = "failed"
+    error: str
+
+
+@dataclass(frozen=True)
 class Done:
     kind: ClassVar[str] = "done"
     policy_dir: str
@@ -133,7 +146,7 @@ class Done:
 
 
 Event = (Loaded | Generated | Scored | ChunkDropped | Trained | Published | WeightsApplied |
-         WeightSyncFailed | Done | NodeDead)
+         WeightSyncFailed | Failed | Done | NodeDead)
 EVENTS: dict[str, Any] = {c.kind: c for c in typing.get_args(Event)}
 
 
@@ -176,6 +189,14 @@ def encode(record: Event | Command) -> dict[str, Any]:
 
 async def emit(node: Emitter, event: Event, *, step: int = 0, weight_version: int = 0) -> None:
     await node.emit(event.kind, encode(event), step=step, weight_version=weight_version)
+
+
+async def fail(node: StoppableEmitter, error: str) -> None:
+    """Report an error that a restart would repeat, then wait for the Driver to stop the
+    run: exiting instead would have the coordinator restart the node into the same error
+    (runtime.restart_limit times) and the cause would end up only in the node's log."""
+    await emit(node, Failed(error))
+    await node.wait_stop()
 
 
 def decode_event(kind: str, payload: Any) -> Event:

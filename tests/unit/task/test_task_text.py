@@ -4,6 +4,7 @@ loaded and checked; rule rewards in `roles.score`; config errors as one ConfigEr
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -27,6 +28,14 @@ def words(prompt, response):
 
 def raises(prompt, response):
     raise KeyError("boom")
+
+def hangs(prompt, response):
+    import threading
+    threading.Event().wait()  # never returns
+
+def exits(prompt, response):
+    import sys
+    sys.exit(3)
 
 def nan(prompt, response):
     return float("nan")
@@ -190,3 +199,27 @@ def test_module_spec_imports_from_the_working_directory(files, tmp_path, monkeyp
     task = make_task(cfg)
     b = task.prompt_batch(0, "train", 0, 1, 1)
     assert task.hidden_scores(b.prompt_ids, torch.tensor([[7]]), torch.tensor([[1]])) == 0.5
+
+
+def test_a_reward_that_never_returns_or_exits_is_one_error_naming_it(files, tmp_path, capsys):
+    task = make_task(cfg_for(files, "task.reward_timeout_s=0.2", fn="hangs"))
+    b = task.prompt_batch(0, "train", 0, 1, 1)
+    prompt = task.prompts[task.prompt_indices(0, "train", 0, 1)[0]]
+    with pytest.raises(ConfigError, match=r"rewards.py:hangs did not return within "
+                       r"task.reward_timeout_s = 0.2 s on prompt \d+ of task.prompts \(prompt "
+                       f"{re.escape(repr(prompt))}"):
+        task.hidden_scores(b.prompt_ids, torch.tensor([[7, 1]]), torch.tensor([[1, 1]]))
+    words = make_task(cfg_for(files))  # a stuck call leaves later calls working
+    assert words.hidden_scores(b.prompt_ids, torch.tensor([[7, 1]]),
+                               torch.tensor([[1, 1]])).tolist() == [1.0]
+    for fn, want in (("hangs", "did not return within task.reward_timeout_s = 0.5 s on "),
+                     ("exits", "called sys.exit(3) on prompt ")):
+        rc = cli.main(["run", f"model.path={json.dumps(str(files / 'model'))}",
+                       "task.name=text", f"task.prompts={json.dumps(str(files / 'prompts.jsonl'))}",
+                       f"task.reward={json.dumps(str(files / 'rewards.py') + ':' + fn)}",
+                       "task.max_prompt_tokens=32", "task.reward_timeout_s=0.5",
+                       f"run.output_dir={json.dumps(str(tmp_path))}", "run.progress=false",
+                       f"run.name={fn}"])
+        err = capsys.readouterr().err
+        assert rc == 2 and f"task.reward: {files / 'rewards.py'}:{fn} {want}" in err, err
+        assert "Traceback" not in err
