@@ -16,6 +16,9 @@ with a deadline. That turns "gloo hangs then fails somewhere in connectFullMesh"
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import os
+import socket
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -35,14 +38,46 @@ log = structlog.get_logger(component="weight_sync")
 _POLL_S = 0.02
 
 
-def open_store(spec: GroupSpec, *, is_master: bool, who: str) -> TCPStore:
-    """The TCPStore of the rendezvous: hosted by the sender, joined by receivers."""
-    timeout = datetime.timedelta(seconds=spec.timeout_s)
+def is_loopback(spec: GroupSpec) -> bool:
+    """Every rank reaches the sender on this machine's loopback (a single-host run)."""
+    if spec.master_addr == "localhost":
+        return True
     try:
-        return TCPStore(
-            spec.master_addr, spec.master_port, None, is_master, timeout, wait_for_workers=False
-        )
-    except RuntimeError as exc:  # DistNetworkError / DistStoreError derive from it
+        return ipaddress.ip_address(spec.master_addr).is_loopback
+    except ValueError:  # a host name: others may reach it over the network
+        return False
+
+
+def _loopback_listener(port: int) -> int:
+    """A socket listening on 127.0.0.1 only, as a file descriptor for the store to own:
+    TCPStore alone listens on every interface whatever address it is given."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()
+
+
+def open_store(spec: GroupSpec, *, is_master: bool, who: str) -> TCPStore:
+    """The TCPStore of the rendezvous: hosted by the sender, joined by receivers. A
+    loopback `master_addr` (single-host runs) keeps it off the machine's other interfaces;
+    otherwise it listens on all of them, for receivers on other hosts."""
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    listen_fd = None
+    try:
+        if is_master and is_loopback(spec):
+            listen_fd = _loopback_listener(spec.master_port)
+        store = TCPStore(spec.master_addr, spec.master_port, None, is_master, timeout,
+                         wait_for_workers=False, master_listen_fd=listen_fd)
+        listen_fd = None  # the store owns it now
+        return store
+    except (RuntimeError, OSError) as exc:  # DistNetworkError / DistStoreError: RuntimeError
+        if listen_fd is not None:
+            os.close(listen_fd)
         if is_master:
             raise WeightSyncError(
                 f"{who} could not host the weight-sync store on "
@@ -107,7 +142,13 @@ class BroadcastGroup:
                 return ProcessGroupNCCL(store, self.rank, spec.world_size, opts)
             from torch.distributed import ProcessGroupGloo
 
-            return ProcessGroupGloo(store, self.rank, spec.world_size, self.timeout)
+            gloo: Any = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in the stubs
+            gloo._timeout = self.timeout
+            # by default gloo listens on the address the host name resolves to (a LAN one
+            # on most machines); a single-host group stays on loopback
+            gloo._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")
+                             if is_loopback(spec) else ProcessGroupGloo.create_default_device()]
+            return ProcessGroupGloo(store, self.rank, spec.world_size, gloo)
         except (RuntimeError, ImportError) as exc:
             raise WeightSyncError(
                 f"{spec.describe(self.rank)} could not build the {spec.backend} backend of "

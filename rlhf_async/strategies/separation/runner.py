@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from rlhf_async.config import JobConfig, to_dict, weight_sync_backend
 from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.runtime import NodeSpec, run_loop
+from rlhf_async.runtime.ipc_dir import make_ipc_dir
 from rlhf_async.strategies.base import RunResult
 from rlhf_async.strategies.placement import Placement, ProcessPlacement
 from rlhf_async.strategies.separation.driver import (
@@ -117,7 +117,7 @@ def run(cfg: JobConfig, placement: Placement, art: Artefacts, run_dir: Path,
     the checkpoint of that step); returns where metrics and policy are."""
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    sock_dir = tempfile.mkdtemp(prefix="rlhf-")  # short: unix socket paths are limited
+    sock_dir = make_ipc_dir()  # named by our pid: a killed run's is swept later
     t0 = time.perf_counter()
     try:
         result = run_loop(_run(cfg, art, run_dir, placement, sock_dir, start_step))

@@ -3,11 +3,13 @@ real gloo broadcast between threads of this process (each thread its own group o
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import msgpack
+import psutil
 import pytest
 import torch
 from hypothesis import given, settings
@@ -296,3 +298,38 @@ def test_transfer_timeout_names_the_step_and_rank() -> None:
     finally:
         sender.close()
         rx.close()
+
+
+def _listening() -> dict[int, set[str]]:
+    """Listening TCP ports of this process -> the addresses each is bound to."""
+    out: dict[int, set[str]] = {}
+    for c in psutil.Process().net_connections(kind="inet"):
+        if c.status == psutil.CONN_LISTEN:
+            out.setdefault(c.laddr.port, set()).add(c.laddr.ip)
+    return out
+
+
+def test_a_single_host_group_listens_on_loopback_only() -> None:
+    before = _listening()
+    sender = TorchBroadcastSender("gloo")
+    spec = sender.prepare(GroupSpec("gloo", "127.0.0.1", 0, 2, timeout_s=20))
+    rx = TorchBroadcastReceiver("gloo")
+    try:
+        assert _listening()[spec.master_port] == {"127.0.0.1"}  # the store
+        assert _run_threads([lambda: sender.connect(spec), lambda: rx.connect(spec, 1)]) == [
+            None, None]
+        plan = sender.plan(_tensors(), 1)
+        got = _run_threads([lambda: sender.send(_tensors(), plan), lambda: rx.receive(plan)])
+        assert got[0] is None and got[1].version == 1
+        opened = {p: ips for p, ips in _listening().items() if p not in before}
+        assert spec.master_port in opened and len(opened) >= 2  # the store and gloo's pairs
+        assert set().union(*opened.values()) == {"127.0.0.1"}, opened
+    finally:
+        sender.close()
+        rx.close()
+    wide = TorchBroadcastSender("gloo")  # a host name: receivers on other hosts reach it
+    try:
+        port = wide.prepare(GroupSpec("gloo", socket.gethostname(), 0, 2)).master_port
+        assert _listening()[port] & {"::", "0.0.0.0"}
+    finally:
+        wide.close()
