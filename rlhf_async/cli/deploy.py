@@ -119,7 +119,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         except OSError as e:
             raise UserError(f"cannot read config {config}: {e.strerror}") from None
     job = _call(args, {"op": "submit", "config_text": text, "config_name": name,
-                       "overrides": overrides})
+                       "overrides": overrides, "cwd": os.getcwd()})
     print(f"job {job['id']} queued (run dir {job['run_dir']})")
     return 0
 
@@ -143,7 +143,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         print(f"{j['id']:>5} {j['state']:<10} {j['attempts']:>5} {resumed:>7} "
               f"{_when(j['submitted']):<15} {_when(j['finished']):<15} {config}")
         if j["error"]:
-            print(f"      error: {j['error']}")
+            print("      error: " + j["error"].replace("\n", "\n             "))
     return 0
 
 

@@ -7,7 +7,9 @@ they never show a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -39,6 +41,9 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="dotted config overrides, e.g. algo.name=grpo train.lr=1e-4")
     run.add_argument("--log-level", default="warning",
                      choices=("debug", "info", "warning", "error"))
+    run.add_argument("--base-dir", default=None, metavar="DIR",
+                     help="relative paths in the config start here, not in the working "
+                          "directory (the daemon passes the submitter's)")
 
     plan = sub.add_parser("plan", help="print the placement and predicted cost; start nothing")
     plan.add_argument("config", nargs="?", help="TOML config file (optional)")
@@ -115,13 +120,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handlers[args.command](args)
     except ConfigError as e:
-        print(f"rlhf-async {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _error(args.command, e, EXIT_USAGE)
     except UserError as e:
-        print(f"rlhf-async {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_ERROR
+        return _error(args.command, e, EXIT_ERROR)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+
+
+def _error(command: str, e: Exception, code: int) -> int:
+    """The one error message: on stderr, and for a job the daemon runs also in the file it
+    names (its job list shows that, not the job's last log lines)."""
+    print(f"rlhf-async {command}: error: {e}", file=sys.stderr)
+    from rlhf_async.ops.daemon.jobs import ERROR_FILE_ENV
+
+    if os.environ.get(ERROR_FILE_ENV):
+        with contextlib.suppress(OSError):
+            Path(os.environ[ERROR_FILE_ENV]).write_text(f"{e}\n")
+    return code
 
 
 def _cmd_version(args: argparse.Namespace) -> int:
@@ -153,7 +168,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config:  # `run key=value` without a config file
         config, overrides = None, [config, *overrides]
-    return _job_errors(lambda: run_job(config, overrides))
+    return _job_errors(lambda: run_job(config, overrides, args.base_dir))
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

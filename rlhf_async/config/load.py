@@ -108,13 +108,32 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
-    """Load TOML (optional) then apply dotted overrides; raise ConfigError listing all problems."""
+# fields holding a file or directory path: relative ones resolve against the working
+# directory of whoever wrote them (`base_dir`), not of the process that runs the job
+PATH_KEYS = (("model", "path"), ("task", "prompts"), ("placement", "calibration"),
+             ("placement", "hosts_file"))
+
+
+def _resolve_paths(cfg: JobConfig, base_dir: Path) -> None:
+    for section, key in PATH_KEYS:
+        value = getattr(getattr(cfg, section), key)
+        if value and not Path(value).is_absolute():
+            setattr(getattr(cfg, section), key, str(base_dir / value))
+    where, sep, name = cfg.task.reward.rpartition(":")
+    if sep and where.endswith(".py") and not Path(where).is_absolute():  # a file, not a module
+        cfg.task.reward = f"{base_dir / where}:{name}"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *,
+                text: str | None = None, base_dir: str | Path | None = None) -> JobConfig:
+    """Load TOML (optional) then apply dotted overrides; raise ConfigError listing all problems.
+    `text`: the TOML itself, `path` only naming it in errors. `base_dir`: where relative
+    paths of `PATH_KEYS` (and a task.reward file) start, instead of the working directory."""
     data: dict[str, Any] = {}
     problems: list[str] = []
     if path is not None:
         try:
-            data = tomllib.loads(Path(path).read_text())
+            data = tomllib.loads(Path(path).read_text() if text is None else text)
         except FileNotFoundError:
             raise ConfigError([f"config file {str(path)!r}: not found"]) from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
@@ -135,6 +154,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         else:
             node[keys[-1]] = value
     cfg = _build(JobConfig, data, "", problems)
+    if base_dir is not None:
+        _resolve_paths(cfg, Path(base_dir))
     _add_cross_checks(cfg, problems)
     if problems:
         raise ConfigError(problems)

@@ -179,9 +179,10 @@ def resume_job(run_dir: str | Path) -> int:
     return 0
 
 
-def run_job(config_path: str | None, overrides: list[str]) -> int:
-    """Load the config (TOML file and/or dotted overrides) and run the job; 0 on success.
-    Raises ConfigError (one message listing every problem) for bad configuration."""
-    cfg = load_config(config_path, overrides)
+def run_job(config_path: str | None, overrides: list[str], base_dir: str | None = None) -> int:
+    """Load the config (TOML file and/or dotted overrides; relative paths from `base_dir`,
+    else the working directory) and run the job; 0 on success. Raises ConfigError (one
+    message listing every problem) for bad configuration."""
+    cfg = load_config(config_path, overrides, base_dir=base_dir)
     run(cfg, sys.stdout)
     return 0

@@ -24,6 +24,7 @@ from rlhf_async.ops.daemon.store import Job
 
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the forked child
 PR_SET_PDEATHSIG = 1
+ERROR_FILE_ENV = "RLHF_ASYNC_ERROR_FILE"  # where a job's CLI writes its one error message
 
 
 def _die_with_daemon() -> None:
@@ -64,12 +65,20 @@ def job_command(job: Job, configs_dir: Path, python: str = sys.executable
     # last wins: the daemon owns where the run lives
     cmd += [*job.overrides, f"run.output_dir={json.dumps(str(run_dir.parent))}",
             f"run.name={json.dumps(run_dir.name)}"]
+    if job.cwd:  # relative paths start where the job was submitted (a resume reads them
+        cmd += ["--base-dir", job.cwd]  # resolved from the run's config.json)
     return cmd, None
+
+
+def error_path(log_path: Path) -> Path:
+    return log_path.with_suffix(".error")
 
 
 def start_job(cmd: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    error_path(log_path).unlink(missing_ok=True)  # a previous attempt's
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           ERROR_FILE_ENV: str(error_path(log_path))}
     with open(log_path, "ab") as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(cmd)}\n".encode())
         log.flush()
@@ -117,12 +126,34 @@ def stop_leftover(job: Job, timeout: float) -> None:
             time.sleep(0.05)
 
 
-def last_lines(path: Path, n: int = 3, max_bytes: int = 8192) -> str:
-    """The last `n` non-empty lines of a log (for a failed job's error)."""
+def job_error(log_path: Path, rc: int) -> str:
+    """Why a job failed, for the job list: the error message its CLI wrote; else the
+    exception ending a traceback in its output; else how the process ended."""
+    try:
+        message = error_path(log_path).read_text().strip()
+    except OSError:
+        message = ""
+    if message:
+        return message
+    exception = _last_exception(log_path)
+    if exception:
+        return exception
+    if rc < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-rc).name}"
+    return f"exited with code {rc}"
+
+
+def _last_exception(path: Path, max_bytes: int = 65536) -> str:
+    """'ValueError: ...', the line that ends the output's last traceback, or ''."""
     try:
         with open(path, "rb") as f:
             f.seek(max(0, f.seek(0, 2) - max_bytes))
-            text = f.read().decode(errors="replace")
+            lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return ""
-    return " | ".join([ln.strip() for ln in text.splitlines() if ln.strip()][-n:])
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call")]
+    if not starts:
+        return ""
+    return next((ln.strip() for ln in lines[starts[-1] + 1:] if ln.strip() and
+                 not ln[0].isspace()), "")

@@ -21,7 +21,6 @@ import json
 import os
 import signal
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,7 +154,7 @@ class Daemon:
                 log.info("job stopped with the daemon; requeued", job=job_id, exit_code=rc)
                 continue
             state = "finished" if rc == 0 else "cancelled" if job.cancel_requested else "failed"
-            error = "" if rc == 0 else jobproc.last_lines(Path(job.log_path))
+            error = "" if rc == 0 else jobproc.job_error(Path(job.log_path), rc)
             self.store.update(job_id, state=state, exit_code=rc, pid=None, error=error,
                               finished=time.time())
             log.info("job ended", job=job_id, state=state, exit_code=rc)
@@ -196,7 +195,10 @@ class Daemon:
                     raise TypeError("a request is a JSON object")
                 reply = {"ok": True, "result": self.handle(request)}
             except (ValueError, KeyError, TypeError) as e:
-                reply = {"ok": False, "error": str(e).strip("'\"")}
+                # a KeyError's str() is its key's repr: send the key itself, every other
+                # message whole (stripping quotes cut the last one off messages ending in it)
+                error = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+                reply = {"ok": False, "error": error}
             writer.write(json.dumps(reply).encode() + b"\n")
             await writer.drain()
         except (ConnectionError, asyncio.LimitOverrunError, ValueError):
@@ -232,20 +234,20 @@ class Daemon:
 
         assert self.store is not None
         text, name = request.get("config_text", ""), request.get("config_name", "")
-        overrides = request.get("overrides", [])
+        overrides, cwd = request.get("overrides", []), request.get("cwd", "")
         if not isinstance(text, str) or not isinstance(name, str) or not isinstance(
                 overrides, list) or not all(isinstance(o, str) for o in overrides):
             raise ValueError("submit takes config_text and config_name strings and a list "
                              "of key=value override strings")
-        with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
-            f.write(text)
-            f.flush()
-            try:  # reject a bad config now, not when its turn comes
-                load_config(f.name if text else None, overrides)
-            except ConfigError as e:
-                raise ValueError(str(e)) from None
-        job = self.store.add(name, text, overrides, self.paths.runs, self.paths.logs)
-        log.info("job submitted", job=job.id, config=name, overrides=overrides)
+        if not isinstance(cwd, str) or (cwd and not os.path.isabs(cwd)):
+            raise ValueError(f"submit's cwd must be an absolute directory, got {cwd!r}")
+        try:  # reject a bad config now, not when its turn comes; paths as the job will see
+            load_config((name or "submitted config") if text else None, overrides,
+                        text=text or None, base_dir=cwd or None)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        job = self.store.add(name, text, overrides, self.paths.runs, self.paths.logs, cwd)
+        log.info("job submitted", job=job.id, config=name, overrides=overrides, cwd=cwd)
         return job
 
     def _cancel(self, job: Job) -> Job:

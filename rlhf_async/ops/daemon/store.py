@@ -36,7 +36,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     error TEXT NOT NULL DEFAULT '',
     submitted REAL NOT NULL,
     started REAL,
-    finished REAL
+    finished REAL,
+    cwd TEXT NOT NULL DEFAULT ''  -- the submitter's working directory: relative paths start there
 )
 """
 
@@ -60,6 +61,7 @@ class Job:
     submitted: float
     started: float | None
     finished: float | None
+    cwd: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,17 +78,20 @@ class JobStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")  # a job state change survives power loss
         self.db.execute(_SCHEMA)
+        if "cwd" not in {r[1] for r in self.db.execute("PRAGMA table_info(jobs)")}:
+            # a store made before jobs carried their submitter's directory
+            self.db.execute("ALTER TABLE jobs ADD COLUMN cwd TEXT NOT NULL DEFAULT ''")
 
     def close(self) -> None:
         self.db.close()
 
     def add(self, config_name: str, config_text: str, overrides: list[str],
-            runs_dir: Path, logs_dir: Path) -> Job:
+            runs_dir: Path, logs_dir: Path, cwd: str = "") -> Job:
         with self.db:
             cur = self.db.execute(
                 "INSERT INTO jobs (state, config_name, config_text, overrides, run_dir, "
-                "log_path, submitted) VALUES ('queued', ?, ?, ?, '', '', ?)",
-                (config_name, config_text, json.dumps(overrides), time.time()))
+                "log_path, submitted, cwd) VALUES ('queued', ?, ?, ?, '', '', ?, ?)",
+                (config_name, config_text, json.dumps(overrides), time.time(), cwd))
             job_id = int(cur.lastrowid or 0)
             self.db.execute("UPDATE jobs SET run_dir = ?, log_path = ? WHERE id = ?",
                             (str(runs_dir / f"job-{job_id}"),

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from rlhf_async.config import load_config
 from rlhf_async.ops.daemon import Daemon, JobStore
-from rlhf_async.ops.daemon.jobs import job_command, last_lines, process_alive
+from rlhf_async.ops.daemon.jobs import error_path, job_command, job_error, process_alive
 from rlhf_async.ops.daemon.metrics import JobCollector, last_record
 
 
@@ -124,10 +125,18 @@ def test_metrics_collector_reads_running_jobs(tmp_path):
         assert line in text, text
 
 
-def test_last_lines(tmp_path):
-    (tmp_path / "log").write_text("a\n\nb\nc\nTraceback: boom\n")
-    assert last_lines(tmp_path / "log", 2) == "c | Traceback: boom"
-    assert last_lines(tmp_path / "missing") == ""
+def test_job_error_is_the_jobs_message_not_its_last_log_lines(tmp_path):
+    log = tmp_path / "job-1.log"
+    log.write_text('=== 12:00 python -m rlhf_async run\n{"event": "sft step"}\n'
+                   "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
+                   "    boom()\nRuntimeError: CUDA out of memory\n{\"event\": \"bye\"}\n")
+    assert job_error(log, 1) == "RuntimeError: CUDA out of memory"
+    error_path(log).write_text("invalid configuration (1 problem(s)):\n  - a.b: bad\n")
+    assert job_error(log, 2) == "invalid configuration (1 problem(s)):\n  - a.b: bad"
+    log.write_text('{"event": "step", "step": 3}\n')
+    error_path(log).unlink()
+    assert job_error(log, -9) == "killed by SIGKILL"
+    assert job_error(tmp_path / "missing.log", 3) == "exited with code 3"
 
 
 def test_cli_without_daemon_is_one_line(tmp_path, capsys):
@@ -204,3 +213,89 @@ def test_sighup_reopens_the_log_file(tmp_path):
         proc.terminate()
         assert proc.wait(30) == 0
     assert "daemon stopped" in log.read_text()
+
+
+def test_submit_resolves_relative_paths_where_it_was_submitted(tmp_path, monkeypatch):
+    user = tmp_path / "user"
+    (user / "m").mkdir(parents=True)
+    (user / "m" / "config.json").write_text('{"n_positions": 512}')
+    (user / "p.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    (user / "r.py").write_text("def f(p, r):\n    return 0.0\n")
+    monkeypatch.chdir(tmp_path)  # the daemon's own working directory: none of them here
+    d = _daemon(tmp_path)
+    config = '[model]\npath = "m"\n[task]\nname = "text"\n'
+    request = {"op": "submit", "config_text": config, "config_name": str(user / "c.toml"),
+               "overrides": ["task.prompts=p.jsonl", "task.reward=r.py:f"]}
+    with pytest.raises(ValueError, match="model.path: 'm' is not a directory"):
+        d.handle(request)  # an older client: no cwd, the daemon's directory
+    job = d.handle({**request, "cwd": str(user)})
+    assert job["cwd"] == str(user)
+    cmd, _ = job_command(d.store.get(job["id"]), d.paths.configs, python="py")
+    assert cmd[-2:] == ["--base-dir", str(user)]
+    cfg = load_config(cmd[4], cmd[5:-2], base_dir=cmd[-1])  # what that command loads
+    assert (cfg.model.path, cfg.task.prompts, cfg.task.reward) == (
+        str(user / "m"), str(user / "p.jsonl"), f"{user / 'r.py'}:f")
+    assert load_config(None, ["task.reward=mod.rewards:f"], base_dir=user).task.reward == \
+        "mod.rewards:f"  # a module, not a file: imported as it is
+    with pytest.raises(ValueError, match="cwd must be an absolute directory"):
+        d.handle({**request, "cwd": "user"})
+
+
+def test_cli_run_base_dir_and_a_bad_toml_named_by_the_users_file(tmp_path, capsys):
+    from rlhf_async.cli import main
+
+    assert main(["run", "model.path=nope", "--base-dir", str(tmp_path)]) == 2
+    assert f"model.path: '{tmp_path / 'nope'}' is not a directory" in capsys.readouterr().err
+    d = _daemon(tmp_path)
+    with pytest.raises(ValueError, match="config file '/home/u/job.toml': not valid TOML"):
+        d.handle({"op": "submit", "config_text": "[train\n", "config_name": "/home/u/job.toml",
+                  "overrides": [], "cwd": "/home/u"})
+
+
+def test_a_failed_jobs_error_reaches_the_job_list_whole(tmp_path, monkeypatch, capsys):
+    """A job the CLI rejects: its error (ending in a quote) is what the daemon answers and
+    what `jobs` lists, not log lines."""
+    import asyncio
+
+    from rlhf_async.cli import main
+    from rlhf_async.ops.daemon import DaemonError, call_daemon
+    from rlhf_async.ops.daemon import jobs as jobproc
+
+    failing = [sys.executable, "-m", "rlhf_async", "run", "algo.name=dpo"]
+    monkeypatch.setattr(jobproc, "job_command", lambda job, configs: (failing, None))
+    d = Daemon(tmp_path / "state", poll_s=0.05)
+    store = d.prepare()
+    d.handle({"op": "submit", "overrides": []})
+    store.close()
+    want = "algo.name: 'dpo' is not one of 'ppo', 'grpo', 'rloo'"
+
+    async def scenario() -> str:
+        serving = asyncio.create_task(d.serve())
+        while d.store is store or d.store.get(1).state != "failed":  # serving: a new one
+            await asyncio.sleep(0.05)
+        with pytest.raises(DaemonError) as e:
+            await asyncio.to_thread(call_daemon, d.paths.root,
+                                    {"op": "submit", "overrides": ["algo.name=dpo"]})
+        assert str(e.value).endswith(want)
+        assert await asyncio.to_thread(main, ["jobs", "--state-dir", str(d.paths.root)]) == 0
+        error = d.store.get(1).error
+        d._request_stop("test")
+        assert await asyncio.wait_for(serving, 30) == 0
+        return error
+
+    assert asyncio.run(scenario()) == f"invalid configuration (1 problem(s)):\n  - {want}"
+    out = capsys.readouterr().out
+    assert f"      error: invalid configuration (1 problem(s)):\n               - {want}\n" in out
+
+
+def test_a_store_from_before_cwd_gains_the_column(tmp_path):
+    import sqlite3
+
+    from rlhf_async.ops.daemon.store import _SCHEMA
+
+    old = sqlite3.connect(tmp_path / "jobs.db")
+    old.execute(_SCHEMA[:_SCHEMA.index(",\n    cwd")] + "\n)")  # the table without it
+    old.close()
+    store = JobStore(tmp_path / "jobs.db")
+    job = store.add("", "", [], tmp_path / "runs", tmp_path / "logs", "/home/u")
+    assert store.get(job.id).cwd == "/home/u"
