@@ -19,7 +19,13 @@ from nodes.common import NodeContext, load_context, message_errors
 from rlhf_async.config import JobConfig, weight_sync_backend
 from rlhf_async.metrics import MetricsWriter, truncate_jsonl
 from rlhf_async.modeling.models import save_policy
-from rlhf_async.rl.checkpoint import learner_state, load_latest, restore_learner, save_checkpoint
+from rlhf_async.rl.checkpoint import (
+    disk_full,
+    learner_state,
+    load_latest,
+    restore_learner,
+    save_checkpoint,
+)
 from rlhf_async.rl.learner import Learner
 from rlhf_async.rl.staleness import StalenessPolicy
 from rlhf_async.runtime import Node
@@ -36,6 +42,7 @@ from rlhf_async.strategies.separation.events import (
     WeightSyncPrepare,
     decode_command,
     emit,
+    fail,
 )
 from rlhf_async.strategies.separation.stage import StageClock
 from rlhf_async.strategies.separation.wire import lineage_of, rollout_from_message
@@ -45,6 +52,16 @@ from rlhf_async.wire.protocol import Message
 
 
 async def main(node: Node) -> None:
+    try:
+        await _main(node)
+    except (OSError, RuntimeError) as e:  # a full disk: a restart would only fill it again,
+        full = disk_full(e, Path(node.params["checkpoint_dir"]))  # so the run stops with it
+        if full is None:
+            raise
+        await fail(node, str(full))
+
+
+async def _main(node: Node) -> None:
     job = load_context(node)
     cfg = job.cfg
     learner = await asyncio.to_thread(_learner, job)  # off the loop: heartbeats go on

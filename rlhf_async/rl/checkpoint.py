@@ -9,6 +9,7 @@ its checksum, is reported with a warning, and the previous one is used instead.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -29,6 +30,48 @@ PREFIX, MANIFEST, FORMAT = "ckpt-", "manifest.json", 1
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used (missing files, bad checksum, wrong format)."""
+
+
+class DiskFullError(CheckpointError):
+    """A run's file could not be written: no space left (or the quota is used up)."""
+
+
+def disk_full(e: BaseException, path: Path) -> DiskFullError | None:
+    """One error naming what was written and the space left there, when `e` is a full disk
+    or quota, or was raised while handling one (torch turns it into a RuntimeError on its
+    way out); None for any other error."""
+    if isinstance(e, DiskFullError):  # already says it (a checkpoint adds what is intact)
+        return e
+    cause = _full_disk_cause(e)
+    if cause is None:
+        return None
+    what = "no space left on device" if cause.errno == errno.ENOSPC else "disk quota exceeded"
+    return DiskFullError(f"{what} writing {cause.filename or path}: {_free(Path(path))} free "
+                         "there")
+
+
+def _full_disk_cause(e: BaseException | None) -> OSError | None:
+    for _ in range(8):  # a short chain: the OSError, then what its handlers raised
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        if e is None:
+            return None
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _free(path: Path) -> str:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        free = float(shutil.disk_usage(path).free)
+    except OSError:
+        return "unknown space"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if free < 1024 or unit == "GiB":
+            return f"{free:.0f} {unit}" if unit == "B" else f"{free:.1f} {unit}"
+        free /= 1024
+    raise AssertionError  # the loop returns at GiB
 
 
 @dataclass
@@ -57,13 +100,32 @@ def _fsync_dir(path: Path) -> None:
 
 def save_checkpoint(root: str | Path, step: int, state: dict[str, Any], meta: dict[str, Any],
                     keep: int = 3) -> Path:
-    """Write checkpoint `step` under `root` atomically; keep the newest `keep`."""
+    """Write checkpoint `step` under `root` atomically; keep the newest `keep`. A full disk
+    is one DiskFullError; the checkpoints already there are left as they were."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
+    try:
+        return _save(root, final, step, state, meta, keep)
+    except (OSError, RuntimeError) as e:
+        full = disk_full(e, final)
+        if full is None:
+            raise
+        kept = list_checkpoints(root)
+        intact = (f"the newest checkpoint, {kept[-1].name}, is intact" if kept else
+                  "no checkpoint was written before")
+        raise DiskFullError(f"{full}; {intact}: free some space, then continue with "
+                            f"`rlhf-async resume {root.parent}`") from None
+
+
+def _save(root: Path, final: Path, step: int, state: dict[str, Any], meta: dict[str, Any],
+          keep: int) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{PREFIX}", dir=root))
     try:
-        torch.save(state, tmp / "state.pt")
+        # through our own file: torch's writes then raise the OSError (ENOSPC), at most
+        # wrapped in a RuntimeError; given a path it reports only "unexpected pos"
+        with (tmp / "state.pt").open("wb") as f:
+            torch.save(state, f)
         (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=1))
         files = {n: {"sha256": _sha256(tmp / n), "bytes": (tmp / n).stat().st_size}
                  for n in ("state.pt", "meta.json")}

@@ -24,6 +24,7 @@ from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.log import get_logger
 from rlhf_async.metrics import MetricsWriter, Progress, truncate_metrics
 from rlhf_async.modeling.rollout import PromptBatch
+from rlhf_async.rl.checkpoint import disk_full
 from rlhf_async.rl.staleness import StalenessPolicy
 from rlhf_async.strategies.separation.events import (
     SFT_LINEAGE,
@@ -387,5 +388,11 @@ class Driver:
                   **{f"queue/{s}": states.get(s, 0) for s in ChunkState},
                   "queue/trainer": t.queue_trainer, **util,
                   **{f"faults/{k}": v for k, v in self.counts.items()}}
-        self.writer.write(record)
+        try:
+            self.writer.write(record)
+        except OSError as e:  # a full disk: one error naming it, not a traceback
+            full = disk_full(e, self.run_dir / "metrics.jsonl")
+            if full is None:
+                raise
+            raise full from None
         self.progress.update(record)

@@ -4,16 +4,20 @@ commands, a queue stands in for the event stream, a list for the prompts channel
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections import Counter
 
 import pytest
 
 from rlhf_async.config import load_config
 from rlhf_async.control.client import NodeEvent
+from rlhf_async.metrics import MetricsWriter
+from rlhf_async.rl.checkpoint import DiskFullError
 from rlhf_async.strategies.separation.driver import ChunkState, Driver, PipelineError
 from rlhf_async.strategies.separation.events import (
     ChunkDropped,
     Done,
+    Failed,
     Generated,
     Loaded,
     NodeDead,
@@ -182,3 +186,28 @@ def test_malformed_events_are_counted_and_a_used_up_restart_limit_stops(tmp_path
                            "rlhf-async resume"):
             await h.task  # type: ignore[misc]
     asyncio.run(main())
+
+
+def test_a_node_failure_or_a_full_disk_stops_the_run_naming_it(tmp_path, monkeypatch):
+    async def failed() -> None:
+        h = Harness(tmp_path)
+        await h.start()
+        await h.send("scorer0", Failed("task.reward: r.py:f called sys.exit(3) on prompt 2"))
+        with pytest.raises(PipelineError, match=r"^scorer0: task.reward: r.py:f called "
+                           r"sys.exit\(3\) on prompt 2$"):
+            await h.task  # type: ignore[misc]
+
+    async def full_disk() -> None:
+        h = Harness(tmp_path)
+        await h.start()
+        await h.trained(0)
+        with pytest.raises(DiskFullError, match=f"^no space left on device writing "
+                           f"{tmp_path / 'metrics.jsonl'}: .* free there$"):
+            await h.task  # type: ignore[misc]
+
+    asyncio.run(failed())
+
+    def write(self, record):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(MetricsWriter, "write", write)
+    asyncio.run(full_disk())
