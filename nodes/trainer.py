@@ -111,11 +111,13 @@ async def _main(node: Node) -> None:
             async with weights_lock:
                 metrics = await clock.busy(asyncio.to_thread(learner.train_step,
                                                              full.to(job.device)))
-                sync = await _publish(node, sender, learner, lineage)
+                # stopping: the checkpoint holds these weights; the generators are done
+                sync = await _publish(node, sender, learner, lineage) if not node.stopping \
+                    else {"weight_sync_s": 0.0, "weight_sync_bytes": 0}
             # the trainer's own log of what it trained, written before the checkpoint
             # that includes the step: exactly-once is counted from it
             samples_log.write({"step": step, "sample_ids": full.sample_ids.tolist(),
-                               "version": full.version})
+                               "version": full.version, "metrics": metrics})
             # reported before the checkpoint: a crash in between makes the restarted
             # trainer train (and report) the step again, never leave it unreported
             await emit(node, Trained(

@@ -88,7 +88,19 @@ def summarize(records: list[dict[str, Any]], keys: tuple[str, ...], last: int = 
 
 
 def truncate_metrics(run_dir: Path, step: int) -> None:
-    """Drop records of steps at or after `step` (written after the checkpoint a resumed run
-    continues from; they are trained again)."""
-    for name in ("metrics.jsonl", "trained_samples.jsonl"):
-        truncate_jsonl(run_dir / name, step)
+    """Before a run continues from the checkpoint of `step`: drop the records of steps at
+    or after it (they are trained and logged again), and restore the record of any step
+    before it that metrics.jsonl lacks from the trainer's own log (under Separation the
+    coordinator writes metrics.jsonl from the trainer's report; a crash between the
+    trainer's checkpoint and the coordinator's write must not lose the step's record)."""
+    metrics, samples = run_dir / "metrics.jsonl", run_dir / "trained_samples.jsonl"
+    for path in (metrics, samples):
+        truncate_jsonl(path, step)
+    if not samples.exists():
+        return
+    have = {r["step"]: r for r in read_metrics(metrics)} if metrics.exists() else {}
+    lost = {r["step"]: {"step": r["step"], **r["metrics"], "restored": True}
+            for r in read_metrics(samples) if r["step"] not in have and "metrics" in r}
+    if lost:
+        records = sorted([*have.values(), *lost.values()], key=lambda r: r["step"])
+        metrics.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -279,6 +280,18 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_stop(args: argparse.Namespace) -> int:
-    _coordinator_call(args.run_dir, "stop", args.timeout)
-    print(f"stop requested; the coordinator in {args.run_dir} is shutting its nodes down")
+    """Separation has a coordinator to ask; a lock-step run (no coordinator) is signalled:
+    either way the run finishes its step, writes a checkpoint and exits."""
+    from rlhf_async.control.client import COORDINATOR_FILE
+    from rlhf_async.job.lock import live_holder
+
+    pid = live_holder(args.run_dir)
+    if (args.run_dir / COORDINATOR_FILE).exists() or pid is None:
+        _coordinator_call(args.run_dir, "stop", args.timeout)
+        print(f"stop requested; the coordinator in {args.run_dir} is shutting its nodes down "
+              "(the trainer writes a checkpoint first)")
+        return 0
+    os.kill(pid, signal.SIGTERM)
+    print(f"stop requested (SIGTERM to the run's pid {pid}); it finishes its step, writes a "
+          f"checkpoint and exits")
     return 0

@@ -95,12 +95,13 @@ class RewardModelConfig:
 @dataclass
 class AlgoConfig:
     name: str = opt("ppo", "RL algorithm", choices=("ppo", "grpo", "rloo"))
-    kl_coef: float = opt(0.05, "weight of the KL penalty to the reference (the initial one "
-                         "when kl_target > 0)", ge=0.0)
-    kl_target: float = opt(6.0, "adaptive KL controller: target KL to the reference per "
-                           "sample (nats); 0 = a fixed kl_coef", ge=0.0)
-    kl_horizon: float = opt(3.0, "adaptive KL controller: steps over which the coefficient "
-                            "moves by at most 20%", gt=0.0)
+    kl_coef: float = opt(0.05, "weight of the KL penalty to the reference (with kl_target > "
+                         "0: its floor)", ge=0.0)
+    kl_target: float = opt(5.0, "adaptive KL controller: raise the KL weight while the KL to "
+                           "the reference per sample (nats) is above this; 0 = fixed kl_coef",
+                           ge=0.0)
+    kl_horizon: float = opt(1.0, "adaptive KL controller: steps over which the weight moves "
+                            "by at most 20%", gt=0.0)
     kl_estimator: str = opt("k1", "per-token KL estimator", choices=("k1", "k3"))
     kl_mode: str = opt("reward", "where the KL penalty goes", choices=("reward", "loss"))
     clip_eps: float = opt(0.2, "PPO ratio clip", gt=0.0)
@@ -158,6 +159,9 @@ class RuntimeConfig:
     time_to_dead: float = opt(10.0, "seconds without a heartbeat before a node is dead", gt=0.0)
     restart_limit: int = opt(3, "restarts per node before the run stops with a checkpoint",
                              ge=0)
+    stop_grace_s: float = opt(60.0, "after a stop (SIGTERM, SIGINT, `rlhf-async stop`), "
+                              "seconds to finish the step and write the checkpoint; a "
+                              "second signal cuts it short", gt=0.0)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Chaos monkey for a running job: SIGKILL its nodes every few trained steps.
+"""Chaos monkey for a running job: SIGKILL its nodes every few trained steps, or in their
+first seconds (start-up: model loading, before the ready handshake or just after it).
 
 Used by the chaos test and `bench/chaos.py`; it reads the job's progress from
 RUN_DIR/metrics.jsonl and its nodes from the coordinator's status (RUN_DIR/coordinator.json).
@@ -13,6 +14,8 @@ import signal
 import threading
 import time
 from pathlib import Path
+
+import psutil
 
 from rlhf_async.control.client import call_coordinator, read_coordinator_file
 
@@ -57,3 +60,28 @@ def random_order(nodes: list[str], kills: int, seed: int = 0) -> list[str]:
         rng.shuffle(batch)
         order += batch
     return order[:kills]
+
+
+def kill_at_start(run_dir: str | Path, order: list[str], stop: threading.Event,
+                  victims: list[tuple[str, float]], within_s: float = 3.0) -> None:
+    """Kill each node of `order` in turn within `within_s` seconds of its process starting
+    (the first launch, or the restart an earlier kill caused); appends (node, age in s)."""
+    killed: set[int] = set()
+    while len(victims) < len(order) and not stop.is_set():
+        time.sleep(0.02)
+        try:
+            node = _nodes(Path(run_dir)).get(order[len(victims)], {})
+        except Exception:  # the coordinator is not up yet
+            continue
+        pid = node.get("pid")
+        if not pid or pid in killed:
+            continue
+        try:
+            age = time.time() - psutil.Process(pid).create_time()
+            if age > within_s:
+                continue  # too late for this incarnation; wait for a restart
+            os.kill(pid, signal.SIGKILL)
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            continue
+        killed.add(pid)
+        victims.append((order[len(victims)], round(age, 2)))

@@ -90,6 +90,7 @@ class Coordinator:
         self.nodes: dict[str, _Node] = {}
         self.log = structlog.get_logger().bind(role="coordinator")
         self.stop_requested = asyncio.Event()
+        self._force = asyncio.Event()  # a second signal: no more grace
         self.stop_reason = ""
         self._transport = Transport(log=self.log, keys=self.keyring, insecure=insecure)
         self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
@@ -146,10 +147,18 @@ class Coordinator:
                 loop.remove_signal_handler(sig)
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM/SIGINT set `stop_requested`; `async with` exit then stops every node."""
+        """SIGTERM/SIGINT set `stop_requested`; `async with` exit then stops every node,
+        giving each its grace to finish (the trainer writes its checkpoint). A second
+        signal while stopping cuts the grace short: nodes are killed at once."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop, signal.Signals(sig).name)
+            loop.add_signal_handler(sig, self._on_signal, signal.Signals(sig).name)
+
+    def _on_signal(self, name: str) -> None:
+        if self.stop_requested.is_set():
+            self.log.warning("stop_forced", signal=name)
+            self._force.set()
+        self.request_stop(name)
 
     def request_stop(self, reason: str = "requested") -> dict[str, Any]:
         if not self.stop_requested.is_set():
@@ -218,7 +227,11 @@ class Coordinator:
                 return
             for i in waiting:
                 node = self.nodes[i]
-                if node.state in ("dead", "exited") or node.process.poll() is not None:
+                gone = node.state in ("dead", "exited") or node.process.poll() is not None
+                # a death during start-up is restarted like any other (the monitor does it)
+                restarting = node.state != "exited" and node.restarts < self.restart_limit \
+                    and not self.stop_requested.is_set()
+                if gone and not restarting:
                     raise NodeNotReady(f"node {i!r} exited with code {node.process.poll()} "
                                        f"before it was ready; see {self._log_hint(node)}")
             if time.monotonic() > deadline:
@@ -243,7 +256,7 @@ class Coordinator:
                 await self._router.send(stop, to=n.spec.node_id.encode(), timeout=0.1)
         for action in ("terminate", "kill"):
             deadline = time.monotonic() + self.stop_timeout
-            while alive and time.monotonic() < deadline:
+            while alive and time.monotonic() < deadline and not self._force.is_set():
                 alive = [n for n in alive if n.process.poll() is None]
                 await asyncio.sleep(0.02)
             for n in alive:

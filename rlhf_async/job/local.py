@@ -27,6 +27,7 @@ from rlhf_async.ops.plotting import plot_metrics
 from rlhf_async.planning.planner import prepare_run
 from rlhf_async.progress import Phase
 from rlhf_async.rl.checkpoint import CheckpointError, list_checkpoints, load_latest
+from rlhf_async.strategies.base import JobStopped
 from rlhf_async.strategies.placement import Placement
 from rlhf_async.strategies.registry import STRATEGIES
 from rlhf_async.task import Task, make_task, sampling_params
@@ -82,12 +83,20 @@ def _run_held(cfg: JobConfig, placement: Placement, task: Task, out: IO[str] | N
             raise ConfigError([f"run.name: {run_dir} already holds a run; continue it with "
                                f"`rlhf-async resume {run_dir}` or choose another run.name"])
     else:  # resume: the newest good checkpoint decides where the run continues
+        finished = _finished(run_dir)
+        if finished is not None:
+            if out is not None:
+                out.write(f"{run_dir} already finished ({cfg.train.steps} steps); its "
+                          f"summary is {run_dir / 'summary.json'}: nothing to resume\n")
+            return finished
         ck = load_latest(run_dir / "checkpoints")
-        if ck is None:
-            raise CheckpointError(f"no usable checkpoint in {run_dir / 'checkpoints'}")
-        start_step = ck.step
+        start_step = 0 if ck is None else ck.step
         truncate_metrics(run_dir, start_step)
-        log.info("resuming", run_dir=str(run_dir), step=start_step, checkpoint=str(ck.path))
+        if ck is None:  # stopped or killed before its first checkpoint: start it again
+            log.warning("no checkpoint: resuming from step 0", run_dir=str(run_dir))
+        else:
+            log.info("resuming", run_dir=str(run_dir), step=start_step,
+                     checkpoint=str(ck.path))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
 
@@ -100,7 +109,11 @@ def _run_held(cfg: JobConfig, placement: Placement, task: Task, out: IO[str] | N
     log.info("sft policy evaluated", **sft_eval)
 
     (run_dir / "placement.txt").write_text(placement.table() + "\n")
-    result = STRATEGIES[cfg.placement.strategy].run(cfg, placement, art, run_dir, start_step)
+    try:
+        result = STRATEGIES[cfg.placement.strategy].run(cfg, placement, art, run_dir,
+                                                        start_step)
+    except JobStopped as e:
+        return _stopped(run_dir, e, out)
     final_eval = evaluate(load_sft(result.policy_dir), reward_model, task, cfg, "final")
     log.info("final policy evaluated", **final_eval)
     if cfg.run.plot:
@@ -147,6 +160,30 @@ def format_summary(s: dict) -> str:
         f"  time: SFT+RM {s['pretrain_seconds']:.1f}s, RL {s['rl_seconds']:.1f}s "
         f"({s['rl_samples_per_s']:.3g} samples/s), total {s['wall_seconds']:.1f}s\n"
         f"  policy: {s['run_dir']}/policy   curves: {s['run_dir']}/metrics.png\n")
+
+
+def _finished(run_dir: Path) -> dict | None:
+    """The summary of a run that ran to its end (written last, after the final policy)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return summary if isinstance(summary, dict) and "final_hidden_score" in summary else None
+
+
+def _stopped(run_dir: Path, e: JobStopped, out: IO[str] | None) -> dict:
+    """A run stopped on request: where its checkpoint is, and the command that goes on."""
+    ck = load_latest(run_dir / "checkpoints")
+    where = (f"checkpoint of step {ck.step}: {ck.path}" if ck is not None else
+             "no checkpoint yet (resume starts at step 0)")
+    log.info("run stopped", reason=e.reason, run_dir=str(run_dir),
+             step=None if ck is None else ck.step)
+    if out is not None:
+        out.write(f"stopped ({e.reason}); {where}\ncontinue with: rlhf-async resume "
+                  f"{run_dir}\n")
+        out.flush()
+    return {"run_dir": str(run_dir), "stopped": e.reason,
+            "step": None if ck is None else ck.step}
 
 
 def _worse_warning(s: dict) -> str:

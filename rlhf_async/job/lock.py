@@ -43,6 +43,25 @@ def hold_run_dir(run_dir: Path) -> Iterator[Path]:
         os.close(fd)
 
 
+def live_holder(run_dir: Path) -> int | None:
+    """The pid of the job holding RUN_DIR on this host, if it is alive (`rlhf-async stop`
+    signals it when the job has no coordinator: Flattening, Interleaving)."""
+    try:
+        holder = json.loads((run_dir / LOCK_FILE).read_text())
+        pid = int(holder["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if holder.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # alive, another user's
+        return pid
+    return pid
+
+
 def _acquire(run_dir: Path) -> int:
     path = run_dir / LOCK_FILE
     try:

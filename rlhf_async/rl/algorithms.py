@@ -89,13 +89,16 @@ def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> T
     return r
 
 
-def adaptive_kl_coef(coef: float, kl: float, target: float, horizon: float) -> float:
+def adaptive_kl_coef(coef: float, kl: float, target: float, horizon: float,
+                     floor: float = 0.0) -> float:
     """Next KL coefficient of the adaptive controller (Ziegler et al. 2019): raise it when
     the measured KL per sample is above `target`, lower it when below, by a proportional
     error clipped to +-20% and scaled by 1/horizon (in steps), so the coefficient moves
-    by at most 20%/horizon per step."""
+    by at most 20%/horizon per step; never below `floor`. Without a floor the early steps
+    (KL still below target) wear the coefficient down to nothing just before the policy
+    finds a reward-model exploit, and it comes back too late (measured: bench/README.md)."""
     error = min(max(kl / target - 1.0, -0.2), 0.2)
-    return coef * (1.0 + error / horizon)
+    return max(floor, coef * (1.0 + error / horizon))
 
 
 def importance_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> Tensor:

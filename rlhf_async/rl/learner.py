@@ -216,7 +216,7 @@ class Learner:
                                  "kl_coef": self.kl_coef}
         if self.algo.kl_target > 0:  # from the global KL: every rank moves it alike
             self.kl_coef = A.adaptive_kl_coef(self.kl_coef, out["kl"], self.algo.kl_target,
-                                              self.algo.kl_horizon)
+                                              self.algo.kl_horizon, floor=self.algo.kl_coef)
         return out
 
     def _global_stats(self, b: RolloutBatch, kl: Tensor, adv: Tensor, sums: dict[str, Tensor],

@@ -29,6 +29,15 @@ class RunResult:
     seconds: float
 
 
+class JobStopped(Exception):
+    """The RL phase stopped on request (a signal or `rlhf-async stop`) after writing its
+    checkpoint; the job reports where it stopped and how to continue."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"stopped on request ({reason})")
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class Strategy:
     name: str

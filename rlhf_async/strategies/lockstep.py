@@ -10,17 +10,23 @@ metrics.jsonl, the checkpoints and the final policy.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from transformers.utils import logging as hf_logging
 
 from rlhf_async.config import JobConfig
 from rlhf_async.engines.process_group import exit_rank, free_port, rank_group
+from rlhf_async.log import get_logger
 from rlhf_async.metrics import MetricsWriter, Progress
 from rlhf_async.modeling.generation import generate
 from rlhf_async.modeling.models import save_policy
@@ -33,10 +39,11 @@ from rlhf_async.rl.checkpoint import (
     save_checkpoint,
 )
 from rlhf_async.rl.learner import Learner
-from rlhf_async.strategies.base import RunResult
+from rlhf_async.strategies.base import JobStopped, RunResult
 from rlhf_async.task import Task, make_task, sampling_params
 from rlhf_async.task.pretrain import Artefacts, load_critic, load_sft
 
+log = get_logger(component="lockstep")
 Scorer = Callable[[RolloutBatch], RolloutBatch]
 # (cfg, artefacts, task, SFT actor, rank, world, device) -> this rank's scorer
 ScorerFactory = Callable[[JobConfig, Artefacts, Task, nn.Module, int, int, torch.device],
@@ -49,9 +56,35 @@ def device_of(cfg: JobConfig, rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+class StopRequest:
+    """A stop asked of every rank: the parent sets it (SIGTERM, SIGINT), each rank reads
+    it at a step boundary, and all ranks agree on it (one tiny all-reduce a step) so that
+    they stop after the same step and write one checkpoint together."""
+
+    def __init__(self) -> None:
+        self.event = mp.get_context("spawn").Event()
+        self.reason = ""
+        self.parent = os.getpid()
+
+    def set(self, reason: str) -> None:
+        self.reason = self.reason or reason
+        self.event.set()
+
+    def agreed(self, world: int) -> bool:
+        if os.getppid() != self.parent and os.getpid() != self.parent:
+            os._exit(1)  # the job's process is gone (SIGKILL): nothing to report to
+        if world == 1:
+            return self.event.is_set()
+        flag = torch.tensor([1.0 if self.event.is_set() else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
 def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: int,
-              start_step: int, make_scorer: ScorerFactory, strategy: str) -> None:
-    """The hot loop; identical on every rank except what it holds and who writes files."""
+              start_step: int, make_scorer: ScorerFactory, strategy: str,
+              stop: StopRequest | None = None) -> bool:
+    """The hot loop; identical on every rank except what it holds and who writes files.
+    True when it ran to the end, False when it stopped on request (checkpoint written)."""
     device = device_of(cfg, rank)
     task = make_task(cfg)
     actor = load_sft(art.sft_dir).to(device)  # type: ignore[arg-type]  # HF's .to overloads
@@ -77,29 +110,46 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
         t2 = time.perf_counter()
         metrics = learner.train_step(batch)
         t3 = time.perf_counter()
-        _end_step(cfg, learner, run_dir, writer, progress, step, metrics, (t0, t1, t2, t3),
-                  strategy)
+        saved = _end_step(cfg, learner, run_dir, writer, progress, step, metrics,
+                          (t0, t1, t2, t3), strategy)
+        if stop is not None and step + 1 < cfg.train.steps and stop.agreed(world):
+            if not saved:  # every rank: gathering the learner state is collective
+                _checkpoint(cfg, learner, run_dir, step + 1, strategy, rank == 0)
+            progress.close()
+            if writer is not None:
+                writer.close()
+            learner.close()
+            return False
     progress.close()
     _finish(cfg, learner, run_dir, writer)
+    return True
 
 
 def _end_step(cfg: JobConfig, learner: Learner, run_dir: Path, writer: MetricsWriter | None,
               progress: Progress, step: int, metrics: dict, times: tuple[float, ...],
-              strategy: str) -> None:
-    """Metrics line, then (when due) the checkpoint that includes the step. Every rank
-    calls it: gathering the learner state is collective under ZeRO."""
+              strategy: str) -> bool:
+    """Metrics line, then (when due) the checkpoint that includes the step; whether one
+    was written."""
     t0, t1, t2, t3 = times
     every = cfg.run.checkpoint_every
-    due = every and (step + 1) % every == 0 and step + 1 < cfg.train.steps
-    state = learner_state(learner) if due else None
-    if writer is None:
-        return
-    record = {"step": step, **metrics, "time_generate": t1 - t0, "time_score": t2 - t1,
-              "time_train": t3 - t2, "samples_per_s": metrics["samples"] / (t3 - t0)}
-    writer.write(record)  # before the checkpoint that includes the step
-    progress.update(record)
-    if state is not None:
-        save_checkpoint(run_dir / "checkpoints", step + 1, state,
+    due = bool(every) and (step + 1) % every == 0 and step + 1 < cfg.train.steps
+    if writer is not None:
+        record = {"step": step, **metrics, "time_generate": t1 - t0, "time_score": t2 - t1,
+                  "time_train": t3 - t2, "samples_per_s": metrics["samples"] / (t3 - t0)}
+        writer.write(record)  # before the checkpoint that includes the step
+        progress.update(record)
+    if due:
+        _checkpoint(cfg, learner, run_dir, step + 1, strategy, writer is not None)
+    return due
+
+
+def _checkpoint(cfg: JobConfig, learner: Learner, run_dir: Path, step: int, strategy: str,
+                writes: bool) -> None:
+    """Every rank calls it (gathering the learner state is collective under ZeRO); the
+    rank with the writer saves it."""
+    state = learner_state(learner)
+    if writes:
+        save_checkpoint(run_dir / "checkpoints", step, state,
                         {"version": learner.version, "strategy": strategy},
                         cfg.run.keep_checkpoints)
 
@@ -117,26 +167,77 @@ def _finish(cfg: JobConfig, learner: Learner, run_dir: Path,
 
 
 def _worker(rank: int, world: int, port: int, cfg: JobConfig, art: Artefacts, run_dir: Path,
-            start_step: int, make_scorer: ScorerFactory, strategy: str) -> None:
+            start_step: int, make_scorer: ScorerFactory, strategy: str,
+            stop: StopRequest) -> None:
+    # the job's process handles SIGINT/SIGTERM (they reach the whole process group) and
+    # tells every rank through `stop`, so all ranks stop after the same step
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(cfg.placement.cpu_threads)
     hf_logging.disable_progress_bar()
     backend = "nccl" if cfg.placement.device == "cuda" else "gloo"
     with rank_group(backend, port, rank, world):
-        rank_loop(cfg, art, run_dir, rank, world, start_step, make_scorer, strategy)
+        rank_loop(cfg, art, run_dir, rank, world, start_step, make_scorer, strategy, stop)
     exit_rank()
+
+
+@contextlib.contextmanager
+def _signals_stop(stop: StopRequest) -> Iterator[threading.Event]:
+    """While the ranks run: the first SIGTERM/SIGINT asks them to stop after the step (with
+    a checkpoint); a second one forces the job down now (the returned event is set)."""
+    forced = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield forced  # signals are delivered to the main thread only
+        return
+
+    def handle(signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
+        if stop.event.is_set():
+            forced.set()
+            if not _children:
+                raise KeyboardInterrupt(name)  # in-process loop: unwind now
+            return
+        stop.set(name)
+        log.warning("stop_requested", signal=name,
+                    hint="finishing the step and writing a checkpoint; signal again to "
+                         "stop at once")
+    old = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield forced
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+_children: list[object] = []  # rank processes of the running job (empty: in-process)
 
 
 def run_ranks(cfg: JobConfig, art: Artefacts, run_dir: Path, start_step: int,
               make_scorer: ScorerFactory, strategy: str) -> RunResult:
     """The RL phase over `placement.devices` rank processes (in-process when 1), from
     `start_step` (restored from that step's checkpoint). `make_scorer` must pickle (a
-    module-level function or a frozen dataclass): it travels to every rank."""
+    module-level function or a frozen dataclass): it travels to every rank. A stop request
+    ends it after the current step with a checkpoint: JobStopped."""
     world = cfg.placement.devices
     run_dir.mkdir(parents=True, exist_ok=True)
+    stop = StopRequest()
     t0 = time.perf_counter()
-    if world == 1:
-        rank_loop(cfg, art, run_dir, 0, 1, start_step, make_scorer, strategy)
-    else:
-        mp.spawn(_worker, args=(world, free_port(), cfg, art, run_dir, start_step, make_scorer,
-                                strategy), nprocs=world, join=True)
+    with _signals_stop(stop) as forced:
+        if world == 1:
+            rank_loop(cfg, art, run_dir, 0, 1, start_step, make_scorer, strategy, stop)
+        else:
+            ctx = mp.start_processes(_worker, args=(world, free_port(), cfg, art, run_dir,
+                                                    start_step, make_scorer, strategy, stop),
+                                     nprocs=world, join=False, start_method="spawn")
+            _children[:] = ctx.processes
+            try:
+                while not ctx.join(timeout=0.5):
+                    if forced.is_set():
+                        for p in ctx.processes:
+                            p.kill()
+                        raise KeyboardInterrupt(stop.reason)
+            finally:
+                _children.clear()
+    if stop.event.is_set():
+        raise JobStopped(stop.reason)
     return RunResult(run_dir / "metrics.jsonl", run_dir / "policy", time.perf_counter() - t0)

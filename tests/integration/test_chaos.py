@@ -12,7 +12,7 @@ import pytest
 
 from rlhf_async import job
 from rlhf_async.config import load_config
-from rlhf_async.control.chaos import kill_nodes
+from rlhf_async.control.chaos import kill_at_start, kill_nodes
 
 pytestmark = [pytest.mark.timeout(480)]
 
@@ -50,3 +50,25 @@ def test_run_survives_five_kills_and_trains_each_prompt_once(tmp_path):
     assert [r["step"] for r in records] == list(range(steps))
     assert records[-1]["faults/restarts"] >= kills, victims
     assert summary["final_reward"] != summary["sft_reward"]  # the saved policy is the trained one
+
+
+def test_kills_during_start_up_are_restarted_and_each_prompt_trained_once(tmp_path):
+    steps = 6
+    cfg = load_config(None, [*TINY, f"run.cache_dir={json.dumps(str(tmp_path / 'cache'))}",
+                             f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=boot",
+                             f"train.steps={steps}", "runtime.restart_limit=2"])
+    victims: list = []
+    stop = threading.Event()
+    # one after another, each in its first seconds: while loading its models
+    thread = threading.Thread(target=kill_at_start, args=(tmp_path / "boot",
+                              ["scorer0", "gen0", "trainer"], stop, victims))
+    thread.start()
+    try:
+        job.run(cfg)
+    finally:
+        stop.set()
+        thread.join()
+    assert [v for v, _ in victims] == ["scorer0", "gen0", "trainer"], victims
+    lines = (tmp_path / "boot" / "trained_samples.jsonl").read_text().splitlines()
+    counts = Counter(s for line in lines for s in json.loads(line)["sample_ids"])
+    assert set(counts) == set(range(steps * 16)) and set(counts.values()) == {1}

@@ -30,3 +30,22 @@ def test_rule_reward_runs_plot_one_reward_panel():
     assert [k for k, _ in panels_for(recs)] == ["reward", "hidden_score", "kl"]
     assert panels_for(recs, rule_reward=True)[:2] == [("reward", "rule reward"),
                                                       ("kl", "KL to reference (per sample)")]
+
+
+def test_truncating_for_a_resume_restores_a_record_the_coordinator_never_wrote(tmp_path):
+    from rlhf_async.metrics import truncate_metrics
+
+    w = MetricsWriter(tmp_path / "metrics.jsonl")
+    for s in (0, 1, 2, 5):  # step 3 and 4 trained and checkpointed, never recorded
+        w.write({"step": s, "loss": 1.0, "util/gen0": 0.5})
+    w.close()
+    t = MetricsWriter(tmp_path / "trained_samples.jsonl")
+    for s in range(6):
+        t.write({"step": s, "sample_ids": [s], "version": s, "metrics": {"loss": 0.1 * s}})
+    t.close()
+    truncate_metrics(tmp_path, 5)  # resume from the checkpoint of step 5
+    recs = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [0, 1, 2, 3, 4]
+    assert recs[3] == {"step": 3, "loss": 0.30000000000000004, "restored": True}
+    assert recs[2]["util/gen0"] == 0.5  # the coordinator's own records are kept as they were
+    assert [r["step"] for r in read_metrics(tmp_path / "trained_samples.jsonl")] == list(range(5))

@@ -12,6 +12,7 @@ its checkpoint, and the weight-broadcast group is rebuilt under a new epoch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import time
 from collections import Counter
@@ -69,9 +70,11 @@ class PipelineError(RuntimeError):
 
 
 async def wait_loaded(events: EventStream, node_ids: list[str],
-                      timeout: float) -> dict[str, Loaded]:
-    """Wait until every node has loaded its models (its `loaded` event)."""
-    waiting, loaded = set(node_ids), {}
+                      timeout: float) -> tuple[dict[str, Loaded], list[NodeEvent]]:
+    """Wait until every node has loaded its models (its `loaded` event); also returns the
+    other events that came meanwhile, for the Driver (a trainer with nothing left to train
+    reports `done` before the others have loaded)."""
+    waiting, loaded, backlog = set(node_ids), {}, []
     deadline = time.monotonic() + timeout
     while waiting:
         try:
@@ -85,10 +88,16 @@ async def wait_loaded(events: EventStream, node_ids: list[str],
             assert isinstance(event, Loaded)
             loaded[ev.node_id] = event
         elif ev.kind == NodeDead.kind:
-            reason = (ev.payload or {}).get("reason") if isinstance(ev.payload, dict) else None
-            raise PipelineError(f"node {ev.node_id} died while loading: {reason} "
-                                "(see RUN_DIR/logs)")
-    return loaded
+            dead = decode_event(ev.kind, ev.payload)
+            assert isinstance(dead, NodeDead)
+            if not dead.will_restart:  # else its replacement loads and says so
+                raise PipelineError(f"node {ev.node_id} died while loading: {dead.reason}; "
+                                    "its restarts (runtime.restart_limit) are used up "
+                                    "(see RUN_DIR/logs)")
+            log.warning("node_down_while_loading", node=ev.node_id, reason=dead.reason)
+        else:
+            backlog.append(ev)
+    return loaded, backlog
 
 
 async def connect_weight_sync(coord: Coordinator, spec: GroupSpec, trainer: str,
@@ -133,7 +142,8 @@ class Driver:
 
     def __init__(self, cfg: JobConfig, coord: Coordinator, events: EventStream,
                  prompts: Channel, roles: dict[str, str], spec: GroupSpec, run_dir: Path,
-                 chunks_per_step: int, start_step: int, lineage: str) -> None:
+                 chunks_per_step: int, start_step: int, lineage: str,
+                 backlog: list[NodeEvent] | None = None) -> None:
         self.cfg, self.coord, self.events, self.chan = cfg, coord, events, prompts
         self.roles, self.spec, self.run_dir, self.chunks = roles, spec, run_dir, chunks_per_step
         self.policy = StalenessPolicy(cfg.algo.max_staleness, cfg.train.publish_every)
@@ -156,6 +166,7 @@ class Driver:
         self._tasks: set[asyncio.Future[Any]] = set()
         self._regrouping: asyncio.Future[None] | None = None
         self._want_regroup = False
+        self._backlog = list(backlog or [])  # events that came before every node loaded
         self._open_logs()
 
     def _open_logs(self) -> None:
@@ -180,12 +191,44 @@ class Driver:
             self.writer.close()
             self.progress.close()
 
+    async def finish_stopping(self, grace: float) -> None:
+        """After a stop request: no more prompts; the trainer is asked to stop, finishes
+        its step and checkpoints, and every step it reports meanwhile is still written to
+        metrics.jsonl (a checkpoint never holds a step the metrics lack)."""
+        self.dispatcher.cancel()
+        self._open_logs()
+        with contextlib.suppress(TimeoutError, RuntimeError):  # it may be gone already
+            await self.coord.command("trainer", "stop", "run stopping", timeout=2.0)
+        deadline = time.monotonic() + grace
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    ev = self._backlog.pop(0) if self._backlog else \
+                        await self.events.get(timeout=left)
+                except TimeoutError:
+                    log.warning("trainer_stop_timeout", grace_s=grace)
+                    return
+                if ev.node_id == "trainer" and ev.kind in ("exited", NodeDead.kind):
+                    return
+                if ev.kind != NodeDead.kind:  # records, weights forwarded as usual
+                    await self._handle(ev)
+        finally:
+            self.writer.close()
+
     async def _next_event(self) -> NodeEvent:
         """The next node event, or the failure of a background task that must not fail."""
+        if self._backlog:
+            return self._backlog.pop(0)
         get = asyncio.ensure_future(self.events.get())
         watched: set[asyncio.Future[Any]] = {t for t in (self.dispatcher, self._regrouping)
                                              if t is not None}
-        await asyncio.wait({get, *watched}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({get, *watched}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # a stop: an event already taken must not be lost
+            if get.done() and not get.cancelled():
+                self._backlog.insert(0, get.result())
+            get.cancel()
+            raise
         for task, what in ((self.dispatcher, "dispatching prompts"),
                            (self._regrouping, "rebuilding the weight-sync group")):
             if task is not None and task.done() and not task.cancelled() and \

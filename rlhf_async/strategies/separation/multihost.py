@@ -84,7 +84,8 @@ async def run_hosts(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Pl
         async with Transport(keys=Keyring.load(keys)) as transport, \
                 Coordinator(run_dir, launcher=launcher, control=f"tcp://{address}:{BASE_PORT - 1}",
                             keys=keys, time_to_dead=cfg.runtime.time_to_dead,
-                            restart_limit=cfg.runtime.restart_limit) as coord:
+                            restart_limit=cfg.runtime.restart_limit,
+                            stop_timeout=cfg.runtime.stop_grace_s + 5.0) as coord:
             coord.install_signal_handlers()
             push = transport.channel(Endpoint("push", prompts, bind=True, hwm=64))
             return await drive(cfg, coord, push, specs, roles, spec, gens, run_dir, start_step)

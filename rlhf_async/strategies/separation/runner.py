@@ -18,7 +18,7 @@ from rlhf_async.config import JobConfig, to_dict, weight_sync_backend
 from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.runtime import NodeSpec, run_loop
 from rlhf_async.runtime.ipc_dir import make_ipc_dir
-from rlhf_async.strategies.base import RunResult
+from rlhf_async.strategies.base import JobStopped, RunResult
 from rlhf_async.strategies.placement import Placement, ProcessPlacement
 from rlhf_async.strategies.separation.driver import (
     Driver,
@@ -64,6 +64,9 @@ def build_specs(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placem
         specs.append(NodeSpec(proc.role, proc.node_id, ENTRIES[proc.role], eps, params,
                               device=_device(cfg, proc), num_threads=cfg.placement.cpu_threads,
                               orphan_timeout_s=30.0,
+                              # the trainer finishes its step and writes its checkpoint
+                              stop_grace_s=cfg.runtime.stop_grace_s
+                              if proc.role == "trainer" else 1.0,
                               # one malloc arena per worker thread grew the trainer's RSS by
                               # ~10% in a 10-minute soak; two arenas kept it flat
                               env={"MALLOC_ARENA_MAX": "2"}))
@@ -84,7 +87,8 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
                      timeout_s=cfg.weight_sync.timeout_s)
     async with Transport() as transport, \
             Coordinator(run_dir, time_to_dead=cfg.runtime.time_to_dead,
-                        restart_limit=cfg.runtime.restart_limit) as coord:
+                        restart_limit=cfg.runtime.restart_limit,
+                        stop_timeout=cfg.runtime.stop_grace_s + 5.0) as coord:
         coord.install_signal_handlers()
         prompts = transport.channel(Endpoint("push", prompts_addr, bind=True, hwm=64))
         return await drive(cfg, coord, prompts, specs, roles, spec, gens, run_dir, start_step)
@@ -97,17 +101,18 @@ async def drive(cfg: JobConfig, coord: Coordinator, prompts: Any, specs: list[No
     group and run the Driver to the end (local and multi-host runs alike)."""
     with coord.events() as events:
         await coord.launch(specs)
-        loaded = await wait_loaded(events, list(roles), coord.ready_timeout)
+        loaded, backlog = await wait_loaded(events, list(roles), coord.ready_timeout)
         if loaded["trainer"].step != start_step:
             raise PipelineError(f"the trainer restored step {loaded['trainer'].step}, "
                                 f"expected {start_step}")
         spec = await connect_weight_sync(coord, spec, "trainer", gens)
         driver = Driver(cfg, coord, events, prompts, roles, spec, run_dir,
                         chunks_per_step(cfg, len(gens)), start_step,
-                        loaded["trainer"].lineage)
+                        loaded["trainer"].lineage, backlog)
         result = await coord.run_until_stop(driver.run())
-    if result is None:
-        raise PipelineError(f"run stopped before it finished: {coord.stop_reason}")
+        if result is None:  # stopped: the trainer finishes its step and checkpoints
+            await driver.finish_stopping(cfg.runtime.stop_grace_s)
+            raise JobStopped(coord.stop_reason)
     return result
 
 

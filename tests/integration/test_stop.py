@@ -1,0 +1,101 @@
+"""A stop (SIGTERM, or `rlhf-async stop`) in the middle of a run: the step in flight is
+finished, a checkpoint is written even with run.checkpoint_every = 0, the job exits 0
+naming the checkpoint and the resume command, and `resume` finishes the run with every
+step's metrics and samples exactly once. Resuming a finished run returns at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.timeout(300)]
+
+BASE = ["model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=20",
+        "reward_model.steps=20", "reward_model.heldout_pairs=64", "run.eval_prompts=16",
+        "train.prompts_per_step=4", "algo.group_size=2", "run.plot=false",
+        "run.checkpoint_every=0", "placement.cpu_threads=1"]
+# steps: enough that the stop (a CLI process: ~2 s to start) lands mid-run
+STRATEGIES = {"flattening": ["placement.strategy=flattening", "placement.devices=2"],
+              "interleaving": ["placement.strategy=interleaving", "placement.devices=2"],
+              "separation": ["placement.strategy=separation", "placement.devices=2"]}
+STEPS = {"flattening": 30, "interleaving": 150, "separation": 200}
+
+
+def _cli(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "rlhf_async", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_for_steps(path: Path, proc: subprocess.Popen, n: int) -> None:
+    deadline = time.monotonic() + 200
+    while len(_records(path)) < n and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+
+
+@pytest.mark.parametrize("strategy,how", [("flattening", "SIGTERM"), ("interleaving", "stop"),
+                                          ("separation", "stop")])
+def test_a_stop_checkpoints_and_resume_finishes_exactly_once(tmp_path, strategy, how):
+    run_dir = tmp_path / "r"
+    steps = STEPS[strategy]
+    over = [*BASE, *STRATEGIES[strategy], f"train.steps={steps}", "run.name=r",
+            f"run.cache_dir={json.dumps(str(tmp_path / 'c'))}",
+            f"run.output_dir={json.dumps(str(tmp_path))}"]
+    proc = _cli("run", *over, start_new_session=True)
+    _wait_for_steps(run_dir / "metrics.jsonl", proc, 3)
+    if how == "SIGTERM":
+        os.kill(proc.pid, signal.SIGTERM)
+    else:
+        stop = subprocess.run([sys.executable, "-m", "rlhf_async", "stop", "--run-dir",
+                               str(run_dir)], capture_output=True, text=True, timeout=30)
+        assert stop.returncode == 0, stop.stderr
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert "continue with: rlhf-async resume" in out, out[-2000:]
+    ckpts = sorted((run_dir / "checkpoints").glob("ckpt-*"))
+    assert ckpts, "no checkpoint on stop"
+    step = int(ckpts[-1].name.split("-")[1])
+    assert f"checkpoint of step {step}" in out
+    assert [r["step"] for r in _records(run_dir / "metrics.jsonl")] == list(range(step))
+
+    resume = _cli("resume", str(run_dir))
+    out, _ = resume.communicate(timeout=240)
+    assert resume.returncode == 0, out[-3000:]
+    assert [r["step"] for r in _records(run_dir / "metrics.jsonl")] == list(range(steps))
+    if strategy == "separation":  # the trainer's own log of what it trained
+        counts = Counter(s for r in _records(run_dir / "trained_samples.jsonl")
+                         for s in r["sample_ids"])
+        assert set(counts) == set(range(steps * 8)) and set(counts.values()) == {1}
+
+    again = _cli("resume", str(run_dir))
+    out, _ = again.communicate(timeout=60)
+    assert again.returncode == 0 and "already finished" in out, out[-2000:]
+
+
+def test_resume_of_a_run_stopped_before_its_first_checkpoint_starts_over(tmp_path):
+    from rlhf_async.config import load_config, to_dict
+    from rlhf_async.job import resume_job
+
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    cfg = load_config(None, [*BASE, "train.steps=2", "placement.devices=1",
+                             f"run.cache_dir={json.dumps(str(tmp_path / 'c'))}",
+                             f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=r"])
+    (run_dir / "config.json").write_text(json.dumps(to_dict(cfg)))
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')  # a step never checkpointed
+    assert resume_job(run_dir) == 0
+    assert [r["step"] for r in _records(run_dir / "metrics.jsonl")] == [0, 1]
+    assert (run_dir / "policy" / "model.safetensors").exists()
+    assert "final_hidden_score" in json.loads((run_dir / "summary.json").read_text())
