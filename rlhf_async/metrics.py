@@ -5,7 +5,9 @@ Metrics are data, kept apart from logs: the JSONL file is what plots and benchma
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 from pathlib import Path
 from typing import IO, Any
 
@@ -25,8 +27,16 @@ class MetricsWriter:
         self._f = self.path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(record, sort_keys=True) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(record, sort_keys=True) + "\n")
+            self._f.flush()
+        except OSError as e:  # a full disk: say where and how much is left
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            free = shutil.disk_usage(self.path.parent).free / 2**20
+            raise OSError(e.errno, f"{e.strerror} writing {self.path} ({free:.0f} MiB free "
+                                   "there); the checkpoints already written are intact",
+                          str(self.path)) from None
 
     def close(self) -> None:
         self._f.close()

@@ -19,7 +19,7 @@ from rlhf_async.job.lock import RunLockError
 from rlhf_async.job.multihost import run_multihost
 from rlhf_async.log import configure_logging
 from rlhf_async.runtime.hosts import HostsError, load_hosts
-from rlhf_async.strategies.separation.driver import PipelineError
+from rlhf_async.strategies.separation.startup import PipelineError
 from rlhf_async.wire.security import SecurityError
 
 

@@ -5,14 +5,13 @@
         reply = await coord.command("gen0", "status")
         async for event in coord.events(): ...       # app events + node_dead / node_restarted
 
-Nodes connect a DEALER (identity = node_id) to the coordinator's ROUTER. The coordinator
+Nodes connect a DEALER (identity = node_id) to the coordinator's ROUTER; the coordinator
 answers each heartbeat, so a node notices a vanished coordinator and exits by itself.
 `RUN_DIR/coordinator.json` names the control endpoint for the CLI's `status` and `stop`.
 
 Security: the control socket is an owner-only ipc file. Nodes get the coordinator's CURVE
-keys directory (`keys=`) in their spec; when a spec uses tcp and no keys were given, the
-coordinator makes a fresh set in RUN_DIR/keys, so tcp between nodes is never plaintext
-unless `insecure=True`.
+keys directory (`keys=`) in their spec; a spec using tcp without keys gets a fresh set in
+RUN_DIR/keys, so tcp between nodes is never plaintext unless `insecure=True`.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass, field, replace
@@ -44,6 +42,7 @@ from rlhf_async.control.client import (
     call_coordinator,
     read_coordinator_file,
 )
+from rlhf_async.runtime.ipc_dir import make_ipc_dir
 from rlhf_async.runtime.launcher import Launcher, LocalLauncher, NodeProcess
 from rlhf_async.runtime.spec import NodeSpec
 from rlhf_async.wire.protocol import Message
@@ -112,7 +111,7 @@ class Coordinator:
         if self.control is None:
             path = str(self.run_dir / "ctl.sock")
             if len(path) > IPC_PATH_MAX:  # a short private directory keeps control on ipc
-                self._ctl_dir = tempfile.mkdtemp(prefix="rlhf-ctl-")
+                self._ctl_dir = make_ipc_dir()  # swept if this process is SIGKILLed
                 path = os.path.join(self._ctl_dir, "ctl.sock")
             self.control = f"ipc://{path}"
         elif self.control.startswith("tcp://") and not self.insecure:

@@ -7,12 +7,16 @@ subclass `PlacementError`) carry every problem in one message for it to print.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import torch
 from transformers.utils import logging as hf_logging
@@ -27,11 +31,11 @@ from rlhf_async.ops.plotting import plot_metrics
 from rlhf_async.planning.planner import prepare_run
 from rlhf_async.progress import Phase
 from rlhf_async.rl.checkpoint import CheckpointError, list_checkpoints, load_latest
-from rlhf_async.strategies.base import JobStopped
+from rlhf_async.strategies.base import JobStopped, RunResult
 from rlhf_async.strategies.placement import Placement
 from rlhf_async.strategies.registry import STRATEGIES
 from rlhf_async.task import Task, make_task, sampling_params
-from rlhf_async.task.pretrain import load_reward, load_sft, prepare_artefacts
+from rlhf_async.task.pretrain import Artefacts, load_reward, load_sft, prepare_artefacts
 
 log = get_logger(component="job")
 EVAL_STEP = -1  # key of the evaluation sampling noise; never a training step
@@ -101,19 +105,28 @@ def _run_held(cfg: JobConfig, placement: Placement, task: Task, out: IO[str] | N
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
 
     t0 = time.perf_counter()
-    art = prepare_artefacts(cfg, task)
-    t_pre = time.perf_counter() - t0
-    reward_model = load_reward(art)
-    sft_eval = evaluate(load_sft(art.sft_dir), reward_model, task, cfg,
-                        "initial" if task.rule_reward else "sft")
-    log.info("sft policy evaluated", **sft_eval)
-
-    (run_dir / "placement.txt").write_text(placement.table() + "\n")
     try:
+        with _on_stop_signals(_stop_now):  # before RL there is nothing to checkpoint
+            art = prepare_artefacts(cfg, task)
+            t_pre = time.perf_counter() - t0
+            reward_model = load_reward(art)
+            sft_eval = evaluate(load_sft(art.sft_dir), reward_model, task, cfg,
+                                "initial" if task.rule_reward else "sft")
+        log.info("sft policy evaluated", **sft_eval)
+        (run_dir / "placement.txt").write_text(placement.table() + "\n")
+        # the strategy handles stop signals itself: step finished, checkpoint written
         result = STRATEGIES[cfg.placement.strategy].run(cfg, placement, art, run_dir,
                                                         start_step)
     except JobStopped as e:
         return _stopped(run_dir, e, out)
+    with _on_stop_signals(_finish_first):  # trained and saved: the summary takes seconds
+        return _summarize(cfg, task, out, run_dir, art, result, reward_model, sft_eval,
+                          t_start, t_pre, start_step)
+
+
+def _summarize(cfg: JobConfig, task: Task, out: IO[str] | None, run_dir: Path,
+               art: Artefacts, result: RunResult, reward_model: ScalarHeadModel | None,
+               sft_eval: dict, t_start: float, t_pre: float, start_step: int) -> dict:
     final_eval = evaluate(load_sft(result.policy_dir), reward_model, task, cfg, "final")
     log.info("final policy evaluated", **final_eval)
     if cfg.run.plot:
@@ -160,6 +173,29 @@ def format_summary(s: dict) -> str:
         f"  time: SFT+RM {s['pretrain_seconds']:.1f}s, RL {s['rl_seconds']:.1f}s "
         f"({s['rl_samples_per_s']:.3g} samples/s), total {s['wall_seconds']:.1f}s\n"
         f"  policy: {s['run_dir']}/policy   curves: {s['run_dir']}/metrics.png\n")
+
+
+def _stop_now(signum: int, _frame: object) -> None:
+    raise JobStopped(signal.Signals(signum).name)
+
+
+def _finish_first(signum: int, _frame: object) -> None:
+    log.warning("stop requested after training: writing the summary first",
+                signal=signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _on_stop_signals(handler: Any) -> Iterator[None]:
+    """SIGTERM/SIGINT outside the RL phase (whose strategy handles them itself)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def _finished(run_dir: Path) -> dict | None:

@@ -16,8 +16,8 @@ from rlhf_async.rl.checkpoint import load_latest
 from rlhf_async.runtime import run_loop
 from rlhf_async.runtime.hosts import Host
 from rlhf_async.strategies.placement import Placement
-from rlhf_async.strategies.separation.driver import PipelineError
 from rlhf_async.strategies.separation.multihost import run_hosts
+from rlhf_async.strategies.separation.startup import PipelineError
 from rlhf_async.task import make_task
 from rlhf_async.task.pretrain import prepare_artefacts
 

@@ -38,6 +38,11 @@ class JobStopped(Exception):
         self.reason = reason
 
 
+class RankFailed(RuntimeError):
+    """A rank process of a lock-step run raised; the message is its error's last line (the
+    whole traceback is in that rank's stderr)."""
+
+
 @dataclass(frozen=True)
 class Strategy:
     name: str

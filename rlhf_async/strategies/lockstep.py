@@ -39,7 +39,7 @@ from rlhf_async.rl.checkpoint import (
     save_checkpoint,
 )
 from rlhf_async.rl.learner import Learner
-from rlhf_async.strategies.base import JobStopped, RunResult
+from rlhf_async.strategies.base import JobStopped, RankFailed, RunResult
 from rlhf_async.task import Task, make_task, sampling_params
 from rlhf_async.task.pretrain import Artefacts, load_critic, load_sft
 
@@ -236,6 +236,10 @@ def run_ranks(cfg: JobConfig, art: Artefacts, run_dir: Path, start_step: int,
                         for p in ctx.processes:
                             p.kill()
                         raise KeyboardInterrupt(stop.reason)
+            except mp.ProcessRaisedException as e:  # one line for the user, not a traceback
+                lines = [x for x in str(e).strip().splitlines() if x.strip()]
+                raise RankFailed(f"rank {e.error_index} failed: "
+                                 f"{lines[-1] if lines else e}") from None
             finally:
                 _children.clear()
     if stop.event.is_set():

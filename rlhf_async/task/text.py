@@ -80,11 +80,16 @@ def heldout_split(prompts: list[str]) -> tuple[list[int], list[int]]:
 def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
+    msg = f"model.path: no usable tokenizer in {path!r} (the text task needs one"
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError) as e:
-        msg = f"model.path: no usable tokenizer in {path!r} (the text task needs one) ({e})"
-        raise ConfigError([msg]) from None
+        raise ConfigError([f"{msg}) ({e})"]) from None
+    if not tok("a b c 1 2 3")["input_ids"]:  # no tokenizer files: transformers builds an
+        # empty one from the model's config silently, and every prompt becomes no tokens
+        raise ConfigError([f"{msg}: tokenizer.json or the vocabulary files of its "
+                           "tokenizer class; it has none)"])
+    return tok
 
 
 class TextTask:

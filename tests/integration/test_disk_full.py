@@ -12,7 +12,7 @@ import pytest
 from rlhf_async import job
 from rlhf_async.config import load_config
 from rlhf_async.rl.checkpoint import load_latest
-from rlhf_async.strategies.separation.driver import PipelineError
+from rlhf_async.strategies.separation.startup import PipelineError
 
 pytestmark = [pytest.mark.timeout(300)]
 SITE = """\

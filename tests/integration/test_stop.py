@@ -99,3 +99,20 @@ def test_resume_of_a_run_stopped_before_its_first_checkpoint_starts_over(tmp_pat
     assert [r["step"] for r in _records(run_dir / "metrics.jsonl")] == [0, 1]
     assert (run_dir / "policy" / "model.safetensors").exists()
     assert "final_hidden_score" in json.loads((run_dir / "summary.json").read_text())
+
+
+def test_a_stop_before_rl_exits_0_and_resume_starts_at_step_0(tmp_path):
+    run_dir = tmp_path / "r"
+    over = [*BASE, "placement.devices=1", "train.steps=3", "sft.steps=100000", "run.name=r",
+            f"run.cache_dir={json.dumps(str(tmp_path / 'c'))}",
+            f"run.output_dir={json.dumps(str(tmp_path))}"]
+    proc = _cli("run", *over)
+    deadline = time.monotonic() + 60
+    while not (run_dir / "config.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # in SFT now
+    os.kill(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out[-2000:]
+    assert "no checkpoint yet (resume starts at step 0)" in out, out[-2000:]
+    assert not (run_dir / "metrics.jsonl").exists()

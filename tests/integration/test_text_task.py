@@ -12,7 +12,7 @@ import pytest
 from rlhf_async import job
 from rlhf_async.config import load_config
 from rlhf_async.metrics import read_metrics
-from rlhf_async.strategies.separation.driver import PipelineError
+from rlhf_async.strategies.separation.startup import PipelineError
 from rlhf_async.task.text import heldout_split
 from tests.text_model import make_text_model
 

@@ -49,3 +49,20 @@ def test_truncating_for_a_resume_restores_a_record_the_coordinator_never_wrote(t
     assert recs[3] == {"step": 3, "loss": 0.30000000000000004, "restored": True}
     assert recs[2]["util/gen0"] == 0.5  # the coordinator's own records are kept as they were
     assert [r["step"] for r in read_metrics(tmp_path / "trained_samples.jsonl")] == list(range(5))
+
+
+def test_a_full_disk_while_writing_metrics_names_the_file_and_the_free_space(tmp_path):
+    import errno
+
+    import pytest
+
+    class Full:
+        def write(self, _):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    w = MetricsWriter(tmp_path / "metrics.jsonl")
+    w._f.close()
+    w._f = Full()  # type: ignore[assignment]
+    with pytest.raises(OSError, match=r"No space left on device writing .*metrics.jsonl "
+                       r"\(\d+ MiB free there\)"):
+        w.write({"step": 0})

@@ -1,7 +1,8 @@
 """The Separation pipeline: generator, scorer and trainer nodes joined by ZeroMQ queues.
 
 `wire` turns prompt chunks and rollout batches into protocol messages, `stage` measures
-each node's busy and idle time, `driver` is the coordinator's side (dispatch under the
+each node's busy and idle time, `events` the typed control messages, `startup` brings the
+nodes and the weight-sync group up, `driver` is the coordinator's side (dispatch under the
 staleness gate, weight-version bookkeeping, metrics), `runner` builds the node specs and
 runs them, `strategy` is the preset and checks behind `placement.strategy = separation`.
 """

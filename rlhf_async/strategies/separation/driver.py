@@ -42,12 +42,11 @@ from rlhf_async.strategies.separation.events import (
     Trained,
     UpdateWeights,
     WeightsApplied,
-    WeightSyncConnect,
     WeightSyncFailed,
-    WeightSyncPrepare,
     decode_event,
     encode,
 )
+from rlhf_async.strategies.separation.startup import PipelineError, command, connect_weight_sync
 from rlhf_async.strategies.separation.wire import ChunkId, prompts_message
 from rlhf_async.task import make_task
 from rlhf_async.weight_sync import GroupSpec
@@ -63,72 +62,6 @@ class ChunkState(enum.StrEnum):
     DISPATCHED = "dispatched"  # sent to the generators' queue
     GENERATED = "generated"  # rollouts on their way to (or at) a scorer
     SCORED = "scored"  # scored rollouts on their way to (or at) the trainer
-
-
-class PipelineError(RuntimeError):
-    """The pipeline cannot go on (a node died too often, the weight broadcast failed)."""
-
-
-async def wait_loaded(events: EventStream, node_ids: list[str],
-                      timeout: float) -> tuple[dict[str, Loaded], list[NodeEvent]]:
-    """Wait until every node has loaded its models (its `loaded` event); also returns the
-    other events that came meanwhile, for the Driver (a trainer with nothing left to train
-    reports `done` before the others have loaded)."""
-    waiting, loaded, backlog = set(node_ids), {}, []
-    deadline = time.monotonic() + timeout
-    while waiting:
-        try:
-            ev = await events.get(timeout=max(0.01, deadline - time.monotonic()))
-        except TimeoutError:
-            raise PipelineError(f"nodes did not load their models within {timeout:.0f}s: "
-                                f"{sorted(waiting)} (see RUN_DIR/logs)") from None
-        if ev.kind == Loaded.kind:
-            waiting.discard(ev.node_id)
-            event = decode_event(ev.kind, ev.payload)
-            assert isinstance(event, Loaded)
-            loaded[ev.node_id] = event
-        elif ev.kind == NodeDead.kind:
-            dead = decode_event(ev.kind, ev.payload)
-            assert isinstance(dead, NodeDead)
-            if not dead.will_restart:  # else its replacement loads and says so
-                raise PipelineError(f"node {ev.node_id} died while loading: {dead.reason}; "
-                                    "its restarts (runtime.restart_limit) are used up "
-                                    "(see RUN_DIR/logs)")
-            log.warning("node_down_while_loading", node=ev.node_id, reason=dead.reason)
-        else:
-            backlog.append(ev)
-    return loaded, backlog
-
-
-async def connect_weight_sync(coord: Coordinator, spec: GroupSpec, trainer: str,
-                              generators: list[str]) -> GroupSpec:
-    """Build (or rebuild, under `spec.epoch`) the trainer -> generators broadcast group.
-    The generators start joining before the trainer does; every step is bounded."""
-    spec = GroupSpec(spec.backend, spec.master_addr, 0, 1 + len(generators), spec.name,
-                     spec.epoch, spec.timeout_s, (trainer, *generators))
-    try:
-        prepare = WeightSyncPrepare(spec.to_dict())
-        spec = GroupSpec.from_dict(await coord.command(trainer, prepare.kind, encode(prepare)))
-    except (TimeoutError, RuntimeError) as e:  # the trainer died or is restarting
-        raise PipelineError(f"weight-sync group {spec.group_name}: {e}") from None
-    limit = spec.timeout_s + 10
-    joins = [asyncio.ensure_future(_command(coord, g, WeightSyncConnect(spec.to_dict(), r),
-                                            limit)) for r, g in enumerate(generators, start=1)]
-    await asyncio.sleep(0)  # let the generators' join commands go out first
-    try:
-        await asyncio.gather(_command(coord, trainer, WeightSyncConnect(spec.to_dict()), limit),
-                             *joins)
-    except (TimeoutError, RuntimeError) as e:
-        for j in joins:
-            j.cancel()
-        raise PipelineError(f"weight-sync group {spec.group_name}: {e}") from None
-    log.info("weight_sync_connected", group=spec.group_name, world=spec.world_size)
-    return spec
-
-
-async def _command(coord: Coordinator, node: str, cmd: WeightSyncConnect | UpdateWeights,
-                   timeout: float) -> Any:
-    return await coord.command(node, cmd.kind, encode(cmd), timeout)
 
 
 class Driver:
@@ -407,7 +340,7 @@ class Driver:
 
     async def _forward(self, gen: str, update: UpdateWeights) -> None:
         try:
-            await _command(self.coord, gen, update, 30.0)
+            await command(self.coord, gen, update, 30.0)
         except (TimeoutError, RuntimeError) as e:  # a death is reported on its own
             log.warning("weights_not_forwarded", node=gen, error=str(e))
 

@@ -19,8 +19,8 @@ from rlhf_async.runtime import NodeSpec
 from rlhf_async.runtime.hosts import Host, device_map
 from rlhf_async.runtime.remote import RemoteLauncher
 from rlhf_async.strategies.placement import Placement
-from rlhf_async.strategies.separation.driver import PipelineError
 from rlhf_async.strategies.separation.runner import build_specs, drive
+from rlhf_async.strategies.separation.startup import PipelineError
 from rlhf_async.task.pretrain import Artefacts
 from rlhf_async.weight_sync import GroupSpec
 from rlhf_async.wire.security import Keyring

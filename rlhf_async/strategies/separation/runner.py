@@ -20,8 +20,8 @@ from rlhf_async.runtime import NodeSpec, run_loop
 from rlhf_async.runtime.ipc_dir import make_ipc_dir
 from rlhf_async.strategies.base import JobStopped, RunResult
 from rlhf_async.strategies.placement import Placement, ProcessPlacement
-from rlhf_async.strategies.separation.driver import (
-    Driver,
+from rlhf_async.strategies.separation.driver import Driver
+from rlhf_async.strategies.separation.startup import (
     PipelineError,
     connect_weight_sync,
     wait_loaded,

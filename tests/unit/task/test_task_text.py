@@ -223,3 +223,15 @@ def test_a_reward_that_never_returns_or_exits_is_one_error_naming_it(files, tmp_
         err = capsys.readouterr().err
         assert rc == 2 and f"task.reward: {files / 'rewards.py'}:{fn} {want}" in err, err
         assert "Traceback" not in err
+
+
+def test_a_model_directory_without_a_tokenizer_is_one_clear_error(files, tmp_path):
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(files / "model", bare)
+    for f in bare.iterdir():
+        if "token" in f.name or f.name == "special_tokens_map.json":
+            f.unlink()
+    with pytest.raises(ConfigError, match="model.path: no usable tokenizer in .*bare"):
+        make_task(cfg_for(files, f"model.path={json.dumps(str(bare))}"))
