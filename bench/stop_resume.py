@@ -2,8 +2,9 @@
 
     .venv/bin/python bench/stop_resume.py [--runs 20] [--seed 0]
 
-Run i uses Flattening, Interleaving or Separation in turn; at a random moment (from the
-first seconds, SFT included, to late in RL) it is stopped by SIGTERM or `rlhf-async stop`
+Run i uses Flattening, Interleaving or Separation in turn; at a random moment after the
+job has started (0-12 s after it wrote its run directory: SFT included, to late in RL,
+or after the end) it is stopped by SIGTERM or `rlhf-async stop`
 (alternately), once, and `rlhf-async resume` is run until the run has finished. A run passes when both commands exit 0, the stop printed
 the resume command, and at the end metrics.jsonl holds every step exactly once and (under
 Separation) the trainer's log holds every sample exactly once. Prints one line a run and
@@ -48,6 +49,9 @@ def one(i: int, strategy: str, how: str, delay: float, root: Path) -> dict:
     proc = _cli("run", *BASE, f"placement.strategy={strategy}", f"run.name=r{i}",
                 f"run.output_dir={json.dumps(str(root))}",
                 f"run.cache_dir={json.dumps(str(root / 'cache'))}")
+    deadline = time.monotonic() + 120  # the moment counts from the job's start
+    while not (run_dir / "config.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
     time.sleep(delay)
     stopped_at = len(_steps(run_dir / "metrics.jsonl"))
     if proc.poll() is None:
@@ -89,7 +93,7 @@ def main() -> int:
         for i in range(args.runs):
             strategy = STRATEGIES[i % len(STRATEGIES)]
             how = "SIGTERM" if i % 2 == 0 else "stop"
-            row = one(i, strategy, how, rng.uniform(2.0, 14.0), Path(d))
+            row = one(i, strategy, how, rng.uniform(0.0, 12.0), Path(d))
             rows.append(row)
             print(f"run {i:2d} {strategy:12s} {how:7s} after {row['delay_s']:5.2f}s "
                   f"(step {row['steps_at_stop']:2d}), resumes {row['resumes']}: "

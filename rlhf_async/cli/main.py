@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -110,7 +111,14 @@ def _cmd_prepare_smollm2(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interrupted(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
+    # until a job installs its own handling (finish the step, checkpoint), SIGTERM is Ctrl-C
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupted)
     args = _build_parser().parse_args(argv)
     handlers = {"run": _cmd_run, "plan": _cmd_plan, "resume": _cmd_resume, "demo": _cmd_demo,
                 "status": _cmd_status, "stop": _cmd_stop, "version": _cmd_version,
@@ -125,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         return _error(args.command, e, EXIT_ERROR)
     except KeyboardInterrupt:
+        print(f"rlhf-async {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 

@@ -154,8 +154,7 @@ class Coordinator:
             loop.add_signal_handler(sig, self._on_signal, signal.Signals(sig).name)
 
     def _on_signal(self, name: str) -> None:
-        if self.stop_requested.is_set():
-            self.log.warning("stop_forced", signal=name)
+        if self.stop_requested.is_set():  # a second signal
             self._force.set()
         self.request_stop(name)
 
@@ -253,8 +252,10 @@ class Coordinator:
                            meta={"name": "stop", "payload": "coordinator shutdown"})
             with contextlib.suppress(TimeoutError):
                 await self._router.send(stop, to=n.spec.node_id.encode(), timeout=0.1)
+        # a stop request grants the grace (the trainer checkpoints); a failed run's may not
+        grace = self.stop_timeout if self.stop_requested.is_set() else min(self.stop_timeout, 5.0)
         for action in ("terminate", "kill"):
-            deadline = time.monotonic() + self.stop_timeout
+            deadline = time.monotonic() + grace
             while alive and time.monotonic() < deadline and not self._force.is_set():
                 alive = [n for n in alive if n.process.poll() is None]
                 await asyncio.sleep(0.02)
@@ -262,7 +263,7 @@ class Coordinator:
                 self.log.warning("node_" + action, node=n.spec.node_id, pid=n.process.pid)
                 getattr(n.process, action)()
         for n in alive:
-            await n.process.wait(timeout=self.stop_timeout)
+            await n.process.wait(timeout=grace)
         self.log.info("coordinator_stopped", reason=self.stop_reason)
 
     # commands and events

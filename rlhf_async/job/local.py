@@ -65,9 +65,11 @@ def _run_dir(cfg: JobConfig) -> Path:
     return Path(cfg.run.output_dir) / name
 
 
-def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None) -> dict:
+def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None,
+        own_process: bool = False) -> dict:
     """Run the whole job for a validated config; returns the summary (also summary.json).
-    With `run_dir`, continue that run from its newest good checkpoint."""
+    With `run_dir`, continue that run from its newest good checkpoint. `own_process`: the
+    caller (the CLI) exits when this returns, so a stop signal after training is ignored."""
     hf_logging.disable_progress_bar()
     cfg, placement = prepare_run(cfg)  # auto resolved; every problem before any work
     if cfg.placement.device == "cpu":
@@ -75,11 +77,11 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None)
     task = make_task(cfg)  # a bad prompts file or reward function stops the run here
     # one job per run directory, held before anything is written there (job/lock.py)
     with hold_run_dir(_run_dir(cfg) if run_dir is None else run_dir) as held:
-        return _run_held(cfg, placement, task, out, held, resume=run_dir is not None)
+        return _run_held(cfg, placement, task, out, held, run_dir is not None, own_process)
 
 
 def _run_held(cfg: JobConfig, placement: Placement, task: Task, out: IO[str] | None,
-              run_dir: Path, resume: bool) -> dict:
+              run_dir: Path, resume: bool, own_process: bool) -> dict:
     t_start = time.perf_counter()
     start_step = 0
     if not resume:  # a fresh run
@@ -119,7 +121,9 @@ def _run_held(cfg: JobConfig, placement: Placement, task: Task, out: IO[str] | N
                                                         start_step)
     except JobStopped as e:
         return _stopped(run_dir, e, out)
-    with _on_stop_signals(_finish_first):  # trained and saved: the summary takes seconds
+    # trained and saved: the summary takes seconds, and a stop now changes nothing (in
+    # the CLI's process the handler stays until it exits: the job is done)
+    with _on_stop_signals(_finish_first, restore=not own_process):
         return _summarize(cfg, task, out, run_dir, art, result, reward_model, sft_eval,
                           t_start, t_pre, start_step)
 
@@ -185,7 +189,7 @@ def _finish_first(signum: int, _frame: object) -> None:
 
 
 @contextlib.contextmanager
-def _on_stop_signals(handler: Any) -> Iterator[None]:
+def _on_stop_signals(handler: Any, restore: bool = True) -> Iterator[None]:
     """SIGTERM/SIGINT outside the RL phase (whose strategy handles them itself)."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -194,7 +198,7 @@ def _on_stop_signals(handler: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        for s, h in old.items():
+        for s, h in old.items() if restore else ():
             signal.signal(s, h)
 
 
@@ -248,7 +252,7 @@ def resume_job(run_dir: str | Path) -> int:
         raise CheckpointError(f"{run_dir} is not a run directory (no config.json)") from None
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read {run_dir / 'config.json'}: {e}") from None
-    run(config_from_dict(data), sys.stdout, run_dir=run_dir)
+    run(config_from_dict(data), sys.stdout, run_dir=run_dir, own_process=True)
     return 0
 
 
@@ -257,5 +261,5 @@ def run_job(config_path: str | None, overrides: list[str], base_dir: str | None 
     else the working directory) and run the job; 0 on success. Raises ConfigError (one
     message listing every problem) for bad configuration."""
     cfg = load_config(config_path, overrides, base_dir=base_dir)
-    run(cfg, sys.stdout)
+    run(cfg, sys.stdout, own_process=True)
     return 0

@@ -62,6 +62,20 @@ def _loopback_listener(port: int) -> int:
     return sock.detach()
 
 
+def _gloo_devices(spec: GroupSpec) -> list[Any]:
+    """Loopback for a single-host group; else GLOO_SOCKET_IFNAME's interfaces when set (as
+    torch's own constructor does; clusters and the multi-host test name theirs), else the
+    address the host name resolves to."""
+    from torch.distributed import ProcessGroupGloo
+
+    if is_loopback(spec):
+        return [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+    if names:
+        return [ProcessGroupGloo.create_device(interface=n) for n in names]
+    return [ProcessGroupGloo.create_default_device()]
+
+
 def open_store(spec: GroupSpec, *, is_master: bool, who: str) -> TCPStore:
     """The TCPStore of the rendezvous: hosted by the sender, joined by receivers. A
     loopback `master_addr` (single-host runs) keeps it off the machine's other interfaces;
@@ -146,8 +160,7 @@ class BroadcastGroup:
             gloo._timeout = self.timeout
             # by default gloo listens on the address the host name resolves to (a LAN one
             # on most machines); a single-host group stays on loopback
-            gloo._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")
-                             if is_loopback(spec) else ProcessGroupGloo.create_default_device()]
+            gloo._devices = _gloo_devices(spec)
             return ProcessGroupGloo(store, self.rank, spec.world_size, gloo)
         except (RuntimeError, ImportError) as exc:
             raise WeightSyncError(

@@ -11,7 +11,7 @@ from rlhf_async.job import run, run_job
 from rlhf_async.strategies.placement import PlacementError
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [0, 2])
 def test_default_recipe_improves_hidden_score_without_collapse(tmp_path, seed):
     """The default recipe, shortened (half the reward-model steps, 60 RL steps), on two
     seeds of their own: better than SFT on held-out prompts, and no collapse after a peak."""
@@ -27,7 +27,7 @@ def test_default_recipe_improves_hidden_score_without_collapse(tmp_path, seed):
     assert s["rm_accuracy"] > 0.75 and s["eval_prompts"] == 256 and len(curve) == 60
     assert (tmp_path / "short" / "metrics.png").exists()
     assert (tmp_path / "short" / "summary.json").exists()
-    if seed == 1:  # a second run reuses the cached SFT and reward model
+    if seed == 0:  # a second run reuses the cached SFT and reward model
         s2 = run(load_config(None, [f"run.cache_dir={tmp_path / 'cache'}", "run.plot=false",
                                     f"run.output_dir={tmp_path}", "run.name=again",
                                     "reward_model.steps=600", "train.steps=1",

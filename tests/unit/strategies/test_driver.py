@@ -65,14 +65,15 @@ class Prompts:
 
 
 class Harness:
-    def __init__(self, tmp_path, staleness: int = 0, steps: int = 3) -> None:
+    def __init__(self, tmp_path, staleness: int = 0, steps: int = 3,
+                 backlog: list[NodeEvent] | None = None) -> None:
         cfg = load_config(None, [f"train.steps={steps}", "train.prompts_per_step=4",
                                  f"algo.max_staleness={staleness}", "run.progress=false",
                                  "runtime.restart_limit=2"])
         self.coord, self.events, self.prompts = FakeCoord(), Events(), Prompts()
         spec = GroupSpec("gloo", "127.0.0.1", 0, 3, timeout_s=5)
         self.driver = Driver(cfg, self.coord, self.events, self.prompts, ROLES,  # type: ignore[arg-type]
-                             spec, tmp_path, 2, 0, LINEAGE)
+                             spec, tmp_path, 2, 0, LINEAGE, backlog)
         self.task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -211,3 +212,13 @@ def test_a_node_failure_or_a_full_disk_stops_the_run_naming_it(tmp_path, monkeyp
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(MetricsWriter, "write", write)
     asyncio.run(full_disk())
+
+
+def test_events_that_came_before_every_node_loaded_are_handled_first(tmp_path):
+    """A trainer with nothing left to train says `done` before the others have loaded; the
+    wait for `loaded` hands that event on instead of dropping it (resume used to hang)."""
+    async def main() -> None:
+        early = [NodeEvent("trainer", "done", encode(Done("/p", 1)))]
+        h = Harness(tmp_path, steps=1, backlog=early)
+        assert await asyncio.wait_for(h.driver.run(), 5) == {"policy_dir": "/p", "steps": 1}
+    asyncio.run(main())
