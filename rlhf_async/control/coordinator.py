@@ -266,7 +266,6 @@ class Coordinator:
             await n.process.wait(timeout=grace)
         self.log.info("coordinator_stopped", reason=self.stop_reason)
 
-    # commands and events
     async def command(self, node_id: str, kind: str, payload: Any = None,
                       timeout: float = 10.0) -> Any:
         """Invoke the node's `kind` handler; returns its reply or raises CommandError."""
