@@ -1,5 +1,3 @@
-import sys
+from rlhf_async.cli.main import entry
 
-from rlhf_async.cli.main import main
-
-sys.exit(main())
+entry()

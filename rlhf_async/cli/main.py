@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -135,6 +136,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"rlhf-async {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def entry() -> NoReturn:
+    """The process's entry (the console script, `python -m rlhf_async`): the command, its
+    output flushed, then an immediate exit. Python's own shutdown puts back the default
+    SIGTERM action, so a stop landing in it would kill a finished run (rc -15); nothing is
+    left to do there: the job has released its lock and reaped its processes."""
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(rc)
 
 
 def _error(command: str, e: Exception, code: int) -> int:

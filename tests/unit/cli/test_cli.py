@@ -32,6 +32,29 @@ def test_bad_subcommand_in_a_real_process_has_no_traceback():
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
+_STOP_IN_SHUTDOWN = """
+import os, signal, sys, time
+from rlhf_async.cli.main import entry
+
+class StopInShutdown:  # a module global: its __del__ runs in Python's own shutdown
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.3)
+
+stop = StopInShutdown()
+sys.argv = ["rlhf-async", "version"]
+entry()
+"""
+
+
+def test_a_stop_after_the_command_returned_does_not_kill_the_process():
+    """A SIGTERM that lands in Python's shutdown (after a finished run's summary) killed
+    the process with rc -15: the entry exits as soon as the command's output is out."""
+    p = subprocess.run([sys.executable, "-c", _STOP_IN_SHUTDOWN], capture_output=True,
+                       text=True, timeout=60)
+    assert (p.returncode, p.stdout) == (0, f"rlhf-async {__version__}\n"), p.stderr
+
+
 def test_version(capsys):
     assert main(["version"]) == 0
     assert capsys.readouterr().out.strip() == f"rlhf-async {__version__}"
