@@ -126,12 +126,15 @@ class SortDigitsTask:
     def candidate(self, rng: random.Random, prompt: list[int]) -> list[int]:
         """Response tokens from a broad family where content and order vary independently:
         some digits replaced / dropped / added, then sorted and shuffled by k random swaps;
-        a few run on without EOS (as a drifting policy does)."""
+        a few run on without EOS and a few stop at once or after one digit (as a drifting
+        policy does: a reward model that never saw an empty answer may score it highest)."""
         digits = list(prompt)
         n, r = len(digits), rng.random()
         if r < 0.08:
             return [FIRST_DIGIT + rng.randrange(self.cfg.num_digits)
                     for _ in range(self.response_len)]
+        if r < 0.14:
+            return self.answer_tokens(rng.sample(digits, rng.randint(0, 1)))
         if r < 0.35:
             for i in rng.sample(range(n), rng.randint(1, n)):
                 digits[i] = rng.randrange(self.cfg.num_digits)

@@ -74,3 +74,20 @@ def test_cache_keys_follow_the_config_that_shapes_each_stage():
     assert stage_key(base, "sft") != stage_key(sft_changed, "sft")
     assert stage_key(base, "rm") != stage_key(sft_changed, "rm")
     assert stage_key(base, "rm") == stage_key(rl_changed, "rm")
+
+
+def test_preference_pairs_cover_what_a_drifting_policy_says():
+    """The reward model sees empty and one-digit answers (hidden score 0) beside the rest:
+    one that never saw them scored an empty answer highest, and PPO on seed 5 learned to
+    answer nothing (final hidden score 0.47 after a peak of 0.61)."""
+    task = SortDigitsTask(TaskConfig())
+    _, chosen, rejected = task.preference_pairs(5, "rm", 0, 2000, 0.05)
+    lengths = [r.index(EOS) if EOS in r else -1 for r in chosen + rejected]
+    short = sum(n in (0, 1) for n in lengths) / len(lengths)
+    assert 0.03 < short < 0.10, short
+    assert 0.03 < lengths.count(-1) / len(lengths) < 0.12  # no EOS: runs on
+    # a short answer loses to a full one far more often than not
+    wins = [len(c) > len(r) for c, r in zip(chosen, rejected, strict=True)
+            if min(c.index(EOS) if EOS in c else 9, r.index(EOS) if EOS in r else 9) <= 1
+            and EOS in c and EOS in r]
+    assert sum(wins) / len(wins) > 0.8
