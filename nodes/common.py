@@ -10,6 +10,7 @@ from transformers.utils import logging as hf_logging
 
 from rlhf_async.config import JobConfig, config_from_dict
 from rlhf_async.modeling.generation import SamplingParams
+from rlhf_async.modeling.precision import Precision, check_device
 from rlhf_async.runtime import Node
 from rlhf_async.strategies.separation.wire import ChunkFormatError
 from rlhf_async.task import make_task, sampling_params
@@ -23,6 +24,7 @@ class NodeContext:
     art: Artefacts
     device: torch.device
     sampling: SamplingParams
+    precision: Precision  # each model's dtype, from the placement
 
 
 def load_context(node: Node) -> NodeContext:
@@ -33,7 +35,9 @@ def load_context(node: Node) -> NodeContext:
     device = torch.device(node.spec.device if node.spec.device.startswith("cuda") else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    return NodeContext(cfg, art, device, sampling_params(cfg, make_task(cfg)))
+    precision = Precision(p.get("precision", {}))
+    check_device(precision, device)
+    return NodeContext(cfg, art, device, sampling_params(cfg, make_task(cfg)), precision)
 
 
 def message_errors() -> tuple[type[Exception], ...]:

@@ -102,7 +102,9 @@ async def main(node: Node) -> None:
 def _engine(job: NodeContext) -> GenerationBackend:
     """The generation engine over the SFT policy (version 0); torch serves a loaded copy."""
     kind = job.cfg.generation.backend
-    actor = load_sft(job.art.sft_dir).to(job.device) if kind == "torch" else None
+    shadow = job.precision
+    actor = shadow.hold("shadow_actor", load_sft(job.art.sft_dir).to(job.device)) \
+        if kind == "torch" else None
     return make_generation_backend(kind, str(job.art.sft_dir), job.sampling,
                                    sync_backend=weight_sync_backend(job.cfg), device=job.device,
-                                   actor=actor)
+                                   actor=actor, dtype=shadow.dtype("shadow_actor"))

@@ -52,6 +52,6 @@ async def main(node: Node) -> None:
 
 def _models(job: NodeContext) -> tuple[ScalarHeadModel | None, torch.nn.Module]:
     """(reward model, or None when the task's rule reward replaces it; reference)."""
-    rm = load_reward(job.art)
-    return (None if rm is None else frozen_copy(rm).to(job.device),
-            frozen_copy(load_sft(job.art.sft_dir)).to(job.device))
+    rm, hold = load_reward(job.art), job.precision.hold
+    return (None if rm is None else hold("reward", frozen_copy(rm).to(job.device)),
+            hold("reference", frozen_copy(load_sft(job.art.sft_dir)).to(job.device)))

@@ -146,7 +146,7 @@ def _learner(job: NodeContext) -> Learner:
     critic = load_critic(job.cfg, job.art)
     critic = critic.to(job.device) if critic is not None else None
     return Learner(actor, critic, job.cfg.algo, job.cfg.train, job.cfg.run.seed,
-                   job.cfg.generation.temperature)
+                   job.cfg.generation.temperature, job.precision)
 
 
 def _accept(node: Node, msg: Message, batches: BatchAssembler, policy: StalenessPolicy,

@@ -44,6 +44,9 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="dotted config overrides, e.g. algo.name=grpo train.lr=1e-4")
     run.add_argument("--log-level", default="warning",
                      choices=("debug", "info", "warning", "error"))
+    run.add_argument("--dry-run", action="store_true",
+                     help="validate and place, print the processes that would run; start "
+                          "nothing")
     run.add_argument("--base-dir", default=None, metavar="DIR",
                      help="relative paths in the config start here, not in the working "
                           "directory (the daemon passes the submitter's)")
@@ -191,7 +194,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config:  # `run key=value` without a config file
         config, overrides = None, [config, *overrides]
-    return _job_errors(lambda: run_job(config, overrides, args.base_dir))
+    return _job_errors(lambda: run_job(config, overrides, args.base_dir, args.dry_run))
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

@@ -143,6 +143,9 @@ class TrainConfig:
     zero_stage: int = opt(2, "DeepSpeed ZeRO stage (train.backend = deepspeed)",
                           choices=(1, 2, 3))
     grad_accum: int = opt(1, "micro-batches per minibatch (gradient accumulation)", ge=1)
+    gradient_checkpointing: bool = opt(False, "recompute actor and critic activations in "
+                                       "the backward pass instead of keeping them (less "
+                                       "memory, ~30% more compute)")
 
 
 @dataclass

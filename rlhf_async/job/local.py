@@ -256,10 +256,24 @@ def resume_job(run_dir: str | Path) -> int:
     return 0
 
 
-def run_job(config_path: str | None, overrides: list[str], base_dir: str | None = None) -> int:
+def run_job(config_path: str | None, overrides: list[str], base_dir: str | None = None,
+            dry_run: bool = False) -> int:
     """Load the config (TOML file and/or dotted overrides; relative paths from `base_dir`,
     else the working directory) and run the job; 0 on success. Raises ConfigError (one
-    message listing every problem) for bad configuration."""
+    message listing every problem) for bad configuration. `dry_run`: validate and place,
+    print the processes that would run, start nothing and write nothing."""
     cfg = load_config(config_path, overrides, base_dir=base_dir)
+    if dry_run:
+        sys.stdout.write(dry_run_report(cfg))
+        return 0
     run(cfg, sys.stdout, own_process=True)
     return 0
+
+
+def dry_run_report(cfg: JobConfig) -> str:
+    """Every check `run` makes before it starts (config, placement, what the runner
+    executes, the task's inputs), then the placement it would run, as text."""
+    cfg, placement = prepare_run(cfg)
+    make_task(cfg)
+    return (f"{placement.table()}\n\nrun directory: {_run_dir(cfg)}\n"
+            "dry run: every check passed; nothing was started or written\n")

@@ -23,19 +23,28 @@ from rlhf_async.modeling.models import (
     response_logits,
     response_values,
 )
+from rlhf_async.modeling.precision import FP32, Precision
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl import algorithms as A
 
 
 class Learner:
     """Training copies of actor (+ critic for PPO), each owned by a training backend
-    (`train.backend`: torch AdamW, or DeepSpeed ZeRO) that holds its optimizer."""
+    (`train.backend`: torch AdamW, or DeepSpeed ZeRO) that holds its optimizer. Master
+    weights stay fp32; forwards compute in each model's `precision` (bf16: autocast)."""
 
     def __init__(self, actor: nn.Module, critic: ScalarHeadModel | None, algo: AlgoConfig,
-                 train: TrainConfig, seed: int, temperature: float = 1.0) -> None:
+                 train: TrainConfig, seed: int, temperature: float = 1.0,
+                 precision: Precision = FP32) -> None:
         if algo.name == "ppo" and critic is None:
             raise ValueError("PPO needs a critic")
         self.algo, self.train, self.seed, self.temperature = algo, train, seed, temperature
+        self.precision = precision
+        self.device = next(actor.parameters()).device
+        if train.gradient_checkpointing:  # activations recomputed in backward, not kept
+            _checkpoint_activations(actor)
+            if critic is not None:
+                _checkpoint_activations(critic.trunk)
         self.version = 0
         self.kl_coef = algo.kl_coef  # moved by the adaptive controller when kl_target > 0
         self.actor_backend = self._backend(actor, train.lr)
@@ -51,6 +60,16 @@ class Learner:
         return make_training_backend(t.backend, module, lr=lr, weight_decay=t.weight_decay,
                                      grad_clip=t.grad_clip, zero_stage=t.zero_stage,
                                      grad_accum=t.grad_accum)
+
+    def _actor_logits(self, *args: Tensor) -> Tensor:
+        with self.precision.compute("actor", self.device):
+            return response_logits(self.actor_backend.model, *args).float()
+
+    def _critic_values(self, *args: Tensor) -> Tensor:
+        assert self.critic_backend is not None
+        critic_fwd: Any = self.critic_backend.model  # the engine wraps a ScalarHeadModel
+        with self.precision.compute("critic", self.device):
+            return response_values(critic_fwd, *args).float()
 
     def backends(self) -> dict[str, TrainingBackend]:
         out = {"actor": self.actor_backend}
@@ -120,7 +139,7 @@ class Learner:
         mb = b.select(idx)
         m = mb.response_mask.float()
         args = (mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask)
-        logits = response_logits(self.actor_backend.model, *args)  # [b, R, V]
+        logits = self._actor_logits(*args)  # [b, R, V]
         lp = A.gather_logprobs(logits, mb.response_ids, self.temperature)
         if fill_old:
             old_lp[idx] = lp.detach() * m
@@ -140,8 +159,7 @@ class Learner:
             stats["kl_loss"] = kl_loss.detach()
         if self.critic_backend is not None:
             assert old_v is not None and ret is not None
-            critic_fwd: Any = self.critic_backend.model  # the engine wraps a ScalarHeadModel
-            v = response_values(critic_fwd, *args)
+            v = self._critic_values(*args)
             vl = A.value_loss(v, old_v[idx], ret[idx], m, algo.value_clip, n_tokens)
             stats["value_loss"] = vl.detach()
             return loss, algo.vf_coef * vl, stats
@@ -184,12 +202,10 @@ class Learner:
         reuse = self._reuses_logprobs()
         with torch.no_grad():
             old_lp = m.new_zeros(m.shape) if reuse else A.gather_logprobs(
-                response_logits(self.actor_backend.model, *args), b.response_ids,
-                self.temperature) * m
+                self._actor_logits(*args), b.response_ids, self.temperature) * m
             old_v = None
-            if self.critic_backend is not None:  # the engine wraps a ScalarHeadModel
-                critic_fwd: Any = self.critic_backend.model
-                old_v = response_values(critic_fwd, *args) * m
+            if self.critic_backend is not None:
+                old_v = self._critic_values(*args) * m
         adv, ret, kl = self._advantages(b, None if reuse else old_lp, old_v)
         sums: dict[str, Tensor] = {}
         grad_norms: dict[str, float] = {}
@@ -238,3 +254,18 @@ class Learner:
                     for i, k in enumerate(sums)})
         out["samples"] = float(vec[-1])
         return out
+
+
+def _checkpoint_activations(model: nn.Module) -> None:
+    """`train.gradient_checkpointing` for an HF model (non-reentrant: works with frozen
+    inputs and under autocast). transformers 5 renamed it activation checkpointing."""
+    kwargs = {"use_reentrant": False}
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"train.gradient_checkpointing: {type(model).__name__} does not "
+                         "support it; set train.gradient_checkpointing = false")
+    new = getattr(model, "activation_checkpointing_enable", None)
+    if new is not None:
+        new(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(  # type: ignore[operator]  # HF's, checked above
+            gradient_checkpointing_kwargs=kwargs)

@@ -14,6 +14,7 @@ from torch import nn
 
 from rlhf_async.config import JobConfig, PlacementConfig
 from rlhf_async.modeling.models import frozen_copy
+from rlhf_async.modeling.precision import Precision
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl.scoring import score
 from rlhf_async.strategies.base import Overrides, RunResult, Strategy
@@ -55,12 +56,12 @@ def runner_problems(cfg: JobConfig, p: Placement) -> list[str]:
 
 
 def full_scorer(cfg: JobConfig, art: Artefacts, task: Task, actor: nn.Module, rank: int,
-                world: int, device: torch.device) -> Scorer:
+                world: int, device: torch.device, precision: Precision) -> Scorer:
     """Every rank scores its own rows with its own reward model (or the task's rule reward)
-    and reference (a frozen copy of the SFT actor)."""
-    reference = frozen_copy(actor)
+    and reference (a frozen copy of the SFT actor), each held in its dtype."""
+    reference = precision.hold("reference", frozen_copy(actor))
     rm = load_reward(art)
-    reward_model = None if rm is None else frozen_copy(rm).to(device)
+    reward_model = None if rm is None else precision.hold("reward", frozen_copy(rm).to(device))
 
     def scorer(batch: RolloutBatch) -> RolloutBatch:
         return score(reward_model, reference, batch, cfg.generation.temperature,
@@ -70,7 +71,8 @@ def full_scorer(cfg: JobConfig, art: Artefacts, task: Task, actor: nn.Module, ra
 
 def run(cfg: JobConfig, placement: Placement, art: Artefacts, run_dir: Path,
         start_step: int = 0) -> RunResult:
-    return run_ranks(cfg, art, run_dir, start_step, full_scorer, "flattening")
+    return run_ranks(cfg, art, run_dir, start_step, full_scorer, "flattening",
+                     placement.precision())
 
 
 STRATEGY = Strategy(

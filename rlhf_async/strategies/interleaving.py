@@ -20,7 +20,6 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,6 +32,7 @@ from rlhf_async.modeling.models import (
     response_logits,
     sequence_scores,
 )
+from rlhf_async.modeling.precision import Precision
 from rlhf_async.modeling.rollout import RolloutBatch, split_bounds
 from rlhf_async.rl import algorithms as A
 from rlhf_async.strategies.base import Overrides, RunResult, Strategy
@@ -48,26 +48,22 @@ from rlhf_async.strategies.placement import (
 from rlhf_async.task import Task
 from rlhf_async.task.pretrain import Artefacts, load_reward
 
-M = TypeVar("M", bound=nn.Module)
 HiddenScore = Callable[[Tensor, Tensor, Tensor], Tensor]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GATHERED = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
 
 @dataclass(frozen=True)
 class Owners:
-    """Ranks that hold each frozen model (sorted), and its dtype."""
+    """Ranks that hold each frozen model (sorted)."""
 
     reference: tuple[int, ...]
     reward: tuple[int, ...]
-    reference_dtype: str = "fp32"
-    reward_dtype: str = "fp32"
 
     @classmethod
     def of(cls, p: Placement) -> Owners:
         ref, rw = p.model("reference"), p.model("reward")
         assert ref is not None and rw is not None  # validate() guarantees both
-        return cls(ref.devices, rw.devices, ref.dtype, rw.dtype)
+        return cls(ref.devices, rw.devices)
 
 
 def share(n: int, owners: tuple[int, ...], rank: int) -> slice:
@@ -109,7 +105,8 @@ def score_interleaved(batch: RolloutBatch, sizes: list[int], reward_model: Scala
     cols = {"prompt_ids": (0, P), "prompt_mask": (P, 2 * P),
             "response_ids": (2 * P, 2 * P + R), "response_mask": (2 * P + R, 2 * P + 2 * R)}
     n = full.shape[0]
-    both = torch.zeros((n, 1 + R), dtype=torch.float32)  # [N, 1 + R]: reward | ref log-probs
+    # [N, 1 + R]: reward | ref log-probs, on the rows' device (NCCL reduces device tensors)
+    both = torch.zeros((n, 1 + R), dtype=torch.float32, device=full.device)
     rows = share(n, owners.reward, rank)
     if reward_model is not None and rows.stop > rows.start:
         args = [full[rows, a:b] for a, b in cols.values()]
@@ -132,10 +129,6 @@ def score_interleaved(batch: RolloutBatch, sizes: list[int], reward_model: Scala
                          ref_logprobs=both[mine, 1:].contiguous(), hidden_scores=hidden)
 
 
-def _frozen(model: M, dtype: str) -> M:
-    return frozen_copy(model).to(DTYPES[dtype])  # type: ignore[return-value]  # same class
-
-
 @dataclass(frozen=True)
 class InterleavedScorer:
     """Builds a rank's scorer: it loads only the frozen models it owns (a rank without a
@@ -144,11 +137,13 @@ class InterleavedScorer:
     owners: Owners
 
     def __call__(self, cfg: JobConfig, art: Artefacts, task: Task, actor: nn.Module,
-                 rank: int, world: int, device: torch.device) -> Scorer:
+                 rank: int, world: int, device: torch.device, precision: Precision) -> Scorer:
         o = self.owners
-        reference = _frozen(actor, o.reference_dtype) if rank in o.reference else None
+        reference = precision.hold("reference", frozen_copy(actor)) \
+            if rank in o.reference else None
         trained_rm = load_reward(art) if rank in o.reward else None  # None: a rule reward
-        reward_model = _frozen(trained_rm, o.reward_dtype) if trained_rm is not None else None
+        reward_model = precision.hold("reward", frozen_copy(trained_rm).to(device)) \
+            if trained_rm is not None else None
         G = cfg.algo.group_size
         sizes = shard_sizes(cfg.train.prompts_per_step * G, world, G)
 
@@ -198,8 +193,8 @@ def placement_problems(cfg: PlacementConfig, p: Placement) -> list[str]:
 
 
 def runner_problems(cfg: JobConfig, p: Placement) -> list[str]:
-    """Frozen models may run in bf16/fp16 here; one replica per device of a group."""
-    problems = engine_problems(p, fp32_only=("actor", "critic"))
+    """One replica per device of a group."""
+    problems = engine_problems(p)
     if cfg.placement.device != "cpu":
         problems.append("placement.device: this build runs interleaving on cpu only")
     if cfg.train.prompts_per_step < cfg.placement.devices:
@@ -212,7 +207,7 @@ def run(cfg: JobConfig, placement: Placement, art: Artefacts, run_dir: Path,
         start_step: int = 0) -> RunResult:
     """The RL phase over `placement.devices` (>= 2) rank processes from `start_step`."""
     return run_ranks(cfg, art, run_dir, start_step, InterleavedScorer(Owners.of(placement)),
-                     "interleaving")
+                     "interleaving", placement.precision())
 
 
 STRATEGY = Strategy(

@@ -30,6 +30,7 @@ from rlhf_async.log import get_logger
 from rlhf_async.metrics import MetricsWriter, Progress
 from rlhf_async.modeling.generation import generate
 from rlhf_async.modeling.models import save_policy
+from rlhf_async.modeling.precision import Precision, check_device
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl.checkpoint import (
     CheckpointError,
@@ -45,9 +46,9 @@ from rlhf_async.task.pretrain import Artefacts, load_critic, load_sft
 
 log = get_logger(component="lockstep")
 Scorer = Callable[[RolloutBatch], RolloutBatch]
-# (cfg, artefacts, task, SFT actor, rank, world, device) -> this rank's scorer
-ScorerFactory = Callable[[JobConfig, Artefacts, Task, nn.Module, int, int, torch.device],
-                         Scorer]
+# (cfg, artefacts, task, SFT actor, rank, world, device, precision) -> this rank's scorer
+ScorerFactory = Callable[[JobConfig, Artefacts, Task, nn.Module, int, int, torch.device,
+                          Precision], Scorer]
 
 
 def device_of(cfg: JobConfig, rank: int) -> torch.device:
@@ -82,16 +83,18 @@ class StopRequest:
 
 def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: int,
               start_step: int, make_scorer: ScorerFactory, strategy: str,
-              stop: StopRequest | None = None) -> bool:
+              precision: Precision, stop: StopRequest | None = None) -> bool:
     """The hot loop; identical on every rank except what it holds and who writes files.
     True when it ran to the end, False when it stopped on request (checkpoint written)."""
     device = device_of(cfg, rank)
+    check_device(precision, device)
     task = make_task(cfg)
     actor = load_sft(art.sft_dir).to(device)  # type: ignore[arg-type]  # HF's .to overloads
-    scorer = make_scorer(cfg, art, task, actor, rank, world, device)  # before training
+    # before training: the reference is a copy of the SFT actor
+    scorer = make_scorer(cfg, art, task, actor, rank, world, device, precision)
     critic = load_critic(cfg, art)
     learner = Learner(actor, critic.to(device) if critic is not None else None, cfg.algo,
-                      cfg.train, cfg.run.seed, cfg.generation.temperature)
+                      cfg.train, cfg.run.seed, cfg.generation.temperature, precision)
     if start_step:  # every rank restores the same checkpoint
         ck = load_latest(run_dir / "checkpoints", map_location=device)
         if ck is None or ck.step != start_step:
@@ -104,7 +107,8 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
         prompts = task.prompt_batch(seed, "train", step, cfg.train.prompts_per_step, G)
         mine = prompts.split(G, world)[rank].to(device)  # [B/world, P], whole groups
         t0 = time.perf_counter()
-        batch = generate(actor, mine, params, seed, step, learner.version)
+        with precision.compute("actor", device):
+            batch = generate(actor, mine, params, seed, step, learner.version)
         t1 = time.perf_counter()
         batch = scorer(batch)
         t2 = time.perf_counter()
@@ -168,7 +172,7 @@ def _finish(cfg: JobConfig, learner: Learner, run_dir: Path,
 
 def _worker(rank: int, world: int, port: int, cfg: JobConfig, art: Artefacts, run_dir: Path,
             start_step: int, make_scorer: ScorerFactory, strategy: str,
-            stop: StopRequest) -> None:
+            precision: Precision, stop: StopRequest) -> None:
     # the job's process handles SIGINT/SIGTERM (they reach the whole process group) and
     # tells every rank through `stop`, so all ranks stop after the same step
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -177,7 +181,8 @@ def _worker(rank: int, world: int, port: int, cfg: JobConfig, art: Artefacts, ru
     hf_logging.disable_progress_bar()
     backend = "nccl" if cfg.placement.device == "cuda" else "gloo"
     with rank_group(backend, port, rank, world):
-        rank_loop(cfg, art, run_dir, rank, world, start_step, make_scorer, strategy, stop)
+        rank_loop(cfg, art, run_dir, rank, world, start_step, make_scorer, strategy,
+                  precision, stop)
     exit_rank()
 
 
@@ -213,21 +218,24 @@ _children: list[object] = []  # rank processes of the running job (empty: in-pro
 
 
 def run_ranks(cfg: JobConfig, art: Artefacts, run_dir: Path, start_step: int,
-              make_scorer: ScorerFactory, strategy: str) -> RunResult:
+              make_scorer: ScorerFactory, strategy: str, precision: Precision) -> RunResult:
     """The RL phase over `placement.devices` rank processes (in-process when 1), from
-    `start_step` (restored from that step's checkpoint). `make_scorer` must pickle (a
-    module-level function or a frozen dataclass): it travels to every rank. A stop request
-    ends it after the current step with a checkpoint: JobStopped."""
+    `start_step` (restored from that step's checkpoint), each model in its `precision`.
+    `make_scorer` must pickle (a module-level function or a frozen dataclass): it travels
+    to every rank. A stop request ends it after the current step with a checkpoint:
+    JobStopped."""
     world = cfg.placement.devices
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = StopRequest()
     t0 = time.perf_counter()
     with _signals_stop(stop) as forced:
         if world == 1:
-            rank_loop(cfg, art, run_dir, 0, 1, start_step, make_scorer, strategy, stop)
+            rank_loop(cfg, art, run_dir, 0, 1, start_step, make_scorer, strategy, precision,
+                      stop)
         else:
             ctx = mp.start_processes(_worker, args=(world, free_port(), cfg, art, run_dir,
-                                                    start_step, make_scorer, strategy, stop),
+                                                    start_step, make_scorer, strategy,
+                                                    precision, stop),
                                      nprocs=world, join=False, start_method="spawn")
             _children[:] = ctx.processes
             try:

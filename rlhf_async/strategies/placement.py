@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from rlhf_async.config import ConfigError, PlacementConfig
+from rlhf_async.modeling.precision import Precision, dtype_problems
 from rlhf_async.runtime.hosts import HostsError, device_map, load_hosts
 
 TRAIN, INFER = "train", "infer"
@@ -67,6 +68,10 @@ class Placement:
 
     def model(self, name: str) -> ModelPlacement | None:
         return next((m for m in self.models if m.model == name), None)
+
+    def precision(self) -> Precision:
+        """Each model's dtype, as the runners apply it (modeling/precision.py)."""
+        return Precision({m.model: m.dtype for m in self.models})
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -241,12 +246,11 @@ def with_engines(p: Placement, train: str, generate: str) -> Placement:
     return replace(p, models=tuple(replace(m, backend=engine(m)) for m in p.models))
 
 
-def engine_problems(p: Placement, fp32_only: Sequence[str] = MODELS,
-                    one_replica_per_device: bool = True) -> list[str]:
+def engine_problems(p: Placement, one_replica_per_device: bool = True) -> list[str]:
     """What this build's runners cannot execute (the plan itself may be valid): tensor
     parallelism, a per-model engine other than the one the job configures for all training
     copies (`train.backend`) or generators (`generation.backend`; run `with_engines`
-    first), a dtype other than fp32 for the models in `fp32_only`, and (when the runner
+    first), a dtype the device cannot run (modeling/precision.py), and (when the runner
     keeps one copy per device) replica counts that differ from that."""
     out = []
     for m in p.models:
@@ -263,9 +267,7 @@ def engine_problems(p: Placement, fp32_only: Sequence[str] = MODELS,
         if m.runtime == TRAIN and len(set(trained)) > 1:
             out.append(f"placement.backend: {m.model}={m.backend}; actor and critic train "
                        "with one engine (train.backend)")
-        if m.dtype != "fp32" and m.model in fp32_only:
-            out.append(f"placement.dtype: {m.model}={m.dtype} is run only for the frozen "
-                       "reward/reference models under interleaving; use fp32")
+        out += dtype_problems(p.device_kind, m.model, m.dtype)
         default_reps = len(m.devices) // m.tensor_parallel
         if one_replica_per_device and m.replicas != default_reps:
             out.append(f"placement.replicas: {m.model}={m.replicas}; under {p.strategy} a "

@@ -10,14 +10,17 @@ from rlhf_async.config import ConfigError, load_config
 from rlhf_async.job import run, run_job
 from rlhf_async.strategies.placement import PlacementError
 
+SHORT = ["reward_model.steps=600", "train.steps=60", "run.progress=false"]
+BF16 = 'placement.dtype=["actor=bf16","critic=bf16","reward=bf16","reference=bf16",' \
+    '"shadow_actor=bf16"]'
+
 
 @pytest.mark.parametrize("seed", [0, 2])
-def test_default_recipe_improves_hidden_score_without_collapse(tmp_path, seed):
+def test_default_recipe_improves_hidden_score_without_collapse(tmp_path, seed, cache):
     """The default recipe, shortened (half the reward-model steps, 60 RL steps), on two
     seeds of their own: better than SFT on held-out prompts, and no collapse after a peak."""
-    cfg = load_config(None, [f"run.cache_dir={tmp_path / 'cache'}", f"run.seed={seed}",
-                             f"run.output_dir={tmp_path}", "run.name=short",
-                             "reward_model.steps=600", "train.steps=60", "run.progress=false"])
+    cfg = load_config(None, [f"run.cache_dir={cache}", f"run.seed={seed}",
+                             f"run.output_dir={tmp_path}", "run.name=short", *SHORT])
     s = run(cfg)
     assert s["final_hidden_score"] > s["sft_hidden_score"] + 0.08, s
     curve = [json.loads(x)["hidden_score"] for x in
@@ -28,11 +31,25 @@ def test_default_recipe_improves_hidden_score_without_collapse(tmp_path, seed):
     assert (tmp_path / "short" / "metrics.png").exists()
     assert (tmp_path / "short" / "summary.json").exists()
     if seed == 0:  # a second run reuses the cached SFT and reward model
-        s2 = run(load_config(None, [f"run.cache_dir={tmp_path / 'cache'}", "run.plot=false",
+        s2 = run(load_config(None, [f"run.cache_dir={cache}", "run.plot=false",
                                     f"run.output_dir={tmp_path}", "run.name=again",
                                     "reward_model.steps=600", "train.steps=1",
                                     f"run.seed={seed}", "run.progress=false"]))
         assert s2["pretrain_seconds"] < 2.0 and s2["rm_accuracy"] == s["rm_accuracy"]
+
+
+def test_bf16_separation_learns(tmp_path, cache):
+    """Every model in bf16 under Separation on CPU (frozen reward and reference and the
+    shadow actor held in bf16, actor and critic trained under bf16 autocast over fp32
+    master weights), the shortened recipe of seed 0: it learns as fp32 does."""
+    s = run(load_config(None, [f"run.cache_dir={cache}", "run.seed=0", "run.plot=false",
+                               f"run.output_dir={tmp_path}", "run.name=bf16", *SHORT,
+                               "placement.strategy=separation", "placement.devices=2",
+                               BF16]))
+    assert s["final_hidden_score"] > s["sft_hidden_score"] + 0.08, s
+    assert "bf16" in (tmp_path / "bf16" / "placement.txt").read_text()
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16" / "policy")
+    assert {p.dtype for p in policy.parameters()} == {torch.float32}  # fp32 master weights
 
 
 def test_user_hf_model_from_local_directory_trains(tmp_path, capsys):

@@ -49,6 +49,7 @@ def build_specs(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placem
     params = {"config": to_dict(cfg), "sft_dir": str(art.sft_dir),
               "rm_dir": "" if art.rm_dir is None else str(art.rm_dir),
               "policy_dir": str(run_dir / "policy"),
+              "precision": placement.precision().to_dict(),
               "checkpoint_dir": str(run_dir / "checkpoints")}
     endpoints = {
         "trainer": {"scored": Endpoint("pull", scored, bind=True, hwm=hwm)},

@@ -115,9 +115,9 @@ def test_each_strategy_reports_what_its_runner_cannot_do():
     assert any("generation.backend: vllm runs in generator processes" in p for p in problems)
     inter = JobConfig(train=TrainConfig(prompts_per_step=2),
                       placement=PlacementConfig(strategy="interleaving", devices=4,
-                                                device="cuda", dtype=["actor=bf16"]))
+                                                device="cuda", dtype=["actor=fp16"]))
     problems = runner_problems(inter, plan_placement(inter.placement, "ppo"))
-    for needle in ("actor=bf16 is run only for the frozen", "interleaving on cpu only",
+    for needle in ("actor=fp16 trains only with loss scaling", "interleaving on cpu only",
                    "2 prompts cannot be shared by 4 devices"):
         assert any(needle in p for p in problems), (needle, problems)
     sep = JobConfig(placement=PlacementConfig(strategy="separation", devices=3, actor=[0, 1],

@@ -41,7 +41,8 @@ def runner_problems(cfg: JobConfig, p: Placement) -> list[str]:
 
 def run(cfg: JobConfig, placement: Placement, art: Artefacts, run_dir: Path,
         start_step: int = 0) -> RunResult:
-    return run_ranks(cfg, art, run_dir, start_step, full_scorer, "solo")
+    return run_ranks(cfg, art, run_dir, start_step, full_scorer, "solo",
+                     placement.precision())
 
 
 STRATEGY = Strategy(name="solo", summary="everything in one process on device 0",
