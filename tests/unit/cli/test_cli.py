@@ -111,3 +111,24 @@ def test_unanswered_coordinator_times_out(tmp_path, capsys):
         json.dumps({"control": "ipc:///tmp/rlhf-nobody-listens", "pid": os.getpid()}))
     assert main(["status", "--run-dir", str(tmp_path), "--timeout", "0.3"]) == 1
     assert "did not answer in 0.3s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("strategy", ["flattening", "separation"])
+def test_dry_run_places_cuda_defaults_and_writes_nothing(strategy, tmp_path, capsys):
+    """No GPU here: the cuda defaults (bf16 everywhere) validate and place; nothing starts."""
+    rc = main(["run", "--dry-run", "placement.device=cuda", "placement.devices=8",
+               f"placement.strategy={strategy}", f"run.output_dir={tmp_path / 'runs'}",
+               "run.name=dry"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "nothing was started or written" in out
+    assert f"run directory: {tmp_path / 'runs' / 'dry'}" in out
+    assert out.count("bf16") >= 4 and "cuda:7" in out
+    assert not (tmp_path / "runs").exists()
+
+
+def test_dry_run_reports_what_the_runner_refuses(tmp_path, capsys):
+    rc = main(["run", "--dry-run", "placement.dtype=[\"actor=fp16\"]",
+               f"run.output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "actor=fp16 trains only with loss scaling" in err
+    assert not any(tmp_path.iterdir())
