@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     name = f"chaos-{int(time.time())}"
     cfg = load_config(None, [
         "placement.strategy=separation", "placement.devices=3", "placement.generators=2",
-        "algo.max_staleness=1", "run.checkpoint_every=1", f"train.steps={steps}",
+        "placement.scorers=1", "algo.max_staleness=1", "run.checkpoint_every=1", f"train.steps={steps}",
         f"runtime.restart_limit={args.kills}", "runtime.time_to_dead=5",
         "weight_sync.timeout_s=10", "run.output_dir=runs/bench-chaos", f"run.name={name}",
         "run.plot=false", "run.progress=false", *args.overrides])

@@ -180,8 +180,10 @@ class PlacementConfig:
     reward: list[int] = opt([], "explicit device ids for the reward model")  # noqa: RUF009
     reference: list[int] = opt([], "explicit device ids for the reference model")  # noqa: RUF009
     generator: list[int] = opt([], "explicit device ids for generator shadows (separation)")  # noqa: RUF009
-    generators: int = opt(1, "generator replicas (separation)", ge=1)
-    scorers: int = opt(1, "scorer replicas, each holding reward + reference (separation)", ge=1)
+    generators: int = opt(0, "generator replicas (separation); 0 = one per device of the "
+                          "generator group", ge=0)
+    scorers: int = opt(0, "scorer replicas, each holding reward + reference (separation); "
+                       "0 = one per device of the scorer group", ge=0)
     replicas: list[str] = opt([], "per-model data-parallel replicas, e.g. ['reward=2']")  # noqa: RUF009
     tensor_parallel: list[str] = opt([], "per-model tensor-parallel size, e.g. ['actor=2']")  # noqa: RUF009
     backend: list[str] = opt([], "per-model runtime backend, e.g. ['shadow_actor=vllm'] "  # noqa: RUF009

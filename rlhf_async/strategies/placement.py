@@ -80,7 +80,7 @@ class Placement:
         kind = self.device_kind
         head = f"strategy {self.strategy} on {self.num_devices} {kind} device(s)"
         procs = _columns([("node", "role", "runtime", "devices", "models")] + [
-            (p.node_id, p.role, p.runtime, ",".join(f"{kind}:{d}" for d in p.devices),
+            (p.node_id, p.role, p.runtime, f"{kind}:{ranges(p.devices)}",
              ", ".join(p.models)) for p in self.processes])
         models = _columns([("model", "runtime", "devices", "replicas", "tp", "backend",
                             "dtype")] + [

@@ -20,6 +20,7 @@ TINY = ["model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=30",
         "reward_model.steps=30", "reward_model.heldout_pairs=64", "run.eval_prompts=16",
         "train.prompts_per_step=8", "algo.group_size=2", "run.plot=false", "run.progress=false",
         "placement.strategy=separation", "placement.devices=3", "placement.generators=2",
+        "placement.scorers=1",
         "algo.max_staleness=1", "run.checkpoint_every=1", "runtime.restart_limit=8",
         "runtime.time_to_dead=5", "weight_sync.timeout_s=10"]
 

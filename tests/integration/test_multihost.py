@@ -27,7 +27,8 @@ TINY = ["model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=30",
         "reward_model.steps=30", "reward_model.heldout_pairs=64", "run.eval_prompts=16",
         "train.prompts_per_step=8", "algo.group_size=2", "run.plot=false",
         "run.checkpoint_every=1", "placement.cpu_threads=1", "placement.strategy=separation",
-        "placement.devices=3", "runtime.time_to_dead=3", "runtime.restart_limit=0",
+        "placement.devices=3", "placement.generator=[1]", "runtime.time_to_dead=3",
+        "runtime.restart_limit=0",
         "train.steps=30"]
 
 

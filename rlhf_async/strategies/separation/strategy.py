@@ -13,6 +13,7 @@ from rlhf_async.strategies.placement import (
     ProcessPlacement,
     engine_problems,
     model_placement,
+    ranges,
 )
 from rlhf_async.strategies.separation.runner import run
 
@@ -28,7 +29,8 @@ def preset(cfg: PlacementConfig, algo: str, over: Overrides) -> Placement:
     """Trainer (actor + critic) apart from the inference side: shadow actors and scorers.
 
     Defaults: the trainer on device 0, generators on the other devices, scorers sharing the
-    generators' devices (scoring is one forward pass, generation many).
+    generators' devices (scoring is one forward pass, generation many); one generator and
+    one scorer process per device of its group, so every device works.
     """
     n = cfg.devices
     rest = list(range(1, n)) or [0]
@@ -36,17 +38,25 @@ def preset(cfg: PlacementConfig, algo: str, over: Overrides) -> Placement:
     generator = cfg.generator or rest
     scorer = cfg.reward or cfg.reference or generator
     train_models = ("actor", "critic") if algo == "ppo" else ("actor",)
-    gens = int(over.get("shadow_actor", {}).get("replicas", cfg.generators))  # type: ignore[call-overload]  # parse_overrides made it an int
+    gens = int(over.get("shadow_actor", {}).get(  # type: ignore[call-overload]  # an int
+        "replicas", cfg.generators or _per_device(generator, over, "shadow_actor")))
+    scorers = cfg.scorers or _per_device(scorer, over, "reward")
     procs = [ProcessPlacement("trainer", "trainer", train_models, tuple(trainer), TRAIN)]
     procs += [ProcessPlacement(f"gen{i}", "generator", ("shadow_actor",), d, INFER)
               for i, d in enumerate(_spread(generator, gens))]
     procs += [ProcessPlacement(f"scorer{i}", "scorer", ("reward", "reference"), d, INFER)
-              for i, d in enumerate(_spread(scorer, cfg.scorers))]
+              for i, d in enumerate(_spread(scorer, scorers))]
     models = [model_placement(cfg, m, trainer, TRAIN, over) for m in train_models]
     models.append(model_placement(cfg, "shadow_actor", sorted(set(generator)), INFER, over, gens))
-    models += [model_placement(cfg, m, sorted(set(scorer)), INFER, over, cfg.scorers)
+    models += [model_placement(cfg, m, sorted(set(scorer)), INFER, over, scorers)
                for m in ("reward", "reference")]
     return Placement("separation", cfg.device, n, tuple(procs), tuple(models))
+
+
+def _per_device(devices: list[int], over: Overrides, model: str) -> int:
+    """Replicas when none are asked for: one per device, or per tensor-parallel group."""
+    tp = int(over.get(model, {}).get("tensor_parallel", 1))  # type: ignore[call-overload]
+    return max(1, len(set(devices)) // tp)
 
 
 def placement_problems(cfg: PlacementConfig, p: Placement) -> list[str]:
@@ -68,11 +78,22 @@ def placement_problems(cfg: PlacementConfig, p: Placement) -> list[str]:
 
 
 def runner_problems(cfg: JobConfig, p: Placement) -> list[str]:
-    """Any replica count per model; the trainer is one process on one device for now."""
+    """Any replica count per model, but a generator or scorer process runs on one GPU (no
+    tensor parallelism in this build's engines): one that the plan gives several would
+    leave all but the first idle, which is refused, not done (CPU slots are not pinned:
+    processes there share the cores). The trainer is one process on one device for now."""
     out = engine_problems(p, one_replica_per_device=False)
     if len(cfg.placement.actor) > 1:
         out.append(f"placement.actor: the separation trainer is one process on one device "
                    f"for now, got {cfg.placement.actor}")
+    key = {"generator": "placement.generators", "scorer": "placement.scorers"}
+    for q in p.processes:
+        if q.role in key and len(q.devices) > 1 and p.device_kind == "cuda":
+            group = sorted({d for x in p.by_role(q.role) for d in x.devices})
+            out.append(f"{key[q.role]}: {q.node_id} is given devices {ranges(q.devices)} but "
+                       f"a {q.role} process runs on one; use {key[q.role]} = {len(group)} "
+                       f"(one per device, the default: 0) for devices {ranges(tuple(group))}")
+            break
     return out
 
 

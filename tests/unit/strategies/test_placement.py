@@ -20,6 +20,27 @@ def test_separation_defaults_keep_training_apart():
     assert "trainer" in p.table() and "cpu:0" in p.table()
 
 
+def test_separation_uses_every_device_by_default_and_refuses_idle_gpus():
+    """One generator and one scorer per device of their group: all 8 GPUs work. A plan
+    that gives a process several GPUs (it would use the first) is refused, not run."""
+    cfg = JobConfig(placement=PlacementConfig(strategy="separation", device="cuda",
+                                              devices=8))
+    p = plan_placement(cfg.placement, "ppo")
+    used = {d for q in p.processes for d in q.devices}
+    assert used == set(range(8)) and all(len(q.devices) == 1 for q in p.processes)
+    assert len(p.by_role("generator")) == 7 and len(p.by_role("scorer")) == 7
+    assert p.model("shadow_actor").replicas == 7 and "cuda:1-7" not in p.table()
+    assert runner_problems(cfg, p) == []
+    few = JobConfig(placement=PlacementConfig(strategy="separation", device="cuda",
+                                              devices=8, generators=2))
+    problems = runner_problems(few, plan_placement(few.placement, "ppo"))
+    assert any("placement.generators: gen0 is given devices 1,3,5,7 but a generator "
+               "process runs on one; use placement.generators = 7" in x for x in problems)
+    on_cpu = JobConfig(placement=PlacementConfig(strategy="separation", devices=8,
+                                                 generators=2))  # CPU slots are shared
+    assert runner_problems(on_cpu, plan_placement(on_cpu.placement, "ppo")) == []
+
+
 def test_grpo_trains_no_critic_and_flattening_puts_everything_everywhere():
     p = plan_placement(PlacementConfig(strategy="separation", devices=2), "grpo")
     assert p.by_role("trainer")[0].models == ("actor",)
