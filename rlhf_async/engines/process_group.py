@@ -21,14 +21,60 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
+from rlhf_async.config import ConfigError
 from rlhf_async.wire.transport import free_tcp_port as free_port  # the parent picks it
 
-__all__ = ["exit_rank", "free_port", "rank_group"]
+__all__ = ["Launch", "env_group", "exit_rank", "free_port", "launched", "rank_group"]
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """This process as one rank of a job a launcher started (torchrun, srun + env)."""
+
+    rank: int
+    world: int
+    local_rank: int
+
+
+def launched() -> Launch | None:
+    """The rank torchrun (or an srun script exporting the same variables) gave this
+    process: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK (default 0); None when
+    they are not all set. A malformed value is a ConfigError naming the variable."""
+    env = os.environ
+    if not all(env.get(k) for k in LAUNCH_ENV):
+        return None
+    values = {}
+    for key, default in (("RANK", None), ("WORLD_SIZE", None), ("LOCAL_RANK", "0")):
+        raw = env.get(key, default) or ""
+        if not raw.isdigit():
+            raise ConfigError([f"launcher environment: {key}={raw!r} is not a "
+                               "non-negative integer"])
+        values[key] = int(raw)
+    if not values["RANK"] < values["WORLD_SIZE"]:
+        raise ConfigError([f"launcher environment: RANK={values['RANK']} is not below "
+                           f"WORLD_SIZE={values['WORLD_SIZE']}"])
+    return Launch(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"])
+
+
+@contextlib.contextmanager
+def env_group(backend: str, launch: Launch) -> Iterator[None]:
+    """The launcher's rendezvous (env://: MASTER_ADDR, MASTER_PORT); NCCL on the GPU that
+    LOCAL_RANK names; destroyed on the way out."""
+    if backend == "nccl":
+        torch.cuda.set_device(launch.local_rank)
+    dist.init_process_group(backend, init_method="env://", rank=launch.rank,
+                            world_size=launch.world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @contextlib.contextmanager

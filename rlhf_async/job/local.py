@@ -22,6 +22,8 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from rlhf_async.config import ConfigError, JobConfig, config_from_dict, load_config, to_dict
+from rlhf_async.engines.process_group import env_group, launched
+from rlhf_async.job.launched import Share, adopt_world, follow, leading, lock_step_only
 from rlhf_async.job.lock import hold_run_dir
 from rlhf_async.log import get_logger
 from rlhf_async.metrics import truncate_metrics
@@ -69,19 +71,48 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None,
         own_process: bool = False) -> dict:
     """Run the whole job for a validated config; returns the summary (also summary.json).
     With `run_dir`, continue that run from its newest good checkpoint. `own_process`: the
-    caller (the CLI) exits when this returns, so a stop signal after training is ignored."""
+    caller (the CLI) exits when this returns, so a stop signal after training is ignored.
+    Started by a launcher (torchrun, srun: RANK, WORLD_SIZE, ... set), this process is one
+    rank of a lock-step job (job/launched.py)."""
     hf_logging.disable_progress_bar()
+    launch = launched()
+    if launch is not None:
+        cfg = adopt_world(cfg, launch)
     cfg, placement = prepare_run(cfg)  # auto resolved; every problem before any work
     if cfg.placement.device == "cpu":
         torch.set_num_threads(cfg.placement.cpu_threads)
     task = make_task(cfg)  # a bad prompts file or reward function stops the run here
-    # one job per run directory, held before anything is written there (job/lock.py)
-    with hold_run_dir(_run_dir(cfg) if run_dir is None else run_dir) as held:
-        return _run_held(cfg, placement, task, out, held, run_dir is not None, own_process)
+    target = _run_dir(cfg) if run_dir is None else run_dir
+    if launch is None:
+        # one job per run directory, held before anything is written there (job/lock.py)
+        with hold_run_dir(target) as held:
+            return _run_held(cfg, placement, task, out, held, run_dir is not None,
+                             own_process)
+    lock_step_only(placement.strategy, STRATEGIES[placement.strategy].roles)
+    with env_group("nccl" if cfg.placement.device == "cuda" else "gloo", launch):
+        if launch.rank == 0:
+            with leading() as share, hold_run_dir(target) as held:
+                return _run_held(cfg, placement, task, out, held, run_dir is not None,
+                                 own_process, share)
+        return _follow_rank(cfg, placement, launch.rank)
+
+
+def _follow_rank(cfg: JobConfig, placement: Placement, rank: int) -> dict:
+    """A launched rank other than 0: RL with rank 0's artefacts, then nothing to write."""
+    got = follow()
+    if got is None:
+        return {"rank": rank, "nothing_to_run": True}
+    art, start_step, run_dir = got
+    try:
+        STRATEGIES[cfg.placement.strategy].run(cfg, placement, art, run_dir, start_step)
+    except JobStopped as e:
+        return {"run_dir": str(run_dir), "rank": rank, "stopped": e.reason}
+    return {"run_dir": str(run_dir), "rank": rank}
 
 
 def _run_held(cfg: JobConfig, placement: Placement, task: Task, out: IO[str] | None,
-              run_dir: Path, resume: bool, own_process: bool) -> dict:
+              run_dir: Path, resume: bool, own_process: bool,
+              share: Share | None = None) -> dict:
     t_start = time.perf_counter()
     start_step = 0
     if not resume:  # a fresh run
@@ -110,6 +141,8 @@ def _run_held(cfg: JobConfig, placement: Placement, task: Task, out: IO[str] | N
     try:
         with _on_stop_signals(_stop_now):  # before RL there is nothing to checkpoint
             art = prepare_artefacts(cfg, task)
+            if share is not None:  # the launched job's other ranks start from these
+                share(art, start_step, run_dir)
             t_pre = time.perf_counter() - t0
             reward_model = load_reward(art)
             sft_eval = evaluate(load_sft(art.sft_dir), reward_model, task, cfg,

@@ -25,7 +25,7 @@ from torch import nn
 from transformers.utils import logging as hf_logging
 
 from rlhf_async.config import JobConfig
-from rlhf_async.engines.process_group import exit_rank, free_port, rank_group
+from rlhf_async.engines.process_group import exit_rank, free_port, launched, rank_group
 from rlhf_async.log import get_logger
 from rlhf_async.metrics import MetricsWriter, Progress
 from rlhf_async.modeling.generation import generate
@@ -52,8 +52,12 @@ ScorerFactory = Callable[[JobConfig, Artefacts, Task, nn.Module, int, int, torch
 
 
 def device_of(cfg: JobConfig, rank: int) -> torch.device:
+    """A rank's device: on GPU the launcher's LOCAL_RANK when a launcher started the job
+    (ranks span hosts), else the rank modulo the GPUs here."""
     if cfg.placement.device == "cuda":
-        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+        launch = launched()
+        local = rank if launch is None else launch.local_rank
+        return torch.device("cuda", local % max(1, torch.cuda.device_count()))
     return torch.device("cpu")
 
 
@@ -96,10 +100,7 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
     learner = Learner(actor, critic.to(device) if critic is not None else None, cfg.algo,
                       cfg.train, cfg.run.seed, cfg.generation.temperature, precision)
     if start_step:  # every rank restores the same checkpoint
-        ck = load_latest(run_dir / "checkpoints", map_location=device)
-        if ck is None or ck.step != start_step:
-            raise CheckpointError(f"rank {rank}: checkpoint of step {start_step} not found")
-        restore_learner(learner, ck.state)
+        restore_learner(learner, _checkpoint_state(run_dir, start_step, rank, world, device))
     writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
     progress = Progress(cfg.train.steps, cfg.run.progress and rank == 0, start_step=start_step)
     params, seed, G = sampling_params(cfg, task), cfg.run.seed, cfg.algo.group_size
@@ -127,6 +128,26 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
     progress.close()
     _finish(cfg, learner, run_dir, writer)
     return True
+
+
+def _checkpoint_state(run_dir: Path, step: int, rank: int, world: int,
+                      device: torch.device) -> dict:
+    """The learner state of the checkpoint of `step`. Spawned ranks share this host's run
+    directory and each read it; a launched job's ranks may be on hosts that do not see it,
+    so rank 0 reads it and hands it to them."""
+    handed = world > 1 and launched() is not None
+    state = None
+    if rank == 0 or not handed:
+        ck = load_latest(run_dir / "checkpoints", map_location="cpu" if handed else device)
+        if ck is None or ck.step != step:
+            raise CheckpointError(f"rank {rank}: checkpoint of step {step} not found")
+        state = ck.state
+    if handed:
+        box = [state]
+        dist.broadcast_object_list(box, src=0)
+        state = box[0]
+    assert isinstance(state, dict)
+    return state
 
 
 def _end_step(cfg: JobConfig, learner: Learner, run_dir: Path, writer: MetricsWriter | None,
@@ -189,20 +210,26 @@ def _worker(rank: int, world: int, port: int, cfg: JobConfig, art: Artefacts, ru
 @contextlib.contextmanager
 def _signals_stop(stop: StopRequest) -> Iterator[threading.Event]:
     """While the ranks run: the first SIGTERM/SIGINT asks them to stop after the step (with
-    a checkpoint); a second one forces the job down now (the returned event is set)."""
+    a checkpoint); a second one forces the job down now (the returned event is set). A
+    repeat within REPEAT_S of the first is the same request (torchrun sends two SIGTERMs
+    back to back when it is stopped)."""
     forced = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield forced  # signals are delivered to the main thread only
         return
+    first = [0.0]
 
     def handle(signum: int, _frame: object) -> None:
         name = signal.Signals(signum).name
         if stop.event.is_set():
+            if time.monotonic() - first[0] < REPEAT_S:
+                return
             forced.set()
             if not _children:
                 raise KeyboardInterrupt(name)  # in-process loop: unwind now
             return
         stop.set(name)
+        first[0] = time.monotonic()
         log.warning("stop_requested", signal=name,
                     hint="finishing the step and writing a checkpoint; signal again to "
                          "stop at once")
@@ -215,11 +242,13 @@ def _signals_stop(stop: StopRequest) -> Iterator[threading.Event]:
 
 
 _children: list[object] = []  # rank processes of the running job (empty: in-process)
+REPEAT_S = 1.0  # a second stop signal sooner than this is a launcher's echo of the first
 
 
 def run_ranks(cfg: JobConfig, art: Artefacts, run_dir: Path, start_step: int,
               make_scorer: ScorerFactory, strategy: str, precision: Precision) -> RunResult:
-    """The RL phase over `placement.devices` rank processes (in-process when 1), from
+    """The RL phase over `placement.devices` rank processes (in-process when 1, or when a
+    launcher made this process one rank of an initialised group: job/launched.py), from
     `start_step` (restored from that step's checkpoint), each model in its `precision`.
     `make_scorer` must pickle (a module-level function or a frozen dataclass): it travels
     to every rank. A stop request ends it after the current step with a checkpoint:
@@ -229,7 +258,10 @@ def run_ranks(cfg: JobConfig, art: Artefacts, run_dir: Path, start_step: int,
     stop = StopRequest()
     t0 = time.perf_counter()
     with _signals_stop(stop) as forced:
-        if world == 1:
+        if dist.is_initialized():  # a launcher (torchrun) started this process as one rank
+            rank_loop(cfg, art, run_dir, dist.get_rank(), dist.get_world_size(), start_step,
+                      make_scorer, strategy, precision, stop)
+        elif world == 1:
             rank_loop(cfg, art, run_dir, 0, 1, start_step, make_scorer, strategy, precision,
                       stop)
         else:

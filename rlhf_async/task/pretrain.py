@@ -75,7 +75,7 @@ def stage_key(cfg: JobConfig, stage: str) -> str:
     return f"{stage}-{hashlib.sha256(blob).hexdigest()[:16]}"
 
 
-def _atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
+def atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
@@ -190,7 +190,7 @@ def prepare_artefacts(cfg: JobConfig, task: Task) -> Artefacts:
             actor.save_pretrained(d, safe_serialization=True)
             (d / "stats.json").write_text(json.dumps(stats))
 
-        _atomic_dir(sft_dir, write_sft)
+        atomic_dir(sft_dir, write_sft)
         log.info("sft trained", **stats, dir=str(sft_dir))
     if not (rm_dir / "stats.json").exists():
         t0 = time.perf_counter()
@@ -202,7 +202,7 @@ def prepare_artefacts(cfg: JobConfig, task: Task) -> Artefacts:
             rm.save(d)
             (d / "stats.json").write_text(json.dumps(stats))
 
-        _atomic_dir(rm_dir, write_rm)
+        atomic_dir(rm_dir, write_rm)
         log.info("reward model trained", **stats, dir=str(rm_dir))
     return Artefacts(sft_dir, rm_dir, json.loads((sft_dir / "stats.json").read_text()),
                      json.loads((rm_dir / "stats.json").read_text()))
