@@ -2,6 +2,7 @@
 
 import pytest
 
+from rlhf_async.cli import main
 from rlhf_async.config import ConfigError, JobConfig, PlacementConfig
 from rlhf_async.engines.process_group import Launch, launched
 from rlhf_async.job.launched import adopt_world, lock_step_only
@@ -39,3 +40,11 @@ def test_devices_follow_the_world_and_only_lock_step_strategies_run():
     lock_step_only("interleaving", ("worker",))
     with pytest.raises(ConfigError, match="separation starts its own node processes"):
         lock_step_only("separation", ("trainer", "generator", "scorer"))
+
+
+def test_a_malformed_launcher_variable_is_one_line(tmp_path, monkeypatch, capsys):
+    for k, v in {**ENV, "RANK": "x"}.items():
+        monkeypatch.setenv(k, v)
+    assert main(["run", f"run.output_dir={tmp_path}"]) == 2
+    assert "RANK='x' is not a non-negative integer" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
