@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import IO, Any
@@ -47,9 +48,26 @@ def truncate_jsonl(path: str | Path, step: int) -> None:
     trains and logs them again)."""
     path = Path(path)
     if path.exists():
-        keep = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", -1) < step]
-        path.write_text("".join(line + "\n" for line in keep))
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        keep = [line for line in lines if json.loads(line).get("step", -1) < step]
+        if len(keep) < len(lines):
+            rewrite(path, "".join(line + "\n" for line in keep))
+
+
+def rewrite(path: Path, text: str) -> None:
+    """Replace a file's content all at once: a process killed meanwhile (a restarted
+    trainer SIGKILLed in its first second) leaves the old file whole, never a truncated
+    one (which lost every trained-sample record before the checkpoint, once in 7 chaos
+    runs)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -113,4 +131,4 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
             for r in read_metrics(samples) if r["step"] not in have and "metrics" in r}
     if lost:
         records = sorted([*have.values(), *lost.values()], key=lambda r: r["step"])
-        metrics.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+        rewrite(metrics, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))

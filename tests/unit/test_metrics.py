@@ -1,4 +1,9 @@
 import io
+import json
+import random
+import subprocess
+import sys
+import time
 
 from rlhf_async.metrics import MetricsWriter, Progress, format_progress, read_metrics, summarize
 from rlhf_async.ops.plotting import plot_metrics
@@ -66,3 +71,31 @@ def test_a_full_disk_while_writing_metrics_names_the_file_and_the_free_space(tmp
     with pytest.raises(OSError, match=r"No space left on device writing .*metrics.jsonl "
                        r"\(\d+ MiB free there\)"):
         w.write({"step": 0})
+
+
+_REWRITER = """
+import json, sys
+from pathlib import Path
+from rlhf_async.metrics import truncate_jsonl
+path = Path(sys.argv[1])
+while True:  # add a step past the checkpoint, then drop it again, as a resume does
+    with path.open("a") as f:
+        f.write(json.dumps({"step": 10**6}) + "\\n")
+    truncate_jsonl(path, 10**6)
+"""
+
+
+def test_a_kill_while_truncating_never_loses_the_records_before_the_checkpoint(tmp_path):
+    """A restarted trainer SIGKILLed while it truncated trained_samples.jsonl left it
+    empty: every step before the checkpoint lost (chaos run, 1 in 7)."""
+    path = tmp_path / "trained_samples.jsonl"
+    base = [json.dumps({"step": i, "sample_ids": list(range(64))}) for i in range(2000)]
+    path.write_text("".join(x + "\n" for x in base))
+    rng = random.Random(0)
+    for _ in range(8):
+        p = subprocess.Popen([sys.executable, "-c", _REWRITER, str(path)])
+        time.sleep(0.6 + rng.random() * 0.3)  # past the import, inside the loop
+        p.kill()
+        p.wait()
+        steps = [json.loads(x)["step"] for x in path.read_text().splitlines()]
+        assert steps[:2000] == list(range(2000)) and set(steps[2000:]) <= {10**6}
