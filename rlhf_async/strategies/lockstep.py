@@ -80,7 +80,10 @@ class StopRequest:
             os._exit(1)  # the job's process is gone (SIGKILL): nothing to report to
         if world == 1:
             return self.event.is_set()
-        flag = torch.tensor([1.0 if self.event.is_set() else 0.0])
+        # NCCL reduces only tensors on the rank's GPU
+        dev = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend() == "nccl" else torch.device("cpu")
+        flag = torch.tensor([1.0 if self.event.is_set() else 0.0], device=dev)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
