@@ -188,13 +188,20 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     """The RLHF job: CONFIG (TOML, optional) plus dotted overrides."""
-    from rlhf_async.job import run_job
+    from rlhf_async.config import load_config
+    from rlhf_async.progress import announce
 
     configure_logging(args.log_level)
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config:  # `run key=value` without a config file
         config, overrides = None, [config, *overrides]
-    return _job_errors(lambda: run_job(config, overrides, args.base_dir, args.dry_run))
+    # config errors before torch is imported, and a first line while it is (seconds)
+    cfg = load_config(config, overrides, base_dir=args.base_dir)
+    announce("start", "loading torch and transformers",
+             enabled=cfg.run.progress and not args.dry_run)
+    from rlhf_async.job import run_config
+
+    return _job_errors(lambda: run_config(cfg, args.dry_run))
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

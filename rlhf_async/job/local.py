@@ -295,7 +295,11 @@ def run_job(config_path: str | None, overrides: list[str], base_dir: str | None 
     else the working directory) and run the job; 0 on success. Raises ConfigError (one
     message listing every problem) for bad configuration. `dry_run`: validate and place,
     print the processes that would run, start nothing and write nothing."""
-    cfg = load_config(config_path, overrides, base_dir=base_dir)
+    return run_config(load_config(config_path, overrides, base_dir=base_dir), dry_run)
+
+
+def run_config(cfg: JobConfig, dry_run: bool = False) -> int:
+    """`run_job` for a loaded config (the CLI loads it before torch is imported)."""
     if dry_run:
         sys.stdout.write(dry_run_report(cfg))
         return 0

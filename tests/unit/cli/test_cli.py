@@ -132,3 +132,16 @@ def test_dry_run_reports_what_the_runner_refuses(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "actor=fp16 trains only with loss scaling" in err
     assert not any(tmp_path.iterdir())
+
+
+def test_run_says_something_before_torch_loads(tmp_path):
+    """The first line comes before the imports that take seconds (torch, transformers)."""
+    p = subprocess.Popen([sys.executable, "-m", "rlhf_async", "run", "train.steps=1",
+                          f"run.output_dir={tmp_path}"], stderr=subprocess.PIPE, text=True,
+                         stdout=subprocess.DEVNULL)
+    try:
+        first = p.stderr.readline()
+        assert first == "[start] loading torch and transformers\n"
+    finally:
+        p.kill()
+        p.wait()
