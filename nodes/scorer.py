@@ -7,7 +7,7 @@ import asyncio
 import torch
 
 from nodes.common import NodeContext, load_context, message_errors
-from rlhf_async.modeling.models import ScalarHeadModel, frozen_copy
+from rlhf_async.modeling.models import ScalarHeadModel, freeze
 from rlhf_async.rl.scoring import score
 from rlhf_async.runtime import Node
 from rlhf_async.strategies.separation.events import Loaded, Scored, emit, fail
@@ -53,5 +53,6 @@ async def main(node: Node) -> None:
 def _models(job: NodeContext) -> tuple[ScalarHeadModel | None, torch.nn.Module]:
     """(reward model, or None when the task's rule reward replaces it; reference)."""
     rm, hold = load_reward(job.art), job.precision.hold
-    return (None if rm is None else hold("reward", frozen_copy(rm).to(job.device)),
-            hold("reference", frozen_copy(load_sft(job.art.sft_dir)).to(job.device)))
+    # freshly loaded, so frozen in place (a copy would hold each model twice meanwhile)
+    return (None if rm is None else hold("reward", freeze(rm).to(job.device)),
+            hold("reference", freeze(load_sft(job.art.sft_dir)).to(job.device)))

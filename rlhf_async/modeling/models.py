@@ -108,11 +108,17 @@ def scalar_model_from_actor(actor: PreTrainedModel, seed: int) -> ScalarHeadMode
         return ScalarHeadModel(trunk)
 
 
-def frozen_copy(model: M) -> M:
-    ref = copy.deepcopy(model).eval()
-    for p in ref.parameters():
+def freeze(model: M) -> M:
+    """`model` in eval mode without gradients, in place (for one loaded to be frozen)."""
+    model.eval()
+    for p in model.parameters():
         p.requires_grad_(False)
-    return ref
+    return model
+
+
+def frozen_copy(model: M) -> M:
+    """A frozen copy, for a model that goes on training (the reference beside the actor)."""
+    return freeze(copy.deepcopy(model))
 
 
 def sequence_inputs(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,

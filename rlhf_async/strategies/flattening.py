@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from rlhf_async.config import JobConfig, PlacementConfig
-from rlhf_async.modeling.models import frozen_copy
+from rlhf_async.modeling.models import freeze, frozen_copy
 from rlhf_async.modeling.precision import Precision
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl.scoring import score
@@ -61,7 +61,7 @@ def full_scorer(cfg: JobConfig, art: Artefacts, task: Task, actor: nn.Module, ra
     and reference (a frozen copy of the SFT actor), each held in its dtype."""
     reference = precision.hold("reference", frozen_copy(actor))
     rm = load_reward(art)
-    reward_model = None if rm is None else precision.hold("reward", frozen_copy(rm).to(device))
+    reward_model = None if rm is None else precision.hold("reward", freeze(rm).to(device))
 
     def scorer(batch: RolloutBatch) -> RolloutBatch:
         return score(reward_model, reference, batch, cfg.generation.temperature,

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from rlhf_async.config import JobConfig, PlacementConfig
 from rlhf_async.modeling.models import (
     ScalarHeadModel,
+    freeze,
     frozen_copy,
     response_logits,
     sequence_scores,
@@ -142,7 +143,7 @@ class InterleavedScorer:
         reference = precision.hold("reference", frozen_copy(actor)) \
             if rank in o.reference else None
         trained_rm = load_reward(art) if rank in o.reward else None  # None: a rule reward
-        reward_model = precision.hold("reward", frozen_copy(trained_rm).to(device)) \
+        reward_model = precision.hold("reward", freeze(trained_rm).to(device)) \
             if trained_rm is not None else None
         G = cfg.algo.group_size
         sizes = shard_sizes(cfg.train.prompts_per_step * G, world, G)

@@ -220,19 +220,20 @@ def _signals_stop(stop: StopRequest) -> Iterator[threading.Event]:
     if threading.current_thread() is not threading.main_thread():
         yield forced  # signals are delivered to the main thread only
         return
-    first = [0.0]
+    first = 0.0  # when the stop was asked
 
     def handle(signum: int, _frame: object) -> None:
+        nonlocal first
         name = signal.Signals(signum).name
         if stop.event.is_set():
-            if time.monotonic() - first[0] < REPEAT_S:
+            if time.monotonic() - first < REPEAT_S:
                 return
             forced.set()
             if not _children:
                 raise KeyboardInterrupt(name)  # in-process loop: unwind now
             return
         stop.set(name)
-        first[0] = time.monotonic()
+        first = time.monotonic()
         log.warning("stop_requested", signal=name,
                     hint="finishing the step and writing a checkpoint; signal again to "
                          "stop at once")
@@ -261,12 +262,11 @@ def run_ranks(cfg: JobConfig, art: Artefacts, run_dir: Path, start_step: int,
     stop = StopRequest()
     t0 = time.perf_counter()
     with _signals_stop(stop) as forced:
-        if dist.is_initialized():  # a launcher (torchrun) started this process as one rank
-            rank_loop(cfg, art, run_dir, dist.get_rank(), dist.get_world_size(), start_step,
-                      make_scorer, strategy, precision, stop)
-        elif world == 1:
-            rank_loop(cfg, art, run_dir, 0, 1, start_step, make_scorer, strategy, precision,
-                      stop)
+        if dist.is_initialized() or world == 1:  # this process is the rank (or the only one)
+            rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() \
+                else (0, 1)
+            rank_loop(cfg, art, run_dir, rank, world, start_step, make_scorer, strategy,
+                      precision, stop)
         else:
             ctx = mp.start_processes(_worker, args=(world, free_port(), cfg, art, run_dir,
                                                     start_step, make_scorer, strategy,
