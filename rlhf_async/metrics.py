@@ -70,6 +70,18 @@ def rewrite(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _complete_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file another process may be appending to: a last line
+    still being written is left out."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     lines = Path(path).read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
@@ -115,20 +127,27 @@ def summarize(records: list[dict[str, Any]], keys: tuple[str, ...], last: int = 
     return out
 
 
-def truncate_metrics(run_dir: Path, step: int) -> None:
+def truncate_metrics(run_dir: Path, step: int, *, trainer_running: bool = False) -> None:
     """Before a run continues from the checkpoint of `step`: drop the records of steps at
     or after it (they are trained and logged again), and restore the record of any step
     before it that metrics.jsonl lacks from the trainer's own log (under Separation the
     coordinator writes metrics.jsonl from the trainer's report; a crash between the
-    trainer's checkpoint and the coordinator's write must not lose the step's record)."""
+    trainer's checkpoint and the coordinator's write must not lose the step's record).
+
+    With `trainer_running` (a restarted trainer already has its log open) the trainer's
+    log is only read: the trainer truncates it itself, and a rewrite here could replace
+    the file under its open handle, losing every line it writes after (seen in a chaos
+    run: the records of four trained steps gone)."""
     metrics, samples = run_dir / "metrics.jsonl", run_dir / "trained_samples.jsonl"
-    for path in (metrics, samples):
-        truncate_jsonl(path, step)
+    truncate_jsonl(metrics, step)
+    if not trainer_running:
+        truncate_jsonl(samples, step)
     if not samples.exists():
         return
     have = {r["step"]: r for r in read_metrics(metrics)} if metrics.exists() else {}
     lost = {r["step"]: {"step": r["step"], **r["metrics"], "restored": True}
-            for r in read_metrics(samples) if r["step"] not in have and "metrics" in r}
+            for r in _complete_records(samples)
+            if r["step"] < step and r["step"] not in have and "metrics" in r}
     if lost:
         records = sorted([*have.values(), *lost.values()], key=lambda r: r["step"])
         rewrite(metrics, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))

@@ -54,6 +54,7 @@ class NodeDead:
     reason: str = ""
     will_restart: bool = False
     exit_code: int | None = None  # None: killed for silence
+    pid: int | None = None  # the process that died (its replacement has another)
 
 
 class EventStream:

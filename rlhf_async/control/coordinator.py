@@ -387,6 +387,23 @@ class Coordinator:
                 elif node.state == "starting" and now - node.started > self.ready_timeout:
                     self._dead(node, f"not ready after {self.ready_timeout}s", None)
 
+    def pid(self, node_id: str) -> int | None:
+        """The pid of the node's current process while it runs; None once it is gone."""
+        node = self.nodes.get(node_id)
+        if node is None or node.state in ("dead", "exited") or node.process.poll() is not None:
+            return None
+        return node.process.pid
+
+    def restart(self, node_id: str, reason: str, pid: int) -> bool:
+        """Kill `node_id` and start it again (within restart_limit) as if it had died: for
+        a node that cannot go on without a peer that died (a rank of a group). Only the
+        process the caller means (`pid`) is killed: a replacement started meanwhile is
+        left alone. True if it was killed."""
+        if self.pid(node_id) != pid:
+            return False
+        self._dead(self.nodes[node_id], reason, None)
+        return True
+
     def _dead(self, node: _Node, reason: str, rc: int | None) -> None:
         node_id = node.spec.node_id
         node.state, node.exit_code = "dead", rc
@@ -394,7 +411,8 @@ class Coordinator:
         restart = node.restarts < self.restart_limit and not self.stop_requested.is_set()
         self.log.error("node_dead", node=node_id, role=node.spec.role, reason=reason,
                        restart=restart, log=self._log_hint(node))
-        self._publish(NodeEvent(node_id, NodeDead.kind, asdict(NodeDead(reason, restart, rc))))
+        self._publish(NodeEvent(node_id, NodeDead.kind,
+                                asdict(NodeDead(reason, restart, rc, node.process.pid))))
         if restart:
             self._start(node.spec, restarts=node.restarts + 1)
             self._publish(NodeEvent(node_id, "node_restarted", {"restarts": node.restarts + 1}))

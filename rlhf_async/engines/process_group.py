@@ -17,6 +17,7 @@ ZeRO-3 Flattening runs aborted that way, after finishing, in 7 of 84 runs.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import sys
@@ -30,7 +31,8 @@ import torch.distributed as dist
 from rlhf_async.config import ConfigError
 from rlhf_async.wire.transport import free_tcp_port as free_port  # the parent picks it
 
-__all__ = ["Launch", "env_group", "exit_rank", "free_port", "launched", "rank_group"]
+__all__ = ["Launch", "env_group", "exit_rank", "free_port", "join_group", "launched",
+           "rank_group"]
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -89,6 +91,21 @@ def rank_group(backend: str, port: int, rank: int, world: int) -> Iterator[None]
         yield
     finally:
         dist.destroy_process_group()
+
+
+def join_group(backend: str, addr: str, port: int, rank: int, world: int, *,
+               join_timeout_s: float, timeout: datetime.timedelta) -> None:
+    """Make this process `rank` of `world` in the default group, meeting at addr:port
+    (rank 0 hosts the store there). Every rank must arrive within `join_timeout_s`, else a
+    TimeoutError names the group; each collective afterwards may wait up to `timeout`.
+    For node processes that live in the group until they exit (see `exit_rank`)."""
+    try:
+        store = dist.TCPStore(addr, port, world, is_master=rank == 0, wait_for_workers=True,
+                              timeout=datetime.timedelta(seconds=join_timeout_s))
+    except (RuntimeError, dist.DistStoreError) as e:
+        raise TimeoutError(f"rank {rank} of {world}: the group at {addr}:{port} did not "
+                           f"form within {join_timeout_s:.0f}s: {e}") from None
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def exit_rank() -> NoReturn:

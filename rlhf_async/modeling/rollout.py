@@ -127,6 +127,11 @@ class RolloutBatch:
                                   for k, v in fields.items()}
         return RolloutBatch(**kwargs)
 
+    def split(self, group_size: int, parts: int) -> list[RolloutBatch]:
+        """Contiguous parts of whole groups, cut as `PromptBatch.split` cuts prompts."""
+        bounds = split_bounds(len(self) // group_size, parts, group_size)
+        return [self.select(torch.arange(lo, hi)) for lo, hi in itertools.pairwise(bounds)]
+
     def to(self, device: torch.device | str) -> RolloutBatch:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         kwargs: dict[str, Any] = {k: v.to(device) if isinstance(v, Tensor) else v

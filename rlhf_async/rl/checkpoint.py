@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rlhf_async.log import get_logger
 from rlhf_async.rl.learner import Learner
@@ -191,6 +192,19 @@ def load_latest(root: str | Path, map_location: str | torch.device = "cpu") -> C
             continue
         return Checkpoint(path, int(manifest["step"]), state, meta)
     return None
+
+
+def load_shared(root: str | Path, rank: int, world: int, device: str | torch.device,
+                share: bool) -> Checkpoint | None:
+    """`load_latest` for one rank of a group. With `share`, rank 0 reads it and hands it
+    to the others (ranks on hosts that may not see `root`, or that must not pick a
+    different "newest" than rank 0 did); else every rank reads it itself. Collective when
+    sharing: every rank calls it."""
+    if not share or world == 1:
+        return load_latest(root, map_location=device)
+    box: list[Checkpoint | None] = [load_latest(root) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def learner_state(learner: Learner) -> dict[str, Any]:

@@ -1,5 +1,3 @@
-import sys
+from rlhf_async.runtime.process import leave, main
 
-from rlhf_async.runtime.process import main
-
-sys.exit(main())
+leave(main())

@@ -11,11 +11,14 @@ import asyncio
 import contextlib
 import importlib
 import inspect
+import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import NoReturn
 
 import structlog
 import torch
@@ -147,3 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, SecurityError) as e:
         structlog.get_logger().error("bad_node_spec", node=spec.node_id, error=str(e))
         return EXIT_BAD_SPEC
+
+
+def leave(rc: int) -> NoReturn:
+    """Exit with `rc`. A node still in a torch.distributed group (a rank of a multi-rank
+    trainer) leaves without interpreter finalization, where tearing the group down can
+    abort the process (engines/process_group.py tells how); any other exits normally."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)

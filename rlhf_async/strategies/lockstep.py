@@ -35,7 +35,7 @@ from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl.checkpoint import (
     CheckpointError,
     learner_state,
-    load_latest,
+    load_shared,
     restore_learner,
     save_checkpoint,
 )
@@ -138,19 +138,10 @@ def _checkpoint_state(run_dir: Path, step: int, rank: int, world: int,
     """The learner state of the checkpoint of `step`. Spawned ranks share this host's run
     directory and each read it; a launched job's ranks may be on hosts that do not see it,
     so rank 0 reads it and hands it to them."""
-    handed = world > 1 and launched() is not None
-    state = None
-    if rank == 0 or not handed:
-        ck = load_latest(run_dir / "checkpoints", map_location="cpu" if handed else device)
-        if ck is None or ck.step != step:
-            raise CheckpointError(f"rank {rank}: checkpoint of step {step} not found")
-        state = ck.state
-    if handed:
-        box = [state]
-        dist.broadcast_object_list(box, src=0)
-        state = box[0]
-    assert isinstance(state, dict)
-    return state
+    ck = load_shared(run_dir / "checkpoints", rank, world, device, launched() is not None)
+    if ck is None or ck.step != step:
+        raise CheckpointError(f"rank {rank}: checkpoint of step {step} not found")
+    return ck.state
 
 
 def _end_step(cfg: JobConfig, learner: Learner, run_dir: Path, writer: MetricsWriter | None,

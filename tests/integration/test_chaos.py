@@ -1,5 +1,6 @@
-"""Chaos: SIGKILL random non-coordinator nodes during one Separation run. The run completes
-and every prompt is trained on exactly once (counted from the trainer's log)."""
+"""Chaos: SIGKILL random non-coordinator nodes during one Separation run (a 2-rank trainer:
+a killed rank takes its group down, the other rank restarts too). The run completes and
+every prompt is trained on exactly once (counted from the trainer's log)."""
 
 from __future__ import annotations
 
@@ -19,19 +20,19 @@ pytestmark = [pytest.mark.timeout(480)]
 TINY = ["model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=30",
         "reward_model.steps=30", "reward_model.heldout_pairs=64", "run.eval_prompts=16",
         "train.prompts_per_step=8", "algo.group_size=2", "run.plot=false", "run.progress=false",
-        "placement.strategy=separation", "placement.devices=3", "placement.generators=2",
-        "placement.scorers=1",
+        "placement.strategy=separation", "placement.devices=4", "placement.actor=[0,1]",
+        "placement.generators=2", "placement.scorers=1",
         "algo.max_staleness=1", "run.checkpoint_every=1", "runtime.restart_limit=8",
         "runtime.time_to_dead=5", "weight_sync.timeout_s=10"]
 
 
 def test_run_survives_five_kills_and_trains_each_prompt_once(tmp_path):
-    steps, kills = 40, 5
+    steps, kills = 30, 5
     cfg = load_config(None, [*TINY, f"run.cache_dir={json.dumps(str(tmp_path / 'cache'))}", f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=chaos", f"train.steps={steps}"])
     victims: list = []
     stop = threading.Event()
-    # every role at least once, the trainer twice, in a random order
-    order = ["trainer", "gen0", "gen1", "scorer0", "trainer"]
+    # every role at least once, both trainer ranks, in a random order
+    order = ["trainer", "gen0", "gen1", "scorer0", "trainer1"]
     random.Random(1).shuffle(order)
     thread = threading.Thread(target=kill_nodes,
                               args=(tmp_path / "chaos", order, 5, stop, victims))
@@ -57,19 +58,19 @@ def test_kills_during_start_up_are_restarted_and_each_prompt_trained_once(tmp_pa
     steps = 6
     cfg = load_config(None, [*TINY, f"run.cache_dir={json.dumps(str(tmp_path / 'cache'))}",
                              f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=boot",
-                             f"train.steps={steps}", "runtime.restart_limit=2"])
+                             f"train.steps={steps}", "runtime.restart_limit=3"])
     victims: list = []
     stop = threading.Event()
     # one after another, each in its first seconds: while loading its models
     thread = threading.Thread(target=kill_at_start, args=(tmp_path / "boot",
-                              ["scorer0", "gen0", "trainer"], stop, victims))
+                              ["scorer0", "gen0", "trainer1", "trainer"], stop, victims))
     thread.start()
     try:
         job.run(cfg)
     finally:
         stop.set()
         thread.join()
-    assert [v for v, _ in victims] == ["scorer0", "gen0", "trainer"], victims
+    assert [v for v, _ in victims] == ["scorer0", "gen0", "trainer1", "trainer"], victims
     lines = (tmp_path / "boot" / "trained_samples.jsonl").read_text().splitlines()
     counts = Counter(s for line in lines for s in json.loads(line)["sample_ids"])
     assert set(counts) == set(range(steps * 16)) and set(counts.values()) == {1}

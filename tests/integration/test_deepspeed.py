@@ -67,10 +67,13 @@ def test_zero_learner_matches_torch_and_resumes_exactly(tmp_path, torch_ppo, sta
 
 
 def test_separation_trainer_on_zero3_matches_flattening_on_torch(tmp_path, one_thread):
+    """A 2-rank ZeRO-3 trainer (parameters sharded over its ranks, gathered for each
+    broadcast and the final save) with 2 generators and 2 scorers."""
     cache = tmp_path / "cache"
     _, flat = _run(tmp_path, cache, "flat", "algo.name=ppo")
     _, sep = _run(tmp_path, cache, "sep", "algo.name=ppo", "placement.strategy=separation",
-                  "placement.devices=2", "algo.max_staleness=0", "train.backend=deepspeed",
+                  "placement.devices=4", "placement.actor=[0,1]", "placement.generators=2",
+                  "placement.scorers=2", "algo.max_staleness=0", "train.backend=deepspeed",
                   "train.zero_stage=3")
     assert len(flat) == len(sep) == 3
     for a, b in zip(flat, sep, strict=True):

@@ -32,11 +32,17 @@ def _weights(tmp_path, name):
     return load_file(str(tmp_path / name / "policy" / "model.safetensors"))
 
 
+# one trainer process; then a 2-rank trainer with 2 generators and 2 scorers
+LAYOUTS = {"ppo": ["placement.devices=2"],
+           "grpo": ["placement.devices=6", "placement.actor=[0,1]", "placement.generators=2",
+                    "placement.scorers=2"]}
+
+
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_separation_matches_flattening_when_synchronous(tmp_path, cache, algo, one_thread):
     _, flat = _run(tmp_path, cache, "flat", f"algo.name={algo}")
     _, sep = _run(tmp_path, cache, "sep", f"algo.name={algo}", "placement.strategy=separation",
-                  "placement.devices=2", "algo.max_staleness=0")
+                  *LAYOUTS[algo], "algo.max_staleness=0")
     keys = ["policy_loss", "reward", "kl", "entropy", "response_length"]
     keys += ["value_loss"] if algo == "ppo" else []
     assert len(flat) == len(sep) == 3
@@ -46,8 +52,11 @@ def test_separation_matches_flattening_when_synchronous(tmp_path, cache, algo, o
     assert all(r["rollout_version"] == r["step"] for r in sep)  # on-policy: version = step
     wf, ws = _weights(tmp_path, "flat"), _weights(tmp_path, "sep")
     assert wf.keys() == ws.keys()
+    # two ranks sum their gradients in another order than one rank does: Adam turns the
+    # last-ulp differences of near-zero gradients into a fraction of one step (lr 5e-4)
+    atol = 2e-4 if "placement.actor=[0,1]" in LAYOUTS[algo] else 1e-5
     for k in wf:
-        torch.testing.assert_close(wf[k], ws[k], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(wf[k], ws[k], rtol=1e-4, atol=atol)
 
 
 def test_replicas_train_every_prompt_exactly_once(tmp_path, cache):

@@ -56,6 +56,25 @@ def test_truncating_for_a_resume_restores_a_record_the_coordinator_never_wrote(t
     assert [r["step"] for r in read_metrics(tmp_path / "trained_samples.jsonl")] == list(range(5))
 
 
+def test_a_rollback_beside_a_running_trainer_never_replaces_its_log(tmp_path):
+    """A restarted trainer truncates its own log and keeps appending to it; the coordinator
+    rolling back to the same checkpoint only reads it. Rewriting it there replaced the file
+    under the trainer's open handle: the next four steps' records were lost (chaos run)."""
+    from rlhf_async.metrics import truncate_metrics
+
+    MetricsWriter(tmp_path / "metrics.jsonl").write({"step": 0, "loss": 1.0})
+    trainer = MetricsWriter(tmp_path / "trained_samples.jsonl")
+    for s in range(4):  # steps 0-3 trained; the new trainer restored the checkpoint of 2
+        trainer.write({"step": s, "sample_ids": [s], "metrics": {"loss": 0.1 * s}})
+    inode = (tmp_path / "trained_samples.jsonl").stat().st_ino
+    with (tmp_path / "trained_samples.jsonl").open("a") as f:
+        f.write('{"step": 2, "sample_')  # a line the trainer is writing just now
+    truncate_metrics(tmp_path, 2, trainer_running=True)
+    assert (tmp_path / "trained_samples.jsonl").stat().st_ino == inode
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1]
+    trainer.close()
+
+
 def test_a_full_disk_while_writing_metrics_names_the_file_and_the_free_space(tmp_path):
     import errno
 

@@ -46,7 +46,12 @@ from rlhf_async.strategies.separation.events import (
     decode_event,
     encode,
 )
-from rlhf_async.strategies.separation.startup import PipelineError, command, connect_weight_sync
+from rlhf_async.strategies.separation.startup import (
+    PipelineError,
+    TrainerRanks,
+    command,
+    connect_weight_sync,
+)
 from rlhf_async.strategies.separation.wire import ChunkId, prompts_message
 from rlhf_async.task import make_task
 from rlhf_async.weight_sync import GroupSpec
@@ -76,7 +81,8 @@ class Driver:
     def __init__(self, cfg: JobConfig, coord: Coordinator, events: EventStream,
                  prompts: Channel, roles: dict[str, str], spec: GroupSpec, run_dir: Path,
                  chunks_per_step: int, start_step: int, lineage: str,
-                 backlog: list[NodeEvent] | None = None) -> None:
+                 backlog: list[NodeEvent] | None = None,
+                 ranks: TrainerRanks | None = None) -> None:
         self.cfg, self.coord, self.events, self.chan = cfg, coord, events, prompts
         self.roles, self.spec, self.run_dir, self.chunks = roles, spec, run_dir, chunks_per_step
         self.policy = StalenessPolicy(cfg.algo.max_staleness, cfg.train.publish_every)
@@ -89,6 +95,9 @@ class Driver:
         self.chunk_state: dict[Key, ChunkState] = {}
         self.chunk_prompts: dict[Key, tuple[ChunkId, PromptBatch]] = {}
         self.down: set[str] = set()
+        # the trainer's ranks, rank 0 ("trainer") first; several: kept one group
+        self.ranks = ranks or TrainerRanks(coord, [n for n, r in roles.items()
+                                                   if r == "trainer"], spec.master_addr, 120.0)
         self.trained_ids = Counter[int]()
         self.busy: dict[str, float] = {}  # node -> cumulative busy seconds
         self.last_busy: dict[str, float] = {}
@@ -153,8 +162,8 @@ class Driver:
         if self._backlog:
             return self._backlog.pop(0)
         get = asyncio.ensure_future(self.events.get())
-        watched: set[asyncio.Future[Any]] = {t for t in (self.dispatcher, self._regrouping)
-                                             if t is not None}
+        watched: set[asyncio.Future[Any]] = {
+            t for t in (self.dispatcher, self._regrouping, self.ranks.task) if t is not None}
         try:
             await asyncio.wait({get, *watched}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # a stop: an event already taken must not be lost
@@ -163,7 +172,8 @@ class Driver:
             get.cancel()
             raise
         for task, what in ((self.dispatcher, "dispatching prompts"),
-                           (self._regrouping, "rebuilding the weight-sync group")):
+                           (self._regrouping, "rebuilding the weight-sync group"),
+                           (self.ranks.task, "re-forming the trainer group")):
             if task is not None and task.done() and not task.cancelled() and \
                     task.exception() is not None:
                 get.cancel()
@@ -265,12 +275,17 @@ class Driver:
         log.warning("node_down", node=node, role=self.roles[node], reason=dead.reason)
         if self.roles[node] == "generator":
             self._regroup()  # the others go on while it restarts
+        # a trainer rank: its group is gone; the other ranks restart too, and rank 0
+        # resumes from its checkpoint once the new group stands (`_recover`)
+        self.down.update(self.ranks.died(node, dead.pid))
 
     async def _recover(self, node: str, loaded: Loaded) -> None:
         """A restarted node has loaded its models: give it back its share of the work."""
         self.down.discard(node)
         role = self.roles[node]
         log.info("node_recovered", node=node, role=role)
+        if node in self.ranks.ranks[1:]:  # a rank that rank 0 leads: rank 0 recovers
+            return
         if role == "trainer":
             await self._rollback(loaded.step, loaded.lineage)
         elif role == "generator":
@@ -290,7 +305,7 @@ class Driver:
         self.chunk_state.clear()
         self.chunk_prompts.clear()
         self.writer.close()
-        truncate_metrics(self.run_dir, step)
+        truncate_metrics(self.run_dir, step, trainer_running=True)
         self._open_logs()
         first = step * self.cfg.train.prompts_per_step * self.cfg.algo.group_size
         for sid in [s for s in self.trained_ids if s >= first]:

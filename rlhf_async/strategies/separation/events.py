@@ -173,11 +173,31 @@ class UpdateWeights:
 
 
 @dataclass(frozen=True)
+class TrainGroupPrepare:
+    """Rank 0 of a multi-rank trainer: pick the port its group meets on."""
+
+    kind: ClassVar[str] = "train_group_prepare"
+
+
+@dataclass(frozen=True)
+class TrainGroupConnect:
+    """Every trainer rank: join the trainer group at addr:port (replied once it is formed)."""
+
+    kind: ClassVar[str] = "train_group_connect"
+    addr: str
+    port: int
+    rank: int
+    world: int
+    timeout_s: float = 120.0  # for every rank to arrive
+
+
+@dataclass(frozen=True)
 class Republish:
     kind: ClassVar[str] = "republish"
 
 
-Command = WeightSyncPrepare | WeightSyncConnect | UpdateWeights | Republish
+Command = (WeightSyncPrepare | WeightSyncConnect | UpdateWeights | TrainGroupPrepare |
+           TrainGroupConnect | Republish)
 COMMANDS: dict[str, Any] = {c.kind: c for c in typing.get_args(Command)}
 
 

@@ -23,6 +23,7 @@ from rlhf_async.strategies.placement import Placement, ProcessPlacement
 from rlhf_async.strategies.separation.driver import Driver
 from rlhf_async.strategies.separation.startup import (
     PipelineError,
+    TrainerRanks,
     connect_weight_sync,
     wait_loaded,
 )
@@ -46,23 +47,29 @@ def build_specs(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placem
     prompts = f"ipc://{sock_dir}/prompts"
     scored = f"ipc://{sock_dir}/scored"
     scorers = [f"ipc://{sock_dir}/{p.node_id}" for p in placement.by_role("scorer")]
-    params = {"config": to_dict(cfg), "sft_dir": str(art.sft_dir),
-              "rm_dir": "" if art.rm_dir is None else str(art.rm_dir),
-              "policy_dir": str(run_dir / "policy"),
-              "precision": placement.precision().to_dict(),
-              "checkpoint_dir": str(run_dir / "checkpoints")}
+    params: dict[str, Any] = {
+        "config": to_dict(cfg), "sft_dir": str(art.sft_dir),
+        "rm_dir": "" if art.rm_dir is None else str(art.rm_dir),
+        "policy_dir": str(run_dir / "policy"), "precision": placement.precision().to_dict(),
+        "checkpoint_dir": str(run_dir / "checkpoints")}
     endpoints = {
         "trainer": {"scored": Endpoint("pull", scored, bind=True, hwm=hwm)},
         "generator": {"prompts": Endpoint("pull", prompts, hwm=hwm),
                       "rollouts": Endpoint("push", scorers[0], hwm=hwm,
                                            also=tuple(scorers[1:]))},
     }
+    trainers = [p.node_id for p in placement.by_role("trainer")]
     specs = []
     for proc in placement.processes:
         eps = endpoints.get(proc.role) or {
             "rollouts": Endpoint("pull", f"ipc://{sock_dir}/{proc.node_id}", bind=True, hwm=hwm),
             "scored": Endpoint("push", scored, hwm=hwm)}
-        specs.append(NodeSpec(proc.role, proc.node_id, ENTRIES[proc.role], eps, params,
+        mine = params
+        if proc.role == "trainer":  # rank 0 takes the scored chunks; the others follow it
+            rank = trainers.index(proc.node_id)
+            mine = {**params, "rank": rank, "world": len(trainers)}
+            eps = eps if rank == 0 else {}
+        specs.append(NodeSpec(proc.role, proc.node_id, ENTRIES[proc.role], eps, mine,
                               device=_device(cfg, proc), num_threads=cfg.placement.cpu_threads,
                               orphan_timeout_s=30.0,
                               # the trainer finishes its step and writes its checkpoint
@@ -102,14 +109,17 @@ async def drive(cfg: JobConfig, coord: Coordinator, prompts: Any, specs: list[No
     group and run the Driver to the end (local and multi-host runs alike)."""
     with coord.events() as events:
         await coord.launch(specs)
-        loaded, backlog = await wait_loaded(events, list(roles), coord.ready_timeout)
+        ranks = TrainerRanks(coord, [n for n, r in roles.items() if r == "trainer"],
+                             spec.master_addr, coord.ready_timeout)
+        ranks.form()  # several trainer ranks load their models once their group stands
+        loaded, backlog = await wait_loaded(events, list(roles), coord.ready_timeout, ranks)
         if loaded["trainer"].step != start_step:
             raise PipelineError(f"the trainer restored step {loaded['trainer'].step}, "
                                 f"expected {start_step}")
         spec = await connect_weight_sync(coord, spec, "trainer", gens)
         driver = Driver(cfg, coord, events, prompts, roles, spec, run_dir,
                         chunks_per_step(cfg, len(gens)), start_step,
-                        loaded["trainer"].lineage, backlog)
+                        loaded["trainer"].lineage, backlog, ranks)
         result = await coord.run_until_stop(driver.run())
         if result is None:  # stopped: the trainer finishes its step and checkpoints
             await driver.finish_stopping(cfg.runtime.stop_grace_s)

@@ -16,6 +16,7 @@ from rlhf_async.strategies.placement import (
     ranges,
 )
 from rlhf_async.strategies.separation.runner import run
+from rlhf_async.strategies.separation.trainer_group import trainer_id
 
 
 def _spread(devices: list[int], replicas: int) -> list[tuple[int, ...]]:
@@ -28,20 +29,23 @@ def _spread(devices: list[int], replicas: int) -> list[tuple[int, ...]]:
 def preset(cfg: PlacementConfig, algo: str, over: Overrides) -> Placement:
     """Trainer (actor + critic) apart from the inference side: shadow actors and scorers.
 
-    Defaults: the trainer on device 0, generators on the other devices, scorers sharing the
+    Defaults: the trainer on device 0 (or one rank per device of placement.actor),
+    generators on the other devices, scorers sharing the
     generators' devices (scoring is one forward pass, generation many); one generator and
     one scorer process per device of its group, so every device works.
     """
     n = cfg.devices
-    rest = list(range(1, n)) or [0]
     trainer = cfg.actor or [0]
+    rest = [d for d in range(n) if d not in trainer] or [0]
     generator = cfg.generator or rest
     scorer = cfg.reward or cfg.reference or generator
     train_models = ("actor", "critic") if algo == "ppo" else ("actor",)
     gens = int(over.get("shadow_actor", {}).get(  # type: ignore[call-overload]  # an int
         "replicas", cfg.generators or _per_device(generator, over, "shadow_actor")))
     scorers = cfg.scorers or _per_device(scorer, over, "reward")
-    procs = [ProcessPlacement("trainer", "trainer", train_models, tuple(trainer), TRAIN)]
+    # one data-parallel rank per device of the trainer's group; rank 0 is "trainer"
+    procs = [ProcessPlacement(trainer_id(r), "trainer", train_models, (d,), TRAIN)
+             for r, d in enumerate(trainer)]
     procs += [ProcessPlacement(f"gen{i}", "generator", ("shadow_actor",), d, INFER)
               for i, d in enumerate(_spread(generator, gens))]
     procs += [ProcessPlacement(f"scorer{i}", "scorer", ("reward", "reference"), d, INFER)
@@ -81,11 +85,18 @@ def runner_problems(cfg: JobConfig, p: Placement) -> list[str]:
     """Any replica count per model, but a generator or scorer process runs on one GPU (no
     tensor parallelism in this build's engines): one that the plan gives several would
     leave all but the first idle, which is refused, not done (CPU slots are not pinned:
-    processes there share the cores). The trainer is one process on one device for now."""
+    processes there share the cores). The trainer runs one data-parallel rank per device
+    of its group, so its models have exactly that many replicas."""
     out = engine_problems(p, one_replica_per_device=False)
-    if len(cfg.placement.actor) > 1:
-        out.append(f"placement.actor: the separation trainer is one process on one device "
-                   f"for now, got {cfg.placement.actor}")
+    ranks = len(p.by_role("trainer"))
+    for m in p.models:
+        if m.runtime == TRAIN and m.replicas != ranks:
+            out.append(f"placement.replicas: {m.model}={m.replicas}; the separation trainer "
+                       f"runs one data-parallel rank per device of its group "
+                       f"(placement.actor: {ranks} device(s)), so use {ranks}")
+    if ranks > 1 and cfg.train.prompts_per_step % ranks:
+        out.append(f"train.prompts_per_step: {cfg.train.prompts_per_step} must divide evenly "
+                   f"over the {ranks} trainer ranks (placement.actor)")
     key = {"generator": "placement.generators", "scorer": "placement.scorers"}
     for q in p.processes:
         if q.role in key and len(q.devices) > 1 and p.device_kind == "cuda":

@@ -141,10 +141,27 @@ def test_each_strategy_reports_what_its_runner_cannot_do():
     for needle in ("actor=fp16 trains only with loss scaling", "interleaving on cpu only",
                    "2 prompts cannot be shared by 4 devices"):
         assert any(needle in p for p in problems), (needle, problems)
-    sep = JobConfig(placement=PlacementConfig(strategy="separation", devices=3, actor=[0, 1],
-                                              generator=[2]))
-    assert any("one process on one device" in p
-               for p in runner_problems(sep, plan_placement(sep.placement, "ppo")))
+    sep = JobConfig(train=TrainConfig(prompts_per_step=3),
+                    placement=PlacementConfig(strategy="separation", devices=3, actor=[0, 1],
+                                              generator=[2], replicas=["actor=1"]))
+    problems = runner_problems(sep, plan_placement(sep.placement, "ppo"))
+    for needle in ("placement.replicas: actor=1; the separation trainer runs one "
+                   "data-parallel rank per device of its group (placement.actor: 2 device(s))",
+                   "train.prompts_per_step: 3 must divide evenly over the 2 trainer ranks"):
+        assert any(needle in p for p in problems), (needle, problems)
+
+
+def test_separation_trainer_runs_one_rank_per_device_of_its_group():
+    cfg = JobConfig(placement=PlacementConfig(strategy="separation", device="cuda",
+                                              devices=8, actor=[0, 1, 2, 3]))
+    p = plan_placement(cfg.placement, "ppo")
+    ranks = p.by_role("trainer")
+    assert [(q.node_id, q.devices) for q in ranks] == [
+        ("trainer", (0,)), ("trainer1", (1,)), ("trainer2", (2,)), ("trainer3", (3,))]
+    assert p.model("actor").replicas == 4 and p.model("critic").replicas == 4
+    assert [q.devices for q in p.by_role("generator")] == [(4,), (5,), (6,), (7,)]
+    assert runner_problems(cfg, p) == []
+    assert "trainer3  trainer    train    cuda:3" in p.table()
 
 
 def test_hosts_are_checked_against_the_hosts_file(tmp_path):

@@ -1,0 +1,145 @@
+"""Keeping a multi-rank trainer one group, without processes: a fake coordinator that runs
+"processes" as pids, restarts them on request, and answers the group's rendezvous."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+import torch
+
+from rlhf_async.modeling.rollout import RolloutBatch
+from rlhf_async.strategies.separation.startup import PipelineError, TrainerRanks
+from rlhf_async.strategies.separation.trainer_group import Op, TrainerGroup
+
+RANKS = ["trainer", "trainer1", "trainer2"]
+
+
+class FakeCoord:
+    def __init__(self, restart_limit: int = 5) -> None:
+        self._pids = itertools.count(100)
+        self.procs = {r: next(self._pids) for r in RANKS}  # node -> pid of its process
+        self.restarts = dict.fromkeys(RANKS, 0)
+        self.killed: list[tuple[str, int]] = []
+        self.connects: list[dict[str, int]] = []  # the pids each rendezvous reached
+        self.limit = restart_limit
+        self.fail_connects = 0
+
+    def pid(self, node: str) -> int | None:
+        return self.procs.get(node)
+
+    def die(self, node: str) -> int:
+        """The process of `node` dies; the coordinator restarts it (a new pid)."""
+        old = self.procs[node]
+        self.restarts[node] += 1
+        self.procs[node] = next(self._pids)
+        return old
+
+    def restart(self, node: str, reason: str, pid: int) -> bool:
+        if self.procs.get(node) != pid:
+            return False
+        self.killed.append((node, pid))
+        self.die(node)
+        return True
+
+    async def wait_ready(self, ids: list[str]) -> None:
+        await asyncio.sleep(0)
+
+    async def command(self, node: str, kind: str, payload: object = None,
+                      timeout: float = 5.0) -> object:
+        await asyncio.sleep(0)
+        if kind == "train_group_prepare":
+            return 4242
+        assert kind == "train_group_connect"
+        if self.fail_connects:
+            self.fail_connects -= 1
+            raise TimeoutError(f"node {node!r} did not answer")
+        self.connects.append({node: self.procs[node]})
+        return {"pid": self.procs[node]}
+
+
+async def settle() -> None:
+    for _ in range(30):
+        await asyncio.sleep(0)
+
+
+def test_a_dead_member_restarts_the_other_ranks_and_a_new_group_forms():
+    async def main() -> None:
+        coord = FakeCoord()
+        ranks = TrainerRanks(coord, RANKS, "127.0.0.1", 5.0)  # type: ignore[arg-type]
+        ranks.form()
+        await settle()
+        first = dict(ranks.members)
+        assert first == {r: coord.procs[r] for r in RANKS}
+        dead = coord.die("trainer1")  # SIGKILLed
+        assert sorted(ranks.died("trainer1", dead)) == ["trainer", "trainer2"]
+        assert coord.killed == [("trainer", first["trainer"]), ("trainer2", first["trainer2"])]
+        await settle()
+        assert ranks.members == {r: coord.procs[r] for r in RANKS}
+        assert set(ranks.members.values()).isdisjoint(first.values())
+        # the deaths of the processes killed with it come later: nothing more to do
+        for r in ("trainer", "trainer2"):
+            assert ranks.died(r, first[r]) == []
+        await settle()
+        assert len(coord.killed) == 2 and ranks.failure() is None
+    asyncio.run(main())
+
+
+def test_a_process_that_was_never_in_a_group_dies_without_taking_others_down():
+    async def main() -> None:
+        coord = FakeCoord()
+        ranks = TrainerRanks(coord, RANKS, "127.0.0.1", 5.0)  # type: ignore[arg-type]
+        early = coord.die("trainer2")  # killed while loading, before any rendezvous
+        ranks.form()
+        await settle()
+        assert ranks.died("trainer2", early) == [] and coord.killed == []
+        assert ranks.members["trainer2"] == coord.procs["trainer2"]
+        assert ranks.died("gen0", 7) == []  # not a rank
+    asyncio.run(main())
+
+
+def test_a_failed_rendezvous_restarts_every_rank_and_gives_up_after_three():
+    async def main() -> None:
+        coord = FakeCoord()
+        coord.fail_connects = 1
+        ranks = TrainerRanks(coord, RANKS, "127.0.0.1", 5.0)  # type: ignore[arg-type]
+        ranks.form()
+        await settle()
+        assert sorted(n for n, _ in coord.killed) == RANKS  # all start afresh
+        assert ranks.members == {r: coord.procs[r] for r in RANKS}
+        stuck = FakeCoord()
+        stuck.fail_connects = 10**6
+        never = TrainerRanks(stuck, RANKS, "127.0.0.1", 5.0)  # type: ignore[arg-type]
+        never.form()
+        await settle()
+        error = never.failure()
+        assert isinstance(error, PipelineError)
+        assert "the trainer ranks did not form a group" in str(error)
+    asyncio.run(main())
+
+
+def test_one_rank_is_no_group():
+    async def main() -> None:
+        coord = FakeCoord()
+        one = TrainerRanks(coord, ["trainer"], "127.0.0.1", 5.0)  # type: ignore[arg-type]
+        one.form()
+        assert one.task is None and one.died("trainer", coord.procs["trainer"]) == []
+    asyncio.run(main())
+
+
+def _batch(groups: int, g: int = 2) -> RolloutBatch:
+    n = groups * g
+    return RolloutBatch(torch.zeros(n, 3, dtype=torch.long), torch.ones(n, 3, dtype=torch.long),
+                        torch.zeros(n, 4, dtype=torch.long), torch.ones(n, 4, dtype=torch.long),
+                        torch.zeros(n, 4), torch.arange(n), torch.arange(n) // g)
+
+
+def test_a_step_is_shared_out_in_whole_groups_and_one_rank_keeps_it_all():
+    parts = _batch(5).split(2, 2)
+    assert [p.group_ids.tolist() for p in parts] == [[0, 0, 1, 1], [2, 2, 3, 3, 4, 4]]
+    solo = TrainerGroup(0, 1, 2)
+    b = _batch(3)
+    assert solo.lead(Op.TRAIN, b) is b  # no collective without peers
+    with pytest.raises(ValueError, match="trainer rank 2 is not in 0..1"):
+        TrainerGroup(2, 2, 2)
