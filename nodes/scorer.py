@@ -13,7 +13,7 @@ from rlhf_async.runtime import Node
 from rlhf_async.strategies.separation.events import Loaded, Scored, emit, fail
 from rlhf_async.strategies.separation.stage import StageClock
 from rlhf_async.strategies.separation.wire import lineage_of, rollout_from_message, rollout_message
-from rlhf_async.task import make_task
+from rlhf_async.task import make_task, reward_mix
 from rlhf_async.task.pretrain import load_reward, load_sft
 from rlhf_async.task.reward_fn import RewardFunctionError
 
@@ -22,7 +22,7 @@ async def main(node: Node) -> None:
     job = load_context(node)
     reward_model, reference = await asyncio.to_thread(_models, job)  # heartbeats go on
     task = make_task(job.cfg)
-    T = job.cfg.generation.temperature
+    T, mix = job.cfg.generation.temperature, reward_mix(job.cfg, task)
     inp, out = node.socket("rollouts"), node.socket("scored")
     clock = StageClock()
     torch.set_grad_enabled(False)
@@ -39,7 +39,7 @@ async def main(node: Node) -> None:
             continue
         try:
             scored = await clock.busy(asyncio.to_thread(
-                score, reward_model, reference, batch.to(job.device), T, task.hidden_scores))
+                score, reward_model, reference, batch.to(job.device), T, mix))
         except RewardFunctionError as e:  # the user's reward: the same on any restart
             await fail(node, "; ".join(e.problems))
             return

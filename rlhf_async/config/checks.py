@@ -33,6 +33,13 @@ def cross_checks(cfg: JobConfig) -> list[str]:
         if engine == extra and importlib.util.find_spec(extra) is None:
             out.append(f"{key}: {extra} is not installed (pip install 'rlhf-async[{extra}]'); "
                        "accepted here: torch")
+    out.extend(_reward_model_checks(cfg))
+    g = cfg.generation
+    if g.min_new_tokens >= g.max_new_tokens:
+        out.append(f"generation.min_new_tokens: {g.min_new_tokens} leaves no token where a "
+                   f"response may end; needs < generation.max_new_tokens = {g.max_new_tokens}")
+    if any(t < 0 for t in g.stop_token_ids):
+        out.append(f"generation.stop_token_ids: {g.stop_token_ids} holds a negative id")
     if cfg.model.hidden % cfg.model.heads:
         out.append(f"model.hidden: {cfg.model.hidden} must be divisible by model.heads")
     out.extend(_context_checks(cfg))
@@ -84,7 +91,34 @@ def _text_task_checks(cfg: JobConfig) -> list[str]:
         out.append("task.prompts: task.name = 'text' needs a prompts file (.jsonl or .txt)")
     elif not Path(t.prompts).is_file():
         out.append(f"task.prompts: {t.prompts!r} is not a file")
-    if ":" not in t.reward:
+    if (t.reward and ":" not in t.reward) or (not t.reward and not cfg.reward_model.path):
         out.append("task.reward: task.name = 'text' needs 'module.path:function' or "
-                   f"'path/to/file.py:function', got {t.reward!r}")
+                   f"'path/to/file.py:function' (or a reward_model.path), got {t.reward!r}")
+    if t.reward_weight and not (t.reward and cfg.reward_model.path):
+        out.append("task.reward_weight: adds task.reward's score to reward_model.path's; "
+                   "it needs both (without a reward model the rule is the whole reward)")
     return out
+
+
+def _reward_model_checks(cfg: JobConfig) -> list[str]:
+    """A reward model from a directory: the text task's, a sequence classifier with one
+    label (its tokenizer and head are checked when the text task loads)."""
+    path = cfg.reward_model.path
+    if not path:
+        return []
+    if cfg.task.name != "text":
+        return ["reward_model.path: the built-in task trains its own reward model; a "
+                "trained one from a directory needs task.name = 'text'"]
+    config = Path(path) / "config.json"
+    if not Path(path).is_dir():
+        return [f"reward_model.path: {path!r} is not a directory"]
+    try:
+        hf = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        return [f"reward_model.path: no readable config.json in {path!r} ({e})"]
+    labels = hf.get("num_labels", len(hf.get("id2label") or {}) or 2)
+    if labels != 1:
+        return [f"reward_model.path: {path!r} has num_labels = {labels}; a reward model "
+                "gives one score per sequence (AutoModelForSequenceClassification with "
+                "num_labels = 1)"]
+    return []

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_async.config.checks import cross_checks
+from rlhf_async.config.hub import MODEL_KEYS, resolve_hub_id
 from rlhf_async.config.schema import ConfigError, JobConfig
 
 
@@ -110,8 +111,18 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 # fields holding a file or directory path: relative ones resolve against the working
 # directory of whoever wrote them (`base_dir`), not of the process that runs the job
-PATH_KEYS = (("model", "path"), ("task", "prompts"), ("placement", "calibration"),
-             ("placement", "hosts_file"))
+PATH_KEYS = (("model", "path"), ("reward_model", "path"), ("task", "prompts"),
+             ("placement", "calibration"), ("placement", "hosts_file"))
+
+
+def _resolve_hub_ids(cfg: JobConfig, base_dir: Path | None, problems: list[str]) -> None:
+    """Model paths that name a hub id become their snapshot in the local HF cache."""
+    for section, key in MODEL_KEYS:
+        obj = getattr(cfg, section)
+        value, problem = resolve_hub_id(getattr(obj, key), f"{section}.{key}", base_dir)
+        setattr(obj, key, value)
+        if problem:
+            problems.append(problem)
 
 
 def _resolve_paths(cfg: JobConfig, base_dir: Path) -> None:
@@ -154,6 +165,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         else:
             node[keys[-1]] = value
     cfg = _build(JobConfig, data, "", problems)
+    _resolve_hub_ids(cfg, None if base_dir is None else Path(base_dir), problems)
     if base_dir is not None:
         _resolve_paths(cfg, Path(base_dir))
     _add_cross_checks(cfg, problems)

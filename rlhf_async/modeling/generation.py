@@ -25,6 +25,13 @@ class SamplingParams:
     pad_id: int
     temperature: float = 1.0
     top_k: int = 0
+    top_p: float = 1.0
+    stop_ids: tuple[int, ...] = ()  # end a response like EOS (kept in it)
+    min_new_tokens: int = 0  # before this many tokens, EOS and the stop ids are not sampled
+
+    @property
+    def stops(self) -> tuple[int, ...]:
+        return (self.eos_id, *(s for s in self.stop_ids if s != self.eos_id))
 
 
 @dataclass
@@ -44,11 +51,21 @@ def _output_cache(out: object) -> object:
     return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
-def _scaled_logprobs(logits: Tensor, params: SamplingParams) -> Tensor:
+def _scaled_logprobs(logits: Tensor, params: SamplingParams, t: int = 0) -> Tensor:
+    """Log-probs the behaviour policy samples token `t` of a response from: temperature,
+    then top-k, then the nucleus (top-p), with the stop tokens barred before
+    `min_new_tokens`."""
     scaled = logits.float() / params.temperature
+    if t < params.min_new_tokens:
+        scaled[..., [s for s in params.stops if s < scaled.shape[-1]]] = float("-inf")
     if params.top_k and params.top_k < scaled.shape[-1]:
         kth = scaled.topk(params.top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        probs, order = torch.softmax(scaled, dim=-1).sort(dim=-1, descending=True)
+        # a token is out when the more likely ones already reach top_p (the first stays)
+        out = probs.cumsum(dim=-1) - probs >= params.top_p
+        scaled = scaled.masked_fill(out.scatter(-1, order, out), float("-inf"))
     return torch.log_softmax(scaled, dim=-1)
 
 
@@ -73,8 +90,9 @@ def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: Sa
     resp_mask = torch.zeros((B, R), dtype=torch.long, device=device)
     logprobs = torch.zeros((B, R), dtype=torch.float32, device=device)
     alive = torch.ones(B, dtype=torch.bool, device=device)
+    stop_ids = torch.tensor(params.stops, dtype=torch.long, device=device)
     for t in range(R):
-        logp = _scaled_logprobs(logits, params)  # [B, V]
+        logp = _scaled_logprobs(logits, params, t)  # [B, V]
         cdf = logp.double().exp().cumsum(dim=-1)  # [B, V]
         # Scale u by the row's total so rounding in the sum can never select past the end.
         target = uniforms[:, t: t + 1] * cdf[:, -1:]
@@ -83,7 +101,7 @@ def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: Sa
         tokens[:, t] = tok
         resp_mask[:, t] = alive.long()
         logprobs[:, t] = torch.where(alive, logp.gather(1, tok[:, None]).squeeze(1), 0.0)
-        alive = alive & (tok != params.eos_id)
+        alive = alive & ~torch.isin(tok, stop_ids)
         if t == R - 1 or not bool(alive.any()):
             break
         # Finished rows keep stepping with a masked pad token so the batch stays rectangular.

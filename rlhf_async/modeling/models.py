@@ -69,14 +69,17 @@ def load_actor(cfg: ModelConfig, vocab_size: int, special: tuple[int, int, int],
 
 
 class ScalarHeadModel(nn.Module):
-    """LM trunk + linear head -> one scalar per position. Used as critic and reward model."""
+    """LM trunk + linear head -> one scalar per position. Used as critic and reward model.
+    `head`: a trained one (a sequence classifier's); default a fresh Linear(hidden, 1)."""
 
-    def __init__(self, trunk: PreTrainedModel) -> None:
+    def __init__(self, trunk: PreTrainedModel, head: nn.Linear | None = None) -> None:
         super().__init__()
         self.trunk = trunk
-        self.head = nn.Linear(trunk.config.hidden_size, 1)
-        nn.init.zeros_(self.head.bias)
-        nn.init.normal_(self.head.weight, std=1.0 / (trunk.config.hidden_size + 1) ** 0.5)
+        if head is None:
+            head = nn.Linear(trunk.config.hidden_size, 1)
+            nn.init.zeros_(head.bias)
+            nn.init.normal_(head.weight, std=1.0 / (trunk.config.hidden_size + 1) ** 0.5)
+        self.head = head
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor,
                 position_ids: Tensor) -> Tensor:
@@ -97,6 +100,33 @@ class ScalarHeadModel(nn.Module):
         return model
 
 
+def load_scalar_model(path: str | Path) -> ScalarHeadModel:
+    """A reward model from a directory: ours (trunk + value_head.safetensors), or a
+    Hugging Face sequence classifier with one label whose head is a linear `score` on the
+    trunk's hidden states (Llama, Qwen2, Mistral, GPT-2, ... as TRL, OpenRLHF and
+    DeepSpeed-Chat save them). Its score is read at each sequence's last real token."""
+    if (Path(path) / HEAD_FILE).exists():
+        return ScalarHeadModel.load(path)
+    from transformers import AutoModelForSequenceClassification
+
+    key = f"reward_model.path: {str(path)!r}"
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(str(path),
+                                                                   local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigError([f"{key} is not a sequence-classification model ({e})"]) from None
+    head = getattr(model, "score", None)
+    trunk = getattr(model, model.base_model_prefix, None)
+    if model.config.num_labels != 1:
+        raise ConfigError([f"{key} has num_labels = {model.config.num_labels}; a reward model "
+                           "gives one score (num_labels = 1)"])
+    if not isinstance(head, nn.Linear) or not isinstance(trunk, PreTrainedModel):
+        raise ConfigError([f"{key}: a {type(model).__name__} has no linear `score` head on "
+                           "its trunk; accepted: decoder classifiers (LlamaFor..., "
+                           "Qwen2For..., GPT2ForSequenceClassification, ...)"])
+    return ScalarHeadModel(trunk, head).float()
+
+
 def scalar_model_from_actor(actor: PreTrainedModel, seed: int) -> ScalarHeadModel:
     """A fresh trunk with the actor's architecture and weights (the LM head dropped)."""
     with torch.random.fork_rng():
@@ -106,6 +136,17 @@ def scalar_model_from_actor(actor: PreTrainedModel, seed: int) -> ScalarHeadMode
                  if k.split(".", 1)[0] == actor.base_model_prefix}
         trunk.load_state_dict(state, strict=False)
         return ScalarHeadModel(trunk)
+
+
+def disable_dropout(model: M) -> M:
+    """Every dropout of `model` set to 0, in place: nn.Dropout modules and the attention
+    dropout rates HF attention layers read from themselves (Llama, Qwen2, ...)."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0  # type: ignore[assignment]  # a float, not a module
+    return model
 
 
 def freeze(model: M) -> M:

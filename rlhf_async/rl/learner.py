@@ -20,6 +20,7 @@ from rlhf_async.engines import TrainingBackend, make_training_backend
 from rlhf_async.modeling.determinism import all_gather_1d, all_reduce_sum, keyed_order
 from rlhf_async.modeling.models import (
     ScalarHeadModel,
+    disable_dropout,
     response_logits,
     response_values,
 )
@@ -41,6 +42,10 @@ class Learner:
         self.algo, self.train, self.seed, self.temperature = algo, train, seed, temperature
         self.precision = precision
         self.device = next(actor.parameters()).device
+        if train.disable_dropout:  # un-keyed noise: a step would depend on the placement
+            disable_dropout(actor)
+            if critic is not None:
+                disable_dropout(critic)
         if train.gradient_checkpointing:  # activations recomputed in backward, not kept
             _checkpoint_activations(actor)
             if critic is not None:

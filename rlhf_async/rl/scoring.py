@@ -4,6 +4,7 @@ reference model's log-probs of each response."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -12,26 +13,48 @@ from rlhf_async.modeling.models import ScalarHeadModel, response_logits, sequenc
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl import algorithms as A
 
+HiddenScore = Callable[[Tensor, Tensor, Tensor], Tensor]  # (prompt_ids, response_ids, mask)
+
+
+@dataclass(frozen=True)
+class RewardMix:
+    """How a sample's reward is made: the reward model's score x `rm_weight`, plus the
+    task's rule score x `rule_weight`; with no reward model, the rule's score alone. The
+    rule's score is reported as the hidden score; with no rule, the reward model's is."""
+
+    rule: HiddenScore | None
+    rm_weight: float = 1.0
+    rule_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.rule is None and self.rule_weight:
+            raise ValueError("a rule weight needs a rule")
+
+    def combine(self, rm_scores: Tensor | None, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """(rewards [B], hidden scores [B]) of `batch`, given its reward-model scores."""
+        hidden = None
+        if self.rule is not None:
+            hidden = self.rule(batch.prompt_ids, batch.response_ids, batch.response_mask)
+        if rm_scores is None:
+            if hidden is None:
+                raise ValueError("rewards need a reward model or a rule reward")
+            return hidden.clone(), hidden
+        rm_scores = rm_scores.float()
+        rewards = self.rm_weight * rm_scores
+        if hidden is None:
+            return rewards, rm_scores.clone()
+        hidden = hidden.to(rewards.device)
+        return (rewards + self.rule_weight * hidden if self.rule_weight else rewards), hidden
+
 
 @torch.no_grad()
 def score(reward_model: ScalarHeadModel | None, reference: nn.Module, batch: RolloutBatch,
-          temperature: float = 1.0,
-          hidden_score: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None) -> RolloutBatch:
-    """Add rewards [B] and reference log-probs [B, R] (and the hidden score [B]). The
-    rewards are the reward model's scores; without a reward model, the hidden score is the
-    reward (a task's rule reward)."""
-    if reward_model is None and hidden_score is None:
-        raise ValueError("score needs a reward model or a rule reward (hidden_score)")
+          temperature: float, mix: RewardMix) -> RolloutBatch:
+    """Add rewards [B], reference log-probs [B, R] and hidden scores [B] (see RewardMix)."""
     args = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
     logits = response_logits(reference, *args)
     ref_lp = A.gather_logprobs(logits, batch.response_ids, temperature) * batch.response_mask
-    hidden = None
-    if hidden_score is not None:
-        hidden = hidden_score(batch.prompt_ids, batch.response_ids, batch.response_mask)
-        hidden = hidden.to(ref_lp.device)
-    if reward_model is None:
-        assert hidden is not None  # checked above
-        rewards = hidden.clone()
-    else:
-        rewards = sequence_scores(reward_model, *args).float()
-    return batch.replace(rewards=rewards, ref_logprobs=ref_lp, hidden_scores=hidden)
+    rm = None if reward_model is None else sequence_scores(reward_model, *args)
+    rewards, hidden = mix.combine(rm, batch)
+    return batch.replace(rewards=rewards.to(ref_lp.device), ref_logprobs=ref_lp,
+                         hidden_scores=hidden.to(ref_lp.device))

@@ -27,7 +27,7 @@ from rlhf_async.strategies.placement import (
     engine_problems,
     model_placement,
 )
-from rlhf_async.task import Task
+from rlhf_async.task import Task, reward_mix
 from rlhf_async.task.pretrain import Artefacts, load_reward
 
 
@@ -62,10 +62,10 @@ def full_scorer(cfg: JobConfig, art: Artefacts, task: Task, actor: nn.Module, ra
     reference = precision.hold("reference", frozen_copy(actor))
     rm = load_reward(art)
     reward_model = None if rm is None else precision.hold("reward", freeze(rm).to(device))
+    mix = reward_mix(cfg, task)
 
     def scorer(batch: RolloutBatch) -> RolloutBatch:
-        return score(reward_model, reference, batch, cfg.generation.temperature,
-                     task.hidden_scores)
+        return score(reward_model, reference, batch, cfg.generation.temperature, mix)
     return scorer
 
 

@@ -17,7 +17,6 @@ every rank the scores of its own rows. A rank without a copy of a model never lo
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from rlhf_async.modeling.models import (
 from rlhf_async.modeling.precision import Precision
 from rlhf_async.modeling.rollout import RolloutBatch, split_bounds
 from rlhf_async.rl import algorithms as A
+from rlhf_async.rl.scoring import RewardMix
 from rlhf_async.strategies.base import Overrides, RunResult, Strategy
 from rlhf_async.strategies.lockstep import Scorer, run_ranks
 from rlhf_async.strategies.placement import (
@@ -46,10 +46,9 @@ from rlhf_async.strategies.placement import (
     engine_problems,
     model_placement,
 )
-from rlhf_async.task import Task
+from rlhf_async.task import Task, reward_mix
 from rlhf_async.task.pretrain import Artefacts, load_reward
 
-HiddenScore = Callable[[Tensor, Tensor, Tensor], Tensor]
 GATHERED = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
 
@@ -93,11 +92,10 @@ def _gather_rows(t: Tensor, sizes: list[int]) -> Tensor:
 @torch.no_grad()
 def score_interleaved(batch: RolloutBatch, sizes: list[int], reward_model: ScalarHeadModel | None,
                       reference: nn.Module | None, owners: Owners, temperature: float,
-                      hidden_score: HiddenScore | None = None,
-                      rule_reward: bool = False) -> RolloutBatch:
+                      mix: RewardMix, rule_reward: bool = False) -> RolloutBatch:
     """Add rewards [B] and reference log-probs [B, R] to this rank's rows; every rank calls
     it (the same two collectives on all), owners do the forward passes. With `rule_reward`
-    the hidden score of each rank's own rows is its reward (no reward model anywhere)."""
+    (no reward model anywhere) each rank's own rows get their rule scores (`mix`)."""
     rank = dist.get_rank()
     P = batch.prompt_ids.shape[1]
     packed = torch.cat([getattr(batch, k) for k in GATHERED], dim=1)  # [B, 2P + 2R]
@@ -120,13 +118,8 @@ def score_interleaved(batch: RolloutBatch, sizes: list[int], reward_model: Scala
     # exactly one owner wrote each entry, so summing zeros is exact
     dist.all_reduce(both, op=dist.ReduceOp.SUM)
     mine = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
-    hidden = None
-    if hidden_score is not None:
-        hidden = hidden_score(batch.prompt_ids, batch.response_ids, batch.response_mask)
-    if rule_reward:
-        assert hidden is not None, "a rule reward is the task's hidden score"
-        both[mine, 0] = hidden
-    return batch.replace(rewards=both[mine, 0].contiguous(),
+    rewards, hidden = mix.combine(None if rule_reward else both[mine, 0], batch)
+    return batch.replace(rewards=rewards.contiguous(),
                          ref_logprobs=both[mine, 1:].contiguous(), hidden_scores=hidden)
 
 
@@ -145,13 +138,12 @@ class InterleavedScorer:
         trained_rm = load_reward(art) if rank in o.reward else None  # None: a rule reward
         reward_model = precision.hold("reward", freeze(trained_rm).to(device)) \
             if trained_rm is not None else None
-        G = cfg.algo.group_size
+        G, mix = cfg.algo.group_size, reward_mix(cfg, task)
         sizes = shard_sizes(cfg.train.prompts_per_step * G, world, G)
 
         def scorer(batch: RolloutBatch) -> RolloutBatch:
             return score_interleaved(batch, sizes, reward_model, reference, o,
-                                     cfg.generation.temperature, task.hidden_scores,
-                                     task.rule_reward)
+                                     cfg.generation.temperature, mix, task.rule_reward)
         return scorer
 
 

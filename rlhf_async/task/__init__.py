@@ -13,16 +13,19 @@ from torch import Tensor
 from rlhf_async.config import JobConfig
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch
+from rlhf_async.rl.scoring import RewardMix
 from rlhf_async.task.sort_digits import EOS, PAD, VOCAB_SIZE, SortDigitsTask
 from rlhf_async.task.text import TextTask
 
-__all__ = ["EOS", "PAD", "VOCAB_SIZE", "SortDigitsTask", "Task", "make_task", "sampling_params"]
+__all__ = ["EOS", "PAD", "VOCAB_SIZE", "SortDigitsTask", "Task", "make_task", "reward_mix",
+           "sampling_params"]
 
 
 class Task(Protocol):
     eos_id: int
     pad_id: int
-    rule_reward: bool  # True: hidden_scores IS the reward (no reward model is trained)
+    rule_reward: bool  # True: hidden_scores IS the reward (no reward model at all)
+    has_rule: bool  # False: no hidden_scores (a text task judged by reward_model.path only)
 
     def prompt_batch(self, seed: int, purpose: str, step: int, count: int,
                      group_size: int) -> PromptBatch: ...
@@ -39,7 +42,14 @@ def make_task(cfg: JobConfig) -> Task:
     return SortDigitsTask(cfg.task)
 
 
+def reward_mix(cfg: JobConfig, task: Task) -> RewardMix:
+    """How this job makes a sample's reward from its reward model and the task's rule."""
+    return RewardMix(task.hidden_scores if task.has_rule else None, cfg.reward_model.weight,
+                     cfg.task.reward_weight)
+
+
 def sampling_params(cfg: JobConfig, task: Task) -> SamplingParams:
     """How the policy samples for this job: the generation settings and the task's tokens."""
     g = cfg.generation
-    return SamplingParams(g.max_new_tokens, task.eos_id, task.pad_id, g.temperature, g.top_k)
+    return SamplingParams(g.max_new_tokens, task.eos_id, task.pad_id, g.temperature, g.top_k,
+                          g.top_p, tuple(g.stop_token_ids), g.min_new_tokens)

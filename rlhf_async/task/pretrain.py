@@ -27,6 +27,7 @@ from rlhf_async.log import get_logger
 from rlhf_async.modeling.models import (
     ScalarHeadModel,
     load_actor,
+    load_scalar_model,
     response_logits,
     scalar_model_from_actor,
     sequence_scores,
@@ -167,14 +168,14 @@ def _new_actor(cfg: JobConfig, task: SortDigitsTask) -> PreTrainedModel:
 
 
 def prepare_artefacts(cfg: JobConfig, task: Task) -> Artefacts:
-    """Train (or reuse from the cache) the SFT policy and the reward model; a rule-reward
-    task starts RL from model.path directly (no SFT, no reward model)."""
-    if task.rule_reward:
-        log.info("rule reward: no SFT and no reward model; the policy starts from model.path "
-                 "and sft.* / reward_model.* are ignored", task=cfg.task.name,
-                 reward=cfg.task.reward, model=cfg.model.path)
-        return Artefacts(Path(cfg.model.path), None, {}, {})
-    assert isinstance(task, SortDigitsTask)  # the only task with SFT and reward-model data
+    """Train (or reuse from the cache) the SFT policy and the reward model; the text task
+    starts RL from model.path directly, with reward_model.path's model or its rule."""
+    if not isinstance(task, SortDigitsTask):
+        given = cfg.reward_model.path
+        log.info("no SFT and no reward-model training here; the policy starts from "
+                 "model.path and sft.* / reward_model.steps etc. are ignored",
+                 task=cfg.task.name, reward=given or cfg.task.reward, model=cfg.model.path)
+        return Artefacts(Path(cfg.model.path), Path(given) if given else None, {}, {})
     cache = Path(cfg.run.cache_dir)
     sft_dir, rm_dir = cache / stage_key(cfg, "sft"), cache / stage_key(cfg, "rm")
     if (sft_dir / "stats.json").exists() and (rm_dir / "stats.json").exists():
@@ -213,7 +214,7 @@ def load_sft(path: Path) -> PreTrainedModel:
 
 
 def load_reward_model(path: Path) -> ScalarHeadModel:
-    return ScalarHeadModel.load(path).eval()
+    return load_scalar_model(path).eval()
 
 
 def load_reward(art: Artefacts) -> ScalarHeadModel | None:

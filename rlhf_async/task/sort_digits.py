@@ -31,6 +31,7 @@ class SortDigitsTask:
 
     eos_id, pad_id = EOS, PAD
     rule_reward = False  # the policy is trained on a learned reward model
+    has_rule = True  # the true score is known: reported as hidden_score
 
     def __init__(self, cfg: TaskConfig) -> None:
         self.cfg = cfg

@@ -1,4 +1,5 @@
-"""The "text" task: the user's prompts (a JSONL or .txt file) and the user's rule reward.
+"""The "text" task: the user's prompts (a JSONL or .txt file), judged by the user's rule
+reward, a trained reward model (`reward_model.path`), or both with weights.
 
 Prompts are tokenised once with the tokenizer in `model.path` (through its chat template
 unless `task.chat_template = false`) and left-padded to one fixed width: the longest
@@ -6,8 +7,10 @@ prompt of the file. A fixed hash of each prompt's text holds about one in eight 
 evaluation (at least one), so adding prompts to the file never moves one between the
 splits. Training steps walk the training prompts in a keyed shuffle per epoch.
 
-The reward is `task.reward(prompt, response)` on the decoded response (up to EOS); with
-no reward model it is both the training reward and the reported `hidden_score`.
+The rule is `task.reward(prompt, response)` on the decoded response (up to EOS); with no
+reward model it is both the training reward and the reported `hidden_score`. A reward model
+scores the policy's own token ids, so it must share the policy's tokenizer (checked here;
+one with another vocabulary is refused rather than re-tokenised).
 """
 
 from __future__ import annotations
@@ -92,10 +95,30 @@ def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tok
 
 
+def _check_reward_tokenizer(path: str, tok: PreTrainedTokenizerBase, policy: str) -> None:
+    """The reward model reads the policy's token ids: its tokenizer (when it has one) must
+    be the policy's, and its embeddings must cover the policy's vocabulary."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    key = f"reward_model.path: {path!r}"
+    try:
+        theirs = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError):
+        theirs = None  # no tokenizer files: its vocabulary size is checked below
+    if theirs is not None and theirs("a b c 1 2 3")["input_ids"] and \
+            theirs.get_vocab() != tok.get_vocab():
+        raise ConfigError([f"{key} has another tokenizer than model.path {policy!r} "
+                           f"({len(theirs)} vs {len(tok)} tokens); it scores the policy's "
+                           "token ids, so use a reward model trained on the policy's "
+                           "tokenizer (this build does not re-tokenise by text)"])
+    vocab = getattr(AutoConfig.from_pretrained(path, local_files_only=True), "vocab_size", None)
+    if isinstance(vocab, int) and vocab < len(tok):
+        raise ConfigError([f"{key} embeds {vocab} tokens; the policy's tokenizer has "
+                           f"{len(tok)}"])
+
+
 class TextTask:
     """The user's prompts, tokenised; the user's reward on decoded responses."""
-
-    rule_reward = True  # no reward model: the rule's score is the reward
 
     def __init__(self, cfg: JobConfig) -> None:
         t = cfg.task
@@ -105,7 +128,11 @@ class TextTask:
         self.cfg, self.reward_spec = t, t.reward
         self.tokenizer = _load_tokenizer(cfg.model.path)
         self.prompts = read_prompts(t.prompts)
-        self.reward_fn = load_reward_fn(t.reward)
+        self.reward_fn = load_reward_fn(t.reward) if t.reward else None
+        self.has_rule = self.reward_fn is not None
+        self.rule_reward = not cfg.reward_model.path  # no reward model: the rule is it
+        if cfg.reward_model.path:
+            _check_reward_tokenizer(cfg.reward_model.path, self.tokenizer, cfg.model.path)
         if self.tokenizer.eos_token_id is None:
             raise ConfigError([(f"model.path: the tokenizer in {cfg.model.path!r} has no "
                                 "EOS token (generation needs one to stop)")])
@@ -191,6 +218,9 @@ class TextTask:
     def hidden_scores(self, prompt_ids: Tensor, response_ids: Tensor,
                       response_mask: Tensor) -> Tensor:
         """[B] rule rewards of decoded (prompt, response) pairs."""
+        if self.reward_fn is None:
+            raise ValueError("this text task has no rule (task.reward); its reward model "
+                             "scores it")
         prompt_mask = self._mask_of(prompt_ids)
         out = []
         for p, pm, r, m in zip(prompt_ids, prompt_mask, response_ids, response_mask,

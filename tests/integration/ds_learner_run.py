@@ -16,7 +16,7 @@ from rlhf_async.modeling.generation import SamplingParams, generate
 from rlhf_async.modeling.models import frozen_copy, load_actor, scalar_model_from_actor
 from rlhf_async.rl.checkpoint import learner_state, load_latest, restore_learner, save_checkpoint
 from rlhf_async.rl.learner import Learner
-from rlhf_async.rl.scoring import score
+from rlhf_async.rl.scoring import RewardMix, score
 from rlhf_async.task.sort_digits import EOS, PAD, VOCAB_SIZE, SortDigitsTask
 
 
@@ -36,7 +36,7 @@ def main(backend: str, zero_stage: int, grad_accum: int, algo: str, ckpt: str) -
     def step(s: int) -> None:
         pb = task.prompt_batch(0, "train", s, 4, 2)
         b = score(rm, ref, generate(learner.actor, pb, sp, 0, s, learner.version), 1.0,
-                  task.hidden_scores)
+                  RewardMix(task.hidden_scores))
         out.append(learner.train_step(b))
 
     for s in range(2):

@@ -79,3 +79,29 @@ def test_top_k_restricts_choices():
     m = g.response_mask.bool()
     assert torch.equal(g.response_ids[m], greedy[m])
     assert torch.allclose(g.logprobs[m], torch.zeros_like(g.logprobs[m]))
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_it():
+    from rlhf_async.modeling.generation import _scaled_logprobs
+
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    keep = _scaled_logprobs(logits, SamplingParams(4, EOS, PAD, top_p=0.7)).exp()
+    torch.testing.assert_close(keep, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    one = _scaled_logprobs(logits, SamplingParams(4, EOS, PAD, top_p=0.4)).exp()
+    torch.testing.assert_close(one, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))  # the first stays
+    full = _scaled_logprobs(logits, SamplingParams(4, EOS, PAD)).exp()
+    torch.testing.assert_close(full, logits.exp())
+
+
+def test_stop_tokens_end_responses_and_none_comes_before_min_new_tokens():
+    lm, (ids, mask) = tiny_lm(3), prompts()
+    u = sampling_uniforms(0, 0, [0, 1, 2, 3], 6)
+    free = sample(lm, ids, mask, SamplingParams(6, EOS, PAD), u)
+    stop = int(free.response_ids[0, 1])  # a token row 0 samples second: now a stop token
+    g = sample(lm, ids, mask, SamplingParams(6, EOS, PAD, stop_ids=(stop,)), u)
+    assert g.response_ids[0, 1] == stop and g.response_mask[0].tolist() == [1, 1, 0, 0, 0, 0]
+    late = sample(lm, ids, mask, SamplingParams(6, EOS, PAD, stop_ids=(stop,),
+                                                min_new_tokens=4), u)
+    first = late.response_ids[:, :4]
+    assert not torch.isin(first, torch.tensor([EOS, stop])).any()
+    assert late.response_mask[:, :4].all()

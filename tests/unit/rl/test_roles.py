@@ -8,7 +8,7 @@ from rlhf_async.modeling.generation import SamplingParams, generate
 from rlhf_async.modeling.models import frozen_copy, load_actor, scalar_model_from_actor
 from rlhf_async.modeling.rollout import RolloutBatch, RolloutFormatError
 from rlhf_async.rl.learner import Learner
-from rlhf_async.rl.scoring import score
+from rlhf_async.rl.scoring import RewardMix, score
 from rlhf_async.task.sort_digits import EOS, PAD, VOCAB_SIZE, SortDigitsTask
 
 TASK = SortDigitsTask(TaskConfig())
@@ -23,7 +23,8 @@ def models():
 
 def scored_batch(actor, ref, rm, step=0, n=4, group=2):
     pb = TASK.prompt_batch(0, "train", step, n, group)
-    return score(rm, ref, generate(actor, pb, SP, 0, step, version=5), 1.0, TASK.hidden_scores)
+    return score(rm, ref, generate(actor, pb, SP, 0, step, version=5), 1.0,
+                 RewardMix(TASK.hidden_scores))
 
 
 def test_generate_and_score_fill_the_batch():

@@ -13,7 +13,7 @@ from rlhf_async import cli
 from rlhf_async.config import ConfigError, load_config
 from rlhf_async.modeling.generation import generate
 from rlhf_async.modeling.models import frozen_copy
-from rlhf_async.rl.scoring import score
+from rlhf_async.rl.scoring import RewardMix, score
 from rlhf_async.task import make_task, sampling_params
 from rlhf_async.task.pretrain import load_sft
 from rlhf_async.task.text import TextTask, heldout_split
@@ -124,13 +124,13 @@ def test_score_uses_the_rule_as_reward_without_a_reward_model(files):
     actor = load_sft(files / "model")
     batch = generate(actor, task.prompt_batch(0, "train", 0, 2, 2), sampling_params(cfg, task),
                      0, 0, 0)
-    scored = score(None, frozen_copy(actor), batch, 1.0, task.hidden_scores)
+    scored = score(None, frozen_copy(actor), batch, 1.0, RewardMix(task.hidden_scores))
     want = [len(task.response_text(r, m).split()) for r, m in
             zip(batch.response_ids, batch.response_mask, strict=False)]
     assert scored.rewards.tolist() == want == scored.hidden_scores.tolist()
     assert scored.ref_logprobs.shape == batch.response_ids.shape
     with pytest.raises(ValueError, match="reward model or a rule reward"):
-        score(None, actor, batch, 1.0, None)
+        score(None, actor, batch, 1.0, RewardMix(None))
 
 
 @pytest.mark.parametrize("fn,message", [
