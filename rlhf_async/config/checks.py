@@ -34,6 +34,12 @@ def cross_checks(cfg: JobConfig) -> list[str]:
             out.append(f"{key}: {extra} is not installed (pip install 'rlhf-async[{extra}]'); "
                        "accepted here: torch")
     out.extend(_reward_model_checks(cfg))
+    for name in cfg.run.report_to:
+        if name not in ("tensorboard", "wandb"):
+            out.append(f"run.report_to: unknown {name!r}; accepted: tensorboard, wandb")
+        elif importlib.util.find_spec(name) is None:
+            out.append(f"run.report_to: {name} is not installed (pip install "
+                       f"'rlhf-async[{name}]')")
     g = cfg.generation
     if g.min_new_tokens >= g.max_new_tokens:
         out.append(f"generation.min_new_tokens: {g.min_new_tokens} leaves no token where a "

@@ -42,6 +42,8 @@ class RunConfig:
     checkpoint_every: int = opt(10, "checkpoint every N RL steps (and on stop); 0 = on stop only",
                                 ge=0)
     keep_checkpoints: int = opt(3, "newest checkpoints kept in RUN_DIR/checkpoints", ge=1)
+    report_to: list[str] = opt([], "also report metrics to: tensorboard (RUN_DIR/"  # noqa: RUF009
+                               "tensorboard), wandb (WANDB_MODE=offline works offline)")
 
 
 @dataclass

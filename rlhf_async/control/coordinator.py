@@ -44,6 +44,7 @@ from rlhf_async.control.client import (
 )
 from rlhf_async.runtime.ipc_dir import make_ipc_dir
 from rlhf_async.runtime.launcher import Launcher, LocalLauncher, NodeProcess
+from rlhf_async.runtime.loop import in_main_thread
 from rlhf_async.runtime.spec import NodeSpec
 from rlhf_async.wire.protocol import Message
 from rlhf_async.wire.security import Keyring, generate_keys
@@ -143,12 +144,17 @@ class Coordinator:
                 shutil.rmtree(self._ctl_dir, ignore_errors=True)
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
+                if in_main_thread():
+                    loop.remove_signal_handler(sig)
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT set `stop_requested`; `async with` exit then stops every node,
         giving each its grace to finish (the trainer writes its checkpoint). A second
-        signal while stopping cuts the grace short: nodes are killed at once."""
+        signal while stopping cuts the grace short: nodes are killed at once. Off the main
+        thread (run from inside a running event loop, e.g. Jupyter) there are none to
+        install: the caller's thread gets the signals (`run_loop`)."""
+        if not in_main_thread():
+            return
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, signal.Signals(sig).name)

@@ -30,6 +30,7 @@ from rlhf_async.metrics import truncate_metrics
 from rlhf_async.modeling.generation import generate
 from rlhf_async.modeling.models import ScalarHeadModel, sequence_scores
 from rlhf_async.ops.plotting import plot_metrics
+from rlhf_async.ops.reporting import Reporter
 from rlhf_async.planning.planner import prepare_run
 from rlhf_async.progress import Phase
 from rlhf_async.rl.checkpoint import CheckpointError, list_checkpoints, load_latest
@@ -149,9 +150,13 @@ def _run_held(cfg: JobConfig, placement: Placement, task: Task, out: IO[str] | N
                                 "sft" if art.sft_stats else "initial")
         log.info("sft policy evaluated", **sft_eval)
         (run_dir / "placement.txt").write_text(placement.table() + "\n")
-        # the strategy handles stop signals itself: step finished, checkpoint written
-        result = STRATEGIES[cfg.placement.strategy].run(cfg, placement, art, run_dir,
-                                                        start_step)
+        reporter = Reporter.start(run_dir, cfg.run.report_to, to_dict(cfg))
+        try:  # the strategy handles stop signals itself: step finished, checkpoint written
+            result = STRATEGIES[cfg.placement.strategy].run(cfg, placement, art, run_dir,
+                                                            start_step)
+        finally:
+            if reporter is not None:
+                reporter.close()
     except JobStopped as e:
         return _stopped(run_dir, e, out)
     # trained and saved: the summary takes seconds, and a stop now changes nothing (in
