@@ -42,10 +42,14 @@ VARIANTS = {
 # holds a ZeRO-3 shard, so each generation forward gathers the actor, against Separation
 # whose generator keeps a whole shadow copy (its single trainer uses the same engine).
 ZERO3 = ["train.backend=deepspeed", "train.zero_stage=3"]
+# "2-rank": the trainer itself as two ZeRO-3 ranks (slots 0-1), the generator and the
+# scorer on a third slot (CPU slots are not pinned: all share this machine's cores)
+TWO_RANKS = ["placement.devices=3", "placement.actor=[0,1]"]
 OPTIONAL = {
     "flattening zero3": [*VARIANTS["flattening"], *ZERO3],
     "separation k=0 zero3": [*VARIANTS["separation k=0"], *ZERO3],
     "separation k=1 zero3": [*VARIANTS["separation k=1"], *ZERO3],
+    "separation k=1 zero3 2-rank": [*VARIANTS["separation k=1"], *ZERO3, *TWO_RANKS],
 }
 
 

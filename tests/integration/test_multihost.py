@@ -29,7 +29,7 @@ TINY = ["model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=30",
         "run.checkpoint_every=1", "placement.cpu_threads=1", "placement.strategy=separation",
         "placement.devices=3", "placement.generator=[1]", "runtime.time_to_dead=3",
         "runtime.restart_limit=0",
-        "train.steps=20"]
+        "train.steps=14"]
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess[str]:
@@ -166,7 +166,7 @@ def test_launch_across_namespaces_then_cut_a_link(cluster, tmp_path):
     assert summary["start_step"] >= 2  # resumed from a checkpoint, not from scratch
     steps = [json.loads(line)["step"] for line in
              (tmp_path / "runs" / "mh" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(20))  # every step once, across the two attempts
+    assert steps == list(range(14))  # every step once, across the two attempts
     for i, nodes in ((1, {"trainer.log"}), (2, {"gen0.log", "scorer0.log"})):
         logs = tmp_path / "work" / f"host{i}" / "mh" / "logs"
         assert {p.name for p in logs.iterdir()} == nodes

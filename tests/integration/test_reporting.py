@@ -15,15 +15,16 @@ pytest.importorskip("tensorboard", reason="the tensorboard extra is not installe
 pytestmark = [pytest.mark.timeout(300)]
 
 
-def test_tensorboard_gets_every_step_of_a_separation_run(tmp_path, one_thread):
+def test_tensorboard_gets_every_step_of_a_run(tmp_path, one_thread):
+    """The reporter follows metrics.jsonl, whichever strategy writes it: Flattening here
+    (in-process, the quickest); the same file under Separation comes from the coordinator."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     cfg = load_config(None, [
         "model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=20",
         "reward_model.steps=20", "reward_model.heldout_pairs=64", "run.eval_prompts=16",
         "train.steps=3", "train.prompts_per_step=4", "algo.group_size=2", "run.plot=false",
-        "run.progress=false", "placement.strategy=separation", "placement.devices=2",
-        'run.report_to=["tensorboard"]', f"run.cache_dir={json.dumps(str(tmp_path / 'c'))}",
+        "run.progress=false", 'run.report_to=["tensorboard"]', f"run.cache_dir={json.dumps(str(tmp_path / 'c'))}",
         f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=tb"])
     job.run(cfg)
     events = EventAccumulator(str(tmp_path / "tb" / "tensorboard"))

@@ -23,11 +23,11 @@ BASE = ["model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=20",
         "train.prompts_per_step=4", "algo.group_size=2", "run.plot=false",
         "run.checkpoint_every=0", "placement.cpu_threads=1"]
 # steps: enough that the stop (a CLI process: ~2 s to start) lands mid-run (it landed
-# at steps 17 and 22 of interleaving and separation on a 2-core box)
+# at steps 4, 17 and 22 of flattening, interleaving and separation on a 2-core box)
 STRATEGIES = {"flattening": ["placement.strategy=flattening", "placement.devices=2"],
               "interleaving": ["placement.strategy=interleaving", "placement.devices=2"],
               "separation": ["placement.strategy=separation", "placement.devices=2"]}
-STEPS = {"flattening": 30, "interleaving": 60, "separation": 70}
+STEPS = {"flattening": 16, "interleaving": 45, "separation": 55}
 
 
 def _cli(*args: str, **kw) -> subprocess.Popen:
