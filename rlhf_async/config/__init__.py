@@ -5,6 +5,7 @@ from rlhf_async.config.load import config_from_dict, load_config, parse_override
 from rlhf_async.config.schema import (
     AlgoConfig,
     ConfigError,
+    CriticConfig,
     GenerationConfig,
     JobConfig,
     ModelConfig,
@@ -20,7 +21,7 @@ from rlhf_async.config.schema import (
     weight_sync_backend,
 )
 
-__all__ = ["AlgoConfig", "ConfigError", "GenerationConfig", "JobConfig", "ModelConfig",
-           "PlacementConfig", "RewardModelConfig", "RunConfig", "RuntimeConfig", "SFTConfig",
-           "TaskConfig", "TrainConfig", "WeightSyncConfig", "config_from_dict", "load_config",
-           "parse_override", "to_dict", "weight_sync_backend"]
+__all__ = ["AlgoConfig", "ConfigError", "CriticConfig", "GenerationConfig", "JobConfig",
+           "ModelConfig", "PlacementConfig", "RewardModelConfig", "RunConfig", "RuntimeConfig",
+           "SFTConfig", "TaskConfig", "TrainConfig", "WeightSyncConfig", "config_from_dict",
+           "load_config", "parse_override", "to_dict", "weight_sync_backend"]

@@ -33,7 +33,7 @@ def cross_checks(cfg: JobConfig) -> list[str]:
         if engine == extra and importlib.util.find_spec(extra) is None:
             out.append(f"{key}: {extra} is not installed (pip install 'rlhf-async[{extra}]'); "
                        "accepted here: torch")
-    out.extend(_reward_model_checks(cfg))
+    out.extend(_scalar_model_checks(cfg))
     for name in cfg.run.report_to:
         if name not in ("tensorboard", "wandb"):
             out.append(f"run.report_to: unknown {name!r}; accepted: tensorboard, wandb")
@@ -106,12 +106,35 @@ def _text_task_checks(cfg: JobConfig) -> list[str]:
     return out
 
 
-def _reward_model_checks(cfg: JobConfig) -> list[str]:
-    """A reward model from a directory: the text task's, a sequence classifier with one
-    label (its tokenizer and head are checked when the text task loads)."""
-    path = cfg.reward_model.path
-    if not path:
-        return []
+def _scalar_model_checks(cfg: JobConfig) -> list[str]:
+    """A reward model or critic from a directory: the text task's, a sequence classifier
+    with one label (its tokenizer and head are checked when the text task loads)."""
+    out = []
+    if cfg.critic.path and cfg.algo.name != "ppo":
+        out.append(f"critic.path: {cfg.algo.name} trains no critic; it is for algo.name = "
+                   "'ppo'")
+    for key, path, what in (("reward_model.path", cfg.reward_model.path, "reward model"),
+                            ("critic.path", cfg.critic.path, "critic")):
+        if path:
+            out += _scalar_model_problems(cfg, key, path, what)
+    return out
+
+
+def _scalar_model_problems(cfg: JobConfig, key: str, path: str, what: str) -> list[str]:
+    if cfg.task.name != "text":
+        return [f"{key}: the built-in task trains its own reward model (which starts the "
+                f"critic); a trained {what} from a directory needs task.name = 'text'"]
+    if not Path(path).is_dir():
+        return [f"{key}: {path!r} is not a directory"]
+    try:
+        hf = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return [f"{key}: no readable config.json in {path!r} ({e})"]
+    labels = hf.get("num_labels", len(hf.get("id2label") or {}) or 2)
+    if labels != 1:
+        return [f"{key}: {path!r} has num_labels = {labels}; a {what} gives one score "
+                "per sequence (AutoModelForSequenceClassification with num_labels = 1)"]
+    return []
     if cfg.task.name != "text":
         return ["reward_model.path: the built-in task trains its own reward model; a "
                 "trained one from a directory needs task.name = 'text'"]

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-MODEL_KEYS = (("model", "path"), ("reward_model", "path"))  # (section, field)
+MODEL_KEYS = (("model", "path"), ("reward_model", "path"), ("critic", "path"))
 
 
 def cached_snapshot(repo_id: str) -> Path | None:

@@ -111,8 +111,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 # fields holding a file or directory path: relative ones resolve against the working
 # directory of whoever wrote them (`base_dir`), not of the process that runs the job
-PATH_KEYS = (("model", "path"), ("reward_model", "path"), ("task", "prompts"),
-             ("placement", "calibration"), ("placement", "hosts_file"))
+PATH_KEYS = (("model", "path"), ("reward_model", "path"), ("critic", "path"),
+             ("task", "prompts"), ("placement", "calibration"), ("placement", "hosts_file"))
 
 
 def _resolve_hub_ids(cfg: JobConfig, base_dir: Path | None, problems: list[str]) -> None:

@@ -105,6 +105,14 @@ class RewardModelConfig:
 
 
 @dataclass
+class CriticConfig:
+    path: str = opt("", "PPO's initial critic: a sequence classifier with one label on the "
+                    "policy's tokenizer (as reward_model.path), a directory or a cached hub "
+                    "id; text task only. Empty = the reward model (reward_model.path, or the "
+                    "built-in task's), else the policy's trunk with a fresh value head")
+
+
+@dataclass
 class AlgoConfig:
     name: str = opt("ppo", "RL algorithm", choices=("ppo", "grpo", "rloo"))
     kl_coef: float = opt(0.05, "weight of the KL penalty to the reference (with kl_target > "
@@ -229,6 +237,7 @@ class JobConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

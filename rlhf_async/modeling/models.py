@@ -100,7 +100,7 @@ class ScalarHeadModel(nn.Module):
         return model
 
 
-def load_scalar_model(path: str | Path) -> ScalarHeadModel:
+def load_scalar_model(path: str | Path, key: str = "reward_model.path") -> ScalarHeadModel:
     """A reward model from a directory: ours (trunk + value_head.safetensors), or a
     Hugging Face sequence classifier with one label whose head is a linear `score` on the
     trunk's hidden states (Llama, Qwen2, Mistral, GPT-2, ... as TRL, OpenRLHF and
@@ -109,7 +109,7 @@ def load_scalar_model(path: str | Path) -> ScalarHeadModel:
         return ScalarHeadModel.load(path)
     from transformers import AutoModelForSequenceClassification
 
-    key = f"reward_model.path: {str(path)!r}"
+    key = f"{key}: {str(path)!r}"
     try:
         model = AutoModelForSequenceClassification.from_pretrained(str(path),
                                                                    local_files_only=True)

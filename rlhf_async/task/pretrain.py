@@ -223,10 +223,13 @@ def load_reward(art: Artefacts) -> ScalarHeadModel | None:
 
 
 def load_critic(cfg: JobConfig, art: Artefacts) -> ScalarHeadModel | None:
-    """PPO's initial critic: the reward model (InstructGPT), or for a rule-reward task the
-    policy's own trunk with a fresh scalar head; None for critic-free algorithms."""
+    """PPO's initial critic: `critic.path` when given, else the reward model (InstructGPT;
+    the DeepSpeed-Chat / OpenRLHF convention), or for a rule-reward task the policy's own
+    trunk with a fresh scalar head; None for critic-free algorithms."""
     if cfg.algo.name != "ppo":
         return None
+    if cfg.critic.path:
+        return load_scalar_model(cfg.critic.path, "critic.path").eval()
     if art.rm_dir is None:
         return scalar_model_from_actor(load_sft(art.sft_dir), cfg.run.seed)
     return load_reward_model(art.rm_dir)

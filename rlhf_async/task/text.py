@@ -95,12 +95,13 @@ def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tok
 
 
-def _check_reward_tokenizer(path: str, tok: PreTrainedTokenizerBase, policy: str) -> None:
-    """The reward model reads the policy's token ids: its tokenizer (when it has one) must
-    be the policy's, and its embeddings must cover the policy's vocabulary."""
+def _check_reward_tokenizer(key: str, path: str, tok: PreTrainedTokenizerBase,
+                            policy: str) -> None:
+    """A reward model (or critic) reads the policy's token ids: its tokenizer (when it has
+    one) must be the policy's, and its embeddings must cover the policy's vocabulary."""
     from transformers import AutoConfig, AutoTokenizer
 
-    key = f"reward_model.path: {path!r}"
+    key = f"{key}: {path!r}"
     try:
         theirs = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError):
@@ -109,7 +110,7 @@ def _check_reward_tokenizer(path: str, tok: PreTrainedTokenizerBase, policy: str
             theirs.get_vocab() != tok.get_vocab():
         raise ConfigError([f"{key} has another tokenizer than model.path {policy!r} "
                            f"({len(theirs)} vs {len(tok)} tokens); it scores the policy's "
-                           "token ids, so use a reward model trained on the policy's "
+                           "token ids, so use a model trained on the policy's "
                            "tokenizer (this build does not re-tokenise by text)"])
     vocab = getattr(AutoConfig.from_pretrained(path, local_files_only=True), "vocab_size", None)
     if isinstance(vocab, int) and vocab < len(tok):
@@ -131,8 +132,10 @@ class TextTask:
         self.reward_fn = load_reward_fn(t.reward) if t.reward else None
         self.has_rule = self.reward_fn is not None
         self.rule_reward = not cfg.reward_model.path  # no reward model: the rule is it
-        if cfg.reward_model.path:
-            _check_reward_tokenizer(cfg.reward_model.path, self.tokenizer, cfg.model.path)
+        for key, path in (("reward_model.path", cfg.reward_model.path),
+                          ("critic.path", cfg.critic.path)):
+            if path:
+                _check_reward_tokenizer(key, path, self.tokenizer, cfg.model.path)
         if self.tokenizer.eos_token_id is None:
             raise ConfigError([(f"model.path: the tokenizer in {cfg.model.path!r} has no "
                                 "EOS token (generation needs one to stop)")])

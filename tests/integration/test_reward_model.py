@@ -106,8 +106,29 @@ def test_bad_reward_models_are_one_clear_error_each(files, tmp_path):
     cfg = _config(files, tmp_path, "x", f"reward_model.path={json.dumps(str(tmp_path / 'other'))}")
     with pytest.raises(ConfigError, match="has another tokenizer than model.path"):
         make_task(cfg)
-    with pytest.raises(ConfigError, match="a trained one from a directory needs task.name"):
+    with pytest.raises(ConfigError, match="a trained reward model from a directory needs "
+                                          "task.name"):
         load_config(None, [f"reward_model.path={json.dumps(str(files / 'rm'))}"])
     with pytest.raises(ConfigError, match="needs both"):
         _config(files, tmp_path, "x", "task.reward_weight=0.5")
     assert not (tmp_path / "x").exists()  # nothing written for a refused config
+
+
+def test_critic_path_starts_ppos_critic_and_defaults_to_the_reward_model(files, tmp_path):
+    from rlhf_async.task.pretrain import load_critic, prepare_artefacts
+
+    make_reward_model(files / "model", tmp_path / "critic")
+    with torch.random.fork_rng():  # another seed than the reward model's
+        torch.manual_seed(9)
+        hf = GPT2ForSequenceClassification.from_pretrained(tmp_path / "critic")
+        torch.nn.init.normal_(hf.score.weight)
+        hf.save_pretrained(tmp_path / "critic", safe_serialization=True)
+    cfg = _config(files, tmp_path, "c", f"critic.path={json.dumps(str(tmp_path / 'critic'))}")
+    art = prepare_artefacts(cfg, make_task(cfg))
+    critic = load_critic(cfg, art)
+    torch.testing.assert_close(critic.head.weight, hf.score.weight)
+    default = load_critic(_config(files, tmp_path, "d"), art)  # the reward model's head
+    torch.testing.assert_close(default.head.weight, load_scalar_model(files / "rm").head.weight)
+    with pytest.raises(ConfigError, match="critic.path: grpo trains no critic"):
+        _config(files, tmp_path, "x", f"critic.path={json.dumps(str(tmp_path / 'critic'))}",
+                "algo.name=grpo")
