@@ -92,7 +92,12 @@ class TrainerGroup:
             elif op is Op.CHECKPOINT:
                 learner_state(learner)
             else:
-                if op is Op.FINISH:
-                    with learner.actor_backend.gathered():
-                        pass
+                if op is Op.FINISH:  # the gather is collective: rank 0 saves the policy
+                    _join_gather(learner)  # from the whole weights meanwhile
                 return op
+
+
+def _join_gather(learner: Learner) -> None:
+    """Take part in rank 0's gather of the full weights (ZeRO-3; a no-op otherwise)."""
+    with learner.actor_backend.gathered():
+        return
