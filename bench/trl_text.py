@@ -43,7 +43,8 @@ class RuleReward:
     __name__ = "rule"
 
     def __init__(self, task: TextTask) -> None:
-        self.fn = task.reward_fn
+        assert task.rule is not None  # main refuses a text task without one
+        self.rule = task.rule
         self.hidden: list[float] = []
         self.tokens: list[float] = []
 
@@ -52,8 +53,9 @@ class RuleReward:
         def text(x: object) -> str:  # conversational: a list of {"role", "content"} turns
             return str(x[-1]["content"]) if isinstance(x, list) else str(x)
 
-        out = [float(self.fn(text(p), text(c))) for p, c in zip(prompts, completions,
-                                                                  strict=True)]
+        n = len(prompts)
+        out = self.rule([text(p) for p in prompts], [text(c) for c in completions],
+                        [{}] * n, [-1] * n)
         self.hidden.append(sum(out) / len(out))
         self.tokens.append(float(sum(len(ids) for ids in completion_ids)))
         return out
@@ -109,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError([(f"{args.config}: task.name is {cfg.task.name!r}; this "
                                 "benchmark needs a text task (bench.trl_compare runs the "
                                 "built-in one)")])
+        if not cfg.task.reward:
+            raise ConfigError([f"{args.config}: task.reward is empty; this benchmark "
+                               "compares on the rule reward"])
         make_task(cfg)  # the prompts file, the reward function and the tokenizer load
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -51,6 +51,19 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="relative paths in the config start here, not in the working "
                           "directory (the daemon passes the submitter's)")
 
+    for name, text in (("sft", "supervised fine-tuning of model.path on sft.data (your "
+                                "demonstrations)"),
+                       ("rm", "train a reward model from model.path on reward_model.data "
+                              "(your preference pairs)")):
+        stage = sub.add_parser(name, help=text)
+        stage.add_argument("config", nargs="?", help="TOML config file (optional)")
+        stage.add_argument("overrides", nargs="*", metavar="key=value",
+                           help="dotted config overrides, e.g. sft.data=demos.jsonl")
+        stage.add_argument("--log-level", default="warning",
+                           choices=("debug", "info", "warning", "error"))
+        stage.add_argument("--base-dir", default=None, metavar="DIR",
+                           help="relative paths in the config start here")
+
     plan = sub.add_parser("plan", help="print the placement and predicted cost; start nothing")
     plan.add_argument("config", nargs="?", help="TOML config file (optional)")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
@@ -124,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupted)
     args = _build_parser().parse_args(argv)
-    handlers = {"run": _cmd_run, "plan": _cmd_plan, "resume": _cmd_resume, "demo": _cmd_demo,
-                "status": _cmd_status, "stop": _cmd_stop, "version": _cmd_version,
+    handlers = {"run": _cmd_run, "sft": _cmd_stage, "rm": _cmd_stage, "plan": _cmd_plan,
+                "resume": _cmd_resume, "demo": _cmd_demo, "status": _cmd_status,
+                "stop": _cmd_stop, "version": _cmd_version,
                 "keys": _cmd_keys, "prepare-smollm2": _cmd_prepare_smollm2}
     handlers.update(DEPLOY_HANDLERS)
     from rlhf_async.config import ConfigError
@@ -192,9 +206,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rlhf_async.progress import announce
 
     configure_logging(args.log_level)
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:  # `run key=value` without a config file
-        config, overrides = None, [config, *overrides]
+    config, overrides = _split_config(args)
     # config errors before torch is imported, and a first line while it is (seconds)
     cfg = load_config(config, overrides, base_dir=args.base_dir)
     announce("start", "loading torch and transformers",
@@ -204,13 +216,33 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return _job_errors(lambda: run_config(cfg, args.dry_run))
 
 
+def _split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """(config file, overrides): `CMD key=value ...` without a config file works too."""
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:
+        config, overrides = None, [config, *overrides]
+    return config, overrides
+
+
+def _cmd_stage(args: argparse.Namespace) -> int:
+    """`sft` / `rm`: one supervised stage on the user's data (job/stages.py)."""
+    from rlhf_async.config import load_config
+    from rlhf_async.progress import announce
+
+    configure_logging(args.log_level)
+    cfg = load_config(*_split_config(args), base_dir=args.base_dir)
+    announce("start", "loading torch and transformers", enabled=cfg.run.progress)
+    from rlhf_async import job
+
+    stage = job.sft_stage if args.command == "sft" else job.reward_model_stage
+    return _job_errors(lambda: stage(cfg, sys.stdout) and 0)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from rlhf_async.cli.plan import run_plan
 
     configure_logging("warning")
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:  # `plan key=value` without a config file
-        config, overrides = None, [config, *overrides]
+    config, overrides = _split_config(args)
     return run_plan(args, config, overrides)
 
 

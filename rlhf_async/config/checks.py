@@ -52,7 +52,7 @@ def cross_checks(cfg: JobConfig) -> list[str]:
     return out
 
 
-def _model_context(cfg: JobConfig) -> tuple[int, str] | None:
+def model_context(cfg: JobConfig) -> tuple[int, str] | None:
     """The actor's context length and where it comes from; None when the model's config
     cannot be read (loading the model reports that)."""
     if not cfg.model.path:
@@ -71,7 +71,7 @@ def _model_context(cfg: JobConfig) -> tuple[int, str] | None:
 def _context_checks(cfg: JobConfig) -> list[str]:
     """The longest prompt plus a full response must fit the model's positions (past them a
     GPT-2 position embedding raises an IndexError mid-generation)."""
-    found = _model_context(cfg)
+    found = model_context(cfg)
     if found is None:
         return []
     context, source = found
@@ -94,9 +94,10 @@ def _text_task_checks(cfg: JobConfig) -> list[str]:
         out.append("model.path: task.name = 'text' needs a local Hugging Face model "
                    "directory with a tokenizer")
     if not t.prompts:
-        out.append("task.prompts: task.name = 'text' needs a prompts file (.jsonl or .txt)")
-    elif not Path(t.prompts).is_file():
-        out.append(f"task.prompts: {t.prompts!r} is not a file")
+        out.append("task.prompts: task.name = 'text' needs prompts: a data file (.jsonl, "
+                   ".json, .parquet, .arrow, .csv, .txt), a directory or a cached dataset id")
+    elif not Path(t.prompts).exists():
+        out.append(f"task.prompts: {t.prompts!r} is neither a file nor a directory")
     if (t.reward and ":" not in t.reward) or (not t.reward and not cfg.reward_model.path):
         out.append("task.reward: task.name = 'text' needs 'module.path:function' or "
                    f"'path/to/file.py:function' (or a reward_model.path), got {t.reward!r}")

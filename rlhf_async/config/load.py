@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_async.config.checks import cross_checks
-from rlhf_async.config.hub import MODEL_KEYS, resolve_hub_id
+from rlhf_async.config.hub import DATA_KEYS, MODEL_KEYS, resolve_hub_id
 from rlhf_async.config.schema import ConfigError, JobConfig
 
 
@@ -112,14 +112,18 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 # fields holding a file or directory path: relative ones resolve against the working
 # directory of whoever wrote them (`base_dir`), not of the process that runs the job
 PATH_KEYS = (("model", "path"), ("reward_model", "path"), ("critic", "path"),
-             ("task", "prompts"), ("placement", "calibration"), ("placement", "hosts_file"))
+             ("task", "prompts"), ("sft", "data"), ("reward_model", "data"),
+             ("placement", "calibration"), ("placement", "hosts_file"))
 
 
 def _resolve_hub_ids(cfg: JobConfig, base_dir: Path | None, problems: list[str]) -> None:
-    """Model paths that name a hub id become their snapshot in the local HF cache."""
-    for section, key in MODEL_KEYS:
+    """Model and data paths that name a hub id become their snapshot in the local HF
+    cache."""
+    keys = [(s, k, "model") for s, k in MODEL_KEYS] + [(s, k, "dataset") for s, k in DATA_KEYS]
+    for section, key, repo_type in keys:
         obj = getattr(cfg, section)
-        value, problem = resolve_hub_id(getattr(obj, key), f"{section}.{key}", base_dir)
+        value, problem = resolve_hub_id(getattr(obj, key), f"{section}.{key}", base_dir,
+                                        repo_type)
         setattr(obj, key, value)
         if problem:
             problems.append(problem)

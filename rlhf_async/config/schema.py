@@ -67,10 +67,21 @@ class TaskConfig:
     min_len: int = opt(3, "shortest prompt (digits; sort_digits)", ge=2)
     max_len: int = opt(6, "longest prompt (digits; sort_digits)", ge=2)
     num_digits: int = opt(10, "digit alphabet size (sort_digits)", ge=2, le=10)
-    prompts: str = opt("", "text: prompts file, .jsonl ({\"prompt\": \"...\"} per line) or "
-                       "one prompt per line; ~1 in 8 held out for evaluation")
+    prompts: str = opt("", "text: your prompts: a .jsonl/.json/.parquet/.arrow/.csv file, a "
+                       ".txt file (one per line), a directory (save_to_disk, or data files) "
+                       "or a dataset id in the local HF cache; ~1 in 8 held out for "
+                       "evaluation")
+    split: str = opt("train", "text: the split of task.prompts to use, when it has splits")
+    prompt_key: str = opt("prompt", "text: the prompt column (a string)")
+    messages_key: str = opt("messages", "text: the chat column used when a row has no "
+                            "prompt_key: a list of {role, content}; a last assistant turn "
+                            "is dropped")
     reward: str = opt("", "text: rule reward 'module.path:function' or 'file.py:function', "
-                      "called as f(prompt: str, response: str) -> float")
+                      "called as f(prompt: str, response: str, **columns) -> float; the "
+                      "row's other columns are passed by name when f takes them")
+    reward_batched: bool = opt(False, "text: call task.reward once per batch as "
+                               "f(prompts: list, responses: list, **columns: list) -> "
+                               "list[float] (TRL's convention)")
     reward_weight: float = opt(0.0, "text, with reward_model.path: weight of task.reward's "
                                "score added to the learned reward; 0 = the rule is only "
                                "reported (hidden_score)", ge=0.0)
@@ -84,9 +95,20 @@ class TaskConfig:
 
 @dataclass
 class SFTConfig:
-    steps: int = opt(250, "supervised fine-tuning steps on synthetic demonstrations", ge=0)
+    steps: int = opt(250, "supervised fine-tuning steps (built-in task: before RL; "
+                     "`rlhf-async sft`: on sft.data)", ge=0)
     batch_size: int = opt(64, "demonstrations per SFT step", ge=1)
-    lr: float = opt(3e-3, "SFT learning rate", gt=0.0)
+    lr: float = opt(3e-3, "SFT learning rate (the built-in task's; ~1e-5 for a real model)",
+                    gt=0.0)
+    data: str = opt("", "`rlhf-async sft`: your demonstrations, any source task.prompts "
+                    "takes; rows of prompt_key + response_key, or messages_key")
+    split: str = opt("train", "the split of sft.data to use, when it has splits")
+    prompt_key: str = opt("prompt", "sft.data: the prompt column")
+    response_key: str = opt("response", "sft.data: the response column (the loss is on it)")
+    messages_key: str = opt("messages", "sft.data: the chat column used when a row has no "
+                            "prompt_key; the last turn, an assistant one, is the response")
+    max_tokens: int = opt(1024, "sft.data: longest prompt + response (tokens); a longer "
+                          "response is cut", ge=2)
 
 
 @dataclass
@@ -101,7 +123,18 @@ class RewardModelConfig:
     lr: float = opt(1e-3, "reward-model learning rate", gt=0.0)
     label_noise: float = opt(0.05, "temperature of the noisy labeller: P(a>b)=sigmoid(dh/t)",
                              gt=0.0)
-    heldout_pairs: int = opt(1024, "held-out pairs for reward-model accuracy", ge=1)
+    heldout_pairs: int = opt(1024, "held-out pairs for reward-model accuracy (built-in "
+                             "task)", ge=1)
+    data: str = opt("", "`rlhf-async rm`: your preference pairs, any source task.prompts "
+                    "takes; rows of prompt_key + chosen_key + rejected_key (strings, or chat "
+                    "lists whose last turn is the response); ~1 in 8 held out")
+    split: str = opt("train", "the split of reward_model.data to use, when it has splits")
+    prompt_key: str = opt("prompt", "reward_model.data: the prompt column (may be absent "
+                          "when chosen/rejected are chat lists)")
+    chosen_key: str = opt("chosen", "reward_model.data: the preferred response's column")
+    rejected_key: str = opt("rejected", "reward_model.data: the other response's column")
+    max_tokens: int = opt(1024, "reward_model.data: longest prompt + response (tokens); a "
+                          "longer response is cut", ge=2)
 
 
 @dataclass

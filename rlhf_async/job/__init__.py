@@ -1,5 +1,6 @@
 """A job: one training run, config to summary (SFT -> reward model -> RL -> evaluation),
-on this machine (`run`) or across hosts (`multihost`).
+on this machine (`run`) or across hosts (`multihost`); or one supervised stage on the
+user's data (`sft_stage`, `reward_model_stage`).
 
 The names below load `job.local` (torch, transformers: seconds) on first use, so that what
 needs only the run directory's lock (`rlhf-async stop`) starts in a fraction of that."""
@@ -18,11 +19,16 @@ if TYPE_CHECKING:
         run_config,
         run_job,
     )
+    from rlhf_async.job.stages import reward_model_stage, sft_stage
 
-__all__ = ["evaluate", "format_summary", "resume_job", "run", "run_config", "run_job"]
+_HOMES = {"evaluate": "local", "format_summary": "local", "resume_job": "local", "run": "local",
+          "run_config": "local", "run_job": "local", "sft_stage": "stages",
+          "reward_model_stage": "stages"}
+__all__ = ["evaluate", "format_summary", "resume_job", "reward_model_stage", "run",
+           "run_config", "run_job", "sft_stage"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module("rlhf_async.job.local"), name)
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"rlhf_async.job.{_HOMES[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -63,7 +63,8 @@ def evaluate(actor: torch.nn.Module, reward_model: ScalarHeadModel | None, task:
             "prompts": len(b)}
 
 
-def _run_dir(cfg: JobConfig) -> Path:
+def run_dir_of(cfg: JobConfig) -> Path:
+    """run.output_dir/run.name (a UTC timestamp when run.name is empty)."""
     name = cfg.run.name or datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     return Path(cfg.run.output_dir) / name
 
@@ -83,7 +84,7 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None,
     if cfg.placement.device == "cpu":
         torch.set_num_threads(cfg.placement.cpu_threads)
     task = make_task(cfg)  # a bad prompts file or reward function stops the run here
-    target = _run_dir(cfg) if run_dir is None else run_dir
+    target = run_dir_of(cfg) if run_dir is None else run_dir
     if launch is None:
         # one job per run directory, held before anything is written there (job/lock.py)
         with hold_run_dir(target) as held:
@@ -183,7 +184,8 @@ def _summarize(cfg: JobConfig, task: Task, out: IO[str] | None, run_dir: Path,
         "final_hidden_score": final_eval["hidden_score"],
         "sft_reward": sft_eval["reward"], "final_reward": final_eval["reward"],
         "eval_prompts": final_eval["prompts"],
-        "task": cfg.task.name,
+        "task": cfg.task.name, "reward_model": cfg.reward_model.path or None,
+        "has_rule": task.has_rule,
         "rm_accuracy": art.rm_stats.get("rm_accuracy"),
         "rm_label_accuracy": art.rm_stats.get("rm_label_accuracy"),
         "pretrain_seconds": t_pre, "rl_seconds": result.seconds,
@@ -200,7 +202,14 @@ def _summarize(cfg: JobConfig, task: Task, out: IO[str] | None, run_dir: Path,
 def format_summary(s: dict) -> str:
     head = (f"\nrun {s['run_dir']} ({s['algo']}, seed {s['seed']}, {s['strategy']} x"
             f"{s['devices']})\n")
-    if s.get("rm_accuracy") is None:  # a rule reward: no SFT, no reward model
+    if s.get("rm_accuracy") is None and s.get("reward_model"):  # the user's reward model
+        n = s["eval_prompts"]
+        if s.get("has_rule"):
+            head += (f"  rule (task.reward) on {n} held-out prompts: initial "
+                     f"{s['sft_hidden_score']:.3f} -> final {s['final_hidden_score']:.3f}\n")
+        head += (f"  reward on {n} held-out prompts: initial {s['sft_reward']:.3f} -> final "
+                 f"{s['final_reward']:.3f}\n")
+    elif s.get("rm_accuracy") is None:  # a rule reward: no SFT, no reward model
         head += (f"  rule reward on {s['eval_prompts']} held-out prompts: initial "
                  f"{s['sft_reward']:.3f} -> final {s['final_reward']:.3f}\n")
     else:
@@ -317,5 +326,5 @@ def dry_run_report(cfg: JobConfig) -> str:
     executes, the task's inputs), then the placement it would run, as text."""
     cfg, placement = prepare_run(cfg)
     make_task(cfg)
-    return (f"{placement.table()}\n\nrun directory: {_run_dir(cfg)}\n"
+    return (f"{placement.table()}\n\nrun directory: {run_dir_of(cfg)}\n"
             "dry run: every check passed; nothing was started or written\n")

@@ -107,14 +107,27 @@ def load_scalar_model(path: str | Path, key: str = "reward_model.path") -> Scala
     DeepSpeed-Chat save them). Its score is read at each sequence's last real token."""
     if (Path(path) / HEAD_FILE).exists():
         return ScalarHeadModel.load(path)
+    return as_scalar_model(load_classifier(path, key), f"{key}: {str(path)!r}")
+
+
+def load_classifier(path: str | Path, key: str, num_labels: int | None = None,
+                    ) -> PreTrainedModel:
+    """An AutoModelForSequenceClassification from `path`; with `num_labels`, a causal LM's
+    directory too (its trunk, and a new head of that many labels)."""
     from transformers import AutoModelForSequenceClassification
 
-    key = f"{key}: {str(path)!r}"
+    kwargs: dict[str, Any] = {} if num_labels is None else {"num_labels": num_labels}
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(str(path),
-                                                                   local_files_only=True)
+        return AutoModelForSequenceClassification.from_pretrained(
+            str(path), local_files_only=True, **kwargs)
     except (OSError, ValueError) as e:
-        raise ConfigError([f"{key} is not a sequence-classification model ({e})"]) from None
+        raise ConfigError([f"{key}: {str(path)!r} is not a sequence-classification model "
+                           f"({e})"]) from None
+
+
+def as_scalar_model(model: PreTrainedModel, key: str) -> ScalarHeadModel:
+    """A sequence classifier's trunk and `score` head as a ScalarHeadModel (sharing their
+    modules: training one trains the other); one error for a head it cannot use."""
     head = getattr(model, "score", None)
     trunk = getattr(model, model.base_model_prefix, None)
     if model.config.num_labels != 1:

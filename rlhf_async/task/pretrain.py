@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlhf_async.config import JobConfig
@@ -28,18 +27,24 @@ from rlhf_async.modeling.models import (
     ScalarHeadModel,
     load_actor,
     load_scalar_model,
-    response_logits,
     scalar_model_from_actor,
-    sequence_scores,
 )
-from rlhf_async.progress import Phase, announce
+from rlhf_async.progress import announce
 from rlhf_async.task import Task
 from rlhf_async.task.sort_digits import VOCAB_SIZE, SortDigitsTask
+from rlhf_async.task.supervised import (
+    Batch,
+    bradley_terry_loss,
+    fit,
+    pair_scores,
+    sft_loss,
+)
 
 log = get_logger(component="pretrain")
 ARTEFACT_VERSION = 2
 # The artefacts depend on this code too: any change to it gives new cache keys.
 _CODE_FILES = (Path(__file__), Path(__file__).with_name("sort_digits.py"),
+               Path(__file__).with_name("supervised.py"),
                Path(__file__).parents[1] / "modeling" / "models.py")
 
 
@@ -93,56 +98,31 @@ def atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
 
 
 def train_sft(task: SortDigitsTask, actor: PreTrainedModel, cfg: JobConfig) -> dict:
-    """Cross-entropy on demonstration tokens only (prompt and padding masked out)."""
-    opt = torch.optim.AdamW(actor.parameters(), lr=cfg.sft.lr, weight_decay=0.0)
-    actor.train()
-    loss = torch.tensor(float("nan"))
-    bar = Phase("sft", cfg.sft.steps, enabled=cfg.run.progress)
-    for step in range(cfg.sft.steps):
+    """Cross-entropy on synthetic demonstrations' tokens only."""
+    def batch(step: int) -> Batch:
         prompts, demos = task.demonstrations(cfg.run.seed, step, cfg.sft.batch_size)
-        p_ids, p_mask = task.encode_prompts(prompts)
-        r_ids, r_mask = task.encode_responses(demos, task.response_len)
-        logits = response_logits(actor, p_ids, p_mask, r_ids, r_mask)  # [B, R, V]
-        per_tok = F.cross_entropy(logits.transpose(1, 2), r_ids, reduction="none")  # [B, R]
-        loss = (per_tok * r_mask).sum() / r_mask.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(actor.parameters(), 1.0)
-        opt.step()
-        bar.update(1, loss=loss.item())
-    bar.close()
-    actor.eval()
-    return {"sft_final_loss": loss.item()}
+        return (*task.encode_prompts(prompts), *task.encode_responses(demos, task.response_len))
+
+    loss = fit(actor, sft_loss, batch, cfg.sft.steps, cfg.sft.lr, "sft", cfg.run.progress)
+    return {"sft_final_loss": loss}
 
 
-def _pair_scores(task: SortDigitsTask, rm: ScalarHeadModel, prompts: list, chosen: list,
-                 rejected: list) -> tuple[torch.Tensor, torch.Tensor]:
-    p_ids, p_mask = task.encode_prompts(prompts + prompts)
-    r_ids, r_mask = task.encode_responses(chosen + rejected, task.response_len)
-    s = sequence_scores(rm, p_ids, p_mask, r_ids, r_mask)  # [2B]
-    return s[: len(prompts)], s[len(prompts):]
+def _pairs(task: SortDigitsTask, prompts: list, chosen: list, rejected: list) -> Batch:
+    return (*task.encode_prompts(prompts + prompts),
+            *task.encode_responses(chosen + rejected, task.response_len))
 
 
 def train_reward_model(task: SortDigitsTask, rm: ScalarHeadModel, cfg: JobConfig) -> dict:
-    """Bradley-Terry: maximise log sigmoid(r(chosen) - r(rejected)) on noisy synthetic labels."""
+    """Bradley-Terry on noisy synthetic labels."""
     rcfg = cfg.reward_model
-    opt = torch.optim.AdamW(rm.parameters(), lr=rcfg.lr, weight_decay=0.0)
-    rm.train()
-    loss = torch.tensor(float("nan"))
-    bar = Phase("reward model", rcfg.steps, enabled=cfg.run.progress)
-    for step in range(rcfg.steps):
-        prompts, ch, rj = task.preference_pairs(cfg.run.seed, "rm", step, rcfg.batch_size,
-                                                rcfg.label_noise)
-        sc, sr = _pair_scores(task, rm, prompts, ch, rj)
-        loss = -F.logsigmoid(sc - sr).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(rm.parameters(), 1.0)
-        opt.step()
-        bar.update(1, loss=loss.item())
-    bar.close()
-    rm.eval()
-    return {"rm_final_loss": loss.item(), **reward_model_accuracy(task, rm, cfg)}
+
+    def batch(step: int) -> Batch:
+        return _pairs(task, *task.preference_pairs(cfg.run.seed, "rm", step, rcfg.batch_size,
+                                                   rcfg.label_noise))
+
+    loss = fit(rm, bradley_terry_loss, batch, rcfg.steps, rcfg.lr, "reward model",
+               cfg.run.progress)
+    return {"rm_final_loss": loss, **reward_model_accuracy(task, rm, cfg)}
 
 
 @torch.no_grad()
@@ -152,7 +132,7 @@ def reward_model_accuracy(task: SortDigitsTask, rm: ScalarHeadModel, cfg: JobCon
     prompts, ch, rj = task.preference_pairs(cfg.run.seed, "eval", 0,
                                             cfg.reward_model.heldout_pairs,
                                             cfg.reward_model.label_noise)
-    sc, sr = _pair_scores(task, rm, prompts, ch, rj)
+    sc, sr = pair_scores(rm, _pairs(task, prompts, ch, rj))
     enc = task.encode_responses
     p_ids, _ = task.encode_prompts(prompts)
     hc = task.hidden_scores(p_ids, *enc(ch, task.response_len))

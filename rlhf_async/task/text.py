@@ -1,98 +1,109 @@
-"""The "text" task: the user's prompts (a JSONL or .txt file), judged by the user's rule
-reward, a trained reward model (`reward_model.path`), or both with weights.
+"""The "text" task: the user's prompts (any source `task/dataset.py` reads), judged by the
+user's rule reward, a trained reward model (`reward_model.path`), or both with weights.
 
-Prompts are tokenised once with the tokenizer in `model.path` (through its chat template
-unless `task.chat_template = false`) and left-padded to one fixed width: the longest
-prompt of the file. A fixed hash of each prompt's text holds about one in eight out for
-evaluation (at least one), so adding prompts to the file never moves one between the
-splits. Training steps walk the training prompts in a keyed shuffle per epoch.
+A row's prompt is its `task.prompt_key` string, or else its `task.messages_key` chat (a last
+assistant turn, a reference answer, is dropped). Prompts are tokenised once with the
+tokenizer in `model.path` (`task/tokens.py`) and left-padded to one fixed width: the longest
+prompt. A fixed hash of each prompt holds about one in eight out for evaluation (at least
+one), so adding rows never moves one between the splits. Training steps walk the training
+prompts in a keyed shuffle per epoch.
 
-The rule is `task.reward(prompt, response)` on the decoded response (up to EOS); with no
-reward model it is both the training reward and the reported `hidden_score`. A reward model
-scores the policy's own token ids, so it must share the policy's tokenizer (checked here;
-one with another vocabulary is refused rather than re-tokenised).
+The rule is `task.reward` on the decoded response (up to EOS): per sample
+`f(prompt, response, **columns)`, or with `task.reward_batched` once per batch
+`f(prompts, responses, **columns) -> list[float]`; `columns` are the row's other columns
+(by name, those f takes). With no reward model it is both the training reward and the
+reported `hidden_score`. A reward model scores the policy's own token ids, so it must share
+the policy's tokenizer (checked here; one with another vocabulary is refused rather than
+re-tokenised).
 """
 
 from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from rlhf_async.config import ConfigError, JobConfig
+from rlhf_async.config import ConfigError, JobConfig, TaskConfig
 from rlhf_async.modeling.determinism import key_seed
 from rlhf_async.modeling.rollout import PromptBatch
-from rlhf_async.task.reward_fn import call_reward, load_reward_fn
+from rlhf_async.task.dataset import load_rows
+from rlhf_async.task.reward_fn import RuleReward
+from rlhf_async.task.tokens import (
+    Prompt,
+    check_chat,
+    encode_prompt,
+    load_tokenizer,
+    prompt_text,
+    split_chat,
+)
 
 HELDOUT_ONE_IN = 8
 
 
-def read_prompts(path: str) -> list[str]:
-    """Prompts of a .jsonl file ({"prompt": "..."} per line) or of any other text file (one
-    per line); blank lines are skipped. Every bad line is reported in one ConfigError."""
-    p = Path(path)
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise ConfigError([f"task.prompts: {path!r} not found"]) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError([f"task.prompts: cannot read {path!r} ({e})"]) from None
-    prompts, problems = [], []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        if p.suffix != ".jsonl":
-            prompts.append(line.strip())
-            continue
+def read_prompts(t: TaskConfig) -> tuple[list[Prompt], list[dict[str, Any]]]:
+    """(each row's prompt, each row's other columns) of `task.prompts`; every bad row is
+    reported in one ConfigError (the first 20)."""
+    rows = load_rows(t.prompts, "task.prompts", t.split, text_column=t.prompt_key)
+    prompts: list[Prompt] = []
+    columns, problems = [], []
+    for i, row in enumerate(rows):
+        where = f"task.prompts: {t.prompts}: row {i}"
+        value = row.get(t.prompt_key)
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            problems.append(f"task.prompts: {path}:{n}: not JSON ({e})")
+            if value is None and row.get(t.messages_key) is not None:
+                chat = split_chat(check_chat(row[t.messages_key], where))[0]
+                prompts.append(check_chat(chat, f"{where} (without its last assistant turn)"))
+            elif isinstance(value, str) and value.strip():
+                prompts.append(value)
+            else:
+                raise ConfigError([f"{where}: expected a non-empty string in "
+                                   f"{t.prompt_key!r} (task.prompt_key) or a chat in "
+                                   f"{t.messages_key!r} (task.messages_key); its columns: "
+                                   f"{sorted(row)}"])
+        except ConfigError as e:
+            problems.extend(e.problems)
             continue
-        text = row.get("prompt") if isinstance(row, dict) else None
-        if not isinstance(text, str) or not text.strip():
-            problems.append(f"task.prompts: {path}:{n}: expected {{\"prompt\": \"...\"}} "
-                            "with a non-empty string")
-            continue
-        prompts.append(text)
+        columns.append({k: v for k, v in row.items() if k != t.prompt_key})
     if not problems and len(prompts) < 2:
-        problems.append(f"task.prompts: {path!r} holds {len(prompts)} prompt(s); the text "
-                        "task needs >= 2 (one is held out for evaluation)")
+        problems.append(f"task.prompts: {t.prompts!r} holds {len(prompts)} prompt(s); the "
+                        "text task needs >= 2 (one is held out for evaluation)")
     if problems:
-        raise ConfigError(problems)
-    return prompts
+        raise ConfigError(problems[:20])
+    return prompts, columns
 
 
 def heldout_split(prompts: list[str]) -> tuple[list[int], list[int]]:
     """(train indices, eval indices): a prompt is held out when its text hashes to 0 mod 8;
-    when none does (small files) the one with the smallest hash is."""
+    when none does (small files) the one with the smallest hash is (every row of it)."""
     h = [key_seed(0, "heldout", p) for p in prompts]
     held = [i for i, x in enumerate(h) if x % HELDOUT_ONE_IN == 0]
     if not held:
-        held = [min(range(len(prompts)), key=h.__getitem__)]
+        held = [i for i, x in enumerate(h) if x == min(h)]
     if len(held) == len(prompts):
         held = held[:-1]
     train = [i for i in range(len(prompts)) if i not in set(held)]
     return train, held
 
 
-def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
+def split_key(prompt: Prompt) -> str:
+    """The text a row's held-out hash is of: the prompt, or its chat as JSON."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
 
-    msg = f"model.path: no usable tokenizer in {path!r} (the text task needs one"
-    try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, TypeError) as e:
-        raise ConfigError([f"{msg}) ({e})"]) from None
-    if not tok("a b c 1 2 3")["input_ids"]:  # no tokenizer files: transformers builds an
-        # empty one from the model's config silently, and every prompt becomes no tokens
-        raise ConfigError([f"{msg}: tokenizer.json or the vocabulary files of its "
-                           "tokenizer class; it has none)"])
-    return tok
+
+def epoch_walk(indices: list[int], seed: int, purpose: str, step: int, count: int,
+               ) -> list[int]:
+    """`count` of `indices` for step `step`: the k-th pick overall is in epoch k // n, and
+    each epoch is a shuffle keyed by (seed, purpose, epoch)."""
+    n, out = len(indices), []
+    for k in range(step * count, (step + 1) * count):
+        order = list(indices)
+        random.Random(key_seed(seed, "text-epoch", purpose, k // n)).shuffle(order)
+        out.append(order[k % n])
+    return out
 
 
 def _check_reward_tokenizer(key: str, path: str, tok: PreTrainedTokenizerBase,
@@ -126,40 +137,27 @@ class TextTask:
         if not cfg.model.path:
             raise ConfigError([("model.path: task.name = 'text' needs a local Hugging Face "
                                 "model directory with a tokenizer")])
-        self.cfg, self.reward_spec = t, t.reward
-        self.tokenizer = _load_tokenizer(cfg.model.path)
-        self.prompts = read_prompts(t.prompts)
-        self.reward_fn = load_reward_fn(t.reward) if t.reward else None
-        self.has_rule = self.reward_fn is not None
+        self.cfg = t
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.prompts, self.columns = read_prompts(t)
+        self.rule = RuleReward.load(t.reward, t.reward_batched, t.reward_timeout_s) \
+            if t.reward else None
+        self.has_rule = self.rule is not None
         self.rule_reward = not cfg.reward_model.path  # no reward model: the rule is it
         for key, path in (("reward_model.path", cfg.reward_model.path),
                           ("critic.path", cfg.critic.path)):
             if path:
                 _check_reward_tokenizer(key, path, self.tokenizer, cfg.model.path)
-        if self.tokenizer.eos_token_id is None:
-            raise ConfigError([(f"model.path: the tokenizer in {cfg.model.path!r} has no "
-                                "EOS token (generation needs one to stop)")])
         self.eos_id = int(self.tokenizer.eos_token_id)
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.eos_id)  # masks mark the padding
-        self.tokens = [self._encode(p) for p in self.prompts]
+        self.tokens = [encode_prompt(self.tokenizer, p, t.chat_template) for p in self.prompts]
         self._check_lengths()
         self.prompt_len = max(len(x) for x in self.tokens)
         self.index_of: dict[tuple[int, ...], int] = {}  # tokens -> first prompt index
         for i, toks in enumerate(self.tokens):
             self.index_of.setdefault(tuple(toks), i)
-        self.train_idx, self.eval_idx = heldout_split(self.prompts)
-
-    def _encode(self, prompt: str) -> list[int]:
-        tok = self.tokenizer
-        if not self.cfg.chat_template:
-            return list(tok(prompt).input_ids)
-        if not getattr(tok, "chat_template", None):
-            raise ConfigError([("task.chat_template: the tokenizer in model.path has no "
-                                "chat template; set task.chat_template = false")])
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                       add_generation_prompt=True)
-        return list(tok(text, add_special_tokens=False).input_ids)
+        self.train_idx, self.eval_idx = heldout_split([split_key(p) for p in self.prompts])
 
     def _check_lengths(self) -> None:
         limit = self.cfg.max_prompt_tokens
@@ -176,13 +174,7 @@ class TextTask:
         order); anything else = `count` training prompts, each epoch a keyed shuffle."""
         if purpose == "eval":
             return self.eval_idx[:count]
-        n, out = len(self.train_idx), []
-        for k in range(step * count, (step + 1) * count):
-            epoch = k // n
-            order = list(self.train_idx)
-            random.Random(key_seed(seed, "text-epoch", purpose, epoch)).shuffle(order)
-            out.append(order[k % n])
-        return out
+        return epoch_walk(self.train_idx, seed, purpose, step, count)
 
     def encode_prompts(self, indices: list[int]) -> tuple[Tensor, Tensor]:
         """Left-padded to the task's fixed width. -> ids [B, P], mask [B, P]."""
@@ -209,7 +201,7 @@ class TextTask:
         toks = prompt_ids[prompt_mask.bool()].tolist()
         i = self.index_of.get(tuple(toks), -1)
         if i >= 0:
-            return i, self.prompts[i]
+            return i, prompt_text(self.prompts[i])
         return -1, str(self.tokenizer.decode(toks, skip_special_tokens=True))
 
     def response_text(self, response_ids: Tensor, response_mask: Tensor) -> str:
@@ -220,18 +212,17 @@ class TextTask:
 
     def hidden_scores(self, prompt_ids: Tensor, response_ids: Tensor,
                       response_mask: Tensor) -> Tensor:
-        """[B] rule rewards of decoded (prompt, response) pairs."""
-        if self.reward_fn is None:
+        """[B] rule rewards of decoded (prompt, response) pairs, with their rows' columns."""
+        if self.rule is None:
             raise ValueError("this text task has no rule (task.reward); its reward model "
                              "scores it")
         prompt_mask = self._mask_of(prompt_ids)
-        out = []
-        for p, pm, r, m in zip(prompt_ids, prompt_mask, response_ids, response_mask,
-                               strict=True):
-            index, prompt = self._prompt_of(p, pm)
-            response = self.response_text(r, m)
-            out.append(call_reward(self.reward_fn, self.reward_spec, prompt, response, index,
-                                   self.cfg.reward_timeout_s))
+        found = [self._prompt_of(p, pm) for p, pm in zip(prompt_ids, prompt_mask, strict=True)]
+        responses = [self.response_text(r, m) for r, m in zip(response_ids, response_mask,
+                                                               strict=True)]
+        indices = [i for i, _ in found]
+        columns = [self.columns[i] if i >= 0 else {} for i in indices]
+        out = self.rule([p for _, p in found], responses, columns, indices)
         return torch.tensor(out, dtype=torch.float32)
 
     def _mask_of(self, prompt_ids: Tensor) -> Tensor:

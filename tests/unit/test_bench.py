@@ -87,10 +87,11 @@ def test_trl_text_rule_reward_reads_conversational_and_plain_text():
     from types import SimpleNamespace
 
     from bench.trl_text import RuleReward
+    from rlhf_async.task.reward_fn import RuleReward as Rule
 
     seen = []
-    task = SimpleNamespace(reward_fn=lambda p, r: seen.append((p, r)) or float(len(r)))
-    rule = RuleReward(task)  # type: ignore[arg-type]  # only reward_fn is used
+    fn = Rule(lambda p, r: seen.append((p, r)) or float(len(r)), "f", False, 5.0)
+    rule = RuleReward(SimpleNamespace(rule=fn))  # type: ignore[arg-type]  # only .rule used
     out = rule([[{"role": "user", "content": "Name a fruit."}], "plain"],
                [[{"role": "assistant", "content": "Apple."}], "ok"], [[5, 6, 7], [8]])
     assert out == [6.0, 2.0] and seen == [("Name a fruit.", "Apple."), ("plain", "ok")]

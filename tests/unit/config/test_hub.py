@@ -9,19 +9,14 @@ import pytest
 from huggingface_hub import constants
 
 from rlhf_async.config import ConfigError, load_config
-
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
+from tests.fake_hub import fake_snapshot
 
 
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch):
     cache = tmp_path / "hub"
-    repo = cache / "models--acme--tiny-chat"
-    snap = repo / "snapshots" / COMMIT
-    snap.mkdir(parents=True)
+    snap = fake_snapshot(cache, "model", "acme/tiny-chat")
     (snap / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 64}))
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(COMMIT)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return snap

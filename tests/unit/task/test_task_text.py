@@ -43,6 +43,17 @@ def nan(prompt, response):
 def text(prompt, response):
     return "good"
 
+def kind_is_fruit(prompt, response, kind):
+    return float(kind == "fruit")
+
+def batch_words(prompts, responses, **columns):
+    CALLS.append((list(prompts), sorted(columns)))
+    return [float(len(r.split())) for r in responses]
+
+def batch_one(prompts, responses):
+    return [1.0]
+
+CALLS = []
 not_a_function = 3
 '''
 
@@ -52,6 +63,10 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("text")
     (d / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     (d / "prompts.txt").write_text("\n".join(PROMPTS) + "\n\n")
+    (d / "kinds.jsonl").write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": p},
+                                 {"role": "assistant", "content": "apple"}],
+                    "kind": "fruit" if "fruit" in p else "other"}) + "\n" for p in PROMPTS))
     (d / "rewards.py").write_text(REWARD)
     (d / "broken.py").write_text("import not_a_module_anywhere\n")
     make_text_model(d / "model")
@@ -166,7 +181,7 @@ def test_config_errors_come_together(files, tmp_path):
         load_config(None, ["task.name=text", "generation.max_new_tokens=2"])
     text = str(e.value)
     assert "model.path: task.name = 'text' needs" in text
-    assert "task.prompts: task.name = 'text' needs a prompts file" in text
+    assert "task.prompts: task.name = 'text' needs prompts: a data file" in text
     assert "task.reward: task.name = 'text' needs 'module.path:function'" in text
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "name a fruit ."}\nnot json\n{"text": "x"}\n')
@@ -174,7 +189,14 @@ def test_config_errors_come_together(files, tmp_path):
     cfg.task.prompts = str(bad)
     with pytest.raises(ConfigError) as e:
         make_task(cfg)
-    assert len(e.value.problems) == 2 and "bad.jsonl:2: not JSON" in e.value.problems[0]
+    assert len(e.value.problems) == 1 and "bad.jsonl:2: not JSON" in e.value.problems[0]
+    bad.write_text('{"prompt": "name a fruit ."}\n{"text": "x"}\n{"prompt": ""}\n')
+    with pytest.raises(ConfigError) as e:
+        make_task(cfg)
+    assert [p.split(": ", 2)[2][:60] for p in e.value.problems] == [
+        "row 1: expected a non-empty string in 'prompt' (task.prompt_",
+        "row 2: expected a non-empty string in 'prompt' (task.prompt_"]
+    assert "its columns: ['text']" in e.value.problems[0]
     cfg = cfg_for(files, "task.max_prompt_tokens=4")
     with pytest.raises(ConfigError, match="over task.max_prompt_tokens = 4"):
         make_task(cfg)
@@ -235,3 +257,37 @@ def test_a_model_directory_without_a_tokenizer_is_one_clear_error(files, tmp_pat
             f.unlink()
     with pytest.raises(ConfigError, match="model.path: no usable tokenizer in .*bare"):
         make_task(cfg_for(files, f"model.path={json.dumps(str(bare))}"))
+
+
+def _rows(task, texts):
+    """Each prompt of `texts` once, with the response "red apple" -> (ids, response, mask)."""
+    vocab = task.tokenizer.get_vocab()
+    idx = [next(i for i, p in enumerate(task.prompts) if p[0]["content"] == t) for t in texts]
+    ids, _ = task.encode_prompts(idx)
+    resp = torch.tensor([[vocab["red"], vocab["apple"], 1]] * len(idx))
+    return ids, resp, torch.ones_like(resp)
+
+
+def test_chat_prompts_drop_the_answer_and_columns_reach_the_reward(files):
+    task = make_task(cfg_for(files, prompts="kinds.jsonl", fn="kind_is_fruit"))
+    assert isinstance(task, TextTask)
+    assert task.prompts[0] == [{"role": "user", "content": PROMPTS[0]}]  # answer dropped
+    assert task.columns[0]["kind"] == "fruit"
+    ids, resp, mask = _rows(task, ["name a fruit .", "name a colour ."])
+    assert task.hidden_scores(ids, resp, mask).tolist() == [1.0, 0.0]
+
+
+def test_a_batched_reward_gets_lists_and_its_length_is_checked(files):
+    task = make_task(cfg_for(files, "task.reward_batched=true", prompts="kinds.jsonl",
+                             fn="batch_words"))
+    ids, resp, mask = _rows(task, ["name a fruit .", "name a colour ."])
+    assert task.hidden_scores(ids, resp, mask).tolist() == [2.0, 2.0]
+    assert task.rule.fn.__globals__["CALLS"][-1] == (["name a fruit .", "name a colour ."],
+                                                     ["kind", "messages"])
+    short = make_task(cfg_for(files, "task.reward_batched=true", prompts="kinds.jsonl",
+                              fn="batch_one"))
+    with pytest.raises(ConfigError, match=r"task.reward: .*rewards.py:batch_one returned 1 "
+                       r"values for a batch of 2 responses \(the first to prompt 0 of "
+                       r"task.prompts\); with task.reward_batched it must return a list of "
+                       r"one number per response \(2\)"):
+        short.hidden_scores(ids, resp, mask)
