@@ -46,6 +46,8 @@ def cross_checks(cfg: JobConfig) -> list[str]:
                    f"response may end; needs < generation.max_new_tokens = {g.max_new_tokens}")
     if any(t < 0 for t in g.stop_token_ids):
         out.append(f"generation.stop_token_ids: {g.stop_token_ids} holds a negative id")
+    if g.stop_strings:
+        out.extend(_stop_string_checks(cfg))
     if cfg.model.hidden % cfg.model.heads:
         out.append(f"model.hidden: {cfg.model.hidden} must be divisible by model.heads")
     out.extend(_context_checks(cfg))
@@ -85,6 +87,23 @@ def _context_checks(cfg: JobConfig) -> list[str]:
     return [f"generation.max_new_tokens: a prompt of up to {prompt} tokens ({prompt_key}) "
             f"plus {new} new tokens needs {prompt + new} positions, over the model's context "
             f"of {context} ({source}); accepted: prompt + max_new_tokens <= {context}"]
+
+
+def _stop_string_checks(cfg: JobConfig) -> list[str]:
+    """Stop strings are matched on decoded text: by our torch sampler, with the text task's
+    tokenizer (the vLLM engine runs without a tokenizer, so it could not match them)."""
+    key, out = "generation.stop_strings", []
+    if "" in cfg.generation.stop_strings:
+        out.append(f"{key}: holds an empty string, which would end every response at its "
+                   "first token; remove it")
+    if cfg.task.name != "text":
+        out.append(f"{key}: task.name = {cfg.task.name!r} has no text to match them in; "
+                   "they need task.name = 'text' (here: generation.stop_token_ids)")
+    if cfg.generation.backend == "vllm":
+        out.append(f"{key}: generation.backend = 'vllm' runs without a tokenizer and "
+                   "cannot match them; set generation.backend = 'torch' (or use "
+                   "generation.stop_token_ids)")
+    return out
 
 
 def _text_task_checks(cfg: JobConfig) -> list[str]:

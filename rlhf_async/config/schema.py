@@ -182,6 +182,8 @@ class GenerationConfig:
                               ge=0)
     stop_token_ids: list[int] = opt([], "token ids that end a response like EOS does "  # noqa: RUF009
                                     "(kept in it, e.g. <|im_end|>)")
+    stop_strings: list[str] = opt([], "strings that end a response at the token completing "  # noqa: RUF009
+                                  "one (kept in it; task.name = 'text')")
     backend: str = opt("torch", "generator engine (separation); vllm needs the [vllm] extra",
                        choices=("torch", "vllm"))
 

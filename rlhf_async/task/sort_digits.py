@@ -32,6 +32,7 @@ class SortDigitsTask:
     eos_id, pad_id = EOS, PAD
     rule_reward = False  # the policy is trained on a learned reward model
     has_rule = True  # the true score is known: reported as hidden_score
+    decode = None  # digits, not text: no stop strings (config checks refuse them)
 
     def __init__(self, cfg: TaskConfig) -> None:
         self.cfg = cfg

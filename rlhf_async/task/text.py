@@ -202,13 +202,18 @@ class TextTask:
         i = self.index_of.get(tuple(toks), -1)
         if i >= 0:
             return i, prompt_text(self.prompts[i])
-        return -1, str(self.tokenizer.decode(toks, skip_special_tokens=True))
+        return -1, self.decode(toks)
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids -> text, as the rule reward and the stop strings see it (no special
+        tokens)."""
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def response_text(self, response_ids: Tensor, response_mask: Tensor) -> str:
         toks = response_ids[response_mask.bool()].tolist()
         if self.eos_id in toks:
             toks = toks[: toks.index(self.eos_id)]
-        return str(self.tokenizer.decode(toks, skip_special_tokens=True))
+        return self.decode(toks)
 
     def hidden_scores(self, prompt_ids: Tensor, response_ids: Tensor,
                       response_mask: Tensor) -> Tensor:

@@ -1,6 +1,7 @@
 """The text task end to end (`job.run`) on a tiny tokenizer + GPT-2: the trained rewards are
 the user's rule on decoded responses, under Flattening (GRPO and PPO with a critic built
-from the policy's trunk), Interleaving, and Separation (the rule runs in the scorer node)."""
+from the policy's trunk), Interleaving, and Separation (the rule runs in the scorer node; the
+generator node ends responses at a stop string)."""
 
 from __future__ import annotations
 
@@ -95,8 +96,12 @@ def test_interleaving_trains_on_the_rule_reward(files, tmp_path, monkeypatch):
 
 def test_separation_scores_with_the_rule_in_the_scorer(files, tmp_path, monkeypatch):
     _, metrics, calls = _run(files, tmp_path, monkeypatch, "sep",
-                             "placement.strategy=separation", "placement.devices=2")
+                             "placement.strategy=separation", "placement.devices=2",
+                             'generation.stop_strings=["sky"]')
     _check_rule_rewards(metrics, calls, per_step=8)
+    # the generator node ends a response at its stop string (the string kept in it)
+    assert all(c["response"].find("sky") in (-1, len(c["response"]) - 3) for c in calls)
+    assert any(c["response"].endswith("sky") and c["prompt"] in TRAIN for c in calls)
 
 
 def test_a_reward_that_exits_in_the_scorer_stops_the_run_naming_it(files, tmp_path,

@@ -84,3 +84,15 @@ def test_prompt_plus_response_must_fit_the_models_context(tmp_path):
             load_config(None, [f"model.path={str(model)!r}", "generation.max_new_tokens=30"])
         assert load_config(None, [f"model.path={str(model)!r}",
                                   "generation.max_new_tokens=24"]).model.path == str(model)
+
+
+def test_stop_strings_need_the_text_task_the_torch_backend_and_no_empty_one():
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ['generation.stop_strings=["</answer>", ""]',
+                           "generation.backend=vllm"])
+    probs = [p for p in ei.value.problems if p.startswith("generation.stop_strings: ")]
+    assert len(probs) == 3, ei.value.problems
+    assert "holds an empty string" in probs[0]
+    assert "task.name = 'sort_digits' has no text" in probs[1] and "task.name = 'text'" in probs[1]
+    assert "set generation.backend = 'torch'" in probs[2]
+    assert load_config(None, []).generation.stop_strings == []

@@ -1,7 +1,13 @@
+import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from rlhf_async.modeling.generation import SamplingParams, sample, sampling_uniforms
+from rlhf_async.modeling.generation import (
+    SamplingParams,
+    completes_stop_string,
+    sample,
+    sampling_uniforms,
+)
 from rlhf_async.modeling.models import response_logits
 from rlhf_async.rl.algorithms import gather_logprobs
 
@@ -105,3 +111,58 @@ def test_stop_tokens_end_responses_and_none_comes_before_min_new_tokens():
     first = late.response_ids[:, :4]
     assert not torch.isin(first, torch.tensor([EOS, stop])).any()
     assert late.response_mask[:, :4].all()
+
+
+PIECES = [chr(ord("a") + i) * (1 + i % 3) for i in range(16)]  # token i: 1 to 3 characters
+
+
+def decode(ids):
+    return "".join(PIECES[i] for i in ids)
+
+
+def test_a_stop_string_is_completed_by_the_newest_token_only():
+    assert completes_stop_string([1, 2, 4], ("ce",), decode)  # "b" "cc" "eee": across tokens
+    assert not completes_stop_string([2, 4, 1], ("ce",), decode)  # completed one token ago
+    assert completes_stop_string([1, 1, 1], ("bb",), decode)  # a second, overlapping one
+    utf8 = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
+    assert completes_stop_string([ord("x"), 0xC3, 0xA9], ("é",), utf8)  # its second byte
+    assert not completes_stop_string([ord("x"), 0xC3], ("é",), utf8)
+    assert not completes_stop_string([0xC3, 0xA9, ord("x")], ("é",), utf8)
+
+
+def _ends(tokens, strings):
+    """Reference: a response's length once cut after the first token whose text (the whole
+    prefix, decoded) holds a stop string."""
+    return next((t + 1 for t in range(len(tokens))
+                 if any(s in decode(tokens[: t + 1]) for s in strings)), len(tokens))
+
+
+def test_stop_strings_cut_each_row_where_its_own_text_completes_one():
+    lm, (ids, mask) = tiny_lm(3), prompts()
+    ids, mask = ids.repeat(2, 1), mask.repeat(2, 1)  # 8 rows, each with its own noise
+    sids = list(range(8))
+    u = sampling_uniforms(0, 0, sids, 8)
+    free = sample(lm, ids, mask, SamplingParams(8, EOS, PAD), u)
+    r0, r3 = free.response_ids[0].tolist(), free.response_ids[3].tolist()
+    # strings across the boundary of row 0's tokens 1 and 2, and of row 3's tokens 2 and 3
+    strings = (PIECES[r0[1]][-1] + PIECES[r0[2]][0], PIECES[r3[2]][-1] + PIECES[r3[3]][0])
+    sp = SamplingParams(8, EOS, PAD, stop_strings=strings, decode=decode)
+    g = sample(lm, ids, mask, sp, u)
+    lengths = [int(n) for n in g.response_mask.sum(1)]
+    for b in range(8):  # the free run, cut: every row's tokens are its own noise's
+        n = _ends(free.response_ids[b, : int(free.response_mask[b].sum())].tolist(), strings)
+        assert lengths[b] == n and torch.equal(g.response_ids[b, :n], free.response_ids[b, :n])
+        assert torch.allclose(g.logprobs[b, :n], free.logprobs[b, :n], atol=1e-6)
+        assert (g.response_ids[b, n:] == PAD).all() and (g.logprobs[b, n:] == 0).all()
+    assert lengths[0] <= 3 and lengths[3] <= 4  # cut by the strings made from their tokens
+    assert lengths[6] == int(free.response_mask[6].sum()) == 8  # a row without one: as free
+    order = [3, 6, 0]  # another batch, another order: the same rows
+    part = sample(lm, ids[order], mask[order], sp,
+                  sampling_uniforms(0, 0, [sids[i] for i in order], 8))
+    assert torch.equal(part.response_ids, g.response_ids[order])
+    assert torch.equal(part.response_mask, g.response_mask[order])
+    late = sample(lm, ids, mask, SamplingParams(8, EOS, PAD, min_new_tokens=4,
+                                                stop_strings=strings, decode=decode), u)
+    assert late.response_mask[:, :5].all()  # no string ends a response before token 4
+    with pytest.raises(ValueError, match="needs SamplingParams.decode"):
+        sample(lm, ids, mask, SamplingParams(8, EOS, PAD, stop_strings=strings), u)

@@ -148,6 +148,23 @@ def test_score_uses_the_rule_as_reward_without_a_reward_model(files):
         score(None, actor, batch, 1.0, RewardMix(None))
 
 
+def test_stop_strings_end_responses_at_the_token_completing_them(files):
+    cfg = cfg_for(files, "generation.max_new_tokens=8")
+    task, actor = make_task(cfg), load_sft(files / "model")
+    prompts = task.prompt_batch(0, "train", 0, 4, 2)
+    free = generate(actor, prompts, sampling_params(cfg, task), 0, 0, 0)
+    cfg = cfg_for(files, "generation.max_new_tokens=8",
+                  'generation.stop_strings=["three dog", "green cat"]')
+    g = generate(actor, prompts, sampling_params(cfg, task), 0, 0, 0)
+    lengths = g.response_mask.sum(1).tolist()
+    assert free.response_mask.sum(1).tolist() == [8, 4, 8, 8, 8, 8, 8, 7]
+    assert lengths == [2, 4, 8, 5, 8, 8, 8, 7]  # rows 0 and 3 hold one of them
+    assert task.response_text(g.response_ids[0], g.response_mask[0]) == "three dog"
+    assert task.response_text(g.response_ids[3], g.response_mask[3]) == "small three green cat"
+    for b, n in enumerate(lengths):  # the same noise: the free responses, cut
+        assert torch.equal(g.response_ids[b, :n], free.response_ids[b, :n])
+
+
 @pytest.mark.parametrize("fn,message", [
     ("raises", r"rewards.py:raises raised KeyError: 'boom' on prompt \d+ of task.prompts"),
     ("nan", r"rewards.py:nan returned nan on prompt \d+ .*finite number"),
