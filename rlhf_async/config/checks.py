@@ -34,6 +34,7 @@ def cross_checks(cfg: JobConfig) -> list[str]:
             out.append(f"{key}: {extra} is not installed (pip install 'rlhf-async[{extra}]'); "
                        "accepted here: torch")
     out.extend(_scalar_model_checks(cfg))
+    out.extend(_lora_checks(cfg))
     for name in cfg.run.report_to:
         if name not in ("tensorboard", "wandb"):
             out.append(f"run.report_to: unknown {name!r}; accepted: tensorboard, wandb")
@@ -49,6 +50,25 @@ def cross_checks(cfg: JobConfig) -> list[str]:
     if cfg.model.hidden % cfg.model.heads:
         out.append(f"model.hidden: {cfg.model.hidden} must be divisible by model.heads")
     out.extend(_context_checks(cfg))
+    return out
+
+
+def _lora_checks(cfg: JobConfig) -> list[str]:
+    """LoRA (`lora.rank` > 0): peft installed, the torch training engine, some targets."""
+    lora = cfg.lora
+    out: list[str] = []
+    if not lora.rank:
+        return out
+    if importlib.util.find_spec("peft") is None:
+        out.append("lora.rank: LoRA needs peft, which is not installed (pip install "
+                   "'rlhf-async[lora]'); or lora.rank = 0 for full fine-tuning")
+    if cfg.train.backend != "torch":
+        out.append(f"lora.rank: LoRA trains with train.backend = 'torch' only; "
+                   f"train.backend = {cfg.train.backend!r} with adapters is not supported "
+                   "(the adapters' optimizer state is small: ZeRO has little to shard)")
+    if not lora.target_modules or any(not t for t in lora.target_modules):
+        out.append(f"lora.target_modules: {lora.target_modules} names no layer; accepted: "
+                   "layer names or suffixes, or ['all-linear']")
     return out
 
 
