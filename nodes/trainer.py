@@ -224,7 +224,8 @@ def _train(group: TrainerGroup, learner: Learner, full: RolloutBatch,
 def _save_final(group: TrainerGroup, learner: Learner, policy_dir: Path, meta: dict) -> None:
     group.lead(Op.FINISH)
     with learner.actor_backend.gathered():  # full weights even under ZeRO-3 (collective)
-        save_policy(learner.actor, policy_dir, meta)  # type: ignore[arg-type]
+        save_policy(learner.actor, policy_dir, meta,  # type: ignore[arg-type]
+                    learner.policy_weights())
 
 
 def _learner(job: NodeContext) -> Learner:
@@ -232,7 +233,7 @@ def _learner(job: NodeContext) -> Learner:
     critic = load_critic(job.cfg, job.art)
     critic = critic.to(job.device) if critic is not None else None
     return Learner(actor, critic, job.cfg.algo, job.cfg.train, job.cfg.run.seed,
-                   job.cfg.generation.temperature, job.precision)
+                   job.cfg.generation.temperature, job.precision, job.cfg.lora)
 
 
 def _accept(node: Node, msg: Message, batches: BatchAssembler, policy: StalenessPolicy,

@@ -8,6 +8,7 @@ from rlhf_async.config.schema import (
     CriticConfig,
     GenerationConfig,
     JobConfig,
+    LoraConfig,
     ModelConfig,
     PlacementConfig,
     RewardModelConfig,
@@ -22,6 +23,6 @@ from rlhf_async.config.schema import (
 )
 
 __all__ = ["AlgoConfig", "ConfigError", "CriticConfig", "GenerationConfig", "JobConfig",
-           "ModelConfig", "PlacementConfig", "RewardModelConfig", "RunConfig", "RuntimeConfig",
-           "SFTConfig", "TaskConfig", "TrainConfig", "WeightSyncConfig", "config_from_dict",
-           "load_config", "parse_override", "to_dict", "weight_sync_backend"]
+           "LoraConfig", "ModelConfig", "PlacementConfig", "RewardModelConfig", "RunConfig",
+           "RuntimeConfig", "SFTConfig", "TaskConfig", "TrainConfig", "WeightSyncConfig",
+           "config_from_dict", "load_config", "parse_override", "to_dict", "weight_sync_backend"]

@@ -34,6 +34,7 @@ def cross_checks(cfg: JobConfig) -> list[str]:
             out.append(f"{key}: {extra} is not installed (pip install 'rlhf-async[{extra}]'); "
                        "accepted here: torch")
     out.extend(_scalar_model_checks(cfg))
+    out.extend(_lora_checks(cfg))
     for name in cfg.run.report_to:
         if name not in ("tensorboard", "wandb"):
             out.append(f"run.report_to: unknown {name!r}; accepted: tensorboard, wandb")
@@ -51,6 +52,25 @@ def cross_checks(cfg: JobConfig) -> list[str]:
     if cfg.model.hidden % cfg.model.heads:
         out.append(f"model.hidden: {cfg.model.hidden} must be divisible by model.heads")
     out.extend(_context_checks(cfg))
+    return out
+
+
+def _lora_checks(cfg: JobConfig) -> list[str]:
+    """LoRA (`lora.rank` > 0): peft installed, the torch training engine, some targets."""
+    lora = cfg.lora
+    out: list[str] = []
+    if not lora.rank:
+        return out
+    if importlib.util.find_spec("peft") is None:
+        out.append("lora.rank: LoRA needs peft, which is not installed (pip install "
+                   "'rlhf-async[lora]'); or lora.rank = 0 for full fine-tuning")
+    if cfg.train.backend != "torch":
+        out.append(f"lora.rank: LoRA trains with train.backend = 'torch' only; "
+                   f"train.backend = {cfg.train.backend!r} with adapters is not supported "
+                   "(the adapters' optimizer state is small: ZeRO has little to shard)")
+    if not lora.target_modules or any(not t for t in lora.target_modules):
+        out.append(f"lora.target_modules: {lora.target_modules} names no layer; accepted: "
+                   "layer names or suffixes, or ['all-linear']")
     return out
 
 
@@ -154,20 +174,4 @@ def _scalar_model_problems(cfg: JobConfig, key: str, path: str, what: str) -> li
     if labels != 1:
         return [f"{key}: {path!r} has num_labels = {labels}; a {what} gives one score "
                 "per sequence (AutoModelForSequenceClassification with num_labels = 1)"]
-    return []
-    if cfg.task.name != "text":
-        return ["reward_model.path: the built-in task trains its own reward model; a "
-                "trained one from a directory needs task.name = 'text'"]
-    config = Path(path) / "config.json"
-    if not Path(path).is_dir():
-        return [f"reward_model.path: {path!r} is not a directory"]
-    try:
-        hf = json.loads(config.read_text())
-    except (OSError, ValueError) as e:
-        return [f"reward_model.path: no readable config.json in {path!r} ({e})"]
-    labels = hf.get("num_labels", len(hf.get("id2label") or {}) or 2)
-    if labels != 1:
-        return [f"reward_model.path: {path!r} has num_labels = {labels}; a reward model "
-                "gives one score per sequence (AutoModelForSequenceClassification with "
-                "num_labels = 1)"]
     return []

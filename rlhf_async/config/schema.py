@@ -214,6 +214,23 @@ class TrainConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = opt(0, "LoRA rank: train low-rank adapters (peft, extra [lora]) instead of "
+                    "every weight of the actor (and critic); 0 = off, full fine-tuning", ge=0)
+    alpha: int = opt(16, "LoRA alpha: an adapter adds B @ A * alpha / rank to its layer",
+                     ge=1)
+    dropout: float = opt(0.0, "dropout on the adapters' inputs (only with "
+                         "train.disable_dropout = false, which otherwise zeroes it)",
+                         ge=0.0, le=0.9)
+    target_modules: list[str] = opt(["all-linear"], "layers that get adapters: names or "  # noqa: RUF009
+                                    "name suffixes (e.g. ['q_proj', 'v_proj']; GPT-2: "
+                                    "c_attn, c_proj, c_fc), or ['all-linear'] = every linear "
+                                    "layer but the LM head")
+    critic: bool = opt(True, "PPO's critic trains adapters too (its value head trains "
+                       "whole); false = the critic is fully fine-tuned")
+
+
+@dataclass
 class WeightSyncConfig:
     bucket_mb: float = opt(100.0, "flattened bucket size for weight broadcasts (MB)", gt=0.0)
     backend: str = opt("auto", "collective for the broadcast; auto = nccl on cuda, else gloo",
@@ -276,6 +293,7 @@ class JobConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)

@@ -243,10 +243,13 @@ def keep_logits(model: nn.Module, n: int) -> dict[str, int]:
     return {"logits_to_keep": n} if _KEEP_LOGITS[cls] else {}
 
 
-def save_policy(actor: PreTrainedModel, path: str | Path, extra: dict | None = None) -> None:
-    """save_pretrained (safetensors + config.json) plus our own metadata file."""
+def save_policy(actor: PreTrainedModel, path: str | Path, extra: dict | None = None,
+                weights: dict[str, Tensor] | None = None) -> None:
+    """save_pretrained (safetensors + config.json) plus our own metadata file. `weights`:
+    what to save instead of the actor's own state (LoRA: the merged model, named as the
+    base model is, so the directory loads with AutoModelForCausalLM.from_pretrained)."""
     path = Path(path)
-    actor.save_pretrained(path, safe_serialization=True)
+    actor.save_pretrained(path, safe_serialization=True, state_dict=weights)
     if extra:
         (path / "rlhf_async.json").write_text(json.dumps(extra, indent=2))
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlhf_async.engines.lora import trainable_names
 from rlhf_async.log import get_logger
 from rlhf_async.rl.learner import Learner
 
@@ -209,22 +210,46 @@ def load_shared(root: str | Path, rank: int, world: int, device: str | torch.dev
 
 def learner_state(learner: Learner) -> dict[str, Any]:
     """Everything that shapes the learner's next update: weights, optimizer moments, RNG.
-    Full (gathered) weights whatever the training backend; optimizer state as the backend
-    gives it (a ZeRO optimizer's partitions, one per rank, under DeepSpeed)."""
+    Full (gathered) weights whatever the training backend, but of a model with LoRA
+    adapters only what trains (adapters, a critic's head): its base is the SFT model the
+    run starts from anyway. Optimizer state as the backend gives it (a ZeRO optimizer's
+    partitions, one per rank, under DeepSpeed)."""
     state: dict[str, Any] = {"version": learner.version, "kl_coef": learner.kl_coef,
-                             "torch_rng": torch.get_rng_state()}
+                             "torch_rng": torch.get_rng_state(), "lora": _lora_key(learner)}
     for name, backend in learner.backends().items():
-        state[name] = backend.state_dict()
+        weights = backend.state_dict()
+        if name in learner.adapted:
+            trained = trainable_names(backend.module)
+            weights = {k: v for k, v in weights.items() if k in trained}
+        state[name] = weights
         state[f"{name}_opt"] = backend.optimizer_state_dict()
     return state
 
 
+def _lora_key(learner: Learner) -> dict[str, Any]:
+    """What a checkpoint's weights depend on: which models have adapters, of what shape."""
+    lora = learner.lora
+    return {"adapted": sorted(learner.adapted), "rank": lora.rank, "alpha": lora.alpha,
+            "target_modules": list(lora.target_modules)} if learner.adapted else {}
+
+
 def restore_learner(learner: Learner, state: dict[str, Any]) -> None:
+    saved_lora, lora = state.get("lora", {}), _lora_key(learner)  # older: no adapters
+    if saved_lora != lora:
+        raise CheckpointError(f"checkpoint was written with LoRA {saved_lora or 'off'}; this "
+                              f"run has {lora or 'off'} (the lora.* keys must match)")
     for name, backend in learner.backends().items():
         if name not in state:
             raise CheckpointError(f"checkpoint has no {name}, but this run trains one "
                                   "(was it written by a critic-free algorithm?)")
-        backend.load_state_dict(state[name])
+        weights = state[name]
+        if name in learner.adapted:  # the adapters over this run's own (SFT) base weights
+            missing = sorted(trainable_names(backend.module) - weights.keys())
+            if missing:
+                raise CheckpointError(f"checkpoint's {name} lacks adapter weights "
+                                      f"{missing[:3]}")
+            weights = {**backend.state_dict(), **weights}
+        backend.load_state_dict(weights)
         try:
             backend.load_optimizer_state_dict(state[f"{name}_opt"])
         except (KeyError, ValueError) as e:

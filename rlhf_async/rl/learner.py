@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlhf_async.config import AlgoConfig, TrainConfig
+from rlhf_async.config import AlgoConfig, LoraConfig, TrainConfig
 from rlhf_async.engines import TrainingBackend, make_training_backend
-from rlhf_async.modeling.determinism import all_gather_1d, all_reduce_sum, keyed_order
+from rlhf_async.engines.lora import add_adapters, merged_weights
+from rlhf_async.modeling.determinism import all_gather_1d, all_reduce_sum, key_seed, keyed_order
 from rlhf_async.modeling.models import (
     ScalarHeadModel,
     disable_dropout,
@@ -32,16 +33,20 @@ from rlhf_async.rl import algorithms as A
 class Learner:
     """Training copies of actor (+ critic for PPO), each owned by a training backend
     (`train.backend`: torch AdamW, or DeepSpeed ZeRO) that holds its optimizer. Master
-    weights stay fp32; forwards compute in each model's `precision` (bf16: autocast)."""
+    weights stay fp32; forwards compute in each model's `precision` (bf16: autocast).
+    With `lora.rank` > 0 only LoRA adapters train (the critic's too, with `lora.critic`),
+    in place on the given models; what is published stays the merged actor."""
 
     def __init__(self, actor: nn.Module, critic: ScalarHeadModel | None, algo: AlgoConfig,
                  train: TrainConfig, seed: int, temperature: float = 1.0,
-                 precision: Precision = FP32) -> None:
+                 precision: Precision = FP32, lora: LoraConfig | None = None) -> None:
         if algo.name == "ppo" and critic is None:
             raise ValueError("PPO needs a critic")
         self.algo, self.train, self.seed, self.temperature = algo, train, seed, temperature
         self.precision = precision
         self.device = next(actor.parameters()).device
+        self.lora = lora if lora is not None else LoraConfig()
+        self.adapted = self._add_adapters(actor, critic if algo.name == "ppo" else None)
         if train.disable_dropout:  # un-keyed noise: a step would depend on the placement
             disable_dropout(actor)
             if critic is not None:
@@ -59,6 +64,20 @@ class Learner:
         if algo.name == "ppo" and critic is not None:
             self.critic_backend = self._backend(critic, train.critic_lr)
             self.critic = critic
+
+    def _add_adapters(self, actor: nn.Module, critic: ScalarHeadModel | None) -> set[str]:
+        """LoRA adapters on the actor (and the critic's trunk): the names of the models
+        that got them. Before dropout is disabled, so that it zeroes theirs too."""
+        if not self.lora.rank:
+            return set()
+        if self.train.backend != "torch":
+            raise ValueError(f"lora.rank: LoRA trains with train.backend = 'torch' only, "
+                             f"not {self.train.backend!r}")
+        add_adapters(actor, self.lora, key_seed(self.seed, "lora", "actor"))
+        if critic is None or not self.lora.critic:
+            return {"actor"}
+        add_adapters(critic.trunk, self.lora, key_seed(self.seed, "lora", "critic"))
+        return {"actor", "critic"}
 
     def _backend(self, module: nn.Module, lr: float) -> TrainingBackend:
         t = self.train
@@ -83,8 +102,16 @@ class Learner:
         return out
 
     def state_dict(self) -> dict[str, Tensor]:
-        """Full actor weights to publish to generators (gathered when sharded)."""
+        """Full actor weights to publish to generators (gathered when sharded), under the
+        base model's names: with LoRA, the adapters merged into their layers."""
+        if "actor" in self.adapted:
+            return merged_weights(self.actor)
         return self.actor_backend.state_dict()
+
+    def policy_weights(self) -> dict[str, Tensor] | None:
+        """What the final policy saves instead of the actor module's own state: the merged
+        weights under LoRA; None = the module as it is (gathered by the caller)."""
+        return self.state_dict() if "actor" in self.adapted else None
 
     def optimizer_state(self) -> dict:
         out = {name: b.optimizer_state_dict() for name, b in self.backends().items()}

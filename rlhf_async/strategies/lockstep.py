@@ -101,7 +101,8 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
     scorer = make_scorer(cfg, art, task, actor, rank, world, device, precision)
     critic = load_critic(cfg, art)
     learner = Learner(actor, critic.to(device) if critic is not None else None, cfg.algo,
-                      cfg.train, cfg.run.seed, cfg.generation.temperature, precision)
+                      cfg.train, cfg.run.seed, cfg.generation.temperature, precision,
+                      cfg.lora)
     if start_step:  # every rank restores the same checkpoint
         restore_learner(learner, _checkpoint_state(run_dir, start_step, rank, world, device))
     writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
@@ -181,7 +182,7 @@ def _finish(cfg: JobConfig, learner: Learner, run_dir: Path,
             writer.close()
             save_policy(learner.actor, run_dir / "policy",  # type: ignore[arg-type]
                         {"algo": cfg.algo.name, "steps": cfg.train.steps,
-                         "version": learner.version})
+                         "version": learner.version}, learner.policy_weights())
     learner.close()
 
 
