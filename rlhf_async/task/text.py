@@ -19,7 +19,6 @@ re-tokenised).
 
 from __future__ import annotations
 
-import json
 import random
 from typing import Any
 
@@ -90,8 +89,10 @@ def heldout_split(prompts: list[str]) -> tuple[list[int], list[int]]:
 
 
 def split_key(prompt: Prompt) -> str:
-    """The text a row's held-out hash is of: the prompt, or its chat as JSON."""
-    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+    """The text a row's held-out hash is of: the prompt, or a chat's last user turn, so a
+    question is held out (or not) alike in every stage and format: as an RL prompt string,
+    as an SFT chat, as a preference pair's prompt."""
+    return prompt_text(prompt)
 
 
 def epoch_walk(indices: list[int], seed: int, purpose: str, step: int, count: int,

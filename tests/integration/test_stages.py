@@ -139,3 +139,25 @@ def test_bad_pairs_and_missing_inputs_are_one_error(files, tmp_path):
                        "yours"):
         rlhf_async.sft(None, [f"sft.data={files / 'demos.jsonl'}"])
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_smollm2_examples_data_reads_as_its_stages_read_it(files):
+    """examples/smollm2_rlhf/ (its run needs the SmolLM2 download; its data must not):
+    every demonstration and pair parses, with the policy's tokenizer swapped for ours."""
+    from pathlib import Path
+
+    from rlhf_async.config import load_config
+    from rlhf_async.task.tokens import load_tokenizer
+    from rlhf_async.task.user_data import demonstration, preference, tokenise
+
+    root = Path(__file__).parents[2]
+    cfg = load_config(root / "deploy" / "configs" / "smollm2_rlhf.toml",
+                      [f"model.path={files / 'model'}", "task.max_prompt_tokens=32"],
+                      base_dir=root)
+    tok = load_tokenizer(cfg.model.path)
+    for key, section, parse in (("sft.data", cfg.sft, demonstration),
+                                ("reward_model.data", cfg.reward_model, preference)):
+        data = tokenise(key, section.data, section.split, parse, section, tok, True, 64)
+        rows = len(Path(section.data).read_text().splitlines())
+        assert data.stats()["rows"] == rows > 50
+        assert data.stats()["heldout_rows"] > 0

@@ -16,7 +16,7 @@ from rlhf_async.modeling.models import frozen_copy
 from rlhf_async.rl.scoring import RewardMix, score
 from rlhf_async.task import make_task, sampling_params
 from rlhf_async.task.pretrain import load_sft
-from rlhf_async.task.text import TextTask, heldout_split
+from rlhf_async.task.text import TextTask, heldout_split, split_key
 from tests.text_model import make_text_model
 
 PROMPTS = ["name a fruit .", "name a colour .", "list three animal .", "what is the sky ?",
@@ -308,3 +308,11 @@ def test_a_batched_reward_gets_lists_and_its_length_is_checked(files):
                        r"task.prompts\); with task.reward_batched it must return a list of "
                        r"one number per response \(2\)"):
         short.hidden_scores(ids, resp, mask)
+
+
+def test_a_question_is_held_out_alike_as_a_prompt_string_and_as_a_chat():
+    """SFT demonstrations come as chats, RL prompts as strings: the same question must be
+    held out in both, or SFT trains on what RL evaluates on."""
+    chats = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": p}]
+             for p in PROMPTS]
+    assert heldout_split([split_key(c) for c in chats]) == heldout_split(PROMPTS)
