@@ -1,12 +1,17 @@
-"""Separation on a Ray cluster of three nodes on this machine (`ray.cluster_utils.Cluster`):
-trainer, generator and scorer each on a node of its own, the same trajectory as the local
-launch at max_staleness = 0; a placement larger than the cluster fails at once, naming what
-is missing. Skipped without the [ray] extra."""
+"""Separation on a Ray cluster on this machine (`ray.cluster_utils.Cluster`: a head without
+CPUs, as on real clusters, and three worker nodes of one CPU): trainer, generator and
+scorer each on a node of its own, the same trajectory as the local launch at max_staleness
+= 0; a placement larger than the cluster fails at once, naming what is missing; losing the
+generator's Ray node mid-run restarts it on a spare node and every prompt is still trained
+exactly once. Skipped without the [ray] extra."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -31,9 +36,9 @@ APART = ["placement.devices=3", "placement.generator=[1]", "placement.reward=[2]
 @pytest.fixture(scope="module")
 def cluster():
     c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "object_store_memory": STORE, "include_dashboard": False})
+        "num_cpus": 0, "object_store_memory": STORE, "include_dashboard": False})
     try:
-        for _ in range(2):
+        for _ in range(3):
             c.add_node(num_cpus=1, object_store_memory=STORE)
         c.wait_for_nodes()
         yield c
@@ -81,6 +86,53 @@ def test_a_placement_larger_than_the_cluster_fails_before_anything_starts(tmp_pa
     assert str(e.value) == (
         "the Ray cluster cannot hold this job's placement group (4 bundle(s) of {1 CPU}, one "
         "per device, placed PACK): missing 1 CPU: the job needs 4 CPU, the cluster has 3 CPU "
-        "on 3 node(s)")
+        "on 4 node(s)")
     assert not (tmp_path / "big" / "logs").exists() and not (tmp_path / "big" / "specs").exists()
     assert not ray.is_initialized()
+
+
+def _remove_node_of(cluster, node: str, run_dir: Path, after_steps: int,
+                    stop: threading.Event, lost: list[str]) -> None:
+    """Once `after_steps` steps are trained, take down the Ray node `node` runs on."""
+    metrics, ran = run_dir / "metrics.jsonl", run_dir / "ray_nodes.jsonl"
+    while not stop.is_set():
+        time.sleep(0.1)
+        if not metrics.exists() or len(metrics.read_text().splitlines()) < after_steps:
+            continue
+        where = [json.loads(x)["ray_node"] for x in ran.read_text().splitlines()
+                 if json.loads(x)["node"] == node]
+        victim = next(n for n in cluster.worker_nodes if n.node_id == where[-1])
+        cluster.remove_node(victim)
+        lost.append(victim.node_id)
+        return
+
+
+def test_a_lost_ray_node_is_a_dead_process_restarted_elsewhere(tmp_path, cache, cluster):
+    """Last in the module: it changes the cluster."""
+    cluster.add_node(num_cpus=1, object_store_memory=STORE)  # the spare
+    cluster.wait_for_nodes()
+    steps = 6
+    cfg = _cfg(tmp_path, cache, "lost", *APART, "placement.launcher=ray",
+               f"ray.address={cluster.address}", f"train.steps={steps}",
+               "algo.max_staleness=1", "run.checkpoint_every=1", "runtime.restart_limit=2",
+               "runtime.time_to_dead=5", "weight_sync.timeout_s=20")
+    run_dir, lost, stop = tmp_path / "lost", list[str](), threading.Event()
+    thread = threading.Thread(target=_remove_node_of,
+                              args=(cluster, "gen0", run_dir, 2, stop, lost))
+    thread.start()
+    try:
+        job.run(cfg)
+    finally:
+        stop.set()
+        thread.join()
+    assert lost, "the run ended before the generator's node was taken down"
+    lines = (run_dir / "trained_samples.jsonl").read_text().splitlines()
+    counts = Counter(s for line in lines for s in json.loads(line)["sample_ids"])
+    assert set(counts) == set(range(steps * 8 * 2)) and set(counts.values()) == {1}
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(steps))
+    assert records[-1]["faults/restarts"] >= 1
+    gens = [json.loads(x) for x in (run_dir / "ray_nodes.jsonl").read_text().splitlines()
+            if json.loads(x)["node"] == "gen0"]
+    assert len(gens) >= 2 and gens[0]["ray_node"] == lost[0] != gens[-1]["ray_node"]
+    assert gens[-1]["bundle"] == 1  # its device's bundle, moved by Ray to the spare node
