@@ -127,6 +127,7 @@ class RayProcess:
 
     def _started(self, info: dict[str, Any]) -> None:
         self.pid = int(info["pid"])
+        self.log_path = f"{info['log']} on {info['host']}"
         log.info("ray node process started", node=self.node, bundle=self.bundle, **info)
         with open(self.record, "a") as f:
             f.write(json.dumps({"node": self.node, "bundle": self.bundle, **info}) + "\n")
