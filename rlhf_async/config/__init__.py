@@ -11,6 +11,7 @@ from rlhf_async.config.schema import (
     LoraConfig,
     ModelConfig,
     PlacementConfig,
+    RayConfig,
     RewardModelConfig,
     RunConfig,
     RuntimeConfig,
@@ -23,6 +24,7 @@ from rlhf_async.config.schema import (
 )
 
 __all__ = ["AlgoConfig", "ConfigError", "CriticConfig", "GenerationConfig", "JobConfig",
-           "LoraConfig", "ModelConfig", "PlacementConfig", "RewardModelConfig", "RunConfig",
-           "RuntimeConfig", "SFTConfig", "TaskConfig", "TrainConfig", "WeightSyncConfig",
+           "LoraConfig", "ModelConfig", "PlacementConfig", "RayConfig", "RewardModelConfig",
+           "RunConfig", "RuntimeConfig", "SFTConfig", "TaskConfig", "TrainConfig",
+           "WeightSyncConfig",
            "config_from_dict", "load_config", "parse_override", "to_dict", "weight_sync_backend"]

@@ -35,6 +35,7 @@ def cross_checks(cfg: JobConfig) -> list[str]:
                        "accepted here: torch")
     out.extend(_scalar_model_checks(cfg))
     out.extend(_lora_checks(cfg))
+    out.extend(_ray_checks(cfg))
     for name in cfg.run.report_to:
         if name not in ("tensorboard", "wandb"):
             out.append(f"run.report_to: unknown {name!r}; accepted: tensorboard, wandb")
@@ -71,6 +72,23 @@ def _lora_checks(cfg: JobConfig) -> list[str]:
     if not lora.target_modules or any(not t for t in lora.target_modules):
         out.append(f"lora.target_modules: {lora.target_modules} names no layer; accepted: "
                    "layer names or suffixes, or ['all-linear']")
+    return out
+
+
+def _ray_checks(cfg: JobConfig) -> list[str]:
+    """placement.launcher = ray: Ray installed, and Ray (not a hosts file) picks the hosts."""
+    if cfg.placement.launcher != "ray":
+        return []
+    out = []
+    if importlib.util.find_spec("ray") is None:
+        out.append("placement.launcher: ray is not installed (pip install 'rlhf-async[ray]'); "
+                   "accepted here: local")
+    if cfg.placement.hosts_file or cfg.placement.host:
+        out.append("placement.hosts_file: with placement.launcher = 'ray' the Ray cluster "
+                   "places the node processes; leave placement.hosts_file and placement.host "
+                   "empty (they are for `rlhf-async agent` hosts)")
+    if not cfg.ray.address:
+        out.append("ray.address: empty; accepted: auto, local, or the cluster's HOST:PORT")
     return out
 
 

@@ -280,6 +280,22 @@ class PlacementConfig:
     hosts_file: str = opt("", "hosts file naming the machines and their devices (global "
                           "device i = i-th device in file order); empty = this machine")
     host: list[str] = opt([], "per-model host pin, e.g. ['reward=gpu-b']; needs hosts_file")  # noqa: RUF009
+    launcher: str = opt("local", "who starts the node processes (separation): local = this "
+                        "machine; ray = a Ray cluster places them (the [ray] extra; see [ray])",
+                        choices=("local", "ray"))
+
+
+@dataclass
+class RayConfig:
+    address: str = opt("auto", "placement.launcher = ray: the cluster to join (auto = the "
+                       "running one, as `ray start` left it or RAY_ADDRESS names it; "
+                       "HOST:PORT; or local = start one in this process)")
+    placement_strategy: str = opt("PACK", "how the job's placement group (one bundle per "
+                                  "device) spreads over the Ray nodes",
+                                  choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
+    placement_timeout_s: float = opt(60.0, "longest wait for the placement group's "
+                                     "resources (s); past it the run stops with what is "
+                                     "missing", gt=0.0)
 
 
 @dataclass
@@ -297,6 +313,7 @@ class JobConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
 
 
 def weight_sync_backend(cfg: JobConfig) -> str:

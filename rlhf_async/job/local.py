@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
@@ -37,6 +38,7 @@ from rlhf_async.rl.checkpoint import CheckpointError, list_checkpoints, load_lat
 from rlhf_async.strategies.base import JobStopped, RunResult
 from rlhf_async.strategies.placement import Placement
 from rlhf_async.strategies.registry import STRATEGIES
+from rlhf_async.strategies.separation.on_ray import ray_cluster
 from rlhf_async.task import Task, make_task, reward_mix, sampling_params
 from rlhf_async.task.pretrain import Artefacts, load_reward, load_sft, prepare_artefacts
 
@@ -86,8 +88,10 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None,
     task = make_task(cfg)  # a bad prompts file or reward function stops the run here
     target = run_dir_of(cfg) if run_dir is None else run_dir
     if launch is None:
-        # one job per run directory, held before anything is written there (job/lock.py)
-        with hold_run_dir(target) as held:
+        # one job per run directory, held before anything is written there (job/lock.py);
+        # on Ray, a cluster that cannot hold the placement stops the job before SFT
+        with hold_run_dir(target) as held, \
+                ray_cluster(cfg) if cfg.placement.launcher == "ray" else nullcontext():
             return _run_held(cfg, placement, task, out, held, run_dir is not None,
                              own_process)
     lock_step_only(placement.strategy, STRATEGIES[placement.strategy].roles)

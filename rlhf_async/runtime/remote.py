@@ -13,7 +13,6 @@ heartbeat timeout declares its nodes dead, as for any hung node.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import zmq
 
 from rlhf_async.log import get_logger
 from rlhf_async.runtime.hosts import Host
+from rlhf_async.runtime.launcher import wait_polling
 from rlhf_async.runtime.spec import NodeSpec
 from rlhf_async.wire.protocol import Message, ProtocolError, decode, encode
 from rlhf_async.wire.security import Keyring, SecurityError, is_loopback
@@ -129,12 +129,7 @@ class RemoteProcess:
         return self._rc
 
     async def wait(self, timeout: float | None = None) -> int | None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (rc := self.poll()) is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
-            await asyncio.sleep(0.1)
-        return rc
+        return await wait_polling(self.poll, timeout, 0.1)
 
     def _signal(self, name: str) -> None:
         try:

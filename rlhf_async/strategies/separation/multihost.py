@@ -9,6 +9,7 @@ write checkpoints under the same paths as the coordinator, so `run.cache_dir` an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -42,23 +43,29 @@ def node_hosts(placement: Placement, hosts: list[Host]) -> dict[str, tuple[Host,
     return out
 
 
-def tcp_specs(specs: list[NodeSpec], prompts: str, where: dict[str, tuple[Host, str]],
-              coordinator: str, base_port: int = BASE_PORT) -> tuple[list[NodeSpec], str]:
-    """Give every bound ipc endpoint a tcp address on its node's host (the prompts queue on
-    the coordinator's), point every connect at it, and set each node's local device."""
+def tcp_specs(specs: list[NodeSpec], prompts: str, where: dict[str, tuple[str, str]],
+              coordinator: str, next_port: Callable[[str], int] | None = None
+              ) -> tuple[list[NodeSpec], str]:
+    """Give every bound ipc endpoint a tcp address on its node's host (`where`: node id ->
+    (host address, device there); the prompts queue on the coordinator's), point every
+    connect at it, and set each node's device. Ports come from `next_port(host address)`,
+    by default consecutive from BASE_PORT on each host."""
     ports: dict[str, int] = {}
     moved: dict[str, str] = {}
 
+    def consecutive(host_address: str) -> int:
+        ports[host_address] = ports.get(host_address, BASE_PORT - 1) + 1
+        return ports[host_address]
+
     def tcp(address: str, host_address: str) -> str:
-        ports[host_address] = ports.get(host_address, base_port - 1) + 1
-        moved[address] = f"tcp://{host_address}:{ports[host_address]}"
+        moved[address] = f"tcp://{host_address}:{(next_port or consecutive)(host_address)}"
         return moved[address]
 
     new_prompts = tcp(prompts, coordinator)
     for spec in specs:
         for ep in spec.endpoints.values():
             if ep.bind:
-                tcp(ep.address, where[spec.node_id][0].address)
+                tcp(ep.address, where[spec.node_id][0])
     out = []
     for spec in specs:
         eps = {name: replace(ep, address=moved.get(ep.address, ep.address),
@@ -72,7 +79,8 @@ async def run_hosts(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Pl
                     hosts: list[Host], keys: Path, address: str, start_step: int) -> dict:
     where = node_hosts(placement, hosts)
     specs, prompts = build_specs(cfg, art, run_dir, placement, "/unused")
-    specs, prompts = tcp_specs(specs, prompts, where, address)
+    specs, prompts = tcp_specs(specs, prompts, {n: (h.address, d) for n, (h, d) in where.items()},
+                               address)
     roles = {p.node_id: p.role for p in placement.processes}
     gens = [n for n, r in roles.items() if r == "generator"]
     trainer_host = where["trainer"][0].address if "trainer" in where else address

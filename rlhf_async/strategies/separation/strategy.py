@@ -1,11 +1,14 @@
 """Separation as a strategy: trainer (actor, critic) apart from the inference side, shadow
 actors in generator processes and reward + reference in scorer processes; the trainer
-broadcasts new weights to the shadows (`runner.py` runs it)."""
+broadcasts new weights to the shadows (`runner.py` runs it on this machine, `on_ray.py` on a
+Ray cluster)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rlhf_async.config import JobConfig, PlacementConfig
-from rlhf_async.strategies.base import Overrides, Strategy
+from rlhf_async.strategies.base import Overrides, RunResult, Strategy
 from rlhf_async.strategies.placement import (
     INFER,
     TRAIN,
@@ -15,8 +18,10 @@ from rlhf_async.strategies.placement import (
     model_placement,
     ranges,
 )
-from rlhf_async.strategies.separation.runner import run
+from rlhf_async.strategies.separation.on_ray import run as run_on_ray
+from rlhf_async.strategies.separation.runner import run as run_here
 from rlhf_async.strategies.separation.trainer_group import trainer_id
+from rlhf_async.task.pretrain import Artefacts
 
 
 def _spread(devices: list[int], replicas: int) -> list[tuple[int, ...]]:
@@ -106,6 +111,13 @@ def runner_problems(cfg: JobConfig, p: Placement) -> list[str]:
                        f"(one per device, the default: 0) for devices {ranges(tuple(group))}")
             break
     return out
+
+
+def run(cfg: JobConfig, placement: Placement, art: Artefacts, run_dir: Path,
+        start_step: int = 0) -> RunResult:
+    """The nodes on this machine, or on a Ray cluster (placement.launcher = ray)."""
+    go = run_on_ray if cfg.placement.launcher == "ray" else run_here
+    return go(cfg, placement, art, run_dir, start_step)
 
 
 STRATEGY = Strategy(

@@ -1,0 +1,138 @@
+"""Separation on a Ray cluster on this machine (`ray.cluster_utils.Cluster`: a head without
+CPUs, as on real clusters, and three worker nodes of one CPU): trainer, generator and
+scorer each on a node of its own, the same trajectory as the local launch at max_staleness
+= 0; a placement larger than the cluster fails at once, naming what is missing; losing the
+generator's Ray node mid-run restarts it on a spare node and every prompt is still trained
+exactly once. Skipped without the [ray] extra."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from rlhf_async import job
+from rlhf_async.config import load_config
+from rlhf_async.metrics import read_metrics
+from rlhf_async.runtime.ray_cluster import RayPlacementError
+
+ray = pytest.importorskip("ray", reason="needs the [ray] extra")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(300)]
+STORE = 80 * 1024**2  # bytes of object store per node: only small calls travel through Ray
+TINY = ["model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=30",
+        "reward_model.steps=30", "reward_model.heldout_pairs=64", "run.eval_prompts=16",
+        "train.steps=3", "train.prompts_per_step=8", "algo.group_size=2", "run.plot=false",
+        "run.progress=false", "placement.strategy=separation", "algo.max_staleness=0"]
+# trainer on device 0, generator on 1, scorer on 2: with one CPU a node, a node each
+APART = ["placement.devices=3", "placement.generator=[1]", "placement.reward=[2]"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "object_store_memory": STORE, "include_dashboard": False})
+    try:
+        for _ in range(3):
+            c.add_node(num_cpus=1, object_store_memory=STORE)
+        c.wait_for_nodes()
+        yield c
+    finally:
+        c.shutdown()
+
+
+def _cfg(tmp_path, cache, name, *overrides):
+    return load_config(None, [*TINY, f"run.cache_dir={json.dumps(str(cache))}",
+                              f"run.output_dir={json.dumps(str(tmp_path))}",
+                              f"run.name={name}", *overrides])
+
+
+def test_separation_on_three_ray_nodes_matches_the_local_launch(tmp_path, cache, cluster):
+    job.run(_cfg(tmp_path, cache, "local", *APART))
+    job.run(_cfg(tmp_path, cache, "ray", *APART, "placement.launcher=ray",
+                 f"ray.address={cluster.address}"))
+    assert not ray.is_initialized()  # the job closed the connection it made
+    local, on_ray = (read_metrics(tmp_path / n / "metrics.jsonl") for n in ("local", "ray"))
+    assert len(local) == len(on_ray) == 3
+    for a, b in zip(local, on_ray, strict=True):
+        for k in ("policy_loss", "value_loss", "reward", "kl", "entropy", "response_length"):
+            assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7), (a["step"], k)
+    run_dir = tmp_path / "ray"
+    ran = [json.loads(line) for line in (run_dir / "ray_nodes.jsonl").read_text().splitlines()]
+    where = {r["node"]: r["ray_node"] for r in ran}
+    assert sorted(where) == ["gen0", "scorer0", "trainer"]
+    assert len(set(where.values())) == 3  # each on a Ray node of its own
+    assert set(where.values()) <= {n.node_id for n in cluster.list_all_nodes()}
+    assert {r["node"]: r["bundle"] for r in ran} == {"trainer": 0, "gen0": 1, "scorer0": 2}
+    for node in where:  # node logs where a local run has them, every endpoint CURVE tcp
+        assert "node_exit" in (run_dir / "logs" / f"{node}.log").read_text()
+        spec = json.loads((run_dir / "specs" / f"{node}.json").read_text())
+        assert spec["control"].startswith("tcp://") and spec["keys"] == str(run_dir / "keys")
+        assert all(ep["address"].startswith("tcp://") for ep in spec["endpoints"].values())
+
+
+def test_a_placement_larger_than_the_cluster_fails_before_anything_starts(tmp_path, cache,
+                                                                           cluster):
+    t0 = time.monotonic()
+    with pytest.raises(RayPlacementError) as e:
+        job.run(_cfg(tmp_path, cache, "big", "placement.devices=4", "placement.cpu_threads=1",
+                     "placement.launcher=ray", f"ray.address={cluster.address}"))
+    assert time.monotonic() - t0 < 20
+    assert str(e.value) == (
+        "the Ray cluster cannot hold this job's placement group (4 bundle(s) of {1 CPU}, one "
+        "per device, placed PACK): missing 1 CPU: the job needs 4 CPU, the cluster has 3 CPU "
+        "on 4 node(s)")
+    assert not (tmp_path / "big" / "logs").exists() and not (tmp_path / "big" / "specs").exists()
+    assert not ray.is_initialized()
+
+
+def _remove_node_of(cluster, node: str, run_dir: Path, after_steps: int,
+                    stop: threading.Event, lost: list[str]) -> None:
+    """Once `after_steps` steps are trained, take down the Ray node `node` runs on."""
+    metrics, ran = run_dir / "metrics.jsonl", run_dir / "ray_nodes.jsonl"
+    while not stop.is_set():
+        time.sleep(0.1)
+        if not metrics.exists() or len(metrics.read_text().splitlines()) < after_steps:
+            continue
+        where = [json.loads(x)["ray_node"] for x in ran.read_text().splitlines()
+                 if json.loads(x)["node"] == node]
+        victim = next(n for n in cluster.worker_nodes if n.node_id == where[-1])
+        cluster.remove_node(victim)
+        lost.append(victim.node_id)
+        return
+
+
+def test_a_lost_ray_node_is_a_dead_process_restarted_elsewhere(tmp_path, cache, cluster):
+    """Last in the module: it changes the cluster."""
+    cluster.add_node(num_cpus=1, object_store_memory=STORE)  # the spare
+    cluster.wait_for_nodes()
+    steps = 6
+    cfg = _cfg(tmp_path, cache, "lost", *APART, "placement.launcher=ray",
+               f"ray.address={cluster.address}", f"train.steps={steps}",
+               "algo.max_staleness=1", "run.checkpoint_every=1", "runtime.restart_limit=2",
+               "runtime.time_to_dead=5", "weight_sync.timeout_s=20")
+    run_dir, lost, stop = tmp_path / "lost", list[str](), threading.Event()
+    thread = threading.Thread(target=_remove_node_of,
+                              args=(cluster, "gen0", run_dir, 2, stop, lost))
+    thread.start()
+    try:
+        job.run(cfg)
+    finally:
+        stop.set()
+        thread.join()
+    assert lost, "the run ended before the generator's node was taken down"
+    lines = (run_dir / "trained_samples.jsonl").read_text().splitlines()
+    counts = Counter(s for line in lines for s in json.loads(line)["sample_ids"])
+    assert set(counts) == set(range(steps * 8 * 2)) and set(counts.values()) == {1}
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(steps))
+    assert records[-1]["faults/restarts"] >= 1
+    gens = [json.loads(x) for x in (run_dir / "ray_nodes.jsonl").read_text().splitlines()
+            if json.loads(x)["node"] == "gen0"]
+    assert len(gens) >= 2 and gens[0]["ray_node"] == lost[0] != gens[-1]["ray_node"]
+    assert gens[-1]["bundle"] == 1  # its device's bundle, moved by Ray to the spare node
