@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import signal
 import sys
 import threading
@@ -88,12 +89,19 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None,
     task = make_task(cfg)  # a bad prompts file or reward function stops the run here
     target = run_dir_of(cfg) if run_dir is None else run_dir
     if launch is None:
-        # one job per run directory, held before anything is written there (job/lock.py);
-        # on Ray, a cluster that cannot hold the placement stops the job before SFT
-        with hold_run_dir(target) as held, \
-                ray_cluster(cfg) if cfg.placement.launcher == "ray" else nullcontext():
-            return _run_held(cfg, placement, task, out, held, run_dir is not None,
-                             own_process)
+        fresh = run_dir is None and not target.exists()
+        try:
+            # one job per run directory, held before anything is written there
+            # (job/lock.py); on Ray, a cluster that cannot hold the placement stops the
+            # job before SFT
+            with hold_run_dir(target) as held, \
+                    ray_cluster(cfg) if cfg.placement.launcher == "ray" else nullcontext():
+                return _run_held(cfg, placement, task, out, held, run_dir is not None,
+                                 own_process)
+        except ConfigError:
+            if fresh:
+                _discard_unstarted(target)
+            raise
     lock_step_only(placement.strategy, STRATEGIES[placement.strategy].roles)
     with env_group("nccl" if cfg.placement.device == "cuda" else "gloo", launch):
         if launch.rank == 0:
@@ -101,6 +109,19 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None,
                 return _run_held(cfg, placement, task, out, held, run_dir is not None,
                                  own_process, share)
         return _follow_rank(cfg, placement, launch.rank)
+
+
+def _discard_unstarted(run_dir: Path) -> None:
+    """A user's mistake that shows only at first use (a reward function's first calls, in
+    the initial evaluation or the first step): the run directory this job made holds no
+    step's record and no checkpoint; it goes, so the mistake leaves nothing behind."""
+    metrics = run_dir / "metrics.jsonl"
+    if (metrics.exists() and metrics.stat().st_size) or \
+            list_checkpoints(run_dir / "checkpoints"):
+        return
+    log.info("run directory removed: the job stopped on a configuration error before "
+             "training", run_dir=str(run_dir))
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _follow_rank(cfg: JobConfig, placement: Placement, rank: int) -> dict:

@@ -316,3 +316,16 @@ def test_a_question_is_held_out_alike_as_a_prompt_string_and_as_a_chat():
     chats = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": p}]
              for p in PROMPTS]
     assert heldout_split([split_key(c) for c in chats]) == heldout_split(PROMPTS)
+
+
+def test_a_batched_reward_of_the_wrong_length_stops_the_cli_and_leaves_no_run(files, tmp_path,
+                                                                               capsys):
+    rc = cli.main(["run", f"model.path={json.dumps(str(files / 'model'))}", "task.name=text",
+                   f"task.prompts={json.dumps(str(files / 'kinds.jsonl'))}",
+                   f"task.reward={json.dumps(str(files / 'rewards.py') + ':batch_one')}",
+                   "task.reward_batched=true", "task.max_prompt_tokens=32",
+                   "generation.max_new_tokens=4",
+                   f"run.output_dir={json.dumps(str(tmp_path))}", "run.progress=false"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "batch_one returned 1 values for a batch of" in err, err
+    assert "Traceback" not in err and not list(tmp_path.iterdir())
