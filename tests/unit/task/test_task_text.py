@@ -324,7 +324,8 @@ def test_a_batched_reward_of_the_wrong_length_stops_the_cli_and_leaves_no_run(fi
                    f"task.prompts={json.dumps(str(files / 'kinds.jsonl'))}",
                    f"task.reward={json.dumps(str(files / 'rewards.py') + ':batch_one')}",
                    "task.reward_batched=true", "task.max_prompt_tokens=32",
-                   "generation.max_new_tokens=4",
+                   "generation.max_new_tokens=4", "train.prompts_per_step=2",
+                   "algo.group_size=2", "algo.name=grpo", "run.plot=false",
                    f"run.output_dir={json.dumps(str(tmp_path))}", "run.progress=false"])
     err = capsys.readouterr().err
     assert rc == 2 and "batch_one returned 1 values for a batch of" in err, err
