@@ -91,6 +91,53 @@ def test_sft_then_rm_then_ppo_on_the_users_files(files, tmp_path, capsys):
     assert 0.0 <= summary["final_hidden_score"] <= 1.0  # the batched rule, with its column
 
 
+def _write(rows, path):
+    """`rows` in the format `path`'s suffix names (a directory: save_to_disk)."""
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return
+    ds = datasets.Dataset.from_list(rows)
+    {".json": lambda: path.write_text(json.dumps(rows)), ".parquet": lambda: ds.to_parquet(
+        str(path)), ".csv": lambda: ds.to_csv(str(path), index=False),
+     "": lambda: ds.save_to_disk(str(path))}[path.suffix]()
+
+
+def _chain(files, tmp_path, fmt):
+    """sft -> rm -> ppo (a few steps each) with all three inputs in format `fmt`."""
+    d = tmp_path / fmt.strip(".") if fmt else tmp_path / "saved"
+    d.mkdir()
+    demos = [{"prompt": p, "response": w} for p, k in PROMPTS.items() for w in WORDS[k]]
+    pairs = [{"prompt": p, "chosen": WORDS[k][0], "rejected": "cat" if k != "animal" else
+              "red"} for p, k in PROMPTS.items()]
+    prompts = [{"prompt": p, "kind": k} for p, k in PROMPTS.items()]
+    for name, rows in (("demos", demos), ("pairs", pairs), ("prompts", prompts)):
+        _write(rows, d / f"{name}{fmt}")
+    common = [f"run.output_dir={json.dumps(str(d / 'runs'))}", "run.progress=false",
+              "run.plot=false"]
+    sft = rlhf_async.sft(None, [f"model.path={files / 'model'}", "run.name=sft",
+                                f"sft.data={d / ('demos' + fmt)}", "sft.steps=3", *common])
+    rm = rlhf_async.reward_model(None, [f"model.path={sft['model']}", "run.name=rm",
+                                        f"reward_model.data={d / ('pairs' + fmt)}",
+                                        "reward_model.steps=3", *common])
+    ppo = rlhf_async.train(None, [
+        f"model.path={sft['model']}", f"reward_model.path={rm['model']}", "task.name=text",
+        f"task.prompts={d / ('prompts' + fmt)}", f"task.reward={files / 'rule.py'}:right_kind",
+        "task.reward_batched=true", "generation.max_new_tokens=3", "task.max_prompt_tokens=16",
+        "train.steps=1", "train.prompts_per_step=2", "algo.group_size=2", "algo.name=grpo",
+        "run.eval_prompts=8", "run.name=ppo", *common])
+    return (sft["heldout_loss_after"], rm["heldout_accuracy_after"], rm["final_loss"],
+            ppo["final_reward"], ppo["final_hidden_score"])
+
+
+def test_every_data_format_trains_the_same_chain(files, tmp_path):
+    """The same rows as .jsonl, .json, .parquet, .csv and a save_to_disk directory: the
+    three stages give the same numbers (the formats only change how rows are read)."""
+    results = {fmt: _chain(files, tmp_path, fmt) for fmt in (".jsonl", ".json", ".parquet",
+                                                               ".csv", "")}
+    first = results[".jsonl"]
+    assert all(r == pytest.approx(first) for r in results.values()), results
+
+
 @pytest.mark.parametrize("rows, message", [
     ([{"prompt": "name a fruit .", "answer": "apple"}] * 3,
      r"sft.data: .*bad.jsonl: row 0: expected non-empty strings in 'prompt' and 'response' "
