@@ -31,7 +31,7 @@ from rlhf_async.job.lock import hold_run_dir
 from rlhf_async.job.signals import on_stop_signals
 from rlhf_async.log import get_logger
 from rlhf_async.runtime.ray_cluster import DeviceGroup, reserve
-from rlhf_async.runtime.ray_launcher import RayLauncher, RayProcess
+from rlhf_async.runtime.ray_launcher import LOST, RayLauncher, RayProcess
 from rlhf_async.runtime.spec import NodeSpec
 from rlhf_async.strategies.base import RankFailed
 from rlhf_async.strategies.separation.on_ray import ray_cluster
@@ -105,14 +105,20 @@ def _wait(ranks: list[RayProcess], run_dir: Path) -> str | None:
 
 
 def _failure(ranks: list[RayProcess], run_dir: Path, rank: int, rc: int) -> str:
-    """`rank N failed (exit rc): its last log line`, from the log on the shared filesystem."""
+    """Why rank N failed: lost, killed, or its exit code and last log line (the log is on
+    the shared filesystem)."""
     log_file = run_dir / "logs" / f"rank{rank}.log"
     try:
         lines = [x for x in log_file.read_text(errors="replace").splitlines() if x.strip()]
     except OSError:
         lines = []
-    last = lines[-1].strip() if lines else "no output"
-    return f"rank {rank} failed (exit {rc}) on Ray: {last} (log: {ranks[rank].log_path})"
+    if rc == LOST:
+        why = "its actor or Ray node was lost"
+    elif rc < 0:  # a killed process leaves no last word of its own
+        why = f"killed by {signal.Signals(-rc).name}"
+    else:
+        why = f"exit {rc}: {lines[-1].strip() if lines else 'no output'}"
+    return f"rank {rank} failed on Ray ({why}); log: {ranks[rank].log_path}"
 
 
 def _stop_all(ranks: list[RayProcess], grace_s: float) -> None:
