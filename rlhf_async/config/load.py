@@ -4,6 +4,7 @@ then the cross-field checks; all problems together in one `ConfigError`."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 import typing
 from pathlib import Path
@@ -141,18 +142,24 @@ def _resolve_paths(cfg: JobConfig, base_dir: Path) -> None:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, *,
                 text: str | None = None, base_dir: str | Path | None = None) -> JobConfig:
-    """Load TOML (optional) then apply dotted overrides; raise ConfigError listing all problems.
-    `text`: the TOML itself, `path` only naming it in errors. `base_dir`: where relative
-    paths of `PATH_KEYS` (and a task.reward file) start, instead of the working directory."""
+    """Load TOML or JSON (optional) then apply dotted overrides; raise ConfigError listing
+    all problems. `text`: the file's text, `path` only naming it in errors. `base_dir`:
+    where relative paths of `PATH_KEYS` (and a task.reward file) start, instead of the
+    working directory."""
     data: dict[str, Any] = {}
     problems: list[str] = []
     if path is not None:
+        # a .json file is a run's config.json (`to_dict`), e.g. what a Ray rank starts from
+        kind = "JSON" if str(path).endswith(".json") else "TOML"
         try:
-            data = tomllib.loads(Path(path).read_text() if text is None else text)
+            raw = Path(path).read_text() if text is None else text
+            data = json.loads(raw) if kind == "JSON" else tomllib.loads(raw)
         except FileNotFoundError:
             raise ConfigError([f"config file {str(path)!r}: not found"]) from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError([f"config file {str(path)!r}: not valid TOML ({e})"]) from None
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError([f"config file {str(path)!r}: not valid {kind} ({e})"]) from None
+        if not isinstance(data, dict):
+            raise ConfigError([f"config file {str(path)!r}: not a table of sections"])
     for item in overrides or []:
         try:
             keys, value = parse_override(item)

@@ -7,18 +7,15 @@ subclass `PlacementError`) carry every problem in one message for it to print.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import torch
 from transformers.utils import logging as hf_logging
@@ -27,6 +24,8 @@ from rlhf_async.config import ConfigError, JobConfig, config_from_dict, load_con
 from rlhf_async.engines.process_group import env_group, launched
 from rlhf_async.job.launched import Share, adopt_world, follow, leading, lock_step_only
 from rlhf_async.job.lock import hold_run_dir
+from rlhf_async.job.on_ray import run_ranks
+from rlhf_async.job.signals import on_stop_signals
 from rlhf_async.log import get_logger
 from rlhf_async.metrics import truncate_metrics
 from rlhf_async.modeling.generation import generate
@@ -88,6 +87,9 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None,
         torch.set_num_threads(cfg.placement.cpu_threads)
     task = make_task(cfg)  # a bad prompts file or reward function stops the run here
     target = run_dir_of(cfg) if run_dir is None else run_dir
+    lock_step = STRATEGIES[placement.strategy].roles == ("worker",)
+    if launch is None and lock_step and cfg.placement.launcher == "ray":
+        return _ranks_on_ray(cfg, target, run_dir is not None, out)
     if launch is None:
         fresh = run_dir is None and not target.exists()
         try:
@@ -109,6 +111,19 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None,
                 return _run_held(cfg, placement, task, out, held, run_dir is not None,
                                  own_process, share)
         return _follow_rank(cfg, placement, launch.rank)
+
+
+def _ranks_on_ray(cfg: JobConfig, run_dir: Path, resume: bool, out: IO[str] | None) -> dict:
+    """A lock-step job whose ranks Ray starts (job/on_ray.py); rank 0's summary, or where
+    the job stopped on request."""
+    stopped = run_ranks(cfg, run_dir, resume)
+    summary = _finished(run_dir)
+    if summary is None:
+        return _stopped(run_dir, JobStopped(stopped or "rank 0 stopped"), out)
+    if out is not None:
+        out.write(format_summary(summary))
+        out.flush()
+    return summary
 
 
 def _discard_unstarted(run_dir: Path) -> None:
@@ -166,7 +181,7 @@ def _run_held(cfg: JobConfig, placement: Placement, task: Task, out: IO[str] | N
 
     t0 = time.perf_counter()
     try:
-        with _on_stop_signals(_stop_now):  # before RL there is nothing to checkpoint
+        with on_stop_signals(_stop_now):  # before RL there is nothing to checkpoint
             art = prepare_artefacts(cfg, task)
             if share is not None:  # the launched job's other ranks start from these
                 share(art, start_step, run_dir)
@@ -187,7 +202,7 @@ def _run_held(cfg: JobConfig, placement: Placement, task: Task, out: IO[str] | N
         return _stopped(run_dir, e, out)
     # trained and saved: the summary takes seconds, and a stop now changes nothing (in
     # the CLI's process the handler stays until it exits: the job is done)
-    with _on_stop_signals(_finish_first, restore=not own_process):
+    with on_stop_signals(_finish_first, restore=not own_process):
         return _summarize(cfg, task, out, run_dir, art, result, reward_model, sft_eval,
                           t_start, t_pre, start_step)
 
@@ -258,20 +273,6 @@ def _stop_now(signum: int, _frame: object) -> None:
 def _finish_first(signum: int, _frame: object) -> None:
     log.warning("stop requested after training: writing the summary first",
                 signal=signal.Signals(signum).name)
-
-
-@contextlib.contextmanager
-def _on_stop_signals(handler: Any, restore: bool = True) -> Iterator[None]:
-    """SIGTERM/SIGINT outside the RL phase (whose strategy handles them itself)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in old.items() if restore else ():
-            signal.signal(s, h)
 
 
 def _finished(run_dir: Path) -> dict | None:

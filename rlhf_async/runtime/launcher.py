@@ -88,16 +88,24 @@ def start_node(spec: NodeSpec, run_dir: Path, python: str = sys.executable,
     runs nodes with this (the Ray one inside its actor, on the actor's host).
     """
     (run_dir / "specs").mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     spec_path = run_dir / "specs" / f"{spec.node_id}.json"
     spec.write(spec_path)
+    return start_process([python, "-m", "rlhf_async.runtime", "--spec", str(spec_path)],
+                         spec, run_dir, env)
+
+
+def start_process(argv: list[str], spec: NodeSpec, run_dir: Path,
+                  env: Mapping[str, str] | None = None) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start `argv` as node `spec` (its env and threads; its log RUN_DIR/logs/NODE.log, its
+    own session, dying with its parent): a node program (`start_node`), or a command such as
+    one rank of a lock-step job on Ray (`rlhf-async run` with RANK, WORLD_SIZE, ... in env)."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "logs" / f"{spec.node_id}.log"
     env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": str(spec.num_threads),
            **spec.env}
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(
-            [python, "-m", "rlhf_async.runtime", "--spec", str(spec_path)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )

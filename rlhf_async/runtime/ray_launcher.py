@@ -22,6 +22,7 @@ import json
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections import Counter
 from dataclasses import replace
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_async.log import get_logger
-from rlhf_async.runtime.launcher import start_node, wait_polling
+from rlhf_async.runtime.launcher import start_node, start_process, wait_polling
 from rlhf_async.runtime.ray_cluster import DeviceGroup, ray
 from rlhf_async.runtime.spec import NodeSpec
 
@@ -52,10 +53,13 @@ class NodeHost:
     """The Ray actor around one node process, on the node's host. Its methods are quick
     (the actor runs them one at a time), so `signal` is never stuck behind another."""
 
-    def __init__(self, spec: dict[str, Any], run_dir: str) -> None:
+    def __init__(self, spec: dict[str, Any], run_dir: str,
+                 command: list[str] | None = None) -> None:
         # on the actor's main thread, which lives as long as the actor: the process's
         # parent-death signal fires when the actor dies, not before
-        self.popen, log_path = start_node(NodeSpec.from_dict(spec), Path(run_dir))
+        node = NodeSpec.from_dict(spec)
+        self.popen, log_path = start_node(node, Path(run_dir)) if command is None else \
+            start_process([sys.executable, *command], node, Path(run_dir))
         self.where = {"pid": self.popen.pid, "ray_node": ray.get_runtime_context().get_node_id(),
                       "address": ray.util.get_node_ip_address(), "host": socket.gethostname(),
                       "gpus": [str(g) for g in ray.get_gpu_ids()], "log": str(log_path)}
@@ -159,7 +163,10 @@ class RayLauncher:
         self.shares = Counter(device_index(s.device) for s in specs)
         self.host = ray.remote(NodeHost)
 
-    def launch(self, spec: NodeSpec, run_dir: Path) -> RayProcess:
+    def launch(self, spec: NodeSpec, run_dir: Path,
+               command: list[str] | None = None) -> RayProcess:
+        """The node `spec` on its device's bundle; with `command` (arguments of the Python
+        on that host, e.g. `-m rlhf_async run ...`), that process in the node's place."""
         bundle = device_index(spec.device)
         gpu = spec.device.startswith("cuda")
         on_bundle = PlacementGroupSchedulingStrategy(self.group.pg,
@@ -168,5 +175,6 @@ class RayLauncher:
         actor = self.host.options(
             num_cpus=0, num_gpus=share if gpu else 0, max_restarts=0,
             scheduling_strategy=on_bundle,
-        ).remote(replace(spec, device="cuda:0" if gpu else spec.device).to_dict(), str(run_dir))
+        ).remote(replace(spec, device="cuda:0" if gpu else spec.device).to_dict(), str(run_dir),
+                 command)
         return RayProcess(actor, spec.node_id, bundle, run_dir / "ray_nodes.jsonl")

@@ -75,10 +75,6 @@ def runner_problems(cfg: JobConfig, placement: Placement) -> list[str]:
         problems.append(f"generation.backend: {cfg.generation.backend} runs in generator "
                         f"processes (a shadow actor, as in separation); placement.strategy "
                         f"= {placement.strategy} generates with torch")
-    if cfg.placement.launcher == "ray" and placement.strategy != "separation":
-        problems.append(f"placement.launcher: ray starts separation's node processes; "
-                        f"{placement.strategy} spawns its ranks from this process "
-                        "(placement.launcher = local; torchrun or srun across hosts)")
     own = STRATEGIES[placement.strategy].runner_problems(cfg, engines)
     return problems + [p for p in own if p not in problems]
 

@@ -76,6 +76,28 @@ def test_separation_on_three_ray_nodes_matches_the_local_launch(tmp_path, cache,
         assert all(ep["address"].startswith("tcp://") for ep in spec["endpoints"].values())
 
 
+def test_flattening_ranks_on_two_ray_nodes_match_the_local_launch(tmp_path, cache, cluster):
+    """Ray in torchrun's place: one `rlhf-async run` per rank, each on a node of its own.
+    (Interleaving takes the same path: only the strategy's name differs.)"""
+    strategy = "flattening"
+    two = [f"placement.strategy={strategy}", "placement.devices=2", "train.steps=2"]
+    job.run(_cfg(tmp_path, cache, "local", *two))
+    summary = job.run(_cfg(tmp_path, cache, "ray", *two, "placement.launcher=ray",
+                           f"ray.address={cluster.address}"))
+    assert not ray.is_initialized()
+    run_dir = tmp_path / "ray"
+    assert summary["run_dir"] == str(run_dir) and summary["strategy"] == strategy
+    local, on_ray = (read_metrics(tmp_path / n / "metrics.jsonl") for n in ("local", "ray"))
+    assert len(local) == len(on_ray) == 2
+    for a, b in zip(local, on_ray, strict=True):
+        for k in ("policy_loss", "value_loss", "reward", "kl", "entropy", "response_length"):
+            assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7), (a["step"], k)
+    ran = [json.loads(line) for line in (run_dir / "ray_nodes.jsonl").read_text().splitlines()]
+    assert {r["node"]: r["bundle"] for r in ran} == {"rank0": 0, "rank1": 1}
+    assert len({r["ray_node"] for r in ran}) == 2  # each rank on a Ray node of its own
+    assert not list(tmp_path.glob(".ray.*.config.json"))  # the rank config file is gone
+
+
 def test_a_placement_larger_than_the_cluster_fails_before_anything_starts(tmp_path, cache,
                                                                            cluster):
     t0 = time.monotonic()

@@ -11,7 +11,6 @@ from rlhf_async.config import ConfigError, load_config
 from rlhf_async.planning.planner import prepare_run
 from rlhf_async.runtime.ray_cluster import device_bundles, missing
 from rlhf_async.runtime.ray_launcher import device_index
-from rlhf_async.strategies.placement import PlacementError
 
 CPU1 = device_bundles("cpu", 1, 1)[0]
 
@@ -61,9 +60,7 @@ def test_without_ray_the_extra_is_named():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the [ray] extra")
-def test_ray_launches_separation_only():
-    cfg = load_config(None, ["placement.launcher=ray", "placement.strategy=flattening"])
-    with pytest.raises(PlacementError, match="placement.launcher: ray starts separation"):
-        prepare_run(cfg)
-    prepare_run(load_config(None, ["placement.launcher=ray", "placement.strategy=separation",
+@pytest.mark.parametrize("strategy", ["flattening", "interleaving", "separation"])
+def test_ray_launches_every_strategy(strategy):
+    prepare_run(load_config(None, ["placement.launcher=ray", f"placement.strategy={strategy}",
                                    "placement.devices=2"]))
