@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import random
-import threading
-from collections import Counter
 
 import pytest
 
-from rlhf_async import job
 from rlhf_async.config import load_config
 from rlhf_async.control.chaos import kill_at_start, kill_nodes
+from tests.faults import run_during, trained_counts
 
 pytestmark = [pytest.mark.timeout(480)]
 
@@ -30,21 +28,13 @@ def test_run_survives_five_kills_and_trains_each_prompt_once(tmp_path):
     steps, kills = 30, 5
     cfg = load_config(None, [*TINY, f"run.cache_dir={json.dumps(str(tmp_path / 'cache'))}", f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=chaos", f"train.steps={steps}"])
     victims: list = []
-    stop = threading.Event()
     # every role at least once, both trainer ranks, in a random order
     order = ["trainer", "gen0", "gen1", "scorer0", "trainer1"]
     random.Random(1).shuffle(order)
-    thread = threading.Thread(target=kill_nodes,
-                              args=(tmp_path / "chaos", order, 5, stop, victims))
-    thread.start()
-    try:
-        summary = job.run(cfg)
-    finally:
-        stop.set()
-        thread.join()
+    summary = run_during(cfg, lambda stop: kill_nodes(tmp_path / "chaos", order, 5, stop,
+                                                      victims))
     assert len(victims) == kills, f"only {victims} were killed before the run ended"
-    lines = (tmp_path / "chaos" / "trained_samples.jsonl").read_text().splitlines()
-    counts = Counter(s for line in lines for s in json.loads(line)["sample_ids"])
+    counts = trained_counts(tmp_path / "chaos")
     n = 8 * 2
     assert set(counts) == set(range(steps * n)), "some prompts were never trained"
     assert set(counts.values()) == {1}, "some prompts were trained more than once"
@@ -60,17 +50,9 @@ def test_kills_during_start_up_are_restarted_and_each_prompt_trained_once(tmp_pa
                              f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=boot",
                              f"train.steps={steps}", "runtime.restart_limit=3"])
     victims: list = []
-    stop = threading.Event()
     # one after another, each in its first seconds: while loading its models
-    thread = threading.Thread(target=kill_at_start, args=(tmp_path / "boot",
-                              ["scorer0", "gen0", "trainer1", "trainer"], stop, victims))
-    thread.start()
-    try:
-        job.run(cfg)
-    finally:
-        stop.set()
-        thread.join()
+    run_during(cfg, lambda stop: kill_at_start(
+        tmp_path / "boot", ["scorer0", "gen0", "trainer1", "trainer"], stop, victims))
     assert [v for v, _ in victims] == ["scorer0", "gen0", "trainer1", "trainer"], victims
-    lines = (tmp_path / "boot" / "trained_samples.jsonl").read_text().splitlines()
-    counts = Counter(s for line in lines for s in json.loads(line)["sample_ids"])
+    counts = trained_counts(tmp_path / "boot")
     assert set(counts) == set(range(steps * 16)) and set(counts.values()) == {1}

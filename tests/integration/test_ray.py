@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from rlhf_async import job
 from rlhf_async.config import load_config
 from rlhf_async.metrics import read_metrics
 from rlhf_async.runtime.ray_cluster import RayPlacementError
+from tests.faults import run_during, trained_counts
 
 ray = pytest.importorskip("ray", reason="needs the [ray] extra")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -138,18 +138,10 @@ def test_a_lost_ray_node_is_a_dead_process_restarted_elsewhere(tmp_path, cache, 
                f"ray.address={cluster.address}", f"train.steps={steps}",
                "algo.max_staleness=1", "run.checkpoint_every=1", "runtime.restart_limit=2",
                "runtime.time_to_dead=5", "weight_sync.timeout_s=20")
-    run_dir, lost, stop = tmp_path / "lost", list[str](), threading.Event()
-    thread = threading.Thread(target=_remove_node_of,
-                              args=(cluster, "gen0", run_dir, 2, stop, lost))
-    thread.start()
-    try:
-        job.run(cfg)
-    finally:
-        stop.set()
-        thread.join()
+    run_dir, lost = tmp_path / "lost", list[str]()
+    run_during(cfg, lambda stop: _remove_node_of(cluster, "gen0", run_dir, 2, stop, lost))
     assert lost, "the run ended before the generator's node was taken down"
-    lines = (run_dir / "trained_samples.jsonl").read_text().splitlines()
-    counts = Counter(s for line in lines for s in json.loads(line)["sample_ids"])
+    counts = trained_counts(run_dir)
     assert set(counts) == set(range(steps * 8 * 2)) and set(counts.values()) == {1}
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(steps))

@@ -1,0 +1,32 @@
+"""Running a job while a fault is injected on a thread, and the exactly-once record it
+leaves (for the chaos and Ray fault tests)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from rlhf_async import job
+from rlhf_async.config import JobConfig
+
+
+def run_during(cfg: JobConfig, fault: Callable[[threading.Event], None]) -> dict:
+    """job.run(cfg) while `fault(stop)` runs on a thread; `stop` is set when the job ends
+    and the fault's thread is joined before this returns (or raises)."""
+    stop = threading.Event()
+    thread = threading.Thread(target=fault, args=(stop,))
+    thread.start()
+    try:
+        return job.run(cfg)
+    finally:
+        stop.set()
+        thread.join()
+
+
+def trained_counts(run_dir: Path) -> Counter[int]:
+    """How many times each sample id was trained, from RUN_DIR/trained_samples.jsonl."""
+    lines = (run_dir / "trained_samples.jsonl").read_text().splitlines()
+    return Counter(s for line in lines for s in json.loads(line)["sample_ids"])
