@@ -1,4 +1,4 @@
-"""`rlhf-async` command line: run, resume, plan, demo, status, stop, keys, version.
+"""`rlhf-async` command line: run, sft, rm, resume, plan, demo, status, stop, keys, version.
 
 Expected user errors print one line on stderr and exit non-zero (2 for bad arguments);
 they never show a traceback.
