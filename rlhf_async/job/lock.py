@@ -43,6 +43,13 @@ def hold_run_dir(run_dir: Path) -> Iterator[Path]:
         os.close(fd)
 
 
+def check_free(run_dir: Path) -> None:
+    """RunLockError naming the holder when another job holds RUN_DIR (made if missing);
+    the lock is taken and given back at once, for a job whose ranks take it themselves."""
+    with hold_run_dir(run_dir):
+        return
+
+
 def live_holder(run_dir: Path) -> int | None:
     """The pid of the job holding RUN_DIR on this host, if it is alive (`rlhf-async stop`
     signals it when the job has no coordinator: Flattening, Interleaving)."""

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rlhf_async.config import JobConfig, to_dict
-from rlhf_async.job.lock import hold_run_dir
+from rlhf_async.job.lock import check_free
 from rlhf_async.job.signals import on_stop_signals
 from rlhf_async.log import get_logger
 from rlhf_async.runtime.ray_cluster import DeviceGroup, reserve
@@ -43,8 +43,7 @@ STOP_WAIT_S = 10.0  # after one rank failed, how long the others get to exit on 
 def run_ranks(cfg: JobConfig, run_dir: Path, resume: bool) -> str | None:
     """The RL job's ranks on the Ray cluster until they all exit; the stop this process
     passed on to them (a signal's name), or None. RankFailed when one fails."""
-    with hold_run_dir(run_dir):
-        pass  # a directory another job holds is refused before anything starts
+    check_free(run_dir)  # a directory another job holds is refused before anything starts
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(
         cfg.run, name=run_dir.name, output_dir=str(run_dir.parent.resolve())))
     with ray_cluster(cfg) as bundles, \
