@@ -99,11 +99,14 @@ def epoch_walk(indices: list[int], seed: int, purpose: str, step: int, count: in
                ) -> list[int]:
     """`count` of `indices` for step `step`: the k-th pick overall is in epoch k // n, and
     each epoch is a shuffle keyed by (seed, purpose, epoch)."""
-    n, out = len(indices), []
+    n, orders = len(indices), {}
+    out = []
     for k in range(step * count, (step + 1) * count):
-        order = list(indices)
-        random.Random(key_seed(seed, "text-epoch", purpose, k // n)).shuffle(order)
-        out.append(order[k % n])
+        epoch = k // n
+        if epoch not in orders:  # one shuffle per epoch touched, not one per pick
+            orders[epoch] = list(indices)
+            random.Random(key_seed(seed, "text-epoch", purpose, epoch)).shuffle(orders[epoch])
+        out.append(orders[epoch][k % n])
     return out
 
 
