@@ -1,68 +1,82 @@
 #!/usr/bin/env bash
-# Multi-host run on bare metal: start `rlhf-async agent` on every host over ssh, check
-# them with `rlhf-async doctor`, run the job's coordinator here, stop the agents at the end.
+# Multi-host run on a Ray cluster made for it over ssh: `ray start --head` here (the first
+# host of HOSTS), `ray start --address=HEAD:PORT` on the others, the job's driver here
+# (deploy/ray/job.sh: `rlhf-async run CONFIG placement.launcher=ray`), `ray stop` on every
+# host at the end.
 #
-#   deploy/launch.sh HOSTS CONFIG [key=value ...]
+#   deploy/launch.sh HOSTS CONFIG [key=value ...]    a new run
+#   deploy/launch.sh HOSTS RUN_DIR                    continue RUN_DIR after a failure
 #
-# HOSTS: hosts file, one `name address[:port] devices` per line (see rlhf_async/runtime/hosts.py);
-# `name` is the ssh destination. Run this on the host whose address is RLHF_ADDRESS
-# (default: the first host's). The keys directory and run.cache_dir/run.output_dir must be
-# on a filesystem every host sees at the same path.
+# HOSTS: one `name [address]` a line (deploy/examples/hosts.txt); `name` is the ssh
+# destination, `address` (default: name) the one the other hosts reach it at. Ray finds
+# each host's CPUs and GPUs (RLHF_RAY_ARGS to say otherwise). Run this on the first host, from a directory every host sees at the
+# same path (checked), as run.output_dir and run.cache_dir must be: the nodes read the
+# SFT/RM artefacts and the CURVE keys the job makes in RUN_DIR/keys there.
 #
 # Environment (defaults):
-#   RLHF_PYTHON   python with rlhf-async installed, on every host   (python3)
-#   RLHF_KEYS     CURVE keys directory (`rlhf-async keys DIR`)      (./keys, made if absent)
-#   RLHF_WORK     agents work in RLHF_WORK/NAME (node logs, pid)    (/tmp/rlhf-async-agent)
-#   RLHF_SSH      ssh command                                       (ssh -o BatchMode=yes)
-#   RLHF_ADDRESS  this host's address as the others reach it        (first host's address)
+#   RLHF_PYTHON     python with rlhf-async[ray] installed, on every host   (python3)
+#   RLHF_RAY        ray command, on every host                              (ray)
+#   RLHF_RAY_PORT   the head's port                                         (6379)
+#   RLHF_RAY_ARGS   more `ray start` arguments, e.g. "--num-gpus=8"         ()
+#   RLHF_RAY_TOKEN  Ray's auth token file, copied to every host              (~/.ray/auth_token, made if absent)
+#   RLHF_SSH        ssh command                                             (ssh -o BatchMode=yes)
 set -euo pipefail
 
-usage() { echo "usage: $0 HOSTS CONFIG [key=value ...]" >&2; exit 2; }
+usage() { echo "usage: $0 HOSTS CONFIG [key=value ...] | $0 HOSTS RUN_DIR" >&2; exit 2; }
 [[ $# -ge 2 ]] || usage
-HOSTS=$1; CONFIG=$2; shift 2
+HOSTS=$1; shift
 [[ -r $HOSTS ]] || { echo "launch.sh: cannot read hosts file $HOSTS" >&2; exit 2; }
-[[ $CONFIG == *=* || -r $CONFIG ]] || { echo "launch.sh: cannot read config $CONFIG" >&2; exit 2; }
-PY=${RLHF_PYTHON:-python3}
-KEYS=$(realpath -m "${RLHF_KEYS:-keys}")
-WORK=${RLHF_WORK:-/tmp/rlhf-async-agent}
+RAY=${RLHF_RAY:-ray}
+PORT=${RLHF_RAY_PORT:-6379}
+TOKEN=${RLHF_RAY_TOKEN:-$HOME/.ray/auth_token}
 read -r -a SSH <<< "${RLHF_SSH:-ssh -o BatchMode=yes}"
-HOSTS=$(realpath "$HOSTS")
+HERE=$(dirname "$(realpath "$0")")
 
-# name address port, one line per host (comments and blank lines dropped)
-mapfile -t ROWS < <(sed -e 's/#.*//' "$HOSTS" | awk 'NF == 3 {
-    n = split($2, a, ":"); port = (n > 1) ? a[n] : 7100; addr = a[1]
-    print $1, addr, port }')
+# name address, one line per host (comments and blank lines dropped)
+mapfile -t ROWS < <(sed -e 's/#.*//' "$HOSTS" | awk 'NF >= 1 {
+    addr = (NF > 1) ? $2 : $1; sub(/:[0-9]+$/, "", addr); print $1, addr }')
 [[ ${#ROWS[@]} -gt 0 ]] || { echo "launch.sh: no hosts in $HOSTS" >&2; exit 2; }
-ADDRESS=${RLHF_ADDRESS:-$(awk '{print $2}' <<< "${ROWS[0]}")}
+read -r _ HEAD <<< "${ROWS[0]}"
+export RAY_ADDRESS=$HEAD:$PORT RAY_AUTH_MODE=token  # for job.sh and every ray command here
+if timeout 5 bash -c "exec 3<> /dev/tcp/$HEAD/$PORT" 2> /dev/null; then
+    echo "launch.sh: something already listens on $RAY_ADDRESS; stop it or set RLHF_RAY_PORT" >&2
+    exit 1
+fi
 
-[[ -d $KEYS ]] || "$PY" -m rlhf_async keys "$KEYS"
+# Ray's token: every Ray process of the cluster presents it (RAY_AUTH_MODE=token)
+if [[ ! -s $TOKEN ]]; then
+    [[ -z ${RLHF_RAY_TOKEN:-} ]] || { echo "launch.sh: cannot read RLHF_RAY_TOKEN $TOKEN" >&2; exit 2; }
+    "$RAY" get-auth-token --generate > /dev/null  # writes ~/.ray/auth_token
+fi
+export RAY_AUTH_TOKEN_PATH=$TOKEN
+MARK=$PWD/.rlhf-async-shared.$$
+touch "$MARK"
+QDIR=$(printf %q "$PWD")
 
-stop_agents() {
-    for row in "${ROWS[@]}"; do
-        read -r name _ _ <<< "$row"
-        "${SSH[@]}" "$name" "kill \$(cat $WORK/$name/agent.pid) 2>/dev/null; true" || true
+stop_ray() {
+    rm -f "$MARK"
+    for row in "${ROWS[@]:1}"; do
+        read -r name _ <<< "$row"
+        "${SSH[@]}" "$name" "$RAY stop" > /dev/null 2>&1 || true
     done
+    "$RAY" stop > /dev/null 2>&1 || true
 }
-trap stop_agents EXIT
+trap stop_ray EXIT
 
-for row in "${ROWS[@]}"; do
-    read -r name addr port <<< "$row"
-    echo "launch.sh: starting the agent on $name (tcp://$addr:$port)"
-    dir=$WORK/$name
-    "${SSH[@]}" "$name" "mkdir -p $dir || exit 1; cd $dir; nohup $PY -m rlhf_async agent \
-        --bind tcp://$addr:$port --keys $KEYS --work-dir $dir >> $dir/agent.log 2>&1 \
-        < /dev/null & echo \$! > $dir/agent.pid"
+echo "launch.sh: Ray head on $HEAD:$PORT"
+# shellcheck disable=SC2086  # RLHF_RAY_ARGS is split on purpose
+"$RAY" start --head --port="$PORT" --node-ip-address="$HEAD" --disable-usage-stats \
+    ${RLHF_RAY_ARGS:-} > /dev/null
+for row in "${ROWS[@]:1}"; do
+    read -r name addr <<< "$row"
+    "${SSH[@]}" "$name" "test -e $(printf %q "$MARK")" || {
+        echo "launch.sh: $name does not see $PWD (no shared filesystem there)" >&2; exit 1; }
+    echo "launch.sh: Ray worker on $name ($addr)"
+    # the token over ssh's stdin (never on a command line), 0600 on the host
+    "${SSH[@]}" "$name" "umask 077; mkdir -p ~/.ray && cat > ~/.ray/rlhf-async-token" < "$TOKEN"
+    "${SSH[@]}" "$name" "cd $QDIR && RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=~/.ray/rlhf-async-token \
+        $RAY start --address=$HEAD:$PORT --node-ip-address=$addr --disable-usage-stats \
+        ${RLHF_RAY_ARGS:-} > /dev/null"
 done
 
-for try in $(seq 1 30); do
-    if "$PY" -m rlhf_async doctor "$HOSTS" --keys "$KEYS" > /tmp/rlhf-doctor.$$ 2>&1; then
-        cat /tmp/rlhf-doctor.$$; break
-    fi
-    [[ $try -lt 30 ]] || { cat /tmp/rlhf-doctor.$$ >&2; echo "launch.sh: hosts not ready" >&2; exit 1; }
-    sleep 2
-done
-rm -f /tmp/rlhf-doctor.$$
-
-ARGS=("$CONFIG" "$@")
-echo "launch.sh: coordinator on $ADDRESS"
-"$PY" -m rlhf_async.cli.multihost --hosts "$HOSTS" --keys "$KEYS" --address "$ADDRESS" "${ARGS[@]}"
+"$HERE/ray/job.sh" "${#ROWS[@]}" "$@"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The job's driver on the Ray head, for deploy/ray/launch.sh and deploy/slurm/ray.sbatch:
+# The job's driver on the Ray head, for deploy/launch.sh and deploy/slurm/ray.sbatch:
 # check the job first (`rlhf-async run --dry-run`, which also names its run directory),
-# wait until the Ray cluster at RAY_ADDRESS has NODES nodes (`ray status`), then run it with
-# `placement.launcher=ray`, or continue RUN_DIR (`rlhf-async resume`).
+# wait until the Ray cluster at RAY_ADDRESS has NODES nodes (`ray status`), check the
+# cluster (`rlhf-async doctor`: placement, versions, shared directories, reachability),
+# then run it with `placement.launcher=ray`, or continue RUN_DIR (`rlhf-async resume`).
 #
 #   deploy/ray/job.sh NODES CONFIG [key=value ...]     a new run
 #   deploy/ray/job.sh NODES RUN_DIR                    continue RUN_DIR from its checkpoint
@@ -26,6 +27,7 @@ if [[ -f $CONFIG/config.json ]]; then  # a run directory: it continues with its 
     [[ $# -eq 0 ]] || { echo "job.sh: $CONFIG continues with its config.json; no key=value" >&2; exit 2; }
     RUN_DIR=$(realpath "$CONFIG")
     JOB=("$PY" -m rlhf_async resume "$RUN_DIR")
+    DOCTOR=("$PY" -m rlhf_async doctor "$RUN_DIR")
 else
     [[ $CONFIG == *=* || -r $CONFIG ]] || { echo "job.sh: cannot read config $CONFIG" >&2; exit 2; }
     # ray.address=auto: the cluster RAY_ADDRESS names, so that the run's config.json does
@@ -37,6 +39,7 @@ else
     [[ -n $RUN_DIR ]] || { echo "job.sh: the dry run named no run directory" >&2; exit 1; }
     RUN_DIR=$(realpath -m "$RUN_DIR")
     JOB=("$PY" -m rlhf_async run "${ARGS[@]}" "run.name=${RUN_DIR##*/}")
+    DOCTOR=("$PY" -m rlhf_async doctor "${ARGS[@]}")
 fi
 
 for ((waited = 0; ; waited += 5)); do
@@ -51,6 +54,7 @@ for ((waited = 0; ; waited += 5)); do
     sleep 5
 done
 echo "job.sh: $up Ray nodes up at $RAY_ADDRESS; run directory $RUN_DIR"
+"${DOCTOR[@]}" || { echo "job.sh: the Ray cluster is not ready for the job (above)" >&2; exit 1; }
 
 rc=0
 "${JOB[@]}" || rc=$?

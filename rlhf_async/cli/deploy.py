@@ -1,5 +1,5 @@
-"""Deployment subcommands: the daemon (serve, submit, jobs, logs, cancel) and multi-host
-(agent, doctor). `rlhf-async COMMAND --help` for each."""
+"""Deployment subcommands: the daemon (serve, submit, jobs, logs, cancel) and the Ray
+cluster's pre-flight (doctor). `rlhf-async COMMAND --help` for each."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from rlhf_async.cli.args import split_config
 from rlhf_async.cli.errors import UserError
 from rlhf_async.log import configure_logging
 from rlhf_async.ops.daemon.client import call_daemon
@@ -52,19 +53,14 @@ def add_commands(sub: Any) -> None:
     for p in (serve, submit, jobs, logs, cancel):
         p.add_argument("--state-dir", type=Path, default=None, help=state_help)
 
-    agent = sub.add_parser("agent", help="multi-host: start node processes for coordinators")
-    agent.add_argument("--bind", required=True, help="tcp://ADDRESS:PORT (this host's line in "
-                       "the hosts file)")
-    agent.add_argument("--work-dir", type=Path, default=Path("runs/agent"),
-                       help="node run directories and logs go under here")
-    doctor = sub.add_parser("doctor", help="multi-host: check hosts, ports, keys, versions "
-                            "and devices before a run")
-    doctor.add_argument("hosts", type=Path, help="hosts file (name address[:port] devices)")
-    doctor.add_argument("--timeout", type=float, default=3.0, help="seconds per check")
-    for p in (agent, doctor):
-        p.add_argument("--keys", type=Path, help="CURVE keys directory (`rlhf-async keys`)")
-        p.add_argument("--insecure", action="store_true",
-                       help="allow plaintext tcp beyond loopback (trusted networks only)")
+    doctor = sub.add_parser("doctor", help="check the Ray cluster a job would run on (its "
+                            "placement, versions, shared directories, reachability) before it "
+                            "starts")
+    doctor.add_argument("config", nargs="?", help="TOML config file, or a run directory "
+                        "(its config.json, as `resume` would run it)")
+    doctor.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
+    doctor.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds each Ray node gets to answer")
 
 
 def _state(args: argparse.Namespace) -> Path:
@@ -109,9 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:  # `submit key=value` without a config file
-        config, overrides = None, [config, *overrides]
+    config, overrides = split_config(args)
     text, name = "", ""
     if config is not None:
         try:
@@ -173,39 +167,36 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_agent(args: argparse.Namespace) -> int:
-    from rlhf_async.runtime import run_loop
-    from rlhf_async.runtime.agent import Agent
-    from rlhf_async.wire.security import SecurityError
-    from rlhf_async.wire.transport import EndpointError
-
-    configure_logging("info")
-    if not args.bind.startswith("tcp://"):
-        raise UserError(f"--bind {args.bind!r} must be tcp://ADDRESS:PORT")
-    try:
-        return int(run_loop(Agent(args.bind, args.work_dir, keys=args.keys,
-                                  insecure=args.insecure).serve()))
-    except (SecurityError, EndpointError) as e:
-        raise UserError(str(e)) from None
-
-
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from rlhf_async.ops.doctor import run_doctor
-    from rlhf_async.runtime.hosts import HostsError, load_hosts
-    from rlhf_async.wire.security import SecurityError
+    from rlhf_async.config import config_from_dict, load_config
+    from rlhf_async.engines.extras import MissingExtraError
+    from rlhf_async.ops.doctor import check_cluster
+    from rlhf_async.runtime.ray_cluster import RayPlacementError
 
     configure_logging("error")
+    config, overrides = split_config(args)
+    if config is not None and Path(config).is_dir():
+        if overrides:
+            raise UserError(f"{config} is a run directory: it is checked with its own "
+                            "config.json; give no key=value")
+        try:
+            cfg = config_from_dict(json.loads((Path(config) / "config.json").read_text()))
+        except (OSError, ValueError) as e:
+            raise UserError(f"{config} is not a run directory with a readable config.json "
+                            f"({e})") from None
+    else:
+        cfg = load_config(config, overrides)
     try:
-        findings = run_doctor(load_hosts(args.hosts), args.keys, args.timeout, args.insecure)
-    except (HostsError, SecurityError) as e:
+        findings = check_cluster(cfg, args.timeout)
+    except (MissingExtraError, RayPlacementError) as e:
         raise UserError(str(e)) from None
     for f in findings:
         print(f.line())
     bad = sum(not f.ok for f in findings)
-    print(f"{len(findings) - bad} of {len(findings)} hosts ready" + (f"; {bad} with a "
-          "problem" if bad else ""))
+    print(f"{len(findings) - bad} of {len(findings)} checks passed" +
+          (f"; {bad} failed" if bad else ""))
     return 1 if bad else 0
 
 
 HANDLERS = {"serve": cmd_serve, "submit": cmd_submit, "jobs": cmd_jobs, "logs": cmd_logs,
-            "cancel": cmd_cancel, "agent": cmd_agent, "doctor": cmd_doctor}
+            "cancel": cmd_cancel, "doctor": cmd_doctor}

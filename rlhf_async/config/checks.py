@@ -76,17 +76,13 @@ def _lora_checks(cfg: JobConfig) -> list[str]:
 
 
 def _ray_checks(cfg: JobConfig) -> list[str]:
-    """placement.launcher = ray: Ray installed, and Ray (not a hosts file) picks the hosts."""
+    """placement.launcher = ray: Ray installed, and a cluster named."""
     if cfg.placement.launcher != "ray":
         return []
     out = []
     if importlib.util.find_spec("ray") is None:
         out.append("placement.launcher: ray is not installed (pip install 'rlhf-async[ray]'); "
                    "accepted here: local")
-    if cfg.placement.hosts_file or cfg.placement.host:
-        out.append("placement.hosts_file: with placement.launcher = 'ray' the Ray cluster "
-                   "places the node processes; leave placement.hosts_file and placement.host "
-                   "empty (they are for `rlhf-async agent` hosts)")
     if not cfg.ray.address:
         out.append("ray.address: empty; accepted: auto, local, or the cluster's HOST:PORT")
     return out

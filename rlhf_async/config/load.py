@@ -67,6 +67,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str, problems: list[str]) ->
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         path = f"{prefix}{key}"
+        if path in REMOVED:
+            problems.append(f"{path}: removed; {REMOVED[path]}")
+            continue
         if key not in fields:
             problems.append(f"{path}: unknown key; accepted: {', '.join(fields)}")
             continue
@@ -114,7 +117,11 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 # directory of whoever wrote them (`base_dir`), not of the process that runs the job
 PATH_KEYS = (("model", "path"), ("reward_model", "path"), ("critic", "path"),
              ("task", "prompts"), ("sft", "data"), ("reward_model", "data"),
-             ("placement", "calibration"), ("placement", "hosts_file"))
+             ("placement", "calibration"))
+# keys that were removed, with what replaces them
+REMOVED = {"placement.hosts_file": "multi-host runs place their nodes on a Ray cluster: "
+                                   "placement.launcher = 'ray' (deploy/README.md)",
+           "placement.host": "on a Ray cluster the placement group places each device"}
 
 
 def _resolve_hub_ids(cfg: JobConfig, base_dir: Path | None, problems: list[str]) -> None:

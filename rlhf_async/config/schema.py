@@ -277,9 +277,6 @@ class PlacementConfig:
                    choices=("A100", "H100", "H200"))
     calibration: str = opt("", "calibration JSON from `rlhf-async plan --calibrate`; empty = "
                            "the built-in one")
-    hosts_file: str = opt("", "hosts file naming the machines and their devices (global "
-                          "device i = i-th device in file order); empty = this machine")
-    host: list[str] = opt([], "per-model host pin, e.g. ['reward=gpu-b']; needs hosts_file")  # noqa: RUF009
     launcher: str = opt("local", "who starts the node processes (separation): local = this "
                         "machine; ray = a Ray cluster places them (the [ray] extra; see [ray])",
                         choices=("local", "ray"))

@@ -1,5 +1,5 @@
 """A job: one training run, config to summary (SFT -> reward model -> RL -> evaluation),
-on this machine (`run`) or across hosts (`multihost`); or one supervised stage on the
+on this machine or a Ray cluster (`run`); or one supervised stage on the
 user's data (`sft_stage`, `reward_model_stage`).
 
 The names below load `job.local` (torch, transformers: seconds) on first use, so that what

@@ -1,7 +1,7 @@
 """Launchers start node processes; handles are shaped like `subprocess.Popen`.
 
-`LocalLauncher` runs nodes on this host; `RemoteLauncher` (remote.py) through each host's
-agent, `RayLauncher` (ray_launcher.py) on a Ray cluster. The coordinator only uses
+`LocalLauncher` runs nodes on this host, `RayLauncher` (ray_launcher.py) on a Ray cluster.
+The coordinator only uses
 launch / poll / wait / terminate / kill.
 """
 

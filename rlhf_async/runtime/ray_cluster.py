@@ -161,6 +161,12 @@ def reserve(bundles: list[Bundle], strategy: str, timeout_s: float,
         remove_placement_group(pg)
 
 
+def run_on_node(fn: Callable[..., Any], node_id: str, *args: Any) -> Any:
+    """`fn(*args)` as a zero-CPU Ray task on the Ray node `node_id`; its ObjectRef."""
+    on_node = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    return ray.remote(fn).options(num_cpus=0, scheduling_strategy=on_node).remote(*args)
+
+
 def free_ports(count: int) -> list[int]:
     """`count` distinct tcp ports free on this host now (bound together, then released)."""
     socks = [socket.socket() for _ in range(count)]
@@ -198,7 +204,6 @@ class DeviceGroup:
             if address == here or address not in by_address:
                 pools[address] = free_ports(count)
                 continue
-            on_node = NodeAffinitySchedulingStrategy(by_address[address], soft=False)
-            task = ray.remote(free_ports).options(num_cpus=0, scheduling_strategy=on_node)
-            pools[address] = ray.get(task.remote(count), timeout=60)
+            pools[address] = ray.get(run_on_node(free_ports, by_address[address], count),
+                                     timeout=60)
         return lambda address: pools[address].pop()

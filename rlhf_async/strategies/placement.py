@@ -19,13 +19,12 @@ from dataclasses import asdict, dataclass, field, replace
 
 from rlhf_async.config import ConfigError, PlacementConfig
 from rlhf_async.modeling.precision import Precision, dtype_problems
-from rlhf_async.runtime.hosts import HostsError, device_map, load_hosts
 
 TRAIN, INFER = "train", "infer"
 MODELS = ("actor", "critic", "reward", "reference", "shadow_actor")
 DTYPES = ("fp32", "bf16", "fp16")
 BACKENDS = ("torch", "hf", "deepspeed", "vllm")
-OVERRIDES = ("replicas", "tensor_parallel", "backend", "dtype", "host")
+OVERRIDES = ("replicas", "tensor_parallel", "backend", "dtype")
 
 
 class PlacementError(ConfigError):
@@ -131,8 +130,6 @@ def parse_overrides(cfg: PlacementConfig) -> tuple[dict[str, dict[str, object]],
 
 
 def _override_value(key: str, raw: str) -> tuple[object, str]:
-    if key == "host":
-        return raw, ""  # checked against the hosts file in _host_problems
     if key in ("replicas", "tensor_parallel"):
         ok = raw.isdigit() and int(raw) >= 1
         return (int(raw), "") if ok else (None, f"{raw!r} is not an integer >= 1")
@@ -155,35 +152,6 @@ def model_placement(cfg: PlacementConfig, name: str, devices: list[int] | tuple[
 
 
 # ---- checks every strategy shares ----------------------------------------------------
-
-def host_problems(cfg: PlacementConfig, p: Placement, over: dict) -> list[str]:
-    """Hosts named by `placement.host` must exist in the hosts file, which must lend
-    exactly `placement.devices` devices; a pinned model's devices must be that host's."""
-    pins = {m: str(o["host"]) for m, o in over.items() if "host" in o}
-    if not cfg.hosts_file:
-        return [f"placement.host: {m}={h} needs placement.hosts_file" for m, h in pins.items()]
-    try:
-        hosts = load_hosts(cfg.hosts_file)
-    except HostsError as e:
-        return [f"placement.hosts_file: {x}" for x in e.problems]
-    owner = [h.name for h, _ in device_map(hosts)]  # global device -> host name
-    out = []
-    if len(owner) != cfg.devices:
-        out.append(f"placement.devices: {cfg.devices}, but {cfg.hosts_file} lends "
-                   f"{len(owner)} device(s)")
-    names = [h.name for h in hosts]
-    for model, host in pins.items():
-        m = p.model(model)
-        if host not in names:
-            out.append(f"placement.host: unknown host {host!r} for {model}; hosts: "
-                       f"{', '.join(names)}")
-        elif m is not None:
-            off = [d for d in m.devices if d >= len(owner) or owner[d] != host]
-            if off:
-                out.append(f"placement.host: {model} is pinned to {host} but its devices "
-                           f"{off} are not {host}'s")
-    return out
-
 
 def with_reason(p: Placement, reason: str) -> Placement:
     return replace(p, reason=reason)

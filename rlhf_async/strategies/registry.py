@@ -14,7 +14,6 @@ from rlhf_async.strategies.placement import (
     Placement,
     PlacementError,
     config_problems,
-    host_problems,
     parse_overrides,
     validate,
     with_engines,
@@ -50,7 +49,7 @@ def build_placement(cfg: PlacementConfig, algo: str) -> tuple[Placement | None, 
     placement = strategy.preset(cfg, algo, over)
     problems += validate(placement, strategy.roles)
     problems += strategy.placement_problems(cfg, placement)
-    return placement, problems + host_problems(cfg, placement, over)
+    return placement, problems
 
 
 def plan_placement(cfg: PlacementConfig, algo: str) -> Placement:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_async import job
+from rlhf_async.cli import main
 from rlhf_async.config import load_config
 from rlhf_async.metrics import read_metrics
 from rlhf_async.runtime.ray_cluster import RayPlacementError
@@ -110,6 +111,27 @@ def test_a_placement_larger_than_the_cluster_fails_before_anything_starts(tmp_pa
         "per device, placed PACK): missing 1 CPU: the job needs 4 CPU, the cluster has 3 CPU "
         "on 4 node(s)")
     assert not (tmp_path / "big" / "logs").exists() and not (tmp_path / "big" / "specs").exists()
+    assert not ray.is_initialized()
+
+
+def test_the_doctor_checks_every_ray_node_and_the_placement(tmp_path, cache, cluster, capsys):
+    args = ["doctor", *TINY, *APART, f"run.cache_dir={json.dumps(str(cache))}",
+            f"run.output_dir={json.dumps(str(tmp_path))}", "placement.launcher=ray",
+            f"ray.address={cluster.address}"]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == f"ok    ray: {cluster.address}: 4 live node(s), 3 CPU, 0 GPU"
+    assert lines[1] == ("ok    placement: 3 bundle(s) of {'CPU': 1.0} placed PACK: the nodes "
+                        "hold them")
+    assert len(lines) == 2 + 4 + 1 and all(x.startswith("ok    ") for x in lines[2:6])
+    assert all("same versions, run.output_dir, run.cache_dir shared and writable, this host "
+               "reachable" in x for x in lines[2:6])
+    assert lines[-1] == "6 of 6 checks passed"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".rlhf-async-doctor")]
+    assert main([*args, "placement.devices=5", "placement.generator=[3]"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  placement: 5 bundle(s) of {'CPU': 1.0} placed PACK: missing 2 CPU" in out
+    assert out.strip().endswith("5 of 6 checks passed; 1 failed")
     assert not ray.is_initialized()
 
 

@@ -19,8 +19,7 @@ import pytest
 from rlhf_async.config import ConfigError, load_config
 
 DEPLOY = Path(__file__).parents[2] / "deploy"
-SCRIPTS = ["ray/launch.sh", "ray/job.sh", "slurm/ray.sbatch", "launch.sh",
-           "slurm/rlhf-async.sbatch"]
+SCRIPTS = ["launch.sh", "ray/job.sh", "slurm/ray.sbatch"]
 EXAMPLE = DEPLOY / "examples" / "multihost-separation.toml"
 
 
@@ -42,12 +41,12 @@ def test_every_script_parses(script):
 
 
 def test_bare_metal_and_slurm_start_a_ray_cluster_then_the_same_driver():
-    launch, sbatch = ((DEPLOY / p).read_text() for p in ("ray/launch.sh", "slurm/ray.sbatch"))
+    launch, sbatch = ((DEPLOY / p).read_text() for p in ("launch.sh", "slurm/ray.sbatch"))
     assert "start --head" in launch and "start --address=$HEAD:$PORT" in launch
     assert "start --head --block" in sbatch and 'start --block --address="$RAY_ADDRESS"' in sbatch
     for text in (launch, sbatch):  # every Ray process presents the same token
         assert "RAY_AUTH_MODE=token" in text and "RAY_AUTH_TOKEN_PATH=" in text
-    assert '"$HERE/job.sh" "${#ROWS[@]}" "$@"' in launch
+    assert '"$HERE/ray/job.sh" "${#ROWS[@]}" "$@"' in launch
     assert '-w "$HEAD"' in sbatch and '"$JOB_SH" "${#NODES[@]}" "$@"' in sbatch
     assert "trap stop_ray EXIT" in launch
 
@@ -65,7 +64,8 @@ def _stand_ins(tmp_path: Path) -> dict[str, str]:
     and `ray` whose status shows two live nodes."""
     py, ray = tmp_path / "python", tmp_path / "ray"
     py.write_text('#!/bin/bash\necho "$*" >> "$LOG"\n'
-                  'if [[ " $* " == *" --dry-run "* ]]; then echo "run directory: runs/20260101-000000"; fi\n')
+                  'if [[ " $* " == *" --dry-run "* ]]; then echo "run directory: runs/20260101-000000"; fi\n'
+                  'if [[ -n $DOCTOR_FAILS && " $* " == *" doctor "* ]]; then echo "FAIL  x"; exit 1; fi\n')
     ray.write_text('#!/bin/bash\nprintf "Active:\\n 1 node_a\\n 1 node_b\\nPending:\\n"\n')
     for f in (py, ray):
         f.chmod(0o755)
@@ -79,9 +79,11 @@ def test_the_driver_pins_the_dry_runs_run_directory_then_resumes_it(tmp_path):
     done = subprocess.run([*job, str(EXAMPLE), "train.steps=3"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=10)
     assert done.returncode == 0, done.stderr
-    dry, run = (tmp_path / "log").read_text().splitlines()
+    dry, doctor, run = (tmp_path / "log").read_text().splitlines()
     assert dry == f"-m rlhf_async run {EXAMPLE} train.steps=3 placement.launcher=ray " \
                   "ray.address=auto --dry-run"
+    assert doctor == f"-m rlhf_async doctor {EXAMPLE} train.steps=3 placement.launcher=ray " \
+                     "ray.address=auto"
     assert run == f"-m rlhf_async run {EXAMPLE} train.steps=3 placement.launcher=ray " \
                   "ray.address=auto run.name=20260101-000000"
     assert f"2 Ray nodes up at 10.0.0.1:6379; run directory {tmp_path}/runs/20260101-000000" \
@@ -92,15 +94,28 @@ def test_the_driver_pins_the_dry_runs_run_directory_then_resumes_it(tmp_path):
     done = subprocess.run([*job, str(run_dir)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=10)
     assert done.returncode == 0, done.stderr
-    assert (tmp_path / "log").read_text().splitlines()[-1] == f"-m rlhf_async resume {run_dir}"
+    assert (tmp_path / "log").read_text().splitlines()[-2:] == [
+        f"-m rlhf_async doctor {run_dir}", f"-m rlhf_async resume {run_dir}"]
+
+
+def _failed_driver(tmp_path: Path, nodes: int, **env: str) -> str:
+    """job.sh for EXAMPLE on NODES nodes with the stand-ins; it fails: its stderr."""
+    done = subprocess.run([str(DEPLOY / "ray/job.sh"), str(nodes), str(EXAMPLE)], cwd=tmp_path,
+                          env={**_stand_ins(tmp_path), **env}, capture_output=True, text=True,
+                          timeout=10)
+    assert done.returncode == 1
+    return done.stderr
 
 
 def test_the_driver_stops_when_the_cluster_lacks_nodes(tmp_path):
-    env = {**_stand_ins(tmp_path), "RLHF_RAY_WAIT_S": "0"}
-    done = subprocess.run([str(DEPLOY / "ray/job.sh"), "3", str(EXAMPLE)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=10)
-    assert done.returncode == 1
-    assert "2 of 3 Ray nodes up after 0 s" in done.stderr
+    assert "2 of 3 Ray nodes up after 0 s" in _failed_driver(tmp_path, 3, RLHF_RAY_WAIT_S="0")
+
+
+def test_the_driver_runs_no_job_on_a_cluster_the_doctor_fails(tmp_path):
+    err = _failed_driver(tmp_path, 2, DOCTOR_FAILS="1")
+    assert "job.sh: the Ray cluster is not ready for the job" in err
+    assert [x.split()[2] for x in (tmp_path / "log").read_text().splitlines()] == \
+        ["run", "doctor"]  # the dry run and the doctor; no job
 
 
 def test_the_rayjob_runs_the_job_toml_it_mounts_with_its_runs_volume():

@@ -1,12 +1,12 @@
 """Separation on a Ray cluster (`placement.launcher = ray`): one placement group for the job,
 one bundle per device; every node runs on its device's bundle (`RayLauncher`); the node
 specs are the single-host ones re-addressed to CURVE tcp between the Ray nodes' addresses
-(`tcp_specs`, as for agent hosts), on ports free on each host. Coordinator, heartbeats,
+(`tcp_specs`), on ports free on each host. Coordinator, heartbeats,
 restarts, exactly-once and the weight broadcast are ours, as on one machine (`drive`).
 
 Nodes read the SFT/RM artefacts, the CURVE keys (RUN_DIR/keys) and write logs and
 checkpoints under the coordinator's paths, so `run.cache_dir` and `run.output_dir` must be
-on a filesystem every Ray node sees (as for agent hosts; on one machine they are).
+on a filesystem every Ray node sees (on one machine they are).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from rlhf_async.runtime.ray_cluster import (
 from rlhf_async.runtime.ray_launcher import RayLauncher, device_index
 from rlhf_async.strategies.base import RunResult
 from rlhf_async.strategies.placement import Placement
-from rlhf_async.strategies.separation.multihost import tcp_specs
 from rlhf_async.strategies.separation.runner import build_specs, drive
+from rlhf_async.strategies.separation.tcp import tcp_specs
 from rlhf_async.task.pretrain import Artefacts
 from rlhf_async.weight_sync import GroupSpec
 from rlhf_async.wire.transport import Endpoint, Transport

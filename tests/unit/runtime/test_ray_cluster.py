@@ -49,8 +49,11 @@ def test_ray_launcher_keys_are_checked():
     text = str(e.value)
     assert "placement.launcher: 'slurm' is not one of 'local', 'ray'" in text
     assert "ray.placement_strategy: 'ANY'" in text and "ray.placement_timeout_s" in text
-    with pytest.raises(ConfigError, match="placement.hosts_file: with placement.launcher"):
-        load_config(None, ["placement.launcher=ray", 'placement.hosts_file="/dev/null"'])
+    with pytest.raises(ConfigError) as e:  # the agent path's keys are gone, with a pointer
+        load_config(None, ['placement.hosts_file="hosts.txt"', 'placement.host=["reward=b"]'])
+    assert "placement.hosts_file: removed; multi-host runs place their nodes on a Ray " \
+        "cluster: placement.launcher = 'ray'" in str(e.value)
+    assert "placement.host: removed;" in str(e.value)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is not None, reason="ray is installed")

@@ -162,24 +162,3 @@ def test_separation_trainer_runs_one_rank_per_device_of_its_group():
     assert [q.devices for q in p.by_role("generator")] == [(4,), (5,), (6,), (7,)]
     assert runner_problems(cfg, p) == []
     assert "trainer3  trainer    train    cuda:3" in p.table()
-
-
-def test_hosts_are_checked_against_the_hosts_file(tmp_path):
-    hosts = tmp_path / "hosts"
-    hosts.write_text("gpu-a 10.0.0.1 cuda:0-1\ngpu-b 10.0.0.2 cuda:0-1\n")
-    ok = PlacementConfig(strategy="interleaving", devices=4, hosts_file=str(hosts),
-                         host=["reward=gpu-b", "reference=gpu-a"])
-    assert plan_placement(ok, "ppo").model("reward").devices == (2, 3)
-    bad = PlacementConfig(strategy="interleaving", devices=4, hosts_file=str(hosts),
-                          host=["reward=gpu-a", "reference=gpu-z"])
-    with pytest.raises(PlacementError) as e:
-        plan_placement(bad, "ppo")
-    assert len(e.value.problems) == 2
-    assert "reward is pinned to gpu-a but its devices [2, 3] are not gpu-a's" in str(e.value)
-    assert "unknown host 'gpu-z' for reference; hosts: gpu-a, gpu-b" in str(e.value)
-    with pytest.raises(PlacementError, match="lends 4 device"):
-        plan_placement(PlacementConfig(strategy="flattening", devices=2,
-                                       hosts_file=str(hosts)), "ppo")
-    with pytest.raises(PlacementError, match="needs placement.hosts_file"):
-        plan_placement(PlacementConfig(strategy="flattening", devices=2,
-                                       host=["actor=gpu-a"]), "ppo")

@@ -4,7 +4,7 @@ tcp address on its node's host, every connect follows it."""
 from __future__ import annotations
 
 from rlhf_async.runtime import NodeSpec
-from rlhf_async.strategies.separation.multihost import BASE_PORT, tcp_specs
+from rlhf_async.strategies.separation.tcp import tcp_specs
 from rlhf_async.wire.transport import Endpoint
 
 SPECS = [
@@ -25,14 +25,15 @@ def _addresses(specs: list[NodeSpec]) -> dict[str, dict[str, str]]:
     return {s.node_id: {k: ep.address for k, ep in s.endpoints.items()} for s in specs}
 
 
-def test_consecutive_ports_per_host_by_default():
-    specs, prompts = tcp_specs(SPECS, "ipc:///s/prompts", WHERE, "10.0.0.1")
-    assert prompts == f"tcp://10.0.0.1:{BASE_PORT}"
+def test_every_bind_moves_to_its_hosts_ports_and_every_connect_follows():
+    ports = {"10.0.0.1": iter(range(7300, 7400)), "10.0.0.2": iter(range(7300, 7400))}
+    specs, prompts = tcp_specs(SPECS, "ipc:///s/prompts", WHERE, "10.0.0.1",
+                               lambda host: next(ports[host]))
+    assert prompts == "tcp://10.0.0.1:7300"
     assert _addresses(specs) == {
-        "trainer": {"scored": f"tcp://10.0.0.1:{BASE_PORT + 1}"},
-        "scorer0": {"rollouts": f"tcp://10.0.0.2:{BASE_PORT}",
-                    "scored": f"tcp://10.0.0.1:{BASE_PORT + 1}"},
-        "gen0": {"prompts": prompts, "rollouts": f"tcp://10.0.0.2:{BASE_PORT}"}}
+        "trainer": {"scored": "tcp://10.0.0.1:7301"},
+        "scorer0": {"rollouts": "tcp://10.0.0.2:7300", "scored": "tcp://10.0.0.1:7301"},
+        "gen0": {"prompts": prompts, "rollouts": "tcp://10.0.0.2:7300"}}
     assert [s.device for s in specs] == ["cpu:0", "cpu:0", "cpu:1"]  # the host's own device
 
 
