@@ -3,11 +3,14 @@ CPUs, as on real clusters, and three worker nodes of one CPU): trainer, generato
 scorer each on a node of its own, the same trajectory as the local launch at max_staleness
 = 0; a placement larger than the cluster fails at once, naming what is missing; losing the
 generator's Ray node mid-run restarts it on a spare node and every prompt is still trained
-exactly once. Skipped without the [ray] extra."""
+exactly once; `rlhf-async doctor` checks every node and the placement; the daemon runs a
+job that uses Ray. Skipped without the [ray] extra."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,6 +21,7 @@ from rlhf_async import job
 from rlhf_async.cli import main
 from rlhf_async.config import load_config
 from rlhf_async.metrics import read_metrics
+from rlhf_async.ops.daemon import call_daemon
 from rlhf_async.runtime.ray_cluster import RayPlacementError
 from tests.faults import run_during, trained_counts
 
@@ -133,6 +137,37 @@ def test_the_doctor_checks_every_ray_node_and_the_placement(tmp_path, cache, clu
     assert "FAIL  placement: 5 bundle(s) of {'CPU': 1.0} placed PACK: missing 2 CPU" in out
     assert out.strip().endswith("5 of 6 checks passed; 1 failed")
     assert not ray.is_initialized()
+
+
+def test_the_daemon_runs_a_job_that_uses_ray(tmp_path, cache, cluster):
+    """`rlhf-async submit ... placement.launcher=ray`: the daemon's job places its nodes
+    on the cluster, as `rlhf-async run` would."""
+    state = tmp_path / "state"
+    cli = [sys.executable, "-m", "rlhf_async"]
+    with open(tmp_path / "daemon.log", "wb") as log:
+        daemon = subprocess.Popen([*cli, "serve", "--state-dir", str(state)],
+                                  stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        submit = [*cli, "submit", *TINY, *APART, f"run.cache_dir={json.dumps(str(cache))}",
+                  "placement.launcher=ray", f"ray.address={cluster.address}",
+                  "--state-dir", str(state)]
+        deadline = time.monotonic() + 30  # until the daemon answers
+        while (done := subprocess.run(submit, capture_output=True, text=True)).returncode:
+            assert time.monotonic() < deadline, done.stderr
+            time.sleep(0.5)
+        assert done.stdout.startswith("job 1 queued")
+        deadline = time.monotonic() + 180
+        while (jobs := call_daemon(state, {"op": "jobs"}))[0]["state"] in ("queued", "running"):
+            assert time.monotonic() < deadline, jobs
+            time.sleep(1)
+        assert jobs[0]["state"] == "finished", jobs
+        run_dir = Path(jobs[0]["run_dir"])
+        ran = [json.loads(x) for x in (run_dir / "ray_nodes.jsonl").read_text().splitlines()]
+        assert len({r["ray_node"] for r in ran}) == 3 and len(read_metrics(
+            run_dir / "metrics.jsonl")) == 3
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
 
 
 def _remove_node_of(cluster, node: str, run_dir: Path, after_steps: int,
