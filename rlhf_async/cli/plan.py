@@ -42,6 +42,7 @@ def run_plan(args: argparse.Namespace, config: str | None, overrides: list[str])
     if args.json:
         print(json.dumps({"placement": placement.to_dict(), "step_s": pred.step_s,
                           "phases": pred.phases, "memory_bytes": pred.memory,
+                          "activation_bytes": pred.activations,
                           "notes": pred.notes}, indent=2))
         return 0
     print(placement.table())

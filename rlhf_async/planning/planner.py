@@ -99,7 +99,8 @@ def workload_of(cfg: JobConfig) -> Workload:
     prompt_len = cfg.task.max_prompt_tokens if cfg.task.name == "text" else cfg.task.max_len + 2
     return Workload(cfg.train.prompts_per_step * cfg.algo.group_size, prompt_len,
                     cfg.generation.max_new_tokens, cfg.train.epochs, cfg.train.minibatches,
-                    cfg.algo.name == "ppo", cfg.algo.max_staleness)
+                    cfg.algo.name == "ppo", cfg.algo.max_staleness, cfg.train.grad_accum,
+                    cfg.train.gradient_checkpointing)
 
 
 def predictions(cfg: JobConfig) -> dict[str, tuple[Placement | None, Prediction | None, str]]:
@@ -181,10 +182,11 @@ def _plan(cfg: JobConfig) -> tuple[Placement | None, Prediction | None, list[str
     pred = predict(found, shape, work, dev, cal)
     problems += [f"placement: predicted memory over budget on device {d}: {b / GiB:.3g} GiB "
                  f"> {0.9 * dev.memory / GiB:.3g} GiB (placement.memory_gb or the device's "
-                 "memory)" for d, b in pred.memory.items() if b > 0.9 * dev.memory]
+                 f"memory){_activation_hint(pred.activations.get(d, 0.0))}"
+                 for d, b in pred.memory.items() if b > 0.9 * dev.memory]
     # the resident models alone can fit while not one sequence's KV cache does (a huge
     # generation.max_new_tokens): generation would then grow until the machine swaps
-    kv_row, free = kv_cache_room(found, shape, work, dev, pred.memory)
+    kv_row, free = kv_cache_room(found, shape, work, dev, pred.resident)
     if 0 < free < kv_row:
         problems.append(
             f"generation.max_new_tokens: {cfg.generation.max_new_tokens} new tokens after a "
@@ -195,18 +197,27 @@ def _plan(cfg: JobConfig) -> tuple[Placement | None, Prediction | None, list[str
     return found, pred, problems
 
 
+def _activation_hint(acts: float) -> str:
+    if not acts:
+        return ""
+    return (f", of which {acts / GiB:.3g} GiB are a training micro-batch's activations "
+            "(a larger train.grad_accum or train.gradient_checkpointing = true lowers them)")
+
+
 def format_prediction(pred: Prediction, dev: DeviceSpec, cal: Calibration) -> str:
     ph = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in pred.phases.items())
     lines = [f"predicted step {pred.step_s * 1e3:.1f} ms ({ph})",
              (f"predicted peak memory {pred.peak_memory / GiB:.3g} GiB per device "
-             f"(budget {0.9 * dev.memory / GiB:.3g} GiB on {dev.name})"),
+             f"(budget {0.9 * dev.memory / GiB:.3g} GiB on {dev.name}; training "
+             f"activations {max(pred.activations.values(), default=0.0) / GiB:.3g} GiB)"),
              f"calibration: {cal.source}"]
     return "\n".join(lines + [f"note: {n}" for n in pred.notes])
 
 
 # ---- simulation --------------------------------------------------------------------------
 
-SIM_WORK = Workload(samples=1024, prompt_len=512, gen_len=480, epochs=1, minibatches=4)
+SIM_WORK = Workload(samples=1024, prompt_len=512, gen_len=480, epochs=1, minibatches=4,
+                    checkpointing=True)
 
 
 def _sim_placements(n: int) -> dict[str, list[Placement]]:
