@@ -38,6 +38,9 @@ ASSUMPTIONS = [
     "1 PPO epoch in 4 minibatches, no gradient accumulation; activation checkpointing: "
     "each layer's bf16 input kept, one layer's activations (16 values per token and hidden "
     "unit) at a time, for actor and critic together"),
+    ("only layouts this build's runners execute: whole model copies (no tensor "
+    "parallelism), one generator or scorer process per GPU, trainer ranks that divide the "
+    "batch"),
     ("effective throughput: 40% of peak FLOP/s in training, 50% in prefill/scoring, 70% of "
     "memory bandwidth when decoding, 70% of link bandwidth in collectives, 30 us per "
     "collective, 30 us per layer pass (CUDA-graph-like decoding)"),

@@ -21,14 +21,16 @@ from rlhf_async.planning.costmodel import (
     predict,
 )
 from rlhf_async.planning.planner import (
+    SIM_WORK,
     choose,
     load_calibration,
     plan_job,
     resolve_auto,
+    sim_options,
     simulate,
 )
 from rlhf_async.strategies.placement import PlacementError
-from rlhf_async.strategies.registry import plan_placement
+from rlhf_async.strategies.registry import plan_placement, runnable_placement
 
 SHAPE = ModelShape("toy", 1e6, 2, 64, 16)
 BIG_MEMORY = DeviceSpec("test", 1e12, 100 * GiB, 1e11, 1e10, 1e9, 8)
@@ -193,3 +195,19 @@ def test_plan_job_names_a_micro_batchs_activations_and_what_lowers_them():
     assert "training micro-batch's activations" in problem and "train.grad_accum" in problem
     plan_job(load_config(None, [*args, "train.grad_accum=64"]))  # fits: no error
 
+
+def test_every_simulated_proposal_is_a_layout_run_accepts():
+    runnable, refused = sim_options(8, SIM_WORK)["separation"]
+    # the grid tries tensor-parallel generators and scorers; the runners' check drops them
+    assert any(p.startswith("placement.tensor_parallel:") for p in refused)
+    assert runnable and all(m.tensor_parallel == 1 for _, p in runnable for m in p.models)
+    rows = simulate("H100", ["7B"], [8, 16])
+    proposed = [r for r in rows if r["runnable"]]
+    assert {"flattening", "separation k=0", "separation k=1"} <= {r["strategy"] for r in proposed}
+    for r in proposed:
+        # the row's own overrides, on a model with room for the 992-token sequences
+        cfg = load_config(None, [*r["overrides"], "model.max_positions=1024"])
+        placement = runnable_placement(cfg)  # PlacementError: what `run` would refuse
+        assert r["strategy"].startswith(placement.strategy) and " tp" not in r["layout"]
+    for r in rows:
+        assert r["runnable"] or (r["notes"] and r["step_s"] is None and not r["overrides"])
