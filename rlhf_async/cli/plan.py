@@ -42,6 +42,7 @@ def run_plan(args: argparse.Namespace, config: str | None, overrides: list[str])
     if args.json:
         print(json.dumps({"placement": placement.to_dict(), "step_s": pred.step_s,
                           "phases": pred.phases, "memory_bytes": pred.memory,
+                          "activation_bytes": pred.activations,
                           "notes": pred.notes}, indent=2))
         return 0
     print(placement.table())
@@ -69,7 +70,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def format_simulation(rows: list[dict], gpu: str) -> str:
     """Markdown table, one row per (model, GPUs): each strategy's predicted step time and
-    peak memory per GPU, Separation's speed-up over Flattening and its best layout."""
+    peak memory per GPU (OOM: no layout fits; refused: no layout this build's runners
+    execute), Separation's speed-up over Flattening and its best layout."""
     dev = DEVICES[gpu]
     out = [f"Predicted PPO step time on {dev.name} (actor, critic, reward, reference)",
            "", "Assumptions:"] + [f"- {a}" for a in ASSUMPTIONS] + [""]
@@ -84,7 +86,7 @@ def format_simulation(rows: list[dict], gpu: str) -> str:
             r = by[(model, n, name)]
             step[name] = r["step_s"] if r["feasible"] else None
             cells.append(f"{r['step_s']:.1f} ({r['memory_gib']:.0f})" if r["feasible"]
-                         else f"OOM ({r['memory_gib']:.0f})")
+                         else f"OOM ({r['memory_gib']:.0f})" if r["runnable"] else "refused")
         flat = step["flattening"]
         vs = [f"{flat / step[k]:.1f}x" if flat and step[k] else "-"
               for k in ("separation k=0", "separation k=1")]

@@ -1,5 +1,6 @@
 """The reference config file (configs/reference.toml), rendered from the dataclasses so it
-can never drift from the code. Regenerate with `python -m rlhf_async.config.reference`."""
+can never drift from the code. Regenerate with `python -m rlhf_async.config.reference`.
+`overrides` writes any config as its differences from that reference."""
 
 from __future__ import annotations
 
@@ -37,6 +38,18 @@ def render() -> str:
             lines.append(f"{f.name} = {_toml_value(getattr(obj, f.name))}")
         lines.append("")
     return "\n".join(lines)
+
+
+def overrides(cfg: JobConfig) -> list[str]:
+    """`section.key=value` for every setting of `cfg` that differs from the default: what
+    `load_config(None, overrides(cfg))` turns back into `cfg`."""
+    out, root = [], JobConfig()
+    for sec in dataclasses.fields(JobConfig):
+        obj, default = getattr(cfg, sec.name), getattr(root, sec.name)
+        out += [f"{sec.name}.{f.name}={_toml_value(getattr(obj, f.name))}"
+                for f in dataclasses.fields(obj)
+                if getattr(obj, f.name) != getattr(default, f.name)]
+    return out
 
 
 if __name__ == "__main__":

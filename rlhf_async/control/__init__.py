@@ -1,1 +1,2 @@
-"""Control plane: the coordinator (launch, handshake, heartbeats, restarts), its client, chaos."""
+"""Control plane: the coordinator (control socket, handshake, commands, stop), its supervisor
+(launch, liveness, restarts), its client, chaos."""

@@ -1,4 +1,4 @@
-"""Coordinator: launches node processes, holds the control plane, and always cleans up.
+"""Coordinator: holds the control plane, launches node processes, and always cleans up.
 
     async with Coordinator(run_dir) as coord:
         await coord.launch(specs)                    # returns once every node is ready
@@ -8,6 +8,8 @@
 Nodes connect a DEALER (identity = node_id) to the coordinator's ROUTER; the coordinator
 answers each heartbeat, so a node notices a vanished coordinator and exits by itself.
 `RUN_DIR/coordinator.json` names the control endpoint for the CLI's `status` and `stop`.
+The nodes' lives (launch, ready, liveness, restarts) are its `Supervisor`'s (supervisor.py);
+the coordinator tells it what the control socket hears.
 
 Security: the control socket is an owner-only ipc file. Nodes get the coordinator's CURVE
 keys directory (`keys=`) in their spec; a spec using tcp without keys gets a fresh set in
@@ -24,7 +26,7 @@ import shutil
 import signal
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
@@ -36,14 +38,14 @@ from rlhf_async.control.client import (
     CommandError,
     CoordinatorError,
     EventStream,
-    NodeDead,
     NodeEvent,
     NodeNotReady,
     call_coordinator,
     read_coordinator_file,
 )
+from rlhf_async.control.supervisor import NodeRecord, Supervisor
 from rlhf_async.runtime.ipc_dir import make_ipc_dir
-from rlhf_async.runtime.launcher import Launcher, LocalLauncher, NodeProcess
+from rlhf_async.runtime.launcher import Launcher, LocalLauncher
 from rlhf_async.runtime.loop import in_main_thread
 from rlhf_async.runtime.spec import NodeSpec
 from rlhf_async.wire.protocol import Message
@@ -58,19 +60,6 @@ T = TypeVar("T")
 CoordHandler = Callable[[Any], Any]
 
 
-@dataclass
-class _Node:
-    spec: NodeSpec
-    process: NodeProcess
-    started: float
-    last_seen: float
-    state: str = "starting"  # starting | ready | exited | dead
-    restarts: int = 0
-    exit_code: int | None = None
-    goodbye: dict[str, Any] | None = None
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-
-
 class Coordinator:
     def __init__(self, run_dir: str | Path, *, launcher: Launcher | None = None,
                  control: str | None = None, heartbeat_s: float = 0.5,
@@ -82,14 +71,14 @@ class Coordinator:
         self.keyring = Keyring.load(keys) if keys is not None else None
         self.insecure = insecure
         self._ctl_dir: str | None = None
-        self.launcher = launcher or LocalLauncher()
         self.control = control
-        self.heartbeat_s, self.time_to_dead = heartbeat_s, time_to_dead
-        self.ready_timeout, self.restart_limit = ready_timeout, restart_limit
-        self.stop_timeout = stop_timeout
-        self.nodes: dict[str, _Node] = {}
+        self.heartbeat_s, self.stop_timeout = heartbeat_s, stop_timeout
         self.log = structlog.get_logger().bind(role="coordinator")
         self.stop_requested = asyncio.Event()
+        self.supervisor = Supervisor(
+            self.run_dir, launcher or LocalLauncher(), publish=self._publish,
+            stopping=self.stop_requested.is_set, time_to_dead=time_to_dead,
+            ready_timeout=ready_timeout, restart_limit=restart_limit, log=self.log)
         self._force = asyncio.Event()  # a second signal: no more grace
         self.stop_reason = ""
         self._transport = Transport(log=self.log, keys=self.keyring, insecure=insecure)
@@ -106,7 +95,16 @@ class Coordinator:
     def counters(self) -> dict[str, int]:
         return dict(self._transport.counters)
 
-    # lifecycle
+    # the supervisor's, read through the coordinator by runners, tests and benches
+    @property
+    def nodes(self) -> dict[str, NodeRecord]:
+        return self.supervisor.nodes
+
+    @property
+    def ready_timeout(self) -> float:
+        return self.supervisor.ready_timeout
+
+    # async with: bind the control socket, start the loops; always clean up
     async def __aenter__(self) -> Self:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.control is None:
@@ -125,7 +123,8 @@ class Coordinator:
             raise
         self._router.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted node reuses its id
         self._transport.spawn(self._control_loop(), name="coordinator-control")
-        self._transport.spawn(self._monitor_loop(), name="coordinator-monitor")
+        self._transport.spawn(self.supervisor.watch(self.heartbeat_s / 2),
+                              name="coordinator-monitor")
         info = {"control": self.control, "pid": os.getpid(), "run_dir": str(self.run_dir),
                 "keys": self.keyring.directory if self.keyring else None}
         tmp = self.run_dir / f".{COORDINATOR_FILE}.tmp"
@@ -190,7 +189,7 @@ class Coordinator:
         if dup:
             raise CoordinatorError(f"duplicate node ids: {dup}")
         for spec in specs:
-            self._start(self._with_keys(spec.with_control(self.control or "")))
+            self.supervisor.start(self._with_keys(spec.with_control(self.control or "")))
         if wait_ready:
             await self.wait_ready(ids)
 
@@ -214,62 +213,36 @@ class Coordinator:
             return spec
         return replace(spec, keys=self._ensure_keys().directory)
 
-    def _start(self, spec: NodeSpec, restarts: int = 0) -> None:
-        process = self.launcher.launch(spec, self.run_dir)
-        now = time.monotonic()
-        self.nodes[spec.node_id] = _Node(spec, process, now, now, restarts=restarts)
-        self.log.info("node_launched", node=spec.node_id, role=spec.role, pid=process.pid)
-
     async def wait_ready(self, node_ids: list[str] | None = None,
                          timeout: float | None = None) -> None:
         """Wait until the nodes are ready; NodeNotReady names any node that never came up."""
-        ids = list(self.nodes) if node_ids is None else node_ids
-        deadline = time.monotonic() + (timeout or self.ready_timeout)
-        while True:
-            waiting = [i for i in ids if self.nodes[i].state != "ready"]
-            if not waiting:
-                return
-            for i in waiting:
-                node = self.nodes[i]
-                gone = node.state in ("dead", "exited") or node.process.poll() is not None
-                # a death during start-up is restarted like any other (the monitor does it)
-                restarting = node.state != "exited" and node.restarts < self.restart_limit \
-                    and not self.stop_requested.is_set()
-                if gone and not restarting:
-                    raise NodeNotReady(f"node {i!r} exited with code {node.process.poll()} "
-                                       f"before it was ready; see {self._log_hint(node)}")
-            if time.monotonic() > deadline:
-                hints = ", ".join(f"{i} ({self._log_hint(self.nodes[i])})" for i in waiting)
-                raise NodeNotReady(f"nodes not ready after {timeout or self.ready_timeout}s: "
-                                   f"{hints}")
-            await asyncio.sleep(0.05)
+        await self.supervisor.wait_ready(node_ids, timeout)
 
-    def _log_hint(self, node: _Node) -> str:
-        return str(getattr(node.process, "log_path", "its log"))
+    def pid(self, node_id: str) -> int | None:
+        """The pid of the node's current process while it runs; None once it is gone."""
+        return self.supervisor.pid(node_id)
+
+    def restart(self, node_id: str, reason: str, pid: int) -> bool:
+        """Kill `node_id` and start it again (within restart_limit) as if it had died: for
+        a node that cannot go on without a peer that died (a rank of a group). Only the
+        process the caller means (`pid`) is killed: a replacement started meanwhile is
+        left alone. True if it was killed."""
+        return self.supervisor.restart(node_id, reason, pid)
 
     async def stop(self) -> None:
         """Stop every node: stop command, wait, terminate, wait, kill. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
-        alive = [n for n in self.nodes.values() if n.process.poll() is None]
-        for n in alive:
+        self.supervisor.close()  # a node stopping now is not a death to restart
+        for n in self.supervisor.alive():
             stop = Message("command", source="coordinator",
                            meta={"name": "stop", "payload": "coordinator shutdown"})
             with contextlib.suppress(TimeoutError):
                 await self._router.send(stop, to=n.spec.node_id.encode(), timeout=0.1)
         # a stop request grants the grace (the trainer checkpoints); a failed run's may not
         grace = self.stop_timeout if self.stop_requested.is_set() else min(self.stop_timeout, 5.0)
-        for action in ("terminate", "kill"):
-            deadline = time.monotonic() + grace
-            while alive and time.monotonic() < deadline and not self._force.is_set():
-                alive = [n for n in alive if n.process.poll() is None]
-                await asyncio.sleep(0.02)
-            for n in alive:
-                self.log.warning("node_" + action, node=n.spec.node_id, pid=n.process.pid)
-                getattr(n.process, action)()
-        for n in alive:
-            await n.process.wait(timeout=grace)
+        await self.supervisor.shut_down(grace, self._force)
         self.log.info("coordinator_stopped", reason=self.stop_reason)
 
     async def command(self, node_id: str, kind: str, payload: Any = None,
@@ -311,17 +284,11 @@ class Coordinator:
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
-        nodes = {
-            i: {"role": n.spec.role, "pid": n.process.pid, "state": n.state,
-                "last_seen_s": round(now - n.last_seen, 2), "restarts": n.restarts,
-                "exit_code": n.exit_code}
-            for i, n in self.nodes.items()
-        }
         return {"pid": os.getpid(), "control": self.control, "run_dir": str(self.run_dir),
                 "uptime_s": round(now - self._started, 2), "stopping": self.stop_requested.is_set(),
-                "counters": self.counters, "nodes": nodes}
+                "counters": self.counters, "nodes": self.supervisor.status()}
 
-    # background loops
+    # the control socket: heartbeats, handshakes, replies, events, commands
     async def _control_loop(self) -> None:
         while True:
             peer, msg = await self._router.recv_from()
@@ -347,8 +314,7 @@ class Coordinator:
             if not future.done():
                 future.set_result(msg.meta)
         elif msg.kind == "ready":
-            node.state = "ready"
-            node.ready.set()
+            node.mark_ready()
             self._publish(NodeEvent(msg.source, "ready", msg.meta))
         elif msg.kind == "event":
             self._publish(NodeEvent(msg.source, str(msg.meta.get("name")),
@@ -370,55 +336,3 @@ class Coordinator:
         except Exception as e:
             meta = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         await self._router.send(msg.reply("reply", meta=meta, source="coordinator"), to=peer)
-
-    async def _monitor_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_s / 2)
-            if self._stopped:
-                return
-            now = time.monotonic()
-            for node in list(self.nodes.values()):
-                if node.state in ("dead", "exited"):
-                    continue
-                rc = node.process.poll()
-                if rc == 0:  # finished or stopped on request: not a failure
-                    node.state, node.exit_code = "exited", 0
-                    self._publish(NodeEvent(node.spec.node_id, "exited", node.goodbye))
-                elif rc is not None:
-                    reason = (node.goodbye or {}).get("reason", "")
-                    why = f"exited with code {rc}" + (f" ({reason})" if reason else "")
-                    self._dead(node, why, rc)
-                elif node.state == "ready" and now - node.last_seen > self.time_to_dead:
-                    self._dead(node, f"no heartbeat for {now - node.last_seen:.1f}s", None)
-                elif node.state == "starting" and now - node.started > self.ready_timeout:
-                    self._dead(node, f"not ready after {self.ready_timeout}s", None)
-
-    def pid(self, node_id: str) -> int | None:
-        """The pid of the node's current process while it runs; None once it is gone."""
-        node = self.nodes.get(node_id)
-        if node is None or node.state in ("dead", "exited") or node.process.poll() is not None:
-            return None
-        return node.process.pid
-
-    def restart(self, node_id: str, reason: str, pid: int) -> bool:
-        """Kill `node_id` and start it again (within restart_limit) as if it had died: for
-        a node that cannot go on without a peer that died (a rank of a group). Only the
-        process the caller means (`pid`) is killed: a replacement started meanwhile is
-        left alone. True if it was killed."""
-        if self.pid(node_id) != pid:
-            return False
-        self._dead(self.nodes[node_id], reason, None)
-        return True
-
-    def _dead(self, node: _Node, reason: str, rc: int | None) -> None:
-        node_id = node.spec.node_id
-        node.state, node.exit_code = "dead", rc
-        node.process.kill()  # a hung node must not linger beside its replacement
-        restart = node.restarts < self.restart_limit and not self.stop_requested.is_set()
-        self.log.error("node_dead", node=node_id, role=node.spec.role, reason=reason,
-                       restart=restart, log=self._log_hint(node))
-        self._publish(NodeEvent(node_id, NodeDead.kind,
-                                asdict(NodeDead(reason, restart, rc, node.process.pid))))
-        if restart:
-            self._start(node.spec, restarts=node.restarts + 1)
-            self._publish(NodeEvent(node_id, "node_restarted", {"restarts": node.restarts + 1}))

@@ -12,6 +12,9 @@ not fit one device unsharded, every data-parallel model is ZeRO-3 sharded, and *
 generation forward pass (prefill and each decoded token) first gathers the actor's full
 weights over the interconnect; the memory the resident models leave is what the KV cache
 gets, which bounds the rows decoded at once (more sequential passes when it is small).
+A training device also holds one micro-batch's activations during the backward pass
+(`activation_plan`); they count towards its peak memory, not towards the KV cache's room
+(no strategy generates while it holds them).
 
 The efficiencies and fixed costs come from a `Calibration`: measured on this machine by
 `rlhf-async plan --calibrate`, or assumed for GPUs (stated in `ASSUMPTIONS`).
@@ -29,10 +32,15 @@ ASSUMPTIONS = [
     ("LLaMA-1 shapes (7B/13B/33B/65B: 32/40/60/80 layers, hidden 4096/5120/6656/8192, "
     "vocab 32000, no GQA); actor, critic, reward and reference all of the actor's size"),
     ("bf16 weights; training states 16 bytes/param (bf16 weights + grads, fp32 Adam m, v, "
-    "master); ZeRO-3 over each model's data-parallel group when the unsharded states of a "
-    "device's models exceed 75% of its memory, else plain data parallelism"),
+    "master); ZeRO-3 over each model's data-parallel group when the unsharded states and "
+    "activations of a device's models exceed 75% of its memory, else plain data parallelism"),
     ("per step: prompt 512 tokens, 480 generated tokens (the paper's setting), 1024 samples, "
-    "1 PPO epoch in 4 minibatches, activation checkpointing (activations ignored)"),
+    "1 PPO epoch in 4 minibatches, no gradient accumulation; activation checkpointing: "
+    "each layer's bf16 input kept, one layer's activations (16 values per token and hidden "
+    "unit) at a time, for actor and critic together"),
+    ("only layouts this build's runners execute: whole model copies (no tensor "
+    "parallelism), one generator or scorer process per GPU, trainer ranks that divide the "
+    "batch"),
     ("effective throughput: 40% of peak FLOP/s in training, 50% in prefill/scoring, 70% of "
     "memory bandwidth when decoding, 70% of link bandwidth in collectives, 30 us per "
     "collective, 30 us per layer pass (CUDA-graph-like decoding)"),
@@ -87,6 +95,8 @@ class Workload:
     minibatches: int = 4
     critic: bool = True
     max_staleness: int = 0
+    grad_accum: int = 1  # micro-batches per minibatch
+    checkpointing: bool = False  # activations recomputed in the backward pass
 
 
 @dataclass(frozen=True)
@@ -115,17 +125,55 @@ class Prediction:
     strategy: str
     step_s: float
     phases: dict[str, float]  # generate, score, train, sync (seconds)
-    memory: dict[int, float]  # bytes per device
+    memory: dict[int, float]  # peak bytes per device: resident models + activations
     feasible: bool
     notes: list[str] = field(default_factory=list)
+    activations: dict[int, float] = field(default_factory=dict)  # bytes per training device
 
     @property
     def peak_memory(self) -> float:
         return max(self.memory.values(), default=0.0)
 
+    @property
+    def resident(self) -> dict[int, float]:
+        """Bytes per device that stay between phases (what the KV cache cannot use)."""
+        return {d: b - self.activations.get(d, 0.0) for d, b in self.memory.items()}
+
 
 def dtype_bytes(dtype: str) -> int:
     return 4 if dtype == "fp32" else 2
+
+
+# Activations a training forward keeps for its backward, in values of the compute dtype per
+# token, per hidden unit, per layer. Korthikanti et al. 2022 ("Reducing Activation
+# Recomputation in Large Transformer Models") count 34 bytes in 16-bit: attention 11, MLP
+# 19, layer norms 4, with a fused (flash) attention that keeps no sequence x sequence
+# matrix; 2 of them are 1-byte dropout masks, which RL training does without
+# (train.disable_dropout), leaving 32 bytes = 16 values.
+ACTIVATION_VALUES = 16
+
+
+def activation_bytes(m: ModelPlacement, shape: ModelShape, w: Workload) -> float:
+    """Bytes of one training micro-batch's activations on each device of a training copy:
+    rows x sequence x hidden x bytes x (16 per layer; with checkpointing 1 per layer, its
+    kept input, plus one layer's 16 while that layer is recomputed)."""
+    rows = math.ceil(w.samples / max(1, m.replicas))
+    micro = math.ceil(math.ceil(rows / max(1, w.minibatches)) / max(1, w.grad_accum))
+    values = shape.layers + ACTIVATION_VALUES if w.checkpointing \
+        else ACTIVATION_VALUES * shape.layers
+    seq = w.prompt_len + w.gen_len
+    return micro * seq * shape.hidden * dtype_bytes(m.dtype) * values / m.tensor_parallel
+
+
+def activation_plan(p: Placement, shape: ModelShape, w: Workload) -> dict[int, float]:
+    """Activation bytes per training device: actor and critic together, since the learner
+    builds both losses before either backward frees its graph."""
+    acts: dict[int, float] = {}
+    for m in p.models:
+        if m.runtime == TRAIN:
+            for d in m.devices:
+                acts[d] = acts.get(d, 0.0) + activation_bytes(m, shape, w)
+    return acts
 
 
 def _state_bytes(runtime: str, dtype: str) -> float:
@@ -149,9 +197,10 @@ def sharded(p: Placement, m: ModelPlacement, zero3: bool) -> bool:
     return zero3 and m.replicas > 1 and (m.runtime == TRAIN or p.strategy != "separation")
 
 
-def memory_plan(p: Placement, shape: ModelShape, dev: DeviceSpec
-                ) -> tuple[dict[int, float], bool]:
-    """Resident bytes per device and whether data-parallel models are ZeRO-3 sharded."""
+def memory_plan(p: Placement, shape: ModelShape, dev: DeviceSpec,
+                acts: dict[int, float] | None = None) -> tuple[dict[int, float], bool]:
+    """Resident bytes per device and whether data-parallel models are ZeRO-3 sharded (when
+    the unsharded states plus the activations `acts` would crowd a device)."""
     def per_device(zero3: bool) -> dict[int, float]:
         mem = {d: 0.0 for d in range(p.num_devices)}
         for m in p.models:
@@ -160,7 +209,7 @@ def memory_plan(p: Placement, shape: ModelShape, dev: DeviceSpec
                 mem[d] = mem.get(d, 0.0) + _state_bytes(m.runtime, m.dtype) * shape.params / shard
         return mem
     plain = per_device(False)
-    if max(plain.values()) <= 0.75 * _budget(dev):
+    if max(b + (acts or {}).get(d, 0.0) for d, b in plain.items()) <= 0.75 * _budget(dev):
         return plain, False
     return per_device(True), True
 
@@ -282,10 +331,14 @@ def predict(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
             cal: Calibration) -> Prediction:
     """Predicted step time (and its phases) and per-device memory of a placement."""
     notes: list[str] = []
-    mem, zero3 = memory_plan(p, shape, dev)
-    if max(mem.values()) > _budget(dev):
-        notes.append(f"resident models need {max(mem.values()) / GiB:.1f} GiB on a device, "
-                     f"budget {_budget(dev) / GiB:.1f} GiB")
+    acts = activation_plan(p, shape, w)
+    mem, zero3 = memory_plan(p, shape, dev, acts)
+    peak = {d: b + acts.get(d, 0.0) for d, b in mem.items()}
+    if max(peak.values()) > _budget(dev):
+        d = max(peak, key=lambda x: peak[x])
+        notes.append(f"resident models need {mem[d] / GiB:.1f} GiB and training activations "
+                     f"{acts.get(d, 0.0) / GiB:.1f} GiB on device {d}, budget "
+                     f"{_budget(dev) / GiB:.1f} GiB")
     gen = _gen_time(p, shape, w, dev, cal, mem, zero3, notes)
     score = _score_times(p, shape, w, dev, cal, zero3)
     train = _train_times(p, shape, w, dev, cal, zero3)
@@ -312,5 +365,5 @@ def predict(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
         step += phases["generate"] + phases["score"] + phases["train"]
     if zero3:
         notes.insert(0, "ZeRO-3 sharding of data-parallel models")
-    feasible = gen is not None and max(mem.values()) <= _budget(dev)
-    return Prediction(p.strategy, step, phases, mem, feasible, notes)
+    feasible = gen is not None and max(peak.values()) <= _budget(dev)
+    return Prediction(p.strategy, step, phases, peak, feasible, notes, acts)

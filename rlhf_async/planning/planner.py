@@ -16,7 +16,15 @@ from pathlib import Path
 
 import psutil
 
-from rlhf_async.config import ConfigError, JobConfig, PlacementConfig
+from rlhf_async.config import (
+    AlgoConfig,
+    ConfigError,
+    GenerationConfig,
+    JobConfig,
+    PlacementConfig,
+    TrainConfig,
+)
+from rlhf_async.config.reference import overrides
 from rlhf_async.log import get_logger
 from rlhf_async.planning.costmodel import (
     DEVICES,
@@ -36,6 +44,7 @@ from rlhf_async.strategies.registry import (
     STRATEGIES,
     build_placement,
     plan_placement,
+    runnable_placement,
     runner_problems,
 )
 from rlhf_async.task import VOCAB_SIZE
@@ -99,7 +108,8 @@ def workload_of(cfg: JobConfig) -> Workload:
     prompt_len = cfg.task.max_prompt_tokens if cfg.task.name == "text" else cfg.task.max_len + 2
     return Workload(cfg.train.prompts_per_step * cfg.algo.group_size, prompt_len,
                     cfg.generation.max_new_tokens, cfg.train.epochs, cfg.train.minibatches,
-                    cfg.algo.name == "ppo", cfg.algo.max_staleness)
+                    cfg.algo.name == "ppo", cfg.algo.max_staleness, cfg.train.grad_accum,
+                    cfg.train.gradient_checkpointing)
 
 
 def predictions(cfg: JobConfig) -> dict[str, tuple[Placement | None, Prediction | None, str]]:
@@ -181,10 +191,11 @@ def _plan(cfg: JobConfig) -> tuple[Placement | None, Prediction | None, list[str
     pred = predict(found, shape, work, dev, cal)
     problems += [f"placement: predicted memory over budget on device {d}: {b / GiB:.3g} GiB "
                  f"> {0.9 * dev.memory / GiB:.3g} GiB (placement.memory_gb or the device's "
-                 "memory)" for d, b in pred.memory.items() if b > 0.9 * dev.memory]
+                 f"memory){_activation_hint(pred.activations.get(d, 0.0))}"
+                 for d, b in pred.memory.items() if b > 0.9 * dev.memory]
     # the resident models alone can fit while not one sequence's KV cache does (a huge
     # generation.max_new_tokens): generation would then grow until the machine swaps
-    kv_row, free = kv_cache_room(found, shape, work, dev, pred.memory)
+    kv_row, free = kv_cache_room(found, shape, work, dev, pred.resident)
     if 0 < free < kv_row:
         problems.append(
             f"generation.max_new_tokens: {cfg.generation.max_new_tokens} new tokens after a "
@@ -195,26 +206,47 @@ def _plan(cfg: JobConfig) -> tuple[Placement | None, Prediction | None, list[str
     return found, pred, problems
 
 
+def _activation_hint(acts: float) -> str:
+    if not acts:
+        return ""
+    return (f", of which {acts / GiB:.3g} GiB are a training micro-batch's activations "
+            "(a larger train.grad_accum or train.gradient_checkpointing = true lowers them)")
+
+
 def format_prediction(pred: Prediction, dev: DeviceSpec, cal: Calibration) -> str:
     ph = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in pred.phases.items())
     lines = [f"predicted step {pred.step_s * 1e3:.1f} ms ({ph})",
              (f"predicted peak memory {pred.peak_memory / GiB:.3g} GiB per device "
-             f"(budget {0.9 * dev.memory / GiB:.3g} GiB on {dev.name})"),
+             f"(budget {0.9 * dev.memory / GiB:.3g} GiB on {dev.name}; training "
+             f"activations {max(pred.activations.values(), default=0.0) / GiB:.3g} GiB)"),
              f"calibration: {cal.source}"]
     return "\n".join(lines + [f"note: {n}" for n in pred.notes])
 
 
 # ---- simulation --------------------------------------------------------------------------
 
-SIM_WORK = Workload(samples=1024, prompt_len=512, gen_len=480, epochs=1, minibatches=4)
+SIM_WORK = Workload(samples=1024, prompt_len=512, gen_len=480, epochs=1, minibatches=4,
+                    checkpointing=True)
+SIM_GRAD_ACCUM = (1, 2, 4, 8, 16)  # micro-batches per minibatch the simulation may use
 
 
-def _sim_placements(n: int) -> dict[str, list[Placement]]:
+def sim_job(placement: PlacementConfig, work: Workload) -> JobConfig:
+    """The job `plan --simulate` prices: PPO on `work` (one response per prompt) with this
+    placement, as `run` would get it."""
+    return JobConfig(
+        algo=AlgoConfig(name="ppo", group_size=1, max_staleness=work.max_staleness),
+        generation=GenerationConfig(max_new_tokens=work.gen_len),
+        train=TrainConfig(prompts_per_step=work.samples, epochs=work.epochs,
+                          minibatches=work.minibatches, grad_accum=work.grad_accum,
+                          gradient_checkpointing=work.checkpointing),
+        placement=placement)
+
+
+def _sim_candidates(n: int) -> dict[str, list[PlacementConfig]]:
     """Flattening and Interleaving presets, and Separation over a grid of device splits
-    and generator tensor-parallel sizes (the planner keeps the best)."""
+    and generator / scorer tensor-parallel sizes."""
     base = PlacementConfig(device="cuda", devices=n)
-    out = {s: [plan_placement(dataclasses.replace(base, strategy=s), "ppo")]
-           for s in ("flattening", "interleaving")}
+    out = {s: [dataclasses.replace(base, strategy=s)] for s in ("flattening", "interleaving")}
     seps = []
     for train_frac in (0.25, 0.5, 0.75):
         nt = max(1, int(n * train_frac))
@@ -224,37 +256,75 @@ def _sim_placements(n: int) -> dict[str, list[Placement]]:
             for tp, ts in itertools.product((1, 2, 4, 8), (1, 2, 4, 8)):
                 if ng < tp or ng % tp or ns < ts or ns % ts:
                     continue
-                cfg = dataclasses.replace(
+                sizes = {"shadow_actor": tp, "reward": ts, "reference": ts}
+                seps.append(dataclasses.replace(
                     base, strategy="separation", actor=list(range(nt)),
                     generator=list(range(nt, nt + ng)), reward=list(range(nt + ng, n)),
                     scorers=ns // ts, generators=ng // tp,
-                    tensor_parallel=[f"shadow_actor={tp}", f"reward={ts}", f"reference={ts}"])
-                seps.append(plan_placement(cfg, "ppo"))
+                    tensor_parallel=[f"{m}={t}" for m, t in sizes.items() if t > 1]))
     out["separation"] = seps
+    return out
+
+
+def sim_options(n: int, work: Workload) -> dict[str, tuple[list[tuple[JobConfig, Placement]],
+                                                           list[str]]]:
+    """Per strategy, the candidate layouts on n GPUs that `run` would accept (the plan's
+    own checks and this build's runners', `runnable_placement`), and the problems of those
+    it would refuse."""
+    out = {}
+    for strategy, configs in _sim_candidates(n).items():
+        ok, refused = [], []
+        for pc in configs:
+            job = sim_job(pc, work)
+            try:
+                ok.append((job, runnable_placement(job)))
+            except PlacementError as e:
+                refused += [p for p in e.problems if p not in refused]
+        out[strategy] = (ok, refused)
     return out
 
 
 def simulate(gpu: str, models: list[str], sizes: list[int], work: Workload = SIM_WORK,
              cal: Calibration | None = None) -> list[dict]:
-    """One row per (model, devices, strategy): best predicted step time and memory."""
+    """One row per (model, devices, strategy): best predicted step time and memory among
+    the layouts `run` accepts, with the placement and training overrides that run it."""
     dev, cal = DEVICES[gpu], cal or Calibration()
     rows = []
+    works = {k: dataclasses.replace(work, max_staleness=k) for k in (0, 1)}
+    options = {(n, k): sim_options(n, w) for n in sizes for k, w in works.items()}
     for name in models:
-        shape = LLAMA[name]
         for n in sizes:
-            for strategy, options in _sim_placements(n).items():
-                for k in ((0, 1) if strategy == "separation" else (0,)):
-                    w = dataclasses.replace(work, max_staleness=k)
-                    preds = [(predict(p, shape, w, dev, cal), p) for p in options]
-                    feasible = [x for x in preds if x[0].feasible] or preds
-                    pred, p = min(feasible, key=lambda x: x[0].step_s)
+            for k, w in works.items():
+                for strategy, (runnable, refused) in options[(n, k)].items():
+                    if k and strategy != "separation":
+                        continue  # lock-step strategies do not overlap: k changes nothing
                     label = f"separation k={k}" if strategy == "separation" else strategy
                     rows.append({"model": name, "gpus": n, "strategy": label,
-                                 "step_s": pred.step_s, "phases": pred.phases,
-                                 "memory_gib": pred.peak_memory / GiB,
-                                 "feasible": pred.feasible, "notes": pred.notes,
-                                 "layout": _layout(p)})
+                                 **_best(runnable, refused, LLAMA[name], w, dev, cal)})
     return rows
+
+
+def _best(runnable: list[tuple[JobConfig, Placement]], refused: list[str], shape: ModelShape,
+          work: Workload, dev: DeviceSpec, cal: Calibration) -> dict:
+    """The fastest feasible of the runnable layouts, each with the smallest
+    train.grad_accum (of 1-16) whose activations fit; else the fastest, marked OOM."""
+    if not runnable:
+        return {"step_s": None, "phases": {}, "memory_gib": 0.0, "feasible": False,
+                "runnable": False, "notes": refused, "layout": "", "overrides": []}
+    preds = []
+    for job, p in runnable:
+        for accum in SIM_GRAD_ACCUM:
+            w = dataclasses.replace(work, grad_accum=accum)
+            preds.append((predict(p, shape, w, dev, cal), job, p, accum))
+            if preds[-1][0].feasible:
+                break
+    feasible = [x for x in preds if x[0].feasible] or preds
+    pred, job, p, accum = min(feasible, key=lambda x: x[0].step_s)
+    job = dataclasses.replace(job, train=dataclasses.replace(job.train, grad_accum=accum))
+    layout = _layout(p) + (f"; grad_accum {accum}" if accum > 1 else "")
+    return {"step_s": pred.step_s, "phases": pred.phases, "memory_gib": pred.peak_memory / GiB,
+            "feasible": pred.feasible, "runnable": True, "notes": pred.notes,
+            "layout": layout.strip("; "), "overrides": overrides(job)}
 
 
 def _layout(p: Placement) -> str:

@@ -16,12 +16,21 @@ from rlhf_async.planning.costmodel import (
     GiB,
     ModelShape,
     Workload,
+    activation_bytes,
     memory_plan,
     predict,
 )
-from rlhf_async.planning.planner import choose, load_calibration, plan_job, resolve_auto, simulate
+from rlhf_async.planning.planner import (
+    SIM_WORK,
+    choose,
+    load_calibration,
+    plan_job,
+    resolve_auto,
+    sim_options,
+    simulate,
+)
 from rlhf_async.strategies.placement import PlacementError
-from rlhf_async.strategies.registry import plan_placement
+from rlhf_async.strategies.registry import plan_placement, runnable_placement
 
 SHAPE = ModelShape("toy", 1e6, 2, 64, 16)
 BIG_MEMORY = DeviceSpec("test", 1e12, 100 * GiB, 1e11, 1e10, 1e9, 8)
@@ -139,10 +148,66 @@ def test_a_kv_cache_that_cannot_fit_one_sequence_stops_the_run_before_any_work(t
             "placement.memory_gb=8", f"run.output_dir={str(tmp_path / 'runs')!r}"]
     with pytest.raises(PlacementError) as e:
         plan_job(load_config(None, args))
-    (problem,) = e.value.problems
+    # training on such sequences would not fit either: its activations are the other problem
+    memory, problem = e.value.problems
+    assert memory.startswith("placement: predicted memory over budget on device 0") \
+        and "training micro-batch's activations" in memory
     assert problem.startswith("generation.max_new_tokens: 100000000 new tokens after a "
                               "8-token prompt need a predicted 95.4 GiB of KV cache")
     assert main(["run", *args]) == 2
     err = capsys.readouterr().err
     assert "95.4 GiB of KV cache" in err and "Traceback" not in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_activations_are_a_micro_batch_of_rows_x_sequence_x_hidden_x_layers():
+    p = _placement("flattening")  # cpu: fp32; actor and critic on both devices, 2 replicas
+    actor = p.model("actor")
+    # 64 samples over 2 replicas, 2 minibatches, 2 micro-batches: 8 rows of 8 + 8 tokens
+    work = dataclasses.replace(WORK, grad_accum=2)
+    row_layer = 8 * 16 * 64 * 4  # rows x sequence x hidden x fp32 bytes
+    assert activation_bytes(actor, SHAPE, work) == row_layer * 16 * 2  # 16 values, 2 layers
+    ckpt = dataclasses.replace(work, checkpointing=True)  # inputs kept + one layer recomputed
+    assert activation_bytes(actor, SHAPE, ckpt) == row_layer * (2 + 16)
+    pred = predict(p, SHAPE, work, BIG_MEMORY, Calibration())
+    assert pred.activations == {0: 2 * row_layer * 32, 1: 2 * row_layer * 32}  # actor + critic
+    assert pred.memory[0] == pytest.approx(40e6 + pred.activations[0])
+    assert pred.resident[0] == pytest.approx(40e6)  # what the KV cache competes with
+
+
+def test_a_micro_batch_whose_activations_do_not_fit_is_infeasible_until_accumulated():
+    small = dataclasses.replace(BIG_MEMORY, memory=60e6)  # budget 54 MB; the states take 40
+    p = _placement("flattening")
+    big = Workload(samples=4096, prompt_len=8, gen_len=8, epochs=1, minibatches=2)
+    pred = predict(p, SHAPE, big, small, Calibration())
+    assert not pred.feasible
+    assert any("training activations" in note for note in pred.notes)
+    accumulated = predict(p, SHAPE, dataclasses.replace(big, grad_accum=64), small,
+                          Calibration())
+    assert accumulated.feasible and accumulated.peak_memory <= 0.9 * small.memory
+
+
+def test_plan_job_names_a_micro_batchs_activations_and_what_lowers_them():
+    args = ["train.prompts_per_step=4096", "placement.memory_gb=0.05"]
+    with pytest.raises(PlacementError) as e:
+        plan_job(load_config(None, args))
+    (problem,) = e.value.problems
+    assert "training micro-batch's activations" in problem and "train.grad_accum" in problem
+    plan_job(load_config(None, [*args, "train.grad_accum=64"]))  # fits: no error
+
+
+def test_every_simulated_proposal_is_a_layout_run_accepts():
+    runnable, refused = sim_options(8, SIM_WORK)["separation"]
+    # the grid tries tensor-parallel generators and scorers; the runners' check drops them
+    assert any(p.startswith("placement.tensor_parallel:") for p in refused)
+    assert runnable and all(m.tensor_parallel == 1 for _, p in runnable for m in p.models)
+    rows = simulate("H100", ["7B"], [8, 16])
+    proposed = [r for r in rows if r["runnable"]]
+    assert {"flattening", "separation k=0", "separation k=1"} <= {r["strategy"] for r in proposed}
+    for r in proposed:
+        # the row's own overrides, on a model with room for the 992-token sequences
+        cfg = load_config(None, [*r["overrides"], "model.max_positions=1024"])
+        placement = runnable_placement(cfg)  # PlacementError: what `run` would refuse
+        assert r["strategy"].startswith(placement.strategy) and " tp" not in r["layout"]
+    for r in rows:
+        assert r["runnable"] or (r["notes"] and r["step_s"] is None and not r["overrides"])

@@ -1,0 +1,180 @@
+"""Node lifecycle: launch each node, wait for it to be ready, declare it dead, restart it.
+
+The coordinator owns one `Supervisor` and feeds it what the control plane hears (a node's
+`last_seen` on every message, `ready` on its handshake); the supervisor never touches a
+socket. Each `check` declares a node dead when its process exited with an error, its
+heartbeats stopped for `time_to_dead`, or it was not ready within `ready_timeout`. A dead
+node is killed (a hung one must not linger beside its replacement) and started again while
+it has restarts left (`restart_limit`) and no stop is under way. What it sees it tells the
+coordinator's listeners through `publish`: exited, node_dead, node_restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlhf_async.control.client import NodeDead, NodeEvent, NodeNotReady
+from rlhf_async.runtime.launcher import Launcher, NodeProcess
+from rlhf_async.runtime.spec import NodeSpec
+
+
+@dataclass
+class NodeRecord:
+    """One node id and its current process (a restart replaces `process`, not the record's
+    id); `last_seen` is stamped by the control plane on every message from the node."""
+
+    spec: NodeSpec
+    process: NodeProcess
+    started: float
+    last_seen: float
+    state: str = "starting"  # starting | ready | exited | dead
+    restarts: int = 0
+    exit_code: int | None = None
+    goodbye: dict[str, Any] | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def mark_ready(self) -> None:
+        self.state = "ready"
+        self.ready.set()
+
+
+class Supervisor:
+    def __init__(self, run_dir: Path, launcher: Launcher, *,
+                 publish: Callable[[NodeEvent], None], stopping: Callable[[], bool],
+                 time_to_dead: float, ready_timeout: float, restart_limit: int,
+                 log: Any) -> None:
+        self.run_dir, self.launcher = run_dir, launcher
+        self.time_to_dead, self.ready_timeout = time_to_dead, ready_timeout
+        self.restart_limit = restart_limit
+        self.nodes: dict[str, NodeRecord] = {}
+        self._publish, self._stopping = publish, stopping
+        self.log = log
+        self._closed = False  # shutting down: no more deaths declared, no restarts
+
+    def start(self, spec: NodeSpec, restarts: int = 0) -> None:
+        process = self.launcher.launch(spec, self.run_dir)
+        now = time.monotonic()
+        self.nodes[spec.node_id] = NodeRecord(spec, process, now, now, restarts=restarts)
+        self.log.info("node_launched", node=spec.node_id, role=spec.role, pid=process.pid)
+
+    def _will_restart(self, node: NodeRecord) -> bool:
+        return node.restarts < self.restart_limit and not self._stopping()
+
+    async def wait_ready(self, node_ids: list[str] | None = None,
+                         timeout: float | None = None) -> None:
+        """Wait until the nodes are ready; NodeNotReady names any node that never came up."""
+        ids = list(self.nodes) if node_ids is None else node_ids
+        deadline = time.monotonic() + (timeout or self.ready_timeout)
+        while True:
+            waiting = [i for i in ids if self.nodes[i].state != "ready"]
+            if not waiting:
+                return
+            for i in waiting:
+                node = self.nodes[i]
+                gone = node.state in ("dead", "exited") or node.process.poll() is not None
+                # a death during start-up is restarted like any other (`check` does it)
+                restarting = node.state != "exited" and self._will_restart(node)
+                if gone and not restarting:
+                    raise NodeNotReady(f"node {i!r} exited with code {node.process.poll()} "
+                                       f"before it was ready; see {self.log_hint(node)}")
+            if time.monotonic() > deadline:
+                hints = ", ".join(f"{i} ({self.log_hint(self.nodes[i])})" for i in waiting)
+                raise NodeNotReady(f"nodes not ready after {timeout or self.ready_timeout}s: "
+                                   f"{hints}")
+            await asyncio.sleep(0.05)
+
+    def log_hint(self, node: NodeRecord) -> str:
+        return str(getattr(node.process, "log_path", "its log"))
+
+    async def watch(self, period: float) -> None:
+        """`check` every `period` seconds until `close`."""
+        while True:
+            await asyncio.sleep(period)
+            if self._closed:
+                return
+            self.check()
+
+    def check(self) -> None:
+        """One liveness pass over every node still starting or ready."""
+        now = time.monotonic()
+        for node in list(self.nodes.values()):
+            if node.state in ("dead", "exited"):
+                continue
+            rc = node.process.poll()
+            if rc == 0:  # finished or stopped on request: not a failure
+                node.state, node.exit_code = "exited", 0
+                self._publish(NodeEvent(node.spec.node_id, "exited", node.goodbye))
+            elif rc is not None:
+                reason = (node.goodbye or {}).get("reason", "")
+                why = f"exited with code {rc}" + (f" ({reason})" if reason else "")
+                self._dead(node, why, rc)
+            elif node.state == "ready" and now - node.last_seen > self.time_to_dead:
+                self._dead(node, f"no heartbeat for {now - node.last_seen:.1f}s", None)
+            elif node.state == "starting" and now - node.started > self.ready_timeout:
+                self._dead(node, f"not ready after {self.ready_timeout}s", None)
+
+    def pid(self, node_id: str) -> int | None:
+        """The pid of the node's current process while it runs; None once it is gone."""
+        node = self.nodes.get(node_id)
+        if node is None or node.state in ("dead", "exited") or node.process.poll() is not None:
+            return None
+        return node.process.pid
+
+    def restart(self, node_id: str, reason: str, pid: int) -> bool:
+        """Kill `node_id` and start it again (within restart_limit) as if it had died. Only
+        the process the caller means (`pid`) is killed: a replacement started meanwhile is
+        left alone. True if it was killed."""
+        if self.pid(node_id) != pid:
+            return False
+        self._dead(self.nodes[node_id], reason, None)
+        return True
+
+    def _dead(self, node: NodeRecord, reason: str, rc: int | None) -> None:
+        node_id = node.spec.node_id
+        node.state, node.exit_code = "dead", rc
+        node.process.kill()  # a hung node must not linger beside its replacement
+        restart = self._will_restart(node)
+        self.log.error("node_dead", node=node_id, role=node.spec.role, reason=reason,
+                       restart=restart, log=self.log_hint(node))
+        self._publish(NodeEvent(node_id, NodeDead.kind,
+                                asdict(NodeDead(reason, restart, rc, node.process.pid))))
+        if restart:
+            self.start(node.spec, restarts=node.restarts + 1)
+            self._publish(NodeEvent(node_id, "node_restarted", {"restarts": node.restarts + 1}))
+
+    def close(self) -> None:
+        """From now on no node is declared dead or restarted: the job is shutting down."""
+        self._closed = True
+
+    def alive(self) -> list[NodeRecord]:
+        return [n for n in self.nodes.values() if n.process.poll() is None]
+
+    async def shut_down(self, grace: float, force: asyncio.Event) -> None:
+        """Give the live nodes `grace` to exit, then terminate, then kill; `force` cuts each
+        grace short."""
+        self.close()
+        alive = self.alive()
+        for action in ("terminate", "kill"):
+            deadline = time.monotonic() + grace
+            while alive and time.monotonic() < deadline and not force.is_set():
+                alive = [n for n in alive if n.process.poll() is None]
+                await asyncio.sleep(0.02)
+            for n in alive:
+                self.log.warning("node_" + action, node=n.spec.node_id, pid=n.process.pid)
+                getattr(n.process, action)()
+        for n in alive:
+            await n.process.wait(timeout=grace)
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        now = time.monotonic()
+        return {
+            i: {"role": n.spec.role, "pid": n.process.pid, "state": n.state,
+                "last_seen_s": round(now - n.last_seen, 2), "restarts": n.restarts,
+                "exit_code": n.exit_code}
+            for i, n in self.nodes.items()
+        }

@@ -1,0 +1,100 @@
+"""The supervisor without processes or sockets: fake `Popen`-shaped handles show which
+deaths it declares, which it restarts, and when it stops restarting."""
+
+import asyncio
+import itertools
+import time
+
+import pytest
+import structlog
+
+from rlhf_async.control.client import NodeEvent, NodeNotReady
+from rlhf_async.control.supervisor import Supervisor
+from rlhf_async.runtime.spec import NodeSpec
+
+PIDS = itertools.count(1000)
+
+
+class FakeProcess:
+    def __init__(self) -> None:
+        self.pid, self.rc, self.killed = next(PIDS), None, False
+
+    def poll(self):
+        return self.rc
+
+    async def wait(self, timeout=None):
+        return self.rc
+
+    def terminate(self):
+        self.rc = -15
+
+    def kill(self):
+        self.killed, self.rc = True, -9
+
+
+class FakeLauncher:
+    def __init__(self) -> None:
+        self.launched: list[FakeProcess] = []
+
+    def launch(self, spec, run_dir):
+        self.launched.append(FakeProcess())
+        return self.launched[-1]
+
+
+def _supervisor(tmp_path, restart_limit=1, stopping=lambda: False, time_to_dead=5.0):
+    events: list[NodeEvent] = []
+    sup = Supervisor(tmp_path, FakeLauncher(), publish=events.append, stopping=stopping,
+                     time_to_dead=time_to_dead, ready_timeout=60.0,
+                     restart_limit=restart_limit, log=structlog.get_logger())
+    sup.start(NodeSpec("worker", "w0", "mod.sub:main"))
+    return sup, events
+
+
+def test_a_crash_is_restarted_until_the_limit_then_left_dead(tmp_path):
+    sup, events = _supervisor(tmp_path, restart_limit=1)
+    first = sup.nodes["w0"].process
+    first.rc = 1
+    sup.check()
+    assert [e.kind for e in events] == ["node_dead", "node_restarted"]
+    assert events[0].payload["will_restart"] and events[0].payload["exit_code"] == 1
+    second = sup.nodes["w0"].process
+    assert second is not first and sup.nodes["w0"].restarts == 1 and sup.pid("w0") == second.pid
+    second.rc = 1
+    sup.check()
+    assert [e.kind for e in events[2:]] == ["node_dead"]
+    assert not events[2].payload["will_restart"] and sup.nodes["w0"].state == "dead"
+    assert sup.pid("w0") is None
+
+
+def test_a_silent_ready_node_is_killed_but_a_clean_exit_is_not_a_death(tmp_path):
+    sup, events = _supervisor(tmp_path, restart_limit=0, time_to_dead=1.0)
+    node = sup.nodes["w0"]
+    node.mark_ready()
+    sup.check()
+    assert events == []  # heard from just now
+    node.last_seen = time.monotonic() - 2.0
+    sup.check()
+    assert node.process.killed and events[0].kind == "node_dead"
+    assert events[0].payload["reason"].startswith("no heartbeat for")
+    sup.start(NodeSpec("worker", "w1", "mod.sub:main"))
+    sup.nodes["w1"].process.rc = 0
+    sup.check()
+    assert events[-1].kind == "exited" and sup.nodes["w1"].state == "exited"
+
+
+def test_no_restart_while_stopping_and_wait_ready_names_the_node(tmp_path):
+    sup, events = _supervisor(tmp_path, restart_limit=3, stopping=lambda: True)
+    sup.nodes["w0"].process.rc = 2
+    with pytest.raises(NodeNotReady, match="'w0' exited with code 2"):
+        asyncio.run(sup.wait_ready(["w0"], timeout=1.0))
+    sup.check()
+    assert [e.kind for e in events] == ["node_dead"] and len(sup.launcher.launched) == 1
+
+
+def test_restart_kills_only_the_process_the_caller_means(tmp_path):
+    sup, events = _supervisor(tmp_path, restart_limit=2)
+    old = sup.nodes["w0"].process.pid
+    assert sup.restart("w0", "peer died", old)
+    assert not sup.restart("w0", "peer died", old)  # its replacement is left alone
+    assert sup.nodes["w0"].restarts == 1 and sup.pid("w0") != old
+    assert [e.kind for e in events] == ["node_dead", "node_restarted"]
