@@ -43,7 +43,6 @@ from rlhf_async.strategies.registry import (
     AUTO,
     STRATEGIES,
     build_placement,
-    plan_placement,
     runnable_placement,
     runner_problems,
 )
@@ -113,14 +112,15 @@ def workload_of(cfg: JobConfig) -> Workload:
 
 
 def predictions(cfg: JobConfig) -> dict[str, tuple[Placement | None, Prediction | None, str]]:
-    """Every candidate strategy's placement and prediction (or why it cannot be placed)."""
+    """Every candidate strategy's placement and prediction (or why it cannot be placed, as
+    a plan or by this build's runners: `auto` never picks what `run` would refuse)."""
     dev, cal = machine(cfg)
     shape, work = shape_of(cfg), workload_of(cfg)
     out: dict[str, tuple[Placement | None, Prediction | None, str]] = {}
     for name in STRATEGIES:
         pc = dataclasses.replace(cfg.placement, strategy=name)
         try:
-            p = plan_placement(pc, cfg.algo.name)
+            p = runnable_placement(dataclasses.replace(cfg, placement=pc))
         except PlacementError as e:
             out[name] = (None, None, "; ".join(e.problems))
             continue

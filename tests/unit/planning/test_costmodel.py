@@ -105,6 +105,12 @@ def test_auto_picks_the_predicted_fastest_and_says_why():
     one = load_config(None, ["placement.strategy=auto", "placement.devices=1"])
     _, reason = choose(one)
     assert "interleaving not possible" in reason
+    gpus = load_config(None, ["placement.strategy=auto", "placement.device=cuda",
+                              "placement.devices=8"])
+    placement, reason = choose(gpus)  # never what `run` would refuse
+    assert placement.strategy != "interleaving"
+    assert "interleaving not possible (placement.device: this build runs interleaving on " \
+        "cpu only)" in reason
 
 
 def test_plan_job_reports_memory_over_budget_with_placement_conflicts():
