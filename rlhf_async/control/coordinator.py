@@ -90,6 +90,7 @@ class Coordinator:
         }
         self._started = time.monotonic()
         self._stopped = False
+        self._following: set[asyncio.Task[Any]] = set()  # peers told of a moved node
 
     @property
     def counters(self) -> dict[str, int]:
@@ -228,6 +229,33 @@ class Coordinator:
         process the caller means (`pid`) is killed: a replacement started meanwhile is
         left alone. True if it was killed."""
         return self.supervisor.restart(node_id, reason, pid)
+
+    def readdress(self, node_id: str, moved: dict[str, str]) -> None:
+        """`node_id` now binds at new addresses (restarted on another host; `moved`: old
+        -> new). Every node's spec follows, so a later (re)start uses them, and each running
+        node that connects to an old address is told to reconnect once it is ready."""
+        self.log.warning("node_moved", node=node_id, moved=moved)
+        for record in self.nodes.values():
+            follows = record.spec.connects_to(moved)
+            record.spec = record.spec.readdressed(moved)
+            if follows and record.spec.node_id != node_id:
+                task = self._transport.spawn(self._follow(record.spec.node_id, moved),
+                                             name=f"follow-{record.spec.node_id}")
+                self._following.add(task)
+                task.add_done_callback(self._following.discard)
+
+    async def _follow(self, node_id: str, moved: dict[str, str]) -> None:
+        try:
+            await self.wait_ready([node_id])
+            left = await self.command(node_id, "readdress", moved)
+            self.log.info("node_followed_move", node=node_id, left=left)
+        except (TimeoutError, CoordinatorError) as e:
+            # it died meanwhile: its replacement starts from the re-addressed spec
+            self.log.warning("node_not_readdressed", node=node_id, error=str(e))
+
+    async def moves_followed(self) -> None:
+        """Once every node told of a move (`readdress`) has reconnected, or failed to."""
+        await asyncio.gather(*self._following, return_exceptions=True)
 
     async def stop(self) -> None:
         """Stop every node: stop command, wait, terminate, wait, kill. Idempotent."""

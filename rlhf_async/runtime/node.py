@@ -19,7 +19,7 @@ from rlhf_async.wire.transport import Channel, Transport
 
 # A command handler gets the command's payload and returns a msgpack-able reply.
 Handler = Callable[[Any], Any | Awaitable[Any]]
-BUILTIN_COMMANDS = ("pause", "resume", "stop", "status")
+BUILTIN_COMMANDS = ("pause", "resume", "stop", "status", "readdress")
 
 
 class Node:
@@ -49,6 +49,7 @@ class Node:
             "resume": lambda _: self._set_paused(False),
             "stop": lambda payload: self.request_stop(f"command: {payload or 'stop'}"),
             "status": lambda _: self.status(),
+            "readdress": self._readdress,
         }
 
     @property
@@ -97,6 +98,19 @@ class Node:
             self._resumed.set()
         self.log.info("paused" if self.paused else "resumed")
         return {"paused": self.paused}
+
+    def _readdress(self, moved: Any) -> dict[str, list[str]]:
+        """Peers bound at the old addresses (keys of `moved`) now listen at the new ones
+        (a node restarted on another host): every data channel connecting to one follows.
+        Replies with what each channel left."""
+        if not isinstance(moved, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in moved.items()):
+            raise ValueError(f"readdress takes a mapping old address -> new, got {moved!r:.80}")
+        left = {name: old for name, chan in self._channels.items()
+                if (old := chan.readdress(moved))}
+        self.spec = self.spec.readdressed(moved)  # what status and later reads see
+        self.log.info("endpoints_readdressed", moved=moved, channels=sorted(left))
+        return left
 
     # commands and events
     def on_command(self, kind: str, handler: Handler) -> None:

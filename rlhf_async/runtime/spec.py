@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,24 @@ class NodeSpec:
 
     def with_control(self, address: str) -> NodeSpec:
         return replace(self, control=address)
+
+    def readdressed(self, moved: Mapping[str, str]) -> NodeSpec:
+        """This spec with every endpoint address (bound or connected, `also` included) that
+        is a key of `moved` replaced by its value: the node's peers moved there."""
+        eps = {name: replace(ep, address=moved.get(ep.address, ep.address),
+                             also=tuple(moved.get(a, a) for a in ep.also))
+               for name, ep in self.endpoints.items()}
+        return replace(self, endpoints=eps)
+
+    def bound_tcp(self) -> list[str]:
+        """The tcp:// addresses this node binds."""
+        return [ep.address for ep in self.endpoints.values()
+                if ep.bind and ep.address.startswith("tcp://")]
+
+    def connects_to(self, addresses: Collection[str]) -> bool:
+        """Whether any endpoint of this node connects to one of `addresses`."""
+        return any(not ep.bind and {ep.address, *ep.also} & set(addresses)
+                   for ep in self.endpoints.values())
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -14,12 +14,13 @@ allowed only on loopback addresses; anything else needs `insecure=True`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Coroutine
-from dataclasses import asdict, dataclass
+from collections.abc import AsyncIterator, Coroutine, Mapping
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Self
 
 import structlog
@@ -230,6 +231,24 @@ class Channel:
             frame = self._sync.recv(_NOBLOCK, copy=False)
             frames.append(frame)
         return frames
+
+    def readdress(self, moved: Mapping[str, str]) -> list[str]:
+        """Follow peers that moved (old address -> new): a connecting channel disconnects
+        from each old address it uses and connects to the new one. What was queued for the
+        old peer is dropped with its pipe (that peer is gone; the senders' bookkeeping sends
+        it again), so nothing more waits for a host that will not come back. Returns the
+        old addresses it left."""
+        ep = self.endpoint
+        old = [] if ep.bind else [a for a in (ep.address, *ep.also) if a in moved]
+        if not old:
+            return []
+        for address in old:
+            with contextlib.suppress(zmq.ZMQError):  # never connected there: nothing to end
+                self.sock.disconnect(address)
+            self.sock.connect(moved[address])
+        self.endpoint = replace(ep, address=moved.get(ep.address, ep.address),
+                                also=tuple(moved.get(a, a) for a in ep.also))
+        return old
 
     def __aiter__(self) -> AsyncIterator[Message]:
         return self._iter()

@@ -28,10 +28,5 @@ def tcp_specs(specs: list[NodeSpec], prompts: str, where: dict[str, tuple[str, s
         for ep in spec.endpoints.values():
             if ep.bind:
                 tcp(ep.address, where[spec.node_id][0])
-    out = []
-    for spec in specs:
-        eps = {name: replace(ep, address=moved.get(ep.address, ep.address),
-                             also=tuple(moved.get(a, a) for a in ep.also))
-               for name, ep in spec.endpoints.items()}
-        out.append(replace(spec, endpoints=eps, device=where[spec.node_id][1]))
+    out = [replace(spec.readdressed(moved), device=where[spec.node_id][1]) for spec in specs]
     return out, new_prompts

@@ -57,3 +57,20 @@ def test_resolve_entry():
         resolve_entry("nodes.no_such_module:main")
     with pytest.raises(SpecError, match="async def"):
         resolve_entry("rlhf_async.control.demo:build_specs")
+
+
+def test_a_readdressed_spec_follows_moved_peers_bound_or_connected():
+    spec = _spec(endpoints={
+        "in": Endpoint("pull", "tcp://10.0.0.2:5000", bind=True),
+        "out": Endpoint("push", "tcp://10.0.0.3:6000", also=("tcp://10.0.0.4:6000",)),
+        "local": Endpoint("pull", "ipc:///tmp/x/local", bind=True)})
+    assert spec.bound_tcp() == ["tcp://10.0.0.2:5000"]
+    assert spec.connects_to({"tcp://10.0.0.4:6000"})
+    assert not spec.connects_to({"tcp://10.0.0.2:5000"})  # bound there, not connected
+    moved = spec.readdressed({"tcp://10.0.0.4:6000": "tcp://10.0.0.9:7000",
+                              "tcp://10.0.0.2:5000": "tcp://10.0.0.8:5001"})
+    assert moved.endpoints["out"] == Endpoint("push", "tcp://10.0.0.3:6000",
+                                              also=("tcp://10.0.0.9:7000",))
+    assert moved.endpoints["in"].address == "tcp://10.0.0.8:5001" and moved.endpoints["in"].bind
+    assert moved.endpoints["local"] == spec.endpoints["local"]
+    assert spec.readdressed({}) == spec
