@@ -10,6 +10,11 @@ bundle, for its share of that GPU, so Ray hands it the GPU (CUDA_VISIBLE_DEVICES
 node inherits) and the node uses it as cuda:0. Where each process ran is one line of
 RUN_DIR/ray_nodes.jsonl.
 
+A node started on a bundle that Ray moved to another host (its Ray node died) cannot bind
+where its spec says: the actor gives each bound tcp endpoint a port free on its own host
+(`rehome`), records the move (`moved`: old address -> new) and hands it to `on_move`, which
+the coordinator uses to point the node's peers at the new addresses.
+
 `poll` never blocks: it reads answers already in and asks the actor again every
 POLL_EVERY_S. An actor that died, or whose Ray node died, is a process that exited with
 LOST; the node process itself dies with its actor (PR_SET_PDEATHSIG). `kill` SIGKILLs the
@@ -25,13 +30,14 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from rlhf_async.log import get_logger
 from rlhf_async.runtime.launcher import start_node, start_process, wait_polling
-from rlhf_async.runtime.ray_cluster import DeviceGroup, ray
+from rlhf_async.runtime.ray_cluster import DeviceGroup, free_ports, ray
 from rlhf_async.runtime.spec import NodeSpec
 
 if ray is not None:
@@ -49,6 +55,19 @@ def device_index(device: str) -> int:
     return int(index) if index.isdigit() else 0
 
 
+def _host(address: str) -> str:
+    """`tcp://HOST:PORT` -> HOST."""
+    return address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+
+
+def rehome(spec: NodeSpec, host: str) -> dict[str, str]:
+    """old -> new for each tcp address `spec` binds on a host other than `host`: the same
+    endpoint on a port free on `host` (where this runs)."""
+    away = [a for a in spec.bound_tcp() if _host(a) != host]
+    return {old: f"tcp://{host}:{port}" for old, port in zip(away, free_ports(len(away)),
+                                                              strict=True)}
+
+
 class NodeHost:
     """The Ray actor around one node process, on the node's host. Its methods are quick
     (the actor runs them one at a time), so `signal` is never stuck behind another."""
@@ -58,11 +77,15 @@ class NodeHost:
         # on the actor's main thread, which lives as long as the actor: the process's
         # parent-death signal fires when the actor dies, not before
         node = NodeSpec.from_dict(spec)
+        address = ray.util.get_node_ip_address()
+        moved = rehome(node, address)
+        node = node.readdressed(moved)
         self.popen, log_path = start_node(node, Path(run_dir)) if command is None else \
             start_process([sys.executable, *command], node, Path(run_dir))
         self.where = {"pid": self.popen.pid, "ray_node": ray.get_runtime_context().get_node_id(),
-                      "address": ray.util.get_node_ip_address(), "host": socket.gethostname(),
-                      "gpus": [str(g) for g in ray.get_gpu_ids()], "log": str(log_path)}
+                      "address": address, "host": socket.gethostname(),
+                      "gpus": [str(g) for g in ray.get_gpu_ids()], "log": str(log_path),
+                      **({"moved": moved} if moved else {})}
 
     def info(self) -> dict[str, Any]:
         return self.where
@@ -85,8 +108,10 @@ class NodeHost:
 class RayProcess:
     """A node run by a NodeHost actor, shaped like Popen."""
 
-    def __init__(self, actor: Any, node: str, bundle: int, record: Path) -> None:
+    def __init__(self, actor: Any, node: str, bundle: int, record: Path,
+                 on_move: Callable[[str, dict[str, str]], None] | None = None) -> None:
         self.actor, self.node, self.bundle, self.record = actor, node, bundle, record
+        self.on_move = on_move
         self.pid: int | None = None  # known once the actor has started the process
         self.log_path = f"logs/{node}.log of the run directory (on its Ray node)"
         self._info = actor.info.remote()
@@ -135,6 +160,11 @@ class RayProcess:
         log.info("ray node process started", node=self.node, bundle=self.bundle, **info)
         with open(self.record, "a") as f:
             f.write(json.dumps({"node": self.node, "bundle": self.bundle, **info}) + "\n")
+        if info.get("moved"):
+            log.warning("ray node process moved", node=self.node, bundle=self.bundle,
+                        address=info["address"], moved=info["moved"])
+            if self.on_move is not None:
+                self.on_move(self.node, dict(info["moved"]))
 
     async def wait(self, timeout: float | None = None) -> int | None:
         return await wait_polling(self.poll, timeout, 0.05)
@@ -156,10 +186,12 @@ class RayProcess:
 
 class RayLauncher:
     """Launches each node through a NodeHost actor on its device's bundle of `group`.
-    `specs` are the job's nodes: processes sharing a GPU each get an equal share of it."""
+    `specs` are the job's nodes: processes sharing a GPU each get an equal share of it.
+    `on_move(node, {old: new})` hears of a node that had to bind on new addresses."""
 
-    def __init__(self, group: DeviceGroup, specs: list[NodeSpec]) -> None:
-        self.group = group
+    def __init__(self, group: DeviceGroup, specs: list[NodeSpec],
+                 on_move: Callable[[str, dict[str, str]], None] | None = None) -> None:
+        self.group, self.on_move = group, on_move
         self.shares = Counter(device_index(s.device) for s in specs)
         self.host = ray.remote(NodeHost)
 
@@ -177,4 +209,5 @@ class RayLauncher:
             scheduling_strategy=on_bundle,
         ).remote(replace(spec, device="cuda:0" if gpu else spec.device).to_dict(), str(run_dir),
                  command)
-        return RayProcess(actor, spec.node_id, bundle, run_dir / "ray_nodes.jsonl")
+        return RayProcess(actor, spec.node_id, bundle, run_dir / "ray_nodes.jsonl",
+                          self.on_move)

@@ -3,7 +3,8 @@ CPUs, as on real clusters, and three worker nodes of one CPU): trainer, generato
 scorer each on a node of its own, the same trajectory as the local launch at max_staleness
 = 0; a placement larger than the cluster fails at once, naming what is missing; losing the
 generator's Ray node mid-run restarts it on a spare node and every prompt is still trained
-exactly once; `rlhf-async doctor` checks every node and the placement; the daemon runs a
+exactly once; losing the scorer's moves the queue it binds to the spare's address, and the
+generator follows; `rlhf-async doctor` checks every node and the placement; the daemon runs a
 job that uses Ray. Skipped without the [ray] extra."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from tests.faults import run_during, trained_counts
 
 ray = pytest.importorskip("ray", reason="needs the [ray] extra")
 from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300)]
 STORE = 80 * 1024**2  # bytes of object store per node: only small calls travel through Ray
@@ -36,6 +39,10 @@ TINY = ["model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=30",
         "run.progress=false", "placement.strategy=separation", "algo.max_staleness=0"]
 # trainer on device 0, generator on 1, scorer on 2: with one CPU a node, a node each
 APART = ["placement.devices=3", "placement.generator=[1]", "placement.reward=[2]"]
+STEPS = 6  # of a run that loses a Ray node after 2: restarted, its work sent again
+LOSSY = ["placement.launcher=ray", f"train.steps={STEPS}", "algo.max_staleness=1",
+         "run.checkpoint_every=1", "runtime.restart_limit=2", "runtime.time_to_dead=5",
+         "weight_sync.timeout_s=20"]
 
 
 @pytest.fixture(scope="module")
@@ -171,39 +178,88 @@ def test_the_daemon_runs_a_job_that_uses_ray(tmp_path, cache, cluster):
 
 
 def _remove_node_of(cluster, node: str, run_dir: Path, after_steps: int,
-                    stop: threading.Event, lost: list[str]) -> None:
-    """Once `after_steps` steps are trained, take down the Ray node `node` runs on."""
+                    stop: threading.Event, lost: list[str],
+                    placed: Callable[[], None] | None = None) -> None:
+    """Once `after_steps` steps are trained, take down the Ray node `node` runs on; call
+    `placed` as soon as `node` has started (the job's bundles are placed)."""
     metrics, ran = run_dir / "metrics.jsonl", run_dir / "ray_nodes.jsonl"
+
+    def where() -> list[str]:
+        lines = ran.read_text().splitlines() if ran.exists() else []
+        return [json.loads(x)["ray_node"] for x in lines if json.loads(x)["node"] == node]
+
     while not stop.is_set():
         time.sleep(0.1)
-        if not metrics.exists() or len(metrics.read_text().splitlines()) < after_steps:
+        if placed is not None and where():
+            placed()
+            placed = None
+        if placed is not None or not metrics.exists() or \
+                len(metrics.read_text().splitlines()) < after_steps:
             continue
-        where = [json.loads(x)["ray_node"] for x in ran.read_text().splitlines()
-                 if json.loads(x)["node"] == node]
-        victim = next(n for n in cluster.worker_nodes if n.node_id == where[-1])
+        victim = next(n for n in cluster.worker_nodes if n.node_id == where()[-1])
         cluster.remove_node(victim)
         lost.append(victim.node_id)
         return
 
 
+def _survived(run_dir: Path, node: str) -> list[dict]:
+    """Check that the run lost a node yet trained every step and every prompt exactly once;
+    `node`'s lines of ray_nodes.jsonl, one a start."""
+    counts = trained_counts(run_dir)
+    assert set(counts) == set(range(STEPS * 8 * 2)) and set(counts.values()) == {1}
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(STEPS))
+    assert records[-1]["faults/restarts"] >= 1
+    ran = [json.loads(x) for x in (run_dir / "ray_nodes.jsonl").read_text().splitlines()]
+    return [r for r in ran if r["node"] == node]
+
+
 def test_a_lost_ray_node_is_a_dead_process_restarted_elsewhere(tmp_path, cache, cluster):
-    """Last in the module: it changes the cluster."""
+    """Near the end of the module: it changes the cluster."""
     cluster.add_node(num_cpus=1, object_store_memory=STORE)  # the spare
     cluster.wait_for_nodes()
-    steps = 6
-    cfg = _cfg(tmp_path, cache, "lost", *APART, "placement.launcher=ray",
-               f"ray.address={cluster.address}", f"train.steps={steps}",
-               "algo.max_staleness=1", "run.checkpoint_every=1", "runtime.restart_limit=2",
-               "runtime.time_to_dead=5", "weight_sync.timeout_s=20")
+    cfg = _cfg(tmp_path, cache, "lost", *APART, *LOSSY, f"ray.address={cluster.address}")
     run_dir, lost = tmp_path / "lost", list[str]()
     run_during(cfg, lambda stop: _remove_node_of(cluster, "gen0", run_dir, 2, stop, lost))
     assert lost, "the run ended before the generator's node was taken down"
-    counts = trained_counts(run_dir)
-    assert set(counts) == set(range(steps * 8 * 2)) and set(counts.values()) == {1}
-    records = read_metrics(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(steps))
-    assert records[-1]["faults/restarts"] >= 1
-    gens = [json.loads(x) for x in (run_dir / "ray_nodes.jsonl").read_text().splitlines()
-            if json.loads(x)["node"] == "gen0"]
+    gens = _survived(run_dir, "gen0")
     assert len(gens) >= 2 and gens[0]["ray_node"] == lost[0] != gens[-1]["ray_node"]
     assert gens[-1]["bundle"] == 1  # its device's bundle, moved by Ray to the spare node
+
+
+class _Hold:
+    """Holds a CPU of the Ray node it runs on."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_a_lost_ray_node_of_a_binding_node_moves_its_endpoints(tmp_path, cache, cluster):
+    """The scorer binds its rollouts queue. Its Ray node lost, it restarts on a spare Ray
+    node at another address (127.0.0.2: a host of its own to Ray, on this machine), binds
+    there, and the generator, still running, connects there instead. Changes the cluster."""
+    spare = cluster.add_node(num_cpus=1, object_store_memory=STORE,
+                             node_ip_address="127.0.0.2")
+    cluster.wait_for_nodes()
+    cfg = _cfg(tmp_path, cache, "moved", *APART, *LOSSY, f"ray.address={cluster.address}")
+    run_dir, lost = tmp_path / "moved", list[str]()
+    ray.init(address=cluster.address, log_to_driver=False)  # the job uses this connection
+    try:  # the spare is held while the job places its group, then free for the scorer
+        on_spare = NodeAffinitySchedulingStrategy(spare.node_id, soft=False)
+        hold = ray.remote(num_cpus=1)(_Hold).options(scheduling_strategy=on_spare).remote()
+        assert ray.get(hold.ready.remote(), timeout=120)
+        run_during(cfg, lambda stop: _remove_node_of(cluster, "scorer0", run_dir, 2, stop,
+                                                     lost, lambda: ray.kill(hold)))
+    finally:
+        ray.shutdown()
+    assert lost, "the run ended before the scorer's node was taken down"
+    scorers = _survived(run_dir, "scorer0")
+    assert scorers[0]["ray_node"] == lost[0] and scorers[-1]["address"] == "127.0.0.2"
+    spec = json.loads((run_dir / "specs" / "scorer0.json").read_text())  # the last start's
+    bound = spec["endpoints"]["rollouts"]["address"]
+    assert bound.startswith("tcp://127.0.0.2:")
+    old = next(iter(scorers[-1]["moved"]))
+    assert old.startswith(f"tcp://{scorers[0]['address']}:") and scorers[-1]["moved"] == {
+        old: bound}
+    gen = (run_dir / "logs" / "gen0.log").read_text()  # never restarted: told to follow
+    assert "endpoints_readdressed" in gen and bound in gen

@@ -214,6 +214,9 @@ class Driver:
         self.counts["resent_chunks"] += len(keys)
 
         async def resend() -> None:
+            # a node restarted on another host: its peers follow it first, or a chunk sent
+            # again could go to its old address
+            await self.coord.moves_followed()
             for key in keys:
                 if key in self.chunk_state:  # not trained meanwhile
                     await self._send(key)

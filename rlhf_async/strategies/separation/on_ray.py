@@ -3,6 +3,8 @@ one bundle per device; every node runs on its device's bundle (`RayLauncher`); t
 specs are the single-host ones re-addressed to CURVE tcp between the Ray nodes' addresses
 (`tcp_specs`), on ports free on each host. Coordinator, heartbeats,
 restarts, exactly-once and the weight broadcast are ours, as on one machine (`drive`).
+A node restarted where Ray moved its bundle (its Ray node died) binds on its new host, and
+the coordinator points its peers there (`Coordinator.readdress`).
 
 Nodes read the SFT/RM artefacts, the CURVE keys (RUN_DIR/keys) and write logs and
 checkpoints under the coordinator's paths, so `run.cache_dir` and `run.output_dir` must be
@@ -81,13 +83,15 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
     gens = [n for n, r in roles.items() if r == "generator"]
     sync = GroupSpec(weight_sync_backend(cfg), where["trainer"][0], 0, 1 + len(gens),
                      timeout_s=cfg.weight_sync.timeout_s)
+    launcher = RayLauncher(group, specs)
     # a tcp control endpoint: the coordinator makes CURVE keys in RUN_DIR/keys, which every
     # node and the prompts socket then use
-    async with Coordinator(run_dir, launcher=RayLauncher(group, specs), control=control,
+    async with Coordinator(run_dir, launcher=launcher, control=control,
                            time_to_dead=cfg.runtime.time_to_dead,
                            restart_limit=cfg.runtime.restart_limit,
                            stop_timeout=cfg.runtime.stop_grace_s + 5.0) as coord, \
             Transport(keys=coord.keyring) as transport:
         coord.install_signal_handlers()
+        launcher.on_move = coord.readdress  # a node restarted on another host
         push = transport.channel(Endpoint("push", prompts, bind=True, hwm=64))
         return await drive(cfg, coord, push, specs, roles, sync, gens, run_dir, start_step)
