@@ -11,7 +11,7 @@ NCCL (CUDA tensors); only the device of the buffers and the backend object diffe
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import structlog
@@ -70,12 +70,14 @@ def _check_device(backend: str, device: torch.device) -> None:
         raise WeightSyncError(f"backend 'gloo' is used with CPU tensors here, got {device}")
 
 
-def _check_matches(layout: Layout, tensors: Mapping[str, torch.Tensor]) -> None:
+def _check_matches(layout: Layout, tensors: Mapping[str, torch.Tensor], start: int = 0) -> None:
+    """`tensors` must be the plan's slots start, start+1, ... (names, order, dtypes, shapes)."""
+    slots = layout.slots[start : start + len(tensors)]
     problems = []
-    if list(tensors) != [s.name for s in layout.slots]:
+    if list(tensors) != [s.name for s in slots]:
         problems.append("tensor names or their order differ from the plan")
     else:
-        for s in layout.slots:
+        for s in slots:
             t = tensors[s.name]
             if tuple(t.shape) != s.shape or t.dtype != s.dtype:
                 problems.append(
@@ -104,6 +106,7 @@ class TorchBroadcastSender:
             raise WeightSyncError(f"bucket_mb must be > 0, got {bucket_mb!r}")
         self.bucket_bytes = max(ALIGN, int(bucket_mb * 2**20) // ALIGN * ALIGN)
         self.buffers_allocated = 0
+        self.largest_group_bytes = 0  # of the last send: source bytes held at once
         self._store: torch.distributed.TCPStore | None = None
         self._group: BroadcastGroup | None = None
         self._layout: Layout | None = None
@@ -135,39 +138,77 @@ class TorchBroadcastSender:
             self._layout, self._pieces = layout, pieces_per_bucket(layout)
         return plan_dict(self._layout, version, group.spec.group_name)
 
-    def send(self, tensors: Mapping[str, torch.Tensor], plan: Mapping[str, Any]) -> None:
-        """Broadcast `tensors` as laid out by `plan` (from this sender's `plan`)."""
+    def send(
+        self,
+        tensors: Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]],
+        plan: Mapping[str, Any],
+    ) -> None:
+        """Broadcast the tensors laid out by `plan` (from this sender's `plan`): one mapping,
+        or consecutive groups of it in plan order, e.g. a ZeRO-3 model gathered a group at a
+        time. A group is finished with before the next is asked for: every bucket it
+        completes is broadcast (a bucket spanning two groups is packed from both), and
+        broadcasts that read its memory in place are waited for, so the caller may free it."""
         group, layout = self._require_group(), self._layout
         if layout is None or plan.get("group") != group.spec.group_name:
             raise WeightSyncPlanError("send() needs a plan made by this sender's plan()")
-        _check_matches(layout, tensors)
+        if isinstance(tensors, Mapping):
+            _check_matches(layout, tensors)  # every problem at once, before any transfer
         self._ensure_buffers(min(self.bucket_bytes, layout.total_bytes))
-        sources = [as_bytes(tensors[s.name].to(self.device)) for s in layout.slots]  # [nbytes]
-        version, n = plan["version"], len(self._pieces)
+        version, n, nslots = plan["version"], len(self._pieces), len(layout.slots)
+        sources: dict[int, torch.Tensor] = {}  # slot index -> bytes, of this group only
+        k = i = j = 0  # next slot to arrive; next bucket to send; next piece of it to pack
         pending: list[tuple[torch.distributed.Work, str]] = []
+        in_place: list[tuple[torch.distributed.Work, str]] = []  # reading this group
         slot_work: list[tuple[torch.distributed.Work, str] | None] = [None, None]
         slot = 0
+        self.largest_group_bytes = 0
         with torch.no_grad():
-            for i, (_, size) in enumerate(layout.buckets):
-                label = f"broadcast of bucket {i + 1}/{n} (v{version})"
-                pieces = self._pieces[i]
-                if len(pieces) == 1 and pieces[0][2] - pieces[0][1] == size:
-                    # The bucket lies inside one tensor: send its bytes in place, no copy.
-                    k, src_lo, src_hi, _ = pieces[0]
-                    pending.append((group.broadcast(sources[k][src_lo:src_hi]), label))
-                    continue
-                busy = slot_work[slot]
-                if busy is not None:  # that buffer may still be on the wire
-                    group.wait(*busy)
-                buf = self._buffers[slot][:size]
-                pack_bucket(buf, pieces, sources)
-                work = group.broadcast(buf)
-                slot_work[slot] = (work, label)
-                pending.append((work, label))
-                slot ^= 1
+            for part in [tensors] if isinstance(tensors, Mapping) else tensors:
+                if k + len(part) > nslots:
+                    raise WeightSyncPlanError(f"send() got more tensors than the plan's {nslots}")
+                _check_matches(layout, part, k)
+                for t in part.values():
+                    sources[k] = as_bytes(t.to(self.device))  # [nbytes]
+                    k += 1
+                self.largest_group_bytes = max(
+                    self.largest_group_bytes, sum(b.numel() for b in sources.values())
+                )
+                while i < n:
+                    label = f"broadcast of bucket {i + 1}/{n} (v{version})"
+                    pieces, size = self._pieces[i], layout.buckets[i][1]
+                    if j == 0 and pieces and pieces[0][0] >= k:
+                        break  # nothing of this bucket has arrived yet
+                    if len(pieces) == 1 and pieces[0][2] - pieces[0][1] == size:
+                        # The bucket lies inside one tensor: send its bytes in place, no copy.
+                        kk, src_lo, src_hi, _ = pieces[0]
+                        work = group.broadcast(sources[kk][src_lo:src_hi])
+                        pending.append((work, label))
+                        in_place.append((work, label))
+                        i += 1
+                        continue
+                    busy = slot_work[slot]
+                    if j == 0 and busy is not None:  # that buffer may still be on the wire
+                        group.wait(*busy)
+                    buf = self._buffers[slot][:size]
+                    ready = [p for p in pieces[j:] if p[0] < k]
+                    pack_bucket(buf, ready, sources)
+                    j += len(ready)
+                    if j < len(pieces):
+                        break  # the rest of this bucket comes with the next group
+                    work = group.broadcast(buf)
+                    slot_work[slot] = (work, label)
+                    pending.append((work, label))
+                    slot, i, j = slot ^ 1, i + 1, 0
+                for work, what in in_place:  # then the caller may free this group
+                    group.wait(work, what)
+                in_place.clear()
+                sources.clear()
+            if k != nslots:
+                raise WeightSyncPlanError(f"send() got {k} of the plan's {nslots} tensors")
             for work, what in pending:
                 group.wait(work, what)
-        log.debug("weights_sent", version=version, bytes=layout.total_bytes, buckets=n)
+        log.debug("weights_sent", version=version, bytes=layout.total_bytes, buckets=n,
+                  largest_group_bytes=self.largest_group_bytes)
 
     def _ensure_buffers(self, nbytes: int) -> None:
         if self._buffers and self._buffers[0].numel() >= nbytes:
