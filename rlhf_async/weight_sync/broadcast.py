@@ -89,6 +89,68 @@ def _check_matches(layout: Layout, tensors: Mapping[str, torch.Tensor], start: i
         )
 
 
+class _Stream:
+    """One `send`'s way through the plan's byte stream, a group of tensors at a time."""
+
+    def __init__(self, group: BroadcastGroup, layout: Layout,
+                 pieces: list[list[tuple[int, int, int, int]]], buffers: list[torch.Tensor],
+                 version: int) -> None:
+        self.group, self.layout, self.pieces, self.buffers = group, layout, pieces, buffers
+        self.version = version
+        self.k = self.i = self.j = 0  # next slot to arrive; next bucket; next piece of it
+        self.slot = 0  # the bucket buffer to pack next
+        self.slot_work: list[tuple[torch.distributed.Work, str] | None] = [None, None]
+        self.pending: list[tuple[torch.distributed.Work, str]] = []  # from the buffers
+        self.largest_group_bytes = 0
+
+    def add(self, part: Mapping[str, torch.Tensor]) -> None:
+        """Take the next group, broadcast every bucket it completes, and return only once
+        nothing reads its memory any more (so the caller may free it)."""
+        nslots = len(self.layout.slots)
+        if self.k + len(part) > nslots:
+            raise WeightSyncPlanError(f"send() got more tensors than the plan's {nslots}")
+        _check_matches(self.layout, part, self.k)
+        sources = {self.k + n: as_bytes(t) for n, t in enumerate(part.values())}  # [nbytes]
+        self.k += len(part)
+        self.largest_group_bytes = max(self.largest_group_bytes,
+                                       sum(b.numel() for b in sources.values()))
+        # a Work keeps its tensor alive: in-place broadcasts of this group are waited for
+        # and dropped here, or no group's memory would be freed before the send ends
+        in_place = []
+        while self.i < len(self.pieces):
+            label = f"broadcast of bucket {self.i + 1}/{len(self.pieces)} (v{self.version})"
+            pieces, size = self.pieces[self.i], self.layout.buckets[self.i][1]
+            if self.j == 0 and pieces and pieces[0][0] >= self.k:
+                break  # nothing of this bucket has arrived yet
+            if len(pieces) == 1 and pieces[0][2] - pieces[0][1] == size:
+                # The bucket lies inside one tensor: send its bytes in place, no copy.
+                k, src_lo, src_hi, _ = pieces[0]
+                in_place.append((self.group.broadcast(sources[k][src_lo:src_hi]), label))
+                self.i += 1
+                continue
+            busy = self.slot_work[self.slot]
+            if self.j == 0 and busy is not None:  # that buffer may still be on the wire
+                self.group.wait(*busy)
+            ready = [p for p in pieces[self.j :] if p[0] < self.k]
+            pack_bucket(self.buffers[self.slot][:size], ready, sources)
+            self.j += len(ready)
+            if self.j < len(pieces):
+                break  # the rest of this bucket comes with the next group
+            on_wire = (self.group.broadcast(self.buffers[self.slot][:size]), label)
+            self.slot_work[self.slot] = on_wire
+            self.pending.append(on_wire)
+            self.slot, self.i, self.j = self.slot ^ 1, self.i + 1, 0
+        for work, what in in_place:
+            self.group.wait(work, what)
+
+    def finish(self) -> None:
+        if self.k != len(self.layout.slots):
+            raise WeightSyncPlanError(
+                f"send() got {self.k} of the plan's {len(self.layout.slots)} tensors")
+        for work, what in self.pending:
+            self.group.wait(work, what)
+
+
 class TorchBroadcastSender:
     """Rank 0 of the group. Order: prepare -> connect -> (plan -> send)* -> close."""
 
@@ -154,61 +216,14 @@ class TorchBroadcastSender:
         if isinstance(tensors, Mapping):
             _check_matches(layout, tensors)  # every problem at once, before any transfer
         self._ensure_buffers(min(self.bucket_bytes, layout.total_bytes))
-        version, n, nslots = plan["version"], len(self._pieces), len(layout.slots)
-        sources: dict[int, torch.Tensor] = {}  # slot index -> bytes, of this group only
-        k = i = j = 0  # next slot to arrive; next bucket to send; next piece of it to pack
-        pending: list[tuple[torch.distributed.Work, str]] = []
-        in_place: list[tuple[torch.distributed.Work, str]] = []  # reading this group
-        slot_work: list[tuple[torch.distributed.Work, str] | None] = [None, None]
-        slot = 0
-        self.largest_group_bytes = 0
+        stream = _Stream(group, layout, self._pieces, self._buffers, plan["version"])
         with torch.no_grad():
             for part in [tensors] if isinstance(tensors, Mapping) else tensors:
-                if k + len(part) > nslots:
-                    raise WeightSyncPlanError(f"send() got more tensors than the plan's {nslots}")
-                _check_matches(layout, part, k)
-                for t in part.values():
-                    sources[k] = as_bytes(t.to(self.device))  # [nbytes]
-                    k += 1
-                self.largest_group_bytes = max(
-                    self.largest_group_bytes, sum(b.numel() for b in sources.values())
-                )
-                while i < n:
-                    label = f"broadcast of bucket {i + 1}/{n} (v{version})"
-                    pieces, size = self._pieces[i], layout.buckets[i][1]
-                    if j == 0 and pieces and pieces[0][0] >= k:
-                        break  # nothing of this bucket has arrived yet
-                    if len(pieces) == 1 and pieces[0][2] - pieces[0][1] == size:
-                        # The bucket lies inside one tensor: send its bytes in place, no copy.
-                        kk, src_lo, src_hi, _ = pieces[0]
-                        work = group.broadcast(sources[kk][src_lo:src_hi])
-                        pending.append((work, label))
-                        in_place.append((work, label))
-                        i += 1
-                        continue
-                    busy = slot_work[slot]
-                    if j == 0 and busy is not None:  # that buffer may still be on the wire
-                        group.wait(*busy)
-                    buf = self._buffers[slot][:size]
-                    ready = [p for p in pieces[j:] if p[0] < k]
-                    pack_bucket(buf, ready, sources)
-                    j += len(ready)
-                    if j < len(pieces):
-                        break  # the rest of this bucket comes with the next group
-                    work = group.broadcast(buf)
-                    slot_work[slot] = (work, label)
-                    pending.append((work, label))
-                    slot, i, j = slot ^ 1, i + 1, 0
-                for work, what in in_place:  # then the caller may free this group
-                    group.wait(work, what)
-                in_place.clear()
-                sources.clear()
-            if k != nslots:
-                raise WeightSyncPlanError(f"send() got {k} of the plan's {nslots} tensors")
-            for work, what in pending:
-                group.wait(work, what)
-        log.debug("weights_sent", version=version, bytes=layout.total_bytes, buckets=n,
-                  largest_group_bytes=self.largest_group_bytes)
+                stream.add({k: t.to(self.device) for k, t in part.items()})
+            stream.finish()
+        self.largest_group_bytes = stream.largest_group_bytes
+        log.debug("weights_sent", version=plan["version"], bytes=layout.total_bytes,
+                  buckets=len(self._pieces), largest_group_bytes=stream.largest_group_bytes)
 
     def _ensure_buffers(self, nbytes: int) -> None:
         if self._buffers and self._buffers[0].numel() >= nbytes:
