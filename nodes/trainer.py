@@ -291,19 +291,20 @@ async def _publish(node: Node, sender: WeightSender, learner: Learner, group: Tr
     if learner.version % every and not force:
         return {"weight_sync_s": 0.0, "weight_sync_bytes": 0}
     version = learner.version // every
-    def gather() -> dict[str, torch.Tensor]:  # group by group under ZeRO-3 (collective)
-        group.lead(Op.WEIGHTS)
-        return learner.state_dict()
-    weights = await asyncio.to_thread(gather)
-    plan = sender.plan(weights, version)
+    layout = learner.weight_layout()  # names, dtypes, shapes: nothing gathered yet
+    plan = sender.plan(layout, version)
     await emit(node, Published(plan, lineage), weight_version=version)
     t0 = time.perf_counter()
-    try:  # the send packs buckets straight from the live parameters: callers hold the lock
-        await asyncio.to_thread(sender.send, weights, plan)
+
+    def send() -> None:  # the trainer ranks gather group by group as the send asks (ZeRO-3)
+        group.walk_weights(learner, sender.bucket_bytes,
+                           lambda groups: sender.send(groups, plan))
+    try:  # the send reads the live parameters: callers hold the lock
+        await asyncio.to_thread(send)
     except WeightSyncError as e:  # a generator died mid-transfer: regrouped and re-sent later
         node.log.warning("publish_failed", version=version, error=str(e))
         await emit(node, WeightSyncFailed(str(e), version))
         return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_bytes": 0}
-    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    nbytes = sum(t.numel() * t.element_size() for t in layout.values())
     return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_bytes": nbytes,
             "published_version": version}

@@ -95,6 +95,27 @@ def _plain(obj: Any, where: str) -> Any:
     raise TypeError(f"{where}: {type(obj).__name__} cannot go into a weights-only checkpoint")
 
 
+def _full_shape(t: Tensor) -> tuple[int, ...]:
+    """A tensor's whole shape, also when it is a ZeRO-3 shard (`ds_shape`)."""
+    return tuple(getattr(t, "ds_shape", t.shape))
+
+
+def _cut(entries: list[tuple[str, Tensor]], max_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """Consecutive runs of `entries` of at most ~max_bytes of full weights each (a tensor
+    larger than that is a run of its own)."""
+    group: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, t in entries:
+        n = int(getattr(t, "ds_numel", t.numel())) * t.element_size()
+        if group and size + n > max_bytes:
+            yield group
+            group, size = [], 0
+        group.append((name, t))
+        size += n
+    if group:
+        yield group
+
+
 class DeepSpeedTrainBackend:
     name = "deepspeed"
 
@@ -133,46 +154,42 @@ class DeepSpeedTrainBackend:
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else 0.0
 
-    def _param_groups(self, max_bytes: int) -> Iterator[list[tuple[str, nn.Parameter]]]:
-        group: list[tuple[str, nn.Parameter]] = []
-        size = 0
-        for name, p in self.module.named_parameters():
-            n = int(getattr(p, "ds_numel", p.numel())) * p.element_size()
-            if group and size + n > max_bytes:
-                yield group
-                group, size = [], 0
-            group.append((name, p))
-            size += n
-        if group:
-            yield group
+    def weight_layout(self) -> dict[str, Tensor]:
+        """The state dict's entries as meta tensors (names, aliases, dtypes, full shapes),
+        in the order `iter_weight_groups` yields them; nothing is gathered."""
+        return {name: torch.empty(_full_shape(t), dtype=t.dtype, device="meta")
+                for name, t in self._entries()}
 
     def iter_weight_groups(self, max_bytes: int) -> Iterator[dict[str, Tensor]]:
-        """Full weights, one group of at most ~max_bytes at a time (then the buffers).
-        Under ZeRO-3 each group is gathered for the duration of its iteration only: use
-        (copy or send) the tensors before asking for the next group."""
+        """Full weights in state_dict order (every alias of a tied weight, persistent
+        buffers), one group of at most ~max_bytes at a time. Under ZeRO-3 each group is
+        gathered for the duration of its iteration only, and gathering is collective: every
+        rank walks all groups with the same max_bytes, and uses (copies or sends) a group's
+        tensors before asking for the next."""
         import deepspeed
 
-        for group in self._param_groups(max_bytes):
-            params = [p for _, p in group]
+        for group in _cut(self._entries(), max_bytes):
+            params = list({id(t): t for _, t in group if hasattr(t, "ds_id")}.values())
             with deepspeed.zero.GatheredParameters(params, enabled=self.zero_stage == 3):
-                yield {name: p.detach() for name, p in group}
-        buffers = {n: b.detach() for n, b in self.module.named_buffers()
-                   if n in self.module.state_dict()}
-        if buffers:
-            yield buffers
+                yield {name: t.detach() for name, t in group}
+
+    def _entries(self) -> list[tuple[str, Tensor]]:
+        """(name, parameter or buffer) of every state_dict entry; a tied weight once per
+        name (e.g. lm_head = wte), since receivers expect every name."""
+        return [(n, t) for n, t in self.module.state_dict(keep_vars=True).items()
+                if isinstance(t, Tensor)]
 
     def state_dict(self) -> dict[str, Tensor]:
-        """Full weights on CPU, in the module's state_dict order (gathered per group)."""
+        """Full weights on CPU, in the module's state_dict order (gathered per group); the
+        aliases of a tied weight share one copy."""
+        first: dict[int, str] = {}  # id(parameter) -> its first name
+        entries = dict(self._entries())
         out: dict[str, Tensor] = {}
         for group in self.iter_weight_groups(256 * 2**20):
-            out.update({k: v.to("cpu", copy=True) for k, v in group.items()})
-        # state_dict names every alias of a tied weight (e.g. lm_head = wte); receivers
-        # expect them all, named_parameters gives each tensor once
-        name_of = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=False)
-                   if n in out}
-        return {k: out[k] if k in out else out[name_of[id(t)]]
-                for k, t in self.module.state_dict(keep_vars=True).items()
-                if k in out or id(t) in name_of}
+            for name, t in group.items():
+                src = first.setdefault(id(entries[name]), name)
+                out[name] = out[src] if src != name else t.to("cpu", copy=True)
+        return out
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
         import deepspeed
@@ -181,7 +198,7 @@ class DeepSpeedTrainBackend:
         missing = [n for n in names if n not in state]
         if missing:
             raise KeyError(f"load_state_dict: missing {missing[:5]}")
-        for group in self._param_groups(256 * 2**20):
+        for group in _cut(list(names.items()), 256 * 2**20):
             params = [p for _, p in group]
             with deepspeed.zero.GatheredParameters(params, modifier_rank=0,
                                                    enabled=self.zero_stage == 3), torch.no_grad():

@@ -46,8 +46,14 @@ class TorchTrainBackend:
     def load_optimizer_state_dict(self, state: Mapping[str, Any]) -> None:
         self.optimizer.load_state_dict(dict(state))
 
+    def weight_layout(self) -> dict[str, Tensor]:
+        """The state dict as meta tensors (names, dtypes, shapes), in `iter_weight_groups`
+        order."""
+        return {k: torch.empty_like(v, device="meta") for k, v in self.module.state_dict().items()}
+
     def iter_weight_groups(self, max_bytes: int) -> Iterator[dict[str, Tensor]]:
-        """The whole state dict as one group: nothing is sharded, nothing to gather."""
+        """The whole state dict as one group: nothing is sharded, nothing to gather (the
+        tensors are the live weights, not copies)."""
         yield {k: v.detach() for k, v in self.module.state_dict().items()}
 
     def gathered(self) -> contextlib.AbstractContextManager[None]:

@@ -10,6 +10,7 @@ so N ranks produce the same update as one rank holding the whole batch.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -107,6 +108,19 @@ class Learner:
         if "actor" in self.adapted:
             return merged_weights(self.actor)
         return self.actor_backend.state_dict()
+
+    def weight_layout(self) -> dict[str, Tensor]:
+        """`weight_groups`' names, dtypes and shapes as meta tensors (nothing gathered)."""
+        if "actor" in self.adapted:
+            return {k: v.to("meta") for k, v in merged_weights(self.actor).items()}
+        return self.actor_backend.weight_layout()
+
+    def weight_groups(self, max_bytes: int) -> Iterator[dict[str, Tensor]]:
+        """`state_dict` ~max_bytes at a time, for a broadcast (under ZeRO-3 each group is
+        gathered while it is used: collective, every rank walks every group)."""
+        if "actor" in self.adapted:
+            return iter([merged_weights(self.actor)])
+        return self.actor_backend.iter_weight_groups(max_bytes)
 
     def policy_weights(self) -> dict[str, Tensor] | None:
         """What the final policy saves instead of the actor module's own state: the merged

@@ -15,6 +15,8 @@ Sequence (the coordinator owns the rendezvous; ZeroMQ messages are the caller's)
     every update:
       plan = sender.plan(weights_of(actor), v)  -> plan dict over ZeroMQ
       sender.send(weights, plan)                   w = receiver.receive(plan)
+        (weights: the mapping, or consecutive groups of it, e.g. a ZeRO-3 model gathered
+         ~bucket_mb at a time; the plan then comes from meta tensors, nothing gathered)
                                                    version = w.load_into(model)  # atomic
     generator restarted: coordinator bumps the epoch, everyone calls connect(spec.with_epoch(e+1))
 

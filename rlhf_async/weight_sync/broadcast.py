@@ -11,7 +11,7 @@ NCCL (CUDA tensors); only the device of the buffers and the backend object diffe
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import structlog
@@ -70,12 +70,14 @@ def _check_device(backend: str, device: torch.device) -> None:
         raise WeightSyncError(f"backend 'gloo' is used with CPU tensors here, got {device}")
 
 
-def _check_matches(layout: Layout, tensors: Mapping[str, torch.Tensor]) -> None:
+def _check_matches(layout: Layout, tensors: Mapping[str, torch.Tensor], start: int = 0) -> None:
+    """`tensors` must be the plan's slots start, start+1, ... (names, order, dtypes, shapes)."""
+    slots = layout.slots[start : start + len(tensors)]
     problems = []
-    if list(tensors) != [s.name for s in layout.slots]:
+    if list(tensors) != [s.name for s in slots]:
         problems.append("tensor names or their order differ from the plan")
     else:
-        for s in layout.slots:
+        for s in slots:
             t = tensors[s.name]
             if tuple(t.shape) != s.shape or t.dtype != s.dtype:
                 problems.append(
@@ -85,6 +87,68 @@ def _check_matches(layout: Layout, tensors: Mapping[str, torch.Tensor]) -> None:
         raise WeightSyncPlanError(
             "send() got tensors that do not match the plan: " + "; ".join(problems)
         )
+
+
+class _Stream:
+    """One `send`'s way through the plan's byte stream, a group of tensors at a time."""
+
+    def __init__(self, group: BroadcastGroup, layout: Layout,
+                 pieces: list[list[tuple[int, int, int, int]]], buffers: list[torch.Tensor],
+                 version: int) -> None:
+        self.group, self.layout, self.pieces, self.buffers = group, layout, pieces, buffers
+        self.version = version
+        self.k = self.i = self.j = 0  # next slot to arrive; next bucket; next piece of it
+        self.slot = 0  # the bucket buffer to pack next
+        self.slot_work: list[tuple[torch.distributed.Work, str] | None] = [None, None]
+        self.pending: list[tuple[torch.distributed.Work, str]] = []  # from the buffers
+        self.largest_group_bytes = 0
+
+    def add(self, part: Mapping[str, torch.Tensor]) -> None:
+        """Take the next group, broadcast every bucket it completes, and return only once
+        nothing reads its memory any more (so the caller may free it)."""
+        nslots = len(self.layout.slots)
+        if self.k + len(part) > nslots:
+            raise WeightSyncPlanError(f"send() got more tensors than the plan's {nslots}")
+        _check_matches(self.layout, part, self.k)
+        sources = {self.k + n: as_bytes(t) for n, t in enumerate(part.values())}  # [nbytes]
+        self.k += len(part)
+        self.largest_group_bytes = max(self.largest_group_bytes,
+                                       sum(b.numel() for b in sources.values()))
+        # a Work keeps its tensor alive: in-place broadcasts of this group are waited for
+        # and dropped here, or no group's memory would be freed before the send ends
+        in_place = []
+        while self.i < len(self.pieces):
+            label = f"broadcast of bucket {self.i + 1}/{len(self.pieces)} (v{self.version})"
+            pieces, size = self.pieces[self.i], self.layout.buckets[self.i][1]
+            if self.j == 0 and pieces and pieces[0][0] >= self.k:
+                break  # nothing of this bucket has arrived yet
+            if len(pieces) == 1 and pieces[0][2] - pieces[0][1] == size:
+                # The bucket lies inside one tensor: send its bytes in place, no copy.
+                k, src_lo, src_hi, _ = pieces[0]
+                in_place.append((self.group.broadcast(sources[k][src_lo:src_hi]), label))
+                self.i += 1
+                continue
+            busy = self.slot_work[self.slot]
+            if self.j == 0 and busy is not None:  # that buffer may still be on the wire
+                self.group.wait(*busy)
+            ready = [p for p in pieces[self.j :] if p[0] < self.k]
+            pack_bucket(self.buffers[self.slot][:size], ready, sources)
+            self.j += len(ready)
+            if self.j < len(pieces):
+                break  # the rest of this bucket comes with the next group
+            on_wire = (self.group.broadcast(self.buffers[self.slot][:size]), label)
+            self.slot_work[self.slot] = on_wire
+            self.pending.append(on_wire)
+            self.slot, self.i, self.j = self.slot ^ 1, self.i + 1, 0
+        for work, what in in_place:
+            self.group.wait(work, what)
+
+    def finish(self) -> None:
+        if self.k != len(self.layout.slots):
+            raise WeightSyncPlanError(
+                f"send() got {self.k} of the plan's {len(self.layout.slots)} tensors")
+        for work, what in self.pending:
+            self.group.wait(work, what)
 
 
 class TorchBroadcastSender:
@@ -104,6 +168,7 @@ class TorchBroadcastSender:
             raise WeightSyncError(f"bucket_mb must be > 0, got {bucket_mb!r}")
         self.bucket_bytes = max(ALIGN, int(bucket_mb * 2**20) // ALIGN * ALIGN)
         self.buffers_allocated = 0
+        self.largest_group_bytes = 0  # of the last send: source bytes held at once
         self._store: torch.distributed.TCPStore | None = None
         self._group: BroadcastGroup | None = None
         self._layout: Layout | None = None
@@ -135,39 +200,30 @@ class TorchBroadcastSender:
             self._layout, self._pieces = layout, pieces_per_bucket(layout)
         return plan_dict(self._layout, version, group.spec.group_name)
 
-    def send(self, tensors: Mapping[str, torch.Tensor], plan: Mapping[str, Any]) -> None:
-        """Broadcast `tensors` as laid out by `plan` (from this sender's `plan`)."""
+    def send(
+        self,
+        tensors: Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]],
+        plan: Mapping[str, Any],
+    ) -> None:
+        """Broadcast the tensors laid out by `plan` (from this sender's `plan`): one mapping,
+        or consecutive groups of it in plan order, e.g. a ZeRO-3 model gathered a group at a
+        time. A group is finished with before the next is asked for: every bucket it
+        completes is broadcast (a bucket spanning two groups is packed from both), and
+        broadcasts that read its memory in place are waited for, so the caller may free it."""
         group, layout = self._require_group(), self._layout
         if layout is None or plan.get("group") != group.spec.group_name:
             raise WeightSyncPlanError("send() needs a plan made by this sender's plan()")
-        _check_matches(layout, tensors)
+        if isinstance(tensors, Mapping):
+            _check_matches(layout, tensors)  # every problem at once, before any transfer
         self._ensure_buffers(min(self.bucket_bytes, layout.total_bytes))
-        sources = [as_bytes(tensors[s.name].to(self.device)) for s in layout.slots]  # [nbytes]
-        version, n = plan["version"], len(self._pieces)
-        pending: list[tuple[torch.distributed.Work, str]] = []
-        slot_work: list[tuple[torch.distributed.Work, str] | None] = [None, None]
-        slot = 0
+        stream = _Stream(group, layout, self._pieces, self._buffers, plan["version"])
         with torch.no_grad():
-            for i, (_, size) in enumerate(layout.buckets):
-                label = f"broadcast of bucket {i + 1}/{n} (v{version})"
-                pieces = self._pieces[i]
-                if len(pieces) == 1 and pieces[0][2] - pieces[0][1] == size:
-                    # The bucket lies inside one tensor: send its bytes in place, no copy.
-                    k, src_lo, src_hi, _ = pieces[0]
-                    pending.append((group.broadcast(sources[k][src_lo:src_hi]), label))
-                    continue
-                busy = slot_work[slot]
-                if busy is not None:  # that buffer may still be on the wire
-                    group.wait(*busy)
-                buf = self._buffers[slot][:size]
-                pack_bucket(buf, pieces, sources)
-                work = group.broadcast(buf)
-                slot_work[slot] = (work, label)
-                pending.append((work, label))
-                slot ^= 1
-            for work, what in pending:
-                group.wait(work, what)
-        log.debug("weights_sent", version=version, bytes=layout.total_bytes, buckets=n)
+            for part in [tensors] if isinstance(tensors, Mapping) else tensors:
+                stream.add({k: t.to(self.device) for k, t in part.items()})
+            stream.finish()
+        self.largest_group_bytes = stream.largest_group_bytes
+        log.debug("weights_sent", version=plan["version"], bytes=layout.total_bytes,
+                  buckets=len(self._pieces), largest_group_bytes=stream.largest_group_bytes)
 
     def _ensure_buffers(self, nbytes: int) -> None:
         if self._buffers and self._buffers[0].numel() >= nbytes:

@@ -7,7 +7,7 @@ backend modules they cannot load on this machine.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -22,12 +22,21 @@ from rlhf_async.weight_sync.spec import GroupSpec
 
 
 class WeightSender(Protocol):
-    """Trainer rank 0's end of a weight-sync group."""
+    """Trainer rank 0's end of a weight-sync group. `plan` needs only names, dtypes and
+    shapes (meta tensors will do); `send` takes the tensors whole or as consecutive groups
+    in plan order, finishing with each group before it asks for the next, so a sharded
+    model is gathered ~`bucket_bytes` at a time."""
+
+    bucket_bytes: int
 
     def prepare(self, spec: GroupSpec) -> GroupSpec: ...
     def connect(self, spec: GroupSpec) -> None: ...
     def plan(self, tensors: Mapping[str, torch.Tensor], version: int) -> dict[str, Any]: ...
-    def send(self, tensors: Mapping[str, torch.Tensor], plan: Mapping[str, Any]) -> None: ...
+    def send(
+        self,
+        tensors: Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]],
+        plan: Mapping[str, Any],
+    ) -> None: ...
     def close(self) -> None: ...
 
 

@@ -15,7 +15,7 @@ caller ships over ZeroMQ once per update; the receiver rebuilds the same layout 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -173,7 +173,9 @@ def pieces_per_bucket(layout: Layout) -> list[list[tuple[int, int, int, int]]]:
 
 
 def pack_bucket(
-    buf: torch.Tensor, pieces: list[tuple[int, int, int, int]], sources: list[torch.Tensor]
+    buf: torch.Tensor,
+    pieces: list[tuple[int, int, int, int]],
+    sources: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
 ) -> None:
     """Copy one bucket's pieces (from `pieces_per_bucket`) of the byte `sources` into `buf`."""
     for k, src_lo, src_hi, dst in pieces:

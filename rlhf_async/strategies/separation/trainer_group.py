@@ -3,9 +3,12 @@
 Rank 0 (node "trainer") is the only rank the pipeline sees: it takes the scored chunks,
 assembles each step's batch, writes the logs and checkpoints, and broadcasts the weights
 to the generators. Ranks 1..N-1 ("trainer1", ...) follow it. Every collective rank 0 runs
-(a training step, gathering full weights for a broadcast, a checkpoint, the final save) is
-first announced to them, with each rank's shard of the step's batch, so that all ranks run
-the same collectives in the same order and no rank needs a data queue of its own.
+(a training step, the walk of the weights a broadcast sends, a checkpoint, the final save)
+is first announced to them, with each rank's shard of the step's batch, so that all ranks
+run the same collectives in the same order and no rank needs a data queue of its own.
+Under ZeRO-3 the broadcast's walk gathers one ~bucket-sized group of parameters at a time
+on every rank, and rank 0 sends each group before the next is gathered, so no rank ever
+holds the whole model.
 
 A rank that dies takes the group with it: the Driver restarts the other ranks too, the
 coordinator hands the new incarnations a new rendezvous, and rank 0 resumes from its
@@ -20,10 +23,12 @@ from __future__ import annotations
 
 import datetime
 import enum
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from rlhf_async.engines.process_group import join_group
 from rlhf_async.modeling.rollout import RolloutBatch
@@ -44,7 +49,7 @@ class Op(enum.StrEnum):
     """What rank 0 runs next; the followers run the same."""
 
     TRAIN = "train"  # one training step on the announced shard
-    WEIGHTS = "weights"  # full weights for a broadcast (gathered under ZeRO-3)
+    WEIGHTS = "weights"  # the weights, group by group, for a broadcast (gathered: ZeRO-3)
     CHECKPOINT = "checkpoint"  # the learner state (ZeRO optimizer partitions gathered)
     FINISH = "finish"  # the final policy is saved from the gathered weights; then exit
     STOP = "stop"  # the run stops (rank 0 has checkpointed); exit
@@ -63,12 +68,14 @@ class TrainerGroup:
         join_group(backend, addr, port, self.rank, self.world, join_timeout_s=join_timeout_s,
                    timeout=COLLECTIVE_TIMEOUT)
 
-    def lead(self, op: Op, batch: RolloutBatch | None = None) -> RolloutBatch | None:
+    def lead(self, op: Op, batch: RolloutBatch | None = None,
+             detail: Any = None) -> RolloutBatch | None:
         """Rank 0: announce `op` to the followers, each with its shard of `batch` (whole
-        groups, cut as Flattening cuts a step's prompts); returns rank 0's own shard."""
+        groups, cut as Flattening cuts a step's prompts) or else with `detail`; returns
+        rank 0's own shard."""
         if self.world == 1:
             return batch
-        shards: list[Any] = [None] * self.world
+        shards: list[Any] = [detail] * self.world
         if batch is not None:
             shards = batch.split(self.group_size, self.world)
             if len(shards) < self.world:
@@ -77,6 +84,21 @@ class TrainerGroup:
         box: list[Any] = [None]
         dist.scatter_object_list(box, [(op.value, s) for s in shards], src=0)
         return box[0][1]
+
+    def walk_weights(self, learner: Learner, max_bytes: int,
+                     use: Callable[[Iterator[dict[str, Tensor]]], None]) -> None:
+        """Rank 0: walk the actor's weights ~max_bytes at a time with the followers (under
+        ZeRO-3 each group is gathered by all ranks at once) and hand the groups to `use`,
+        e.g. a sender's `send`, which finishes with each before it takes the next. The walk
+        is completed even when `use` stops early (a failed broadcast), so the followers
+        never wait in a gather rank 0 skipped."""
+        self.lead(Op.WEIGHTS, detail=max_bytes)
+        groups = learner.weight_groups(max_bytes)
+        try:
+            use(groups)
+        finally:
+            for _ in groups:
+                pass
 
     def follow(self, learner: Learner, device: torch.device) -> Op:
         """Ranks 1..N-1: run what rank 0 announces until it says FINISH or STOP."""
@@ -87,8 +109,9 @@ class TrainerGroup:
             op = Op(name)
             if op is Op.TRAIN:
                 learner.train_step(shard.to(device))
-            elif op is Op.WEIGHTS:
-                learner.state_dict()
+            elif op is Op.WEIGHTS:  # rank 0's walk, with its group size: the same gathers
+                for _ in learner.weight_groups(shard):
+                    pass
             elif op is Op.CHECKPOINT:
                 learner_state(learner)
             else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -27,6 +27,7 @@ from rlhf_async.weight_sync import (
     make_receiver,
     make_sender,
 )
+from rlhf_async.weight_sync.group import BroadcastGroup
 from rlhf_async.weight_sync.plan import (
     ALIGN,
     as_bytes,
@@ -333,3 +334,64 @@ def test_a_single_host_group_listens_on_loopback_only() -> None:
         assert _listening()[port] & {"::", "0.0.0.0"}
     finally:
         wide.close()
+
+
+CUTS = [  # consecutive groups of _tensors(): a bucket then spans groups, or lies in one
+    [["emb"], ["w", "h"], ["scalar", "empty", "count", "mask"]],
+    [["emb", "w"], ["h"], ["scalar"], ["empty"], ["count", "mask"]],
+    [["emb", "w", "h", "scalar", "empty", "count", "mask"]],
+]
+
+
+def _pulled(cut: list[list[str]], tensors: dict[str, torch.Tensor], offsets: dict[str, int],
+            sent: list[int], behind: list[tuple[int, int]]) -> Iterator[dict[str, torch.Tensor]]:
+    """The groups of `cut`; on each request, notes the bytes sent and the bytes (of whole
+    256-byte buckets) that lie before the group."""
+    for names in cut:
+        behind.append((sent[0], offsets[names[0]] // 256 * 256))
+        yield {n: tensors[n] for n in names}
+
+
+def test_threaded_broadcast_of_groups_is_pulled_a_group_at_a_time(monkeypatch) -> None:
+    """A sharded trainer hands the send one gathered group at a time: each must be sent
+    (every bucket it completes) before the next is asked for, and the bytes must arrive
+    exactly as from one mapping; the plan needs only meta tensors."""
+    sent = [0]  # bytes broadcast by rank 0 so far
+    real = BroadcastGroup.broadcast
+
+    def counting(self: BroadcastGroup, buf: torch.Tensor) -> torch.distributed.Work:
+        sent[0] += buf.numel() if self.rank == 0 else 0
+        return real(self, buf)
+
+    monkeypatch.setattr(BroadcastGroup, "broadcast", counting)
+    sender = TorchBroadcastSender("gloo", bucket_mb=256 / 2**20)  # 256-byte buckets
+    spec = sender.prepare(GroupSpec("gloo", "127.0.0.1", 0, 2, timeout_s=20))
+    rx = TorchBroadcastReceiver("gloo")
+    try:
+        assert _run_threads([lambda: sender.connect(spec), lambda: rx.connect(spec, 1)]) == [
+            None, None]
+        for version, cut in enumerate(CUTS):
+            tensors = _tensors(version)
+            meta = {k: v.to("meta") for k, v in tensors.items()}
+            plan = sender.plan(meta, version)
+            assert plan == sender.plan(tensors, version)
+            offsets = {t["name"]: t["offset"] for t in plan["tensors"]}
+            behind: list[tuple[int, int]] = []  # (bytes sent, bytes wholly before the group)
+            groups = _pulled(cut, tensors, offsets, sent, behind)
+            sent[0] = 0
+            got = _run_threads([lambda p=plan, g=groups: sender.send(g, p),
+                                lambda p=plan: rx.receive(p)])
+            assert got[0] is None and got[1].version == version
+            for name, t in tensors.items():
+                assert torch.equal(got[1].tensors[name], t), name
+            assert all(done >= due for done, due in behind), behind
+            assert sent[0] == plan["total_bytes"]
+            assert sender.largest_group_bytes == max(
+                sum(tensors[n].numel() * tensors[n].element_size() for n in names)
+                for names in cut)
+        plan = sender.plan(_tensors(), 9)
+        with pytest.raises(WeightSyncPlanError, match="names or their order differ"):
+            sender.send(iter([{"w": _tensors()["w"]}]), plan)  # checked before any transfer
+    finally:
+        sender.close()
+        rx.close()
