@@ -98,14 +98,16 @@ def _stop_window(strings: tuple[str, ...]) -> int:
     return max(len(s.encode()) for s in strings) + 2
 
 
-def _string_stopped(tokens: Tensor, t: int, rows: Tensor, strings: tuple[str, ...],
-                    decode: Decode) -> Tensor:
-    """[b] bool: which of `rows` (rows of tokens [B, R]) token t completes one of `strings`
-    in, each row judged on the trailing window of its own tokens."""
+def _string_stopped(tokens: Tensor, t: int, rows: Tensor, live: Tensor,
+                    strings: tuple[str, ...], decode: Decode) -> Tensor:
+    """[b] bool: the live ones of `rows` (rows of tokens [B, R]) whose token t completes one
+    of `strings`, each judged on the trailing window of its own tokens."""
     start = max(0, t + 1 - _stop_window(strings))
-    window = tokens[rows, start: t + 1].tolist()
-    return torch.tensor([completes_stop_string(ids, strings, decode) for ids in window],
-                        dtype=torch.bool, device=rows.device)
+    windows = tokens[rows[live], start: t + 1].tolist()
+    stopped = torch.zeros_like(live)
+    stopped[live] = torch.tensor([completes_stop_string(ids, strings, decode)
+                                  for ids in windows], dtype=torch.bool, device=live.device)
+    return stopped
 
 
 def _inverse_cdf(logp: Tensor, u: Tensor) -> Tensor:
@@ -160,7 +162,7 @@ def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: Sa
         logprobs[rows, t] = torch.where(live, logp.gather(1, tok[:, None]).squeeze(1), 0.0)
         live = live & ~torch.isin(tok, stop_ids)
         if params.stop_strings and decode is not None and t >= params.min_new_tokens:
-            live = live & ~_string_stopped(tokens, t, rows, params.stop_strings, decode)
+            live = live & ~_string_stopped(tokens, t, rows, live, params.stop_strings, decode)
         if t == R - 1 or not bool(live.any()):
             break
         mask[:, P + t] = fed

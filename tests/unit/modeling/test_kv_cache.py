@@ -3,7 +3,7 @@ import functools
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from rlhf_async.modeling import generation
 from rlhf_async.modeling.generation import SamplingParams, sample, sampling_uniforms
@@ -68,6 +68,20 @@ def test_sampling_gives_the_same_responses_with_the_models_own_cache(monkeypatch
     assert batches == [9] + [int((lengths > t).sum()) for t in range(1, int(lengths.max()))]
     monkeypatch.setattr(generation, "preallocated_cache", lambda model, capacity: None)
     own = sample(lm, ids, mask, sp, u)  # HF's DynamicCache, grown by cat
-    assert torch.equal(fast.response_ids, own.response_ids)
-    assert torch.equal(fast.response_mask, own.response_mask)
-    torch.testing.assert_close(fast.logprobs, own.logprobs, atol=1e-6, rtol=0)
+    monkeypatch.setattr(generation, "preallocated_cache",
+                        lambda model, capacity: RowsStay(config=model.config))
+    batches.clear()
+    stay = sample(lm, ids, mask, sp, u)  # finished rows step on with a masked pad token
+    assert batches == [9] * int(lengths.max())
+    for other in (own, stay):
+        assert torch.equal(fast.response_ids, other.response_ids)
+        assert torch.equal(fast.response_mask, other.response_mask)
+        torch.testing.assert_close(fast.logprobs, other.logprobs, atol=1e-6, rtol=0)
+
+
+class RowsStay(DynamicCache):
+    """A cache that cannot drop rows (as older transformers' tuples cannot)."""
+
+    @property
+    def batch_select_indices(self):
+        raise AttributeError("batch_select_indices")
