@@ -7,7 +7,9 @@ library's own functions, as Flattening does on one device, each phase under
 `record_function`. Prints, per phase: wall time, the time torch's operators account for
 (the rest is Python and dispatch between them), and the operators that took the most
 self time. Defaults are the generation-heavy setting of bench/README.md (10.7M-parameter
-actor, 48-49 new tokens, 16 samples). Prints load averages before and after.
+actor, 48-49 new tokens, 16 samples). Prints load averages before and after, and each
+phase's CPU time beside its wall time: on a shared box the wall time follows the other
+jobs' load, the CPU time of a one-thread process much less.
 """
 
 from __future__ import annotations
@@ -56,12 +58,13 @@ def main(argv: list[str] | None = None) -> None:
                       cfg.generation.temperature, precision, cfg.lora)
     params, seed, G = sampling_params(cfg, task), cfg.run.seed, cfg.algo.group_size
     wall: dict[str, float] = defaultdict(float)
+    cpu: dict[str, float] = defaultdict(float)
     load_before = os.getloadavg()
 
     def step(s: int) -> None:
         prompts = task.prompt_batch(seed, "train", s, cfg.train.prompts_per_step, G)
         for phase in PHASES:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             with record_function(phase):
                 if phase == "generate":
                     batch = generate(actor, prompts, params, seed, s, learner.version)
@@ -71,18 +74,20 @@ def main(argv: list[str] | None = None) -> None:
                     learner.train_step(batch)
             if s >= args.warmup:
                 wall[phase] += time.perf_counter() - t0
+                cpu[phase] += time.process_time() - c0
 
     for s in range(args.warmup):
         step(s)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for s in range(args.warmup, args.warmup + args.steps):
             step(s)
-    report(prof, wall, args, cfg.placement.cpu_threads, load_before, os.getloadavg())
+    report(prof, wall, cpu, args, cfg.placement.cpu_threads, load_before, os.getloadavg())
 
 
-def report(prof: profile, wall: dict[str, float], args: argparse.Namespace, threads: int,
-           before: tuple[float, ...], after: tuple[float, ...]) -> None:
-    """Each phase's wall time, operator share and top operators (self CPU time)."""
+def report(prof: profile, wall: dict[str, float], cpu: dict[str, float],
+           args: argparse.Namespace, threads: int, before: tuple[float, ...],
+           after: tuple[float, ...]) -> None:
+    """Each phase's wall and CPU time, operator share and top operators (self CPU time)."""
     events = prof.events()
     ranges = sorted(((e.name, e.time_range.start, e.time_range.end) for e in events
                      if e.name in PHASES), key=lambda r: r[1])
@@ -98,14 +103,15 @@ def report(prof: profile, wall: dict[str, float], args: argparse.Namespace, thre
     total = sum(wall.values())
     print(f"{args.steps} steps after {args.warmup} warm-up, {threads} thread(s); load "
           f"average {before[0]:.2f} -> {after[0]:.2f}")
-    print(f"{'phase':<9} {'wall s/step':>11} {'share':>6} {'op time':>8} {'ops/step':>9}  "
-          "top operators (self s/step)")
+    print(f"{'phase':<9} {'wall s/step':>11} {'cpu s/step':>10} {'share':>6} {'op time':>8} "
+          f"{'ops/step':>9}  top operators (self s/step)")
     for phase in PHASES:
         w = wall[phase] / args.steps
         op_s = sum(ops[phase].values()) / args.steps
         top = sorted(ops[phase].items(), key=lambda kv: -kv[1])[: args.top]
         names = ", ".join(f"{k[6:]} {v / args.steps:.3f}" for k, v in top)
-        print(f"{phase:<9} {w:>11.3f} {wall[phase] / total:>6.0%} {op_s / max(w, 1e-9):>8.0%} "
+        print(f"{phase:<9} {w:>11.3f} {cpu[phase] / args.steps:>10.3f} "
+              f"{wall[phase] / total:>6.0%} {op_s / max(w, 1e-9):>8.0%} "
               f"{calls[phase] / args.steps:>9.0f}  {names}")
 
 

@@ -12,6 +12,8 @@ from torch import Tensor, nn
 
 from rlhf_async.modeling.determinism import all_reduce_grads
 
+FUSED_DEVICES = ("cpu", "cuda")  # where torch has a fused AdamW (others: its loop)
+
 
 class TorchTrainBackend:
     name = "torch"
@@ -20,7 +22,11 @@ class TorchTrainBackend:
                  grad_clip: float) -> None:
         self.module = self.model = module
         self.params = [p for p in module.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        # torch's fused kernel: one pass over each tensor, ~3x faster than the loop on CPU
+        # (bench/README.md); the same update to float rounding
+        fused = all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in self.params)
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay,
+                                           fused=fused or None)
         self.grad_clip = grad_clip
 
     def backward(self, loss: Tensor, *, last: bool = True) -> None:

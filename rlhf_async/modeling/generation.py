@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from rlhf_async.modeling.determinism import keyed_uniform
+from rlhf_async.modeling.kv_cache import preallocated_cache
 from rlhf_async.modeling.models import cache_keyword, keep_logits
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 
@@ -96,64 +98,81 @@ def _stop_window(strings: tuple[str, ...]) -> int:
     return max(len(s.encode()) for s in strings) + 2
 
 
-def _string_stopped(tokens: Tensor, t: int, alive: Tensor, strings: tuple[str, ...],
-                    decode: Decode) -> Tensor:
-    """[B] bool: the alive rows whose token t completes one of `strings`, each row judged on
-    the trailing window of its own tokens [B, R]."""
+def _string_stopped(tokens: Tensor, t: int, rows: Tensor, live: Tensor,
+                    strings: tuple[str, ...], decode: Decode) -> Tensor:
+    """[b] bool: the live ones of `rows` (rows of tokens [B, R]) whose token t completes one
+    of `strings`, each judged on the trailing window of its own tokens."""
     start = max(0, t + 1 - _stop_window(strings))
-    rows = alive.nonzero().flatten().tolist()
-    hits = [r for r, ids in zip(rows, tokens[rows, start: t + 1].tolist(), strict=True)
-            if completes_stop_string(ids, strings, decode)]
-    stopped = torch.zeros_like(alive)
-    stopped[hits] = True
+    windows = tokens[rows[live], start: t + 1].tolist()
+    stopped = torch.zeros_like(live)
+    stopped[live] = torch.tensor([completes_stop_string(ids, strings, decode)
+                                  for ids in windows], dtype=torch.bool, device=live.device)
     return stopped
+
+
+def _inverse_cdf(logp: Tensor, u: Tensor) -> Tensor:
+    """[b] token ids: where each row's uniform u [b] falls in its CDF, from logp [b, V]."""
+    cdf = logp.double().exp().cumsum(dim=-1)  # [b, V]
+    # Scale u by the row's total so rounding in the sum can never select past the end.
+    target = u[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target).squeeze(1).clamp(max=cdf.shape[-1] - 1)
 
 
 @torch.no_grad()
 def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
            uniforms: Tensor) -> Generated:
-    """Sample responses for left-padded prompts [B, P] using precomputed uniforms [B, R]."""
+    """Sample responses for left-padded prompts [B, P] using precomputed uniforms [B, R].
+
+    The model steps over the rows still decoding (`rows`): a finished row leaves its batch
+    and KV cache (one index copy) instead of stepping on with a masked pad token. With a
+    cache that cannot drop rows (older transformers) it stays with `live` false."""
     decode = params.decode
     if params.stop_strings and decode is None:
         raise ValueError("SamplingParams.stop_strings needs SamplingParams.decode (token ids "
                          "-> text) to match them")
     was_training = actor.training
     actor.eval()
-    B, R = prompt_ids.shape[0], params.max_new_tokens
+    (B, P), R = prompt_ids.shape, params.max_new_tokens
     device = prompt_ids.device
-    kw = cache_keyword(actor)
-    mask = prompt_mask.long()
-    pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    out = actor(input_ids=prompt_ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                **keep_logits(actor, 1))
-    cache, logits = _output_cache(out), out.logits[:, -1]  # [B, V]
-    next_pos = pos[:, -1:] + 1  # [B, 1]
+    # the attention mask of every position, written one column per token (no regrowing)
+    mask = torch.zeros((B, P + R), dtype=torch.long, device=device)  # [b, P + R]
+    mask[:, :P] = prompt_mask
+    pos = (mask[:, :P].cumsum(dim=1) - 1).clamp(min=0)
+    kw, ours = cache_keyword(actor), preallocated_cache(actor, P + R)
+    out = actor(input_ids=prompt_ids, attention_mask=mask[:, :P], position_ids=pos,
+                use_cache=True, **keep_logits(actor, 1), **({} if ours is None else {kw: ours}))
+    cache: Any = _output_cache(out)  # ours, or the model's own (a Cache, or tuples)
+    logits = out.logits[:, -1]  # [B, V]
+    droppable = hasattr(cache, "batch_select_indices")
+    next_pos = pos[:, -1:] + 1  # [b, 1]
     uniforms = uniforms.to(device)  # [B, R] float64
 
     tokens = torch.full((B, R), params.pad_id, dtype=torch.long, device=device)
     resp_mask = torch.zeros((B, R), dtype=torch.long, device=device)
     logprobs = torch.zeros((B, R), dtype=torch.float32, device=device)
-    alive = torch.ones(B, dtype=torch.bool, device=device)
+    rows = torch.arange(B, device=device)  # [b] the model batch's rows of the full batch
+    live = torch.ones(B, dtype=torch.bool, device=device)  # [b] rows still in a response
     stop_ids = torch.tensor(params.stops, dtype=torch.long, device=device)
     for t in range(R):
-        logp = _scaled_logprobs(logits, params, t)  # [B, V]
-        cdf = logp.double().exp().cumsum(dim=-1)  # [B, V]
-        # Scale u by the row's total so rounding in the sum can never select past the end.
-        target = uniforms[:, t: t + 1] * cdf[:, -1:]
-        tok = torch.searchsorted(cdf, target).squeeze(1).clamp(max=cdf.shape[-1] - 1)
-        tok = torch.where(alive, tok, torch.full_like(tok, params.pad_id))
-        tokens[:, t] = tok
-        resp_mask[:, t] = alive.long()
-        logprobs[:, t] = torch.where(alive, logp.gather(1, tok[:, None]).squeeze(1), 0.0)
-        alive = alive & ~torch.isin(tok, stop_ids)
+        logp = _scaled_logprobs(logits, params, t)  # [b, V]
+        tok = torch.where(live, _inverse_cdf(logp, uniforms[rows, t]), params.pad_id)  # [b]
+        fed = live.long()  # [b] 1 = a response token, 0 = a finished row's pad
+        tokens[rows, t] = tok
+        resp_mask[rows, t] = fed
+        logprobs[rows, t] = torch.where(live, logp.gather(1, tok[:, None]).squeeze(1), 0.0)
+        live = live & ~torch.isin(tok, stop_ids)
         if params.stop_strings and decode is not None and t >= params.min_new_tokens:
-            alive = alive & ~_string_stopped(tokens, t, alive, params.stop_strings, decode)
-        if t == R - 1 or not bool(alive.any()):
+            live = live & ~_string_stopped(tokens, t, rows, live, params.stop_strings, decode)
+        if t == R - 1 or not bool(live.any()):
             break
-        # Finished rows keep stepping with a masked pad token so the batch stays rectangular.
-        mask = torch.cat([mask, resp_mask[:, t: t + 1]], dim=1)
-        out = actor(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                    use_cache=True, **{kw: cache})
+        mask[:, P + t] = fed
+        if droppable and not bool(live.all()):
+            keep = live.nonzero().flatten()  # [b'] the rows that go on
+            cache.batch_select_indices(keep)
+            rows, mask, tok, next_pos = rows[keep], mask[keep], tok[keep], next_pos[keep]
+            live = live[keep]
+        out = actor(input_ids=tok[:, None], attention_mask=mask[:, : P + t + 1],
+                    position_ids=next_pos, use_cache=True, **{kw: cache})
         cache, logits = _output_cache(out), out.logits[:, -1]
         next_pos = next_pos + 1
     actor.train(was_training)

@@ -11,6 +11,7 @@ so N ranks produce the same update as one rank holding the whole batch.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +30,17 @@ from rlhf_async.modeling.models import (
 from rlhf_async.modeling.precision import FP32, Precision
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl import algorithms as A
+
+
+@dataclass
+class Forward:
+    """One forward pass over a minibatch: the actor's log-probs of the response tokens,
+    its entropy (a graph only for an entropy bonus) and the critic's values (None without
+    a critic), each [b, R]."""
+
+    logprobs: Tensor
+    entropy: Tensor
+    values: Tensor | None
 
 
 class Learner:
@@ -143,6 +155,17 @@ class Learner:
         a, t = self.algo, self.train
         return t.epochs == 1 and t.minibatches == 1 and a.name != "ppo" and a.kl_mode == "loss"
 
+    def _reuses_forward(self) -> bool:
+        """One optimizer step per batch in one micro-batch, and advantages that need the
+        old log-probs (PPO; the KL penalty in the reward): the policy and critic are still
+        the old ones at the loss forward, so it runs first, its detached log-probs and
+        values are the old ones the advantages are computed from, and the separate
+        no-grad forwards of actor and critic are skipped. The plain-torch engine only (a
+        ZeRO engine's forward and backward are its own to order)."""
+        a, t = self.algo, self.train
+        return (t.epochs == 1 and t.minibatches == 1 and t.grad_accum == 1
+                and t.backend == "torch" and (a.name == "ppo" or a.kl_mode == "reward"))
+
     @torch.no_grad()
     def _advantages(self, b: RolloutBatch, old_lp: Tensor | None,
                     values: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -176,25 +199,30 @@ class Learner:
         local = torch.tensor([mb_of[int(s)] for s in b.sample_ids], device=b.sample_ids.device)
         return [torch.nonzero(local == k).flatten() for k in range(M)]
 
-    def _loss(self, b: RolloutBatch, idx: Tensor, adv: Tensor, ret: Tensor | None,
-              old_lp: Tensor, old_v: Tensor | None, n_tokens: Tensor,
-              fill_old: bool = False) -> tuple[Tensor, Tensor | None, dict]:
-        """-> actor loss, critic loss (already scaled by vf_coef; PPO only), stats. With
-        `fill_old`, this forward's detached log-probs are the old ones (written to old_lp)."""
-        algo = self.algo
-        mb = b.select(idx)
-        m = mb.response_mask.float()
+    def _forward(self, mb: RolloutBatch) -> Forward:
+        """The actor's log-probs and entropy and the critic's values on `mb` (with graphs)."""
         args = (mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask)
         logits = self._actor_logits(*args)  # [b, R, V]
         lp = A.gather_logprobs(logits, mb.response_ids, self.temperature)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.algo.entropy_coef > 0):
+            # only a bonus needs its gradient (a softmax backward over the whole vocabulary)
+            ent = A.entropy_from_logits(logits / self.temperature)
+        v = None if self.critic_backend is None else self._critic_values(*args)
+        return Forward(lp, ent, v)
+
+    def _loss(self, mb: RolloutBatch, fwd: Forward, idx: Tensor, adv: Tensor,
+              ret: Tensor | None, old_lp: Tensor, old_v: Tensor | None, n_tokens: Tensor,
+              fill_old: bool = False) -> tuple[Tensor, Tensor | None, dict]:
+        """-> actor loss, critic loss (already scaled by vf_coef; PPO only), stats, of rows
+        `idx` of the batch (`mb`, their forward `fwd`). With `fill_old`, this forward's
+        detached log-probs are the old ones (written to old_lp)."""
+        algo, lp = self.algo, fwd.logprobs
+        m = mb.response_mask.float()
         if fill_old:
             old_lp[idx] = lp.detach() * m
         pg, st = A.ppo_policy_loss(lp, old_lp[idx], adv[idx], m, algo.clip_eps,
                                    mb.behaviour_logprobs, algo.is_cap, n_tokens)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and algo.entropy_coef > 0):
-            # only a bonus needs its gradient (a softmax backward over the whole vocabulary)
-            ent = A.masked_token_mean(A.entropy_from_logits(logits / self.temperature), m,
-                                      n_tokens)
+        ent = A.masked_token_mean(fwd.entropy, m, n_tokens)
         loss = pg - algo.entropy_coef * ent if algo.entropy_coef > 0 else pg
         stats = {"policy_loss": pg.detach(), "entropy": ent.detach(), **st}
         if algo.kl_mode == "loss":
@@ -203,10 +231,9 @@ class Learner:
             kl_loss = A.masked_token_mean(kl, m, n_tokens)
             loss = loss + self.kl_coef * kl_loss
             stats["kl_loss"] = kl_loss.detach()
-        if self.critic_backend is not None:
+        if fwd.values is not None:
             assert old_v is not None and ret is not None
-            v = self._critic_values(*args)
-            vl = A.value_loss(v, old_v[idx], ret[idx], m, algo.value_clip, n_tokens)
+            vl = A.value_loss(fwd.values, old_v[idx], ret[idx], m, algo.value_clip, n_tokens)
             stats["value_loss"] = vl.detach()
             return loss, algo.vf_coef * vl, stats
         return loss, None, stats
@@ -221,14 +248,18 @@ class Learner:
 
     def _backward(self, b: RolloutBatch, idx: Tensor, adv: Tensor, ret: Tensor | None,
                   old_lp: Tensor, old_v: Tensor | None, n_tokens: Tensor,
-                  fill_old: bool = False) -> dict[str, Tensor]:
+                  fill_old: bool = False, fwd: Forward | None = None) -> dict[str, Tensor]:
         """Gradients of one minibatch, in `train.grad_accum` micro-batches (losses are
-        normalised by the minibatch's global token count, so micro-gradients add up)."""
+        normalised by the minibatch's global token count, so micro-gradients add up).
+        `fwd`: the whole minibatch's forward, already run (one micro-batch)."""
         micro = [i for i in idx.tensor_split(min(self.train.grad_accum, len(idx))) if len(i)]
+        assert fwd is None or len(micro) == 1
         stats: dict[str, Tensor] = {}
         for j, i in enumerate(micro):
-            actor_loss, critic_loss, st = self._loss(b, i, adv, ret, old_lp, old_v, n_tokens,
-                                                     fill_old)
+            mb = b.select(i)
+            actor_loss, critic_loss, st = self._loss(
+                mb, fwd if fwd is not None else self._forward(mb), i, adv, ret, old_lp,
+                old_v, n_tokens, fill_old)
             last = j == len(micro) - 1
             # separate graphs (values never depend on the actor): each engine owns its backward
             self.actor_backend.backward(actor_loss, last=last)
@@ -246,12 +277,19 @@ class Learner:
         b, m = batch, batch.response_mask.float()
         args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
         reuse = self._reuses_logprobs()
-        with torch.no_grad():
-            old_lp = m.new_zeros(m.shape) if reuse else A.gather_logprobs(
-                self._actor_logits(*args), b.response_ids, self.temperature) * m
-            old_v = None
-            if self.critic_backend is not None:
-                old_v = self._critic_values(*args) * m
+        first: Forward | None = None
+        if self._reuses_forward() and len(b):  # the loss forward first; its outputs are old
+            self.actor.train()
+            first = self._forward(b)
+            old_lp = first.logprobs.detach() * m
+            old_v = None if first.values is None else first.values.detach() * m
+        else:
+            with torch.no_grad():
+                old_lp = m.new_zeros(m.shape) if reuse else A.gather_logprobs(
+                    self._actor_logits(*args), b.response_ids, self.temperature) * m
+                old_v = None
+                if self.critic_backend is not None:
+                    old_v = self._critic_values(*args) * m
         adv, ret, kl = self._advantages(b, None if reuse else old_lp, old_v)
         sums: dict[str, Tensor] = {}
         grad_norms: dict[str, float] = {}
@@ -261,7 +299,8 @@ class Learner:
             for idx in self._minibatches(b, epoch):
                 n_tokens = all_reduce_sum(m[idx].sum()).clamp(min=1.0)
                 if len(idx):
-                    stats = self._backward(b, idx, adv, ret, old_lp, old_v, n_tokens, reuse)
+                    stats = self._backward(b, idx, adv, ret, old_lp, old_v, n_tokens, reuse,
+                                           first)
                 else:  # this rank holds none of the minibatch; it still joins the all-reduce
                     stats = {k: m.new_zeros(()) for k in self._stat_names()}
                 grad_norms = self._optimizer_step()

@@ -95,3 +95,25 @@ def test_deepspeed_leaves_collectives_to_gloo_without_a_compiler(monkeypatch):
     monkeypatch.setattr(deepspeed_train.shutil, "which", lambda name: None)
     assert deepspeed_train.skip_shm_op_without_compiler() is True
     assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is False
+
+
+def test_the_torch_engine_steps_with_fused_adamw_and_the_loops_update():
+    """The fused kernel where torch has one (CPU here), the same weights as AdamW's loop to
+    float rounding over several steps with weight decay and clipping."""
+    weights = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 3))
+        initial = [p.detach().clone() for p in module.parameters()]
+        b = make_training_backend("torch", module, lr=1e-2, weight_decay=0.1, grad_clip=0.5)
+        assert b.optimizer.param_groups[0]["fused"] is True
+        if not fused:  # the loop implementation, as before the fused kernel
+            b.optimizer = torch.optim.AdamW(b.params, lr=1e-2, weight_decay=0.1)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            b.backward(module(torch.randn(4, 8, generator=g)).square().mean())
+            b.step()
+        weights.append([p.detach().clone() for p in module.parameters()])
+        assert all((w - i).abs().max() > 1e-3 for w, i in zip(weights[-1], initial, strict=True))
+    for a, c in zip(*weights, strict=True):
+        torch.testing.assert_close(a, c, atol=1e-6, rtol=1e-5)

@@ -1,6 +1,7 @@
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.activations import ACT2FN
 
 from rlhf_async.config import ConfigError, ModelConfig
 from rlhf_async.modeling.models import (
@@ -20,6 +21,24 @@ def test_builtin_gpt2_and_llama_are_seeded():
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=False))
     llama = load_actor(ModelConfig(arch="llama"), 16, SPECIAL, seed=0)
     assert llama.config.model_type == "llama"
+
+
+def test_builtin_gpt2_computes_gpt2s_gelu_with_one_kernel():
+    """The built-in GPT-2's activation is torch's tanh GELU: GPT-2's "gelu_new" formula to
+    float rounding (not the erf GELU, up to 5e-4 away), and so the same model."""
+    actor = load_actor(ModelConfig(hidden=64, layers=2), 16, SPECIAL, seed=0).eval()
+    assert actor.config.activation_function == "gelu_pytorch_tanh"
+    x = torch.linspace(-6, 6, 1001)
+    act = actor.transformer.h[0].mlp.act
+    torch.testing.assert_close(act(x), ACT2FN["gelu_new"](x), atol=1e-6, rtol=1e-6)
+    assert (act(x) - ACT2FN["gelu"](x)).abs().max() > 1e-4
+    twin = AutoModelForCausalLM.from_config(type(actor.config).from_dict(
+        actor.config.to_dict() | {"activation_function": "gelu_new"})).eval()
+    twin.load_state_dict(actor.state_dict())
+    ids = torch.randint(0, 16, (4, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(actor(input_ids=ids).logits, twin(input_ids=ids).logits,
+                                   atol=2e-6, rtol=1e-5)
 
 
 def test_actor_from_local_directory_and_vocab_check(tmp_path):

@@ -123,6 +123,40 @@ def test_single_update_reuses_the_loss_forward_as_old_logprobs(monkeypatch, grad
         assert torch.allclose(w_fast[k], w_full[k], atol=1e-6), k
 
 
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_single_update_runs_the_loss_forward_first_for_old_logprobs_and_values(monkeypatch,
+                                                                                algo):
+    """One optimizer step per batch with advantages that need the old log-probs (PPO's GAE,
+    or the KL penalty in the reward): the loss forward's detached outputs as the old ones
+    give the same update and metrics as the separate no-grad forwards of actor and critic."""
+    runs = []
+    for fused in (True, False):
+        actor, ref, rm, critic = models()
+        batch = scored_batch(actor, ref, rm, n=4, group=3)
+        learner = Learner(actor, critic, AlgoConfig(name=algo, kl_mode="reward",
+                                                    entropy_coef=0.01),
+                          TrainConfig(epochs=1, minibatches=1), seed=0)
+        assert learner._reuses_forward() and not learner._reuses_logprobs()
+        if not fused:
+            monkeypatch.setattr(learner, "_reuses_forward", lambda: False)
+        calls = []
+        for model in (learner.actor_backend.model, critic):
+            orig = model.forward
+            monkeypatch.setattr(model, "forward",
+                                lambda *a, _c=calls, _o=orig, **k: _c.append(1) or _o(*a, **k))
+        runs.append((learner.train_step(batch), learner.state_dict(), len(calls)))
+    (m_fast, w_fast, n_fast), (m_full, w_full, n_full) = runs
+    assert n_full - n_fast == (2 if algo == "ppo" else 1)  # actor (and critic) once, not twice
+    keys = ["policy_loss", "kl", "entropy", "clip_frac", "approx_kl", "advantage_abs"]
+    for k in keys + (["value_loss", "critic_grad_norm"] if algo == "ppo" else []):
+        assert m_fast[k] == pytest.approx(m_full[k], rel=1e-4, abs=1e-6), k
+    for k in w_full:
+        assert torch.allclose(w_fast[k], w_full[k], atol=1e-6), k
+    for train in (TrainConfig(epochs=2, minibatches=1), TrainConfig(minibatches=2, epochs=1),
+                  TrainConfig(epochs=1, minibatches=1, grad_accum=2)):
+        assert not Learner(actor, critic, AlgoConfig(name=algo), train, seed=0)._reuses_forward()
+
+
 def test_several_updates_per_batch_keep_the_separate_old_logprobs():
     actor, _, _, critic = models()
     for algo, train in (("grpo", TrainConfig(epochs=2, minibatches=1)),
