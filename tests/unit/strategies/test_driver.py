@@ -44,6 +44,9 @@ class FakeCoord:
             return payload["spec"]  # type: ignore[index]
         return {}
 
+    async def moves_followed(self) -> None:
+        """No node moved host here (the Ray launcher's moves: test_ray.py)."""
+
 
 class Events:
     def __init__(self) -> None:
