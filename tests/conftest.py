@@ -31,9 +31,11 @@ def ipc_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cache(tmp_path_factory):
-    """SFT and reward-model artefacts shared by the tests of one module."""
+    """SFT and reward-model artefacts shared by every test of the session: the cache is
+    keyed by what trains them and written atomically, so tests that train the same tiny
+    SFT/RM train it once (a test about training them uses a cache of its own)."""
     return tmp_path_factory.mktemp("cache")
 
 

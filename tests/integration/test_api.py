@@ -18,11 +18,11 @@ TINY = ["model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=20",
         "run.progress=false"]
 
 
-def test_train_runs_separation_from_inside_a_running_event_loop(tmp_path, one_thread):
+def test_train_runs_separation_from_inside_a_running_event_loop(tmp_path, cache, one_thread):
     """A Jupyter cell runs inside the kernel's event loop; asyncio cannot nest loops, so
     the Separation pipeline's loop runs in a thread of its own while the cell waits."""
     over = [*TINY, "placement.strategy=separation", "placement.devices=2",
-            f"run.cache_dir={json.dumps(str(tmp_path / 'c'))}",
+            f"run.cache_dir={json.dumps(str(cache))}",
             f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=nb"]
 
     async def cell() -> dict:
@@ -34,8 +34,8 @@ def test_train_runs_separation_from_inside_a_running_event_loop(tmp_path, one_th
     assert len((tmp_path / "nb" / "metrics.jsonl").read_text().splitlines()) == 2
 
 
-def test_train_takes_a_job_config_and_refuses_a_bad_one(tmp_path):
-    cfg = load_config(None, [*TINY, f"run.cache_dir={json.dumps(str(tmp_path / 'c'))}",
+def test_train_takes_a_job_config_and_refuses_a_bad_one(tmp_path, cache):
+    cfg = load_config(None, [*TINY, f"run.cache_dir={json.dumps(str(cache))}",
                              f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=cfg"])
     assert rlhf_async.train(cfg)["final_reward"] is not None
     cfg.train.steps = 0  # edited by hand: checked like a file

@@ -24,9 +24,9 @@ TINY = ["model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=30",
         "runtime.time_to_dead=5", "weight_sync.timeout_s=10"]
 
 
-def test_run_survives_five_kills_and_trains_each_prompt_once(tmp_path):
+def test_run_survives_five_kills_and_trains_each_prompt_once(tmp_path, cache):
     steps, kills = 30, 5
-    cfg = load_config(None, [*TINY, f"run.cache_dir={json.dumps(str(tmp_path / 'cache'))}", f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=chaos", f"train.steps={steps}"])
+    cfg = load_config(None, [*TINY, f"run.cache_dir={json.dumps(str(cache))}", f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=chaos", f"train.steps={steps}"])
     victims: list = []
     # every role at least once, both trainer ranks, in a random order
     order = ["trainer", "gen0", "gen1", "scorer0", "trainer1"]
@@ -44,9 +44,9 @@ def test_run_survives_five_kills_and_trains_each_prompt_once(tmp_path):
     assert summary["final_reward"] != summary["sft_reward"]  # the saved policy is the trained one
 
 
-def test_kills_during_start_up_are_restarted_and_each_prompt_trained_once(tmp_path):
+def test_kills_during_start_up_are_restarted_and_each_prompt_trained_once(tmp_path, cache):
     steps = 6
-    cfg = load_config(None, [*TINY, f"run.cache_dir={json.dumps(str(tmp_path / 'cache'))}",
+    cfg = load_config(None, [*TINY, f"run.cache_dir={json.dumps(str(cache))}",
                              f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=boot",
                              f"train.steps={steps}", "runtime.restart_limit=3"])
     victims: list = []

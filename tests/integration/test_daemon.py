@@ -72,9 +72,9 @@ def _metrics(port: int) -> str:
         return r.read().decode()
 
 
-def test_daemon_survives_sigkill_and_finishes_every_job_once(tmp_path):
+def test_daemon_survives_sigkill_and_finishes_every_job_once(tmp_path, cache):
     state, port = tmp_path / "state", _free_port()
-    common = [*TINY, f"run.cache_dir={json.dumps(str(tmp_path / 'cache'))}"]
+    common = [*TINY, f"run.cache_dir={json.dumps(str(cache))}"]
     daemon = _serve(state, port)
     try:
         for steps in (STEPS, 4):

@@ -66,10 +66,9 @@ def test_zero_learner_matches_torch_and_resumes_exactly(tmp_path, torch_ppo, sta
     assert ds["repeat_metrics"] == ds["metrics"][2]
 
 
-def test_separation_trainer_on_zero3_matches_flattening_on_torch(tmp_path, one_thread):
+def test_separation_trainer_on_zero3_matches_flattening_on_torch(tmp_path, cache, one_thread):
     """A 2-rank ZeRO-3 trainer (parameters sharded over its ranks, gathered for each
     broadcast and the final save) with 2 generators and 2 scorers."""
-    cache = tmp_path / "cache"
     _, flat = _run(tmp_path, cache, "flat", "algo.name=ppo")
     _, sep = _run(tmp_path, cache, "sep", "algo.name=ppo", "placement.strategy=separation",
                   "placement.devices=4", "placement.actor=[0,1]", "placement.generators=2",
@@ -86,10 +85,9 @@ def test_separation_trainer_on_zero3_matches_flattening_on_torch(tmp_path, one_t
         torch.testing.assert_close(wf[k], ws[k], rtol=1e-4, atol=2e-4)
 
 
-def test_flattening_two_ranks_on_zero3_matches_torch(tmp_path, one_thread):
+def test_flattening_two_ranks_on_zero3_matches_torch(tmp_path, cache, one_thread):
     """Two Flattening ranks over gloo: DeepSpeed joins the existing group, sums gradients
     like the torch backend, and ZeRO-3 generation gathers the sharded actor per forward."""
-    cache = tmp_path / "cache"
     _, ref = _run(tmp_path, cache, "torch", "placement.devices=2")
     _, ds = _run(tmp_path, cache, "zero3", "placement.devices=2", "train.backend=deepspeed",
                  "train.zero_stage=3")

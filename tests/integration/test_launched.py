@@ -29,8 +29,8 @@ def _metrics(run_dir):
             for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_torchrun_ranks_run_the_built_in_launchs_trajectory(tmp_path):
-    common = [*TINY, f"run.output_dir={tmp_path}", f"run.cache_dir={tmp_path / 'cache'}"]
+def test_torchrun_ranks_run_the_built_in_launchs_trajectory(tmp_path, cache):
+    common = [*TINY, f"run.output_dir={tmp_path}", f"run.cache_dir={cache}"]
     built_in = subprocess.run([sys.executable, "-m", "rlhf_async", "run", *common,
                                "placement.devices=2", "run.name=built-in"],
                               capture_output=True, text=True, timeout=240, check=False)

@@ -28,8 +28,8 @@ STRATEGIES = {"separation": ["placement.strategy=separation", "placement.devices
               "flattening": ["placement.strategy=flattening", "placement.devices=1"]}
 
 
-def _overrides(tmp_path, name, strategy):
-    return BASE + STRATEGIES[strategy] + [f"run.cache_dir={json.dumps(str(tmp_path / 'cache'))}",
+def _overrides(tmp_path, cache, name, strategy):
+    return BASE + STRATEGIES[strategy] + [f"run.cache_dir={json.dumps(str(cache))}",
                                           f"run.output_dir={json.dumps(str(tmp_path))}",
                                           f"run.name={name}"]
 
@@ -39,14 +39,14 @@ def _lines(path):
 
 
 @pytest.mark.parametrize("strategy", ["separation", "flattening"])
-def test_sigkill_then_resume_matches_uninterrupted(tmp_path, strategy):
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path, cache, strategy):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        job.run(load_config(None, _overrides(tmp_path, "whole", strategy)))
+        job.run(load_config(None, _overrides(tmp_path, cache, "whole", strategy)))
     finally:
         torch.set_num_threads(before)
-    cmd = [sys.executable, "-m", "rlhf_async", "run", *_overrides(tmp_path, "killed", strategy)]
+    cmd = [sys.executable, "-m", "rlhf_async", "run", *_overrides(tmp_path, cache, "killed", strategy)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     metrics = tmp_path / "killed" / "metrics.jsonl"
