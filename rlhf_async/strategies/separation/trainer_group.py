@@ -21,6 +21,7 @@ DeepSpeed needs the group to build its engine.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import enum
 from collections.abc import Callable, Iterator
@@ -97,8 +98,7 @@ class TrainerGroup:
         try:
             use(groups)
         finally:
-            for _ in groups:
-                pass
+            _join_walk(groups)
 
     def follow(self, learner: Learner, device: torch.device) -> Op:
         """Ranks 1..N-1: run what rank 0 announces until it says FINISH or STOP."""
@@ -110,14 +110,19 @@ class TrainerGroup:
             if op is Op.TRAIN:
                 learner.train_step(shard.to(device))
             elif op is Op.WEIGHTS:  # rank 0's walk, with its group size: the same gathers
-                for _ in learner.weight_groups(shard):
-                    pass
+                _join_walk(learner.weight_groups(shard))
             elif op is Op.CHECKPOINT:
                 learner_state(learner)
             else:
                 if op is Op.FINISH:  # the gather is collective: rank 0 saves the policy
                     _join_gather(learner)  # from the whole weights meanwhile
                 return op
+
+
+def _join_walk(groups: Iterator[dict[str, Tensor]]) -> None:
+    """Run the rest of a weight walk without using its groups: each step is a collective
+    gather under ZeRO-3 that every rank must enter, in the same order."""
+    collections.deque(groups, maxlen=0)
 
 
 def _join_gather(learner: Learner) -> None:
