@@ -253,7 +253,9 @@ class Learner:
         normalised by the minibatch's global token count, so micro-gradients add up).
         `fwd`: the whole minibatch's forward, already run (one micro-batch)."""
         micro = [i for i in idx.tensor_split(min(self.train.grad_accum, len(idx))) if len(i)]
-        assert fwd is None or len(micro) == 1
+        # the forward ran on the whole batch in order: it must be this one micro-batch
+        assert fwd is None or (len(micro) == 1 and torch.equal(
+            idx, torch.arange(len(b), device=idx.device)))
         stats: dict[str, Tensor] = {}
         for j, i in enumerate(micro):
             mb = b.select(i)
