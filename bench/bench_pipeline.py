@@ -81,10 +81,13 @@ def steady(records: list[dict], warmup: int) -> dict:
 
 
 def predicted_step(cfg) -> float:
-    from rlhf_async.planning.planner import predictions
+    from rlhf_async.planning.planner import plan_job
+    from rlhf_async.strategies.placement import PlacementError
 
-    _, pred, _ = predictions(cfg)[cfg.placement.strategy]
-    return pred.step_s if pred is not None else float("nan")
+    try:
+        return plan_job(cfg)[1].step_s  # this config's own layout, as it runs
+    except PlacementError:
+        return float("nan")
 
 
 def compare_with_model(results: dict, per_round: dict[str, list[dict]], base: list[str]) -> dict:

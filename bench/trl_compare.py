@@ -1,6 +1,7 @@
 """Our GRPO against TRL's GRPOTrainer: same model, reward, batch and settings, one machine.
 
     .venv/bin/python -m bench.trl_compare [--quick] [--size 4x128 6x384] [--steps 30]
+                                          [--new-tokens 48]
 
 Both sides start from the same SFT policy (a tiny GPT-2 made in code, trained and cached by
 the built-in job) and are rewarded by the same Bradley-Terry reward model; both use GRPO
@@ -13,7 +14,10 @@ runs as a user runs it (`job.run`) with each strategy on every core. Reported: c
 and completion tokens/s over the steady steps (warm-up excluded), the whole RL phase's wall
 time (process start and model loading included for ours; TRL's `train()`), and the
 wall-clock until the hidden score (the task's true score; rolling mean of 3 training
-batches) first reaches the target. Needs the `bench` extra (`pip install -e .[bench]`).
+batches) first reaches the target. `--new-tokens N` is the generation-heavy regime: both
+sides generate N tokens per completion (EOS is allowed only as the N-th: min new tokens
+N - 1; the task's own answer is 7), so generation dominates the step; the reward model then scores the first
+N tokens and the hidden score stops being a learning signal (throughput only). Needs the `bench` extra (`pip install -e .[bench]`).
 Writes bench/results/trl_compare.json.
 """
 
@@ -54,7 +58,13 @@ def shared_overrides(args: argparse.Namespace, size: str) -> list[str]:
             "train.minibatches=1", f"train.lr={args.lr}", f"train.steps={args.steps}",
             f"train.prompts_per_step={args.prompts}", "run.plot=false",
             "run.eval_prompts=64", "run.output_dir=runs/bench-trl", "run.checkpoint_every=0",
-            f"placement.devices={args.cores}", *args.overrides]
+            f"placement.devices={args.cores}", *new_tokens(args), *args.overrides]
+
+
+def new_tokens(args: argparse.Namespace) -> list[str]:
+    """Our overrides for --new-tokens: that many tokens per completion (EOS only last)."""
+    n = args.new_tokens
+    return [f"generation.max_new_tokens={n}", f"generation.min_new_tokens={n - 1}"] if n else []
 
 
 def time_to_target(times: list[float], hidden: list[float], target: float,
@@ -111,8 +121,8 @@ class RewardFn:
 
     __name__ = "reward_model"
 
-    def __init__(self, rm: torch.nn.Module, task: SortDigitsTask) -> None:
-        self.rm, self.task = rm, task
+    def __init__(self, rm: torch.nn.Module, task: SortDigitsTask, width: int) -> None:
+        self.rm, self.task, self.width = rm, task, width
         self.hidden: list[float] = []
         self.tokens: list[float] = []
 
@@ -120,7 +130,7 @@ class RewardFn:
     def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]],
                  digits: list[list[int]], **_: object) -> list[float]:
         p_ids, p_mask = self.task.encode_prompts(digits)
-        r_ids, r_mask = self.task.encode_responses(completion_ids, self.task.response_len)
+        r_ids, r_mask = self.task.encode_responses(completion_ids, self.width)
         self.hidden.append(float(self.task.hidden_scores(p_ids, r_ids, r_mask).mean()))
         self.tokens.append(float(r_mask.sum()))
         return sequence_scores(self.rm, p_ids, p_mask, r_ids, r_mask).tolist()
@@ -180,13 +190,15 @@ def run_trl(cfg: JobConfig, args: argparse.Namespace, threads: int, target: floa
     digits = task.prompts(cfg.run.seed, "train", 0, args.prompts * args.steps)
     data = Dataset.from_list([{"prompt": "<bos> " + " ".join(map(str, d)) + " <sep>",
                                "digits": d} for d in digits])
-    reward = RewardFn(load_reward_model(art.rm_dir), task)
+    width = args.new_tokens or task.response_len
+    reward = RewardFn(load_reward_model(art.rm_dir), task, width)
+    fixed = {"generation_kwargs": {"min_new_tokens": width - 1}} if args.new_tokens else {}
     with tempfile.TemporaryDirectory() as tok:
         save_tokenizer(Path(tok))
         step_s, total = train_grpo(
             str(art.sft_dir), tok, data, reward, threads,
             per_device_train_batch_size=args.prompts * args.group, num_generations=args.group,
-            max_completion_length=task.response_len, temperature=1.0, top_k=0,
+            max_completion_length=width, temperature=1.0, top_k=0, **fixed,
             learning_rate=args.lr, weight_decay=0.0, max_grad_norm=1.0, beta=args.beta,
             epsilon=0.2, max_steps=args.steps, seed=cfg.run.seed,
             bf16=bf16)  # TRL defaults to bf16 autocast; ours computes in fp32
@@ -235,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--beta", type=float, default=0.05, help="KL coefficient (both sides)")
     ap.add_argument("--target", type=float, default=0.55, help="hidden score to reach")
+    ap.add_argument("--new-tokens", type=int, default=0,
+                    help="generation-heavy rows: exactly this many new tokens per completion "
+                    "on both sides (0: the task's own length, EOS ends a completion)")
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--trl-threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}),
                     help="torch thread counts to run TRL with (each is one row; the best "
@@ -269,10 +284,11 @@ def main(argv: list[str] | None = None) -> int:
                 rows[name] = run_trl(cfg, args, threads, args.target, bf16)
             else:
                 rows[name] = run_ours(name, base, args.warmup, args.target)
-        print_table(size, rows, args.target)
-        plot_curves(rows, Path(args.out).with_name(f"trl_compare_{size}.png"),
-                    f"GRPO: TRL vs ours, {size} GPT-2, target {args.target}")
-        results[size] = rows
+        label = f"{size} {args.new_tokens} tokens" if args.new_tokens else size
+        print_table(label, rows, args.target)
+        plot_curves(rows, Path(args.out).with_name(f"trl_compare_{label.replace(' ', '_')}.png"),
+                    f"GRPO: TRL vs ours, {label} GPT-2, target {args.target}")
+        results[label] = rows
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()

@@ -10,7 +10,7 @@ import json
 from rlhf_async.config import ConfigError, load_config
 from rlhf_async.planning.costmodel import ASSUMPTIONS, DEVICES, LLAMA
 from rlhf_async.planning.planner import format_prediction, machine, plan_job, predictions, simulate
-from rlhf_async.strategies.placement import with_engines
+from rlhf_async.strategies.placement import Placement, with_engines
 
 
 def _int_list(text: str, key: str) -> list[int]:
@@ -48,10 +48,19 @@ def run_plan(args: argparse.Namespace, config: str | None, overrides: list[str])
     print(placement.table())
     print()
     print(format_prediction(pred, dev, cal))
-    others = [f"  {n}: {pr.step_s * 1e3:.1f} ms" if pr else f"  {n}: not possible ({why})"
-              for n, (_, pr, why) in predictions(cfg).items()]
+    others = [f"  {n}: {pr.step_s * 1e3:.1f} ms{_split(p)}" if p and pr
+              else f"  {n}: not possible ({why})"
+              for n, (_, p, pr, why) in predictions(cfg).items()]
     print("predicted step time of each strategy on this config:\n" + "\n".join(others))
     return 0
+
+
+def _split(p: Placement) -> str:
+    """Separation's stage sizes, as `auto` would balance them."""
+    if p.strategy != "separation":
+        return ""
+    sizes = {r: len(p.by_role(r)) for r in ("trainer", "generator", "scorer")}
+    return " (" + ", ".join(f"{r} x{k}" for r, k in sizes.items()) + ")"
 
 
 def _simulate(args: argparse.Namespace) -> int:

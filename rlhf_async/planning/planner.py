@@ -26,6 +26,7 @@ from rlhf_async.config import (
 )
 from rlhf_async.config.reference import overrides
 from rlhf_async.log import get_logger
+from rlhf_async.planning.balance import balanced, pinned, split
 from rlhf_async.planning.costmodel import (
     DEVICES,
     LLAMA,
@@ -111,47 +112,73 @@ def workload_of(cfg: JobConfig) -> Workload:
                     cfg.train.gradient_checkpointing)
 
 
-def predictions(cfg: JobConfig) -> dict[str, tuple[Placement | None, Prediction | None, str]]:
-    """Every candidate strategy's placement and prediction (or why it cannot be placed, as
-    a plan or by this build's runners: `auto` never picks what `run` would refuse)."""
+Candidate = tuple[PlacementConfig, Placement | None, Prediction | None, str]
+
+
+def predictions(cfg: JobConfig) -> dict[str, Candidate]:
+    """Every candidate strategy's placement config, placement and prediction (or why it
+    cannot be placed, as a plan or by this build's runners: `auto` never picks what `run`
+    would refuse). Separation's stage sizes are balanced (`planning.balance`) unless the
+    user pinned them."""
     dev, cal = machine(cfg)
     shape, work = shape_of(cfg), workload_of(cfg)
-    out: dict[str, tuple[Placement | None, Prediction | None, str]] = {}
+
+    def price(p: Placement) -> tuple[float, bool]:
+        pred = predict(p, shape, work, dev, cal)
+        return pred.step_s, pred.feasible
+
+    out: dict[str, Candidate] = {}
     for name in STRATEGIES:
-        pc = dataclasses.replace(cfg.placement, strategy=name)
+        job = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement,
+                                                                     strategy=name))
+        if name == "separation" and not pinned(job.placement):
+            found = balanced(job, price)
+            if found is not None:
+                job, p = found
+                out[name] = (job.placement, p, predict(p, shape, work, dev, cal), "")
+                continue
         try:
-            p = runnable_placement(dataclasses.replace(cfg, placement=pc))
+            p = runnable_placement(job)
         except PlacementError as e:
-            out[name] = (None, None, "; ".join(e.problems))
+            out[name] = (job.placement, None, None, "; ".join(e.problems))
             continue
-        out[name] = (p, predict(p, shape, work, dev, cal), "")
+        out[name] = (job.placement, p, predict(p, shape, work, dev, cal), "")
     return out
 
 
-def choose(cfg: JobConfig) -> tuple[Placement, str]:
-    """The predicted fastest feasible placement and a sentence saying why."""
+def _choose(cfg: JobConfig) -> tuple[PlacementConfig, Placement, str]:
     preds = predictions(cfg)
-    ok = {n: (p, pr) for n, (p, pr, _) in preds.items()
+    ok = {n: (pc, p, pr) for n, (pc, p, pr, _) in preds.items()
           if p is not None and pr is not None and pr.feasible}
     if not ok:
         raise PlacementError([f"placement.strategy: auto found no feasible placement: {n}: "
                               f"{why or '; '.join(pr.notes if pr else [])}"
-                              for n, (_, pr, why) in preds.items()])
-    best = min(ok, key=lambda n: ok[n][1].step_s)
-    times = ", ".join(f"{n} {pr.step_s * 1e3:.1f} ms" for n, (_, pr) in ok.items())
+                              for n, (_, _, pr, why) in preds.items()])
+    best = min(ok, key=lambda n: ok[n][2].step_s)
+    times = ", ".join(f"{n} {pr.step_s * 1e3:.1f} ms" + (f" ({_layout(p)})" if _layout(p)
+                                                        else "")
+                      for n, (_, p, pr) in ok.items())
     skipped = "".join(f"; {n} not possible ({why or 'infeasible'})"
-                      for n, (p, pr, why) in preds.items() if n not in ok)
+                      for n, (_, p, pr, why) in preds.items() if n not in ok)
     reason = (f"predicted step time {times} (max_staleness {cfg.algo.max_staleness}); "
               f"{best} is the fastest feasible{skipped}")
-    return with_reason(ok[best][0], reason), reason
+    pc, placement, _ = ok[best]
+    return pc, with_reason(placement, reason), reason
+
+
+def choose(cfg: JobConfig) -> tuple[Placement, str]:
+    """The predicted fastest feasible placement and a sentence saying why."""
+    _, placement, reason = _choose(cfg)
+    return placement, reason
 
 
 def resolve_auto(cfg: JobConfig) -> JobConfig:
-    """cfg with `placement.strategy = auto` replaced by the planner's choice (logged)."""
-    placement, reason = choose(cfg)
+    """cfg with `placement.strategy = auto` replaced by the planner's choice (logged): the
+    strategy and, for a balanced Separation, the stage sizes it chose, so the saved config
+    (and a resume) runs the same layout."""
+    pc, placement, reason = _choose(cfg)
     log.info("auto placement", strategy=placement.strategy, reason=reason)
-    return dataclasses.replace(cfg, placement=dataclasses.replace(
-        cfg.placement, strategy=placement.strategy))
+    return dataclasses.replace(cfg, placement=pc)
 
 
 def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
@@ -248,20 +275,12 @@ def _sim_candidates(n: int) -> dict[str, list[PlacementConfig]]:
     base = PlacementConfig(device="cuda", devices=n)
     out = {s: [dataclasses.replace(base, strategy=s)] for s in ("flattening", "interleaving")}
     seps = []
-    for train_frac in (0.25, 0.5, 0.75):
-        nt = max(1, int(n * train_frac))
-        for score_frac in (0.125, 0.25, 0.5):
-            ns = max(1, int(n * score_frac))
-            ng = n - nt - ns
-            for tp, ts in itertools.product((1, 2, 4, 8), (1, 2, 4, 8)):
-                if ng < tp or ng % tp or ns < ts or ns % ts:
-                    continue
-                sizes = {"shadow_actor": tp, "reward": ts, "reference": ts}
-                seps.append(dataclasses.replace(
-                    base, strategy="separation", actor=list(range(nt)),
-                    generator=list(range(nt, nt + ng)), reward=list(range(nt + ng, n)),
-                    scorers=ns // ts, generators=ng // tp,
-                    tensor_parallel=[f"{m}={t}" for m, t in sizes.items() if t > 1]))
+    for train_frac, score_frac in itertools.product((0.25, 0.5, 0.75), (0.125, 0.25, 0.5)):
+        nt, ns = max(1, int(n * train_frac)), max(1, int(n * score_frac))
+        for tp, ts in itertools.product((1, 2, 4, 8), (1, 2, 4, 8)):
+            pc = split(base, nt, ns, tp, ts)
+            if pc is not None:
+                seps.append(pc)
     out["separation"] = seps
     return out
 

@@ -6,7 +6,7 @@ import torch
 from bench import trl_compare
 from bench.__main__ import series
 from bench.plots import plot_runs
-from rlhf_async.config import TaskConfig
+from rlhf_async.config import TaskConfig, load_config
 from rlhf_async.task import SortDigitsTask
 
 pytestmark = pytest.mark.timeout(60)
@@ -75,11 +75,22 @@ def test_reward_fn_scores_and_traces_hidden():
         def forward(self, ids, mask, pos):
             return mask.float().cumsum(1)  # score = length of the sequence
 
-    fn = trl_compare.RewardFn(Constant(), task)
+    fn = trl_compare.RewardFn(Constant(), task, task.response_len)
     sorted_, unsorted = task.answer_tokens([1, 3, 4]), task.answer_tokens([4, 1, 3])
     scores = fn([], [], [sorted_, unsorted[:2]], [[3, 1, 4], [3, 1, 4]])
     assert scores == [5.0 + 4, 5.0 + 2]  # prompt BOS 3 1 4 SEP = 5 tokens, + response
     assert fn.hidden == [pytest.approx(0.5)] and fn.tokens == [6.0]
+    wide = trl_compare.RewardFn(Constant(), task, 10)  # --new-tokens 10: all ten scored
+    assert wide([], [], [list(range(4, 14))], [[3, 1, 4]]) == [5.0 + 10]
+
+
+def test_new_tokens_fixes_our_response_length():
+    import argparse
+
+    assert trl_compare.new_tokens(argparse.Namespace(new_tokens=0)) == []
+    over = trl_compare.new_tokens(argparse.Namespace(new_tokens=48))
+    cfg = load_config(None, over)
+    assert cfg.generation.max_new_tokens == 48 and cfg.generation.min_new_tokens == 47
 
 
 
