@@ -1,9 +1,9 @@
 """DeepSpeed ZeRO training backend on CPU (gloo): same trajectory as the torch backend.
 
 Every DeepSpeed run is its own process (DeepSpeed owns a default process group and env for
-its lifetime). The first run on a machine JIT-compiles DeepSpeed's shm comm op into
-TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions, ~20 s); later runs reuse it. The `test`
-extra installs deepspeed, so CI runs these for real.
+its lifetime). On CPU the collectives go through gloo (DeepSpeed's shm op, a JIT compile
+per environment, is skipped: `skip_shm_op_on_cpu`). The `test` extra installs deepspeed,
+so CI runs these for real.
 """
 
 from __future__ import annotations

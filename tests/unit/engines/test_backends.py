@@ -81,19 +81,18 @@ def test_torch_backend_accumulates_micro_batches_then_steps():
     assert b2.optimizer_state_dict()["state"][0]["step"] == 1
 
 
-def test_deepspeed_leaves_collectives_to_gloo_without_a_compiler(monkeypatch):
+def test_deepspeed_leaves_collectives_to_gloo_on_cpu(monkeypatch):
     pytest.importorskip("deepspeed")
     import deepspeed.ops
 
     from rlhf_async.engines import deepspeed_train
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setitem(deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm", True)
-    monkeypatch.setattr(deepspeed_train.shutil, "which", lambda name: "/usr/bin/c++")
-    assert deepspeed_train.skip_shm_op_without_compiler() is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert deepspeed_train.skip_shm_op_on_cpu() is False
     assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is True
-    monkeypatch.setattr(deepspeed_train.shutil, "which", lambda name: None)
-    assert deepspeed_train.skip_shm_op_without_compiler() is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert deepspeed_train.skip_shm_op_on_cpu() is True
     assert deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] is False
 
 
