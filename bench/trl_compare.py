@@ -9,7 +9,7 @@ with the same prompts per step, responses per prompt, max new tokens, learning r
 temperature 1 / no top-k, clip 0.2, KL beta (k3 in the loss), group-std advantage scaling,
 token-level loss normalisation, one optimizer step per batch, grad clip 1.0, AdamW
 defaults and fp32 (TRL's default bf16 autocast is turned off; `--trl-bf16` adds a row with
-it). TRL gets every core as torch threads in one process (its normal CPU use); ours
+it, `--bf16` that row and ours in bf16). TRL gets every core as torch threads in one process (its normal CPU use); ours
 runs as a user runs it (`job.run`) with each strategy on every core. Reported: completions/s
 and completion tokens/s over the steady steps (warm-up excluded), the whole RL phase's wall
 time (process start and model loading included for ours; TRL's `train()`), and the
@@ -47,6 +47,10 @@ from rlhf_async.task.pretrain import load_reward_model, prepare_artefacts
 SIZES = {"2x64": (2, 64, 4), "4x128": (4, 128, 4), "6x384": (6, 384, 6)}
 OURS = {"flattening": ["placement.strategy=flattening"],
         "separation k=1": ["placement.strategy=separation", "algo.max_staleness=1"]}
+# with --bf16 (TRL's default precision): every model computes in bf16; trained ones under
+# autocast over fp32 master weights, frozen ones and the shadow actor held in bf16
+BF16 = ['placement.dtype=["actor=bf16","shadow_actor=bf16","reward=bf16","reference=bf16"]']
+OURS_BF16 = {f"{name} bf16": [*over, *BF16] for name, over in OURS.items()}
 TOKENS = ["<pad>", "<bos>", "<sep>", "<eos>", *map(str, range(10)), "<unused14>", "<unk>"]
 
 
@@ -92,7 +96,8 @@ def summarise(step_s: list[float], samples: list[float], tokens: list[float],
 
 def run_ours(name: str, base: list[str], warmup: int, target: float,
              config_path: str | None = None) -> dict:
-    cfg = load_config(config_path, base + OURS[name] + [f"run.name=ours-{time.time_ns()}"])
+    over = {**OURS, **OURS_BF16}[name]
+    cfg = load_config(config_path, base + over + [f"run.name=ours-{time.time_ns()}"])
     s = job.run(cfg)
     recs = read_metrics(Path(s["run_dir"]) / "metrics.jsonl")
     step_s = [r.get("time_step") or r["time_generate"] + r["time_score"] + r["time_train"]
@@ -138,12 +143,17 @@ class RewardFn:
 
 def trl_rows(args: argparse.Namespace) -> list[tuple[str, int, bool]]:
     """(row name, torch threads, bf16): fp32 like our side at every --trl-threads count, and
-    with --trl-bf16 also TRL's own default (bf16 autocast) at the largest count."""
+    with --trl-bf16 or --bf16 also TRL's own default (bf16 autocast) at the largest count."""
     rows = [(f"trl {n}t", n, False) for n in args.trl_threads]
-    if args.trl_bf16:
+    if args.trl_bf16 or args.bf16:
         n = max(args.trl_threads)
         rows.append((f"trl {n}t bf16", n, True))
     return rows
+
+
+def our_rows(args: argparse.Namespace) -> list[str]:
+    """Our rows: fp32, and with --bf16 the same strategies in bf16."""
+    return [*OURS, *(OURS_BF16 if args.bf16 else {})]
 
 
 def train_grpo(model_path: str, tokenizer_path: str, data: Any, reward: Any, threads: int,
@@ -257,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trl-bf16", action="store_true",
                     help="also run TRL with its default bf16 autocast (not matched: ours "
                     "computes in fp32)")
+    ap.add_argument("--bf16", action="store_true",
+                    help="bf16 rows on both sides: TRL's default autocast and ours with "
+                    "every model in bf16 (placement.dtype)")
     ap.add_argument("--only", nargs="*", default=None, help="subset of: trl, " + ", ".join(OURS))
     ap.add_argument("--out", default="bench/results/trl_compare.json")
     ap.add_argument("overrides", nargs="*", help="config overrides for our side and the SFT/RM")
@@ -274,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         base = shared_overrides(args, size)
         cfg = load_config(None, base)
         trl = {name: (threads, bf16) for name, threads, bf16 in trl_rows(args)}
-        names = [n for n in (*trl, *OURS) if not args.only or n.split()[0] in args.only
+        names = [n for n in (*trl, *our_rows(args)) if not args.only or n.split()[0] in args.only
                  or n in args.only]
         rows: dict[str, dict] = {}
         for name in names:  # trl first: it trains (or reuses) the shared SFT and RM

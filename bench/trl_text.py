@@ -8,8 +8,8 @@ Matched from the config: model, chat template, prompts per step, responses per p
 new tokens, temperature (no top-k / top-p), learning rate, clip, KL beta (k3 in the loss),
 group-std advantage scaling, token-level loss normalisation (`dapo`), one optimizer step
 per batch, grad clip, AdamW defaults, fp32 (TRL's default bf16 autocast off; `--trl-bf16`
-adds a row with it). TRL draws its own prompt order from the same training
-prompts (held-out ones excluded); the rule reward sees the same (prompt, response) text on
+adds a row with it, `--bf16` that row and ours in bf16). TRL draws its own prompt order
+from the same training prompts (held-out ones excluded); the rule reward sees the same (prompt, response) text on
 both sides. Reported as in `bench.trl_compare`, with the mean rule reward per batch in the
 "hidden" columns. Needs the `bench` extra and the model directory.
 """
@@ -24,6 +24,7 @@ from pathlib import Path
 
 from bench.trl_compare import (
     OURS,
+    our_rows,
     plot_curves,
     print_table,
     run_ours,
@@ -97,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trl-threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}))
     ap.add_argument("--trl-bf16", action="store_true",
                     help="also run TRL with its default bf16 autocast (ours is fp32)")
+    ap.add_argument("--bf16", action="store_true",
+                    help="bf16 rows on both sides: TRL's default autocast and ours with "
+                    "every model in bf16 (placement.dtype)")
     ap.add_argument("--only", nargs="*", default=None, help="subset of: trl, " + ", ".join(OURS))
     ap.add_argument("--out", default="bench/results/trl_text.json")
     ap.add_argument("overrides", nargs="*", help="config overrides for both sides")
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, threads, bf16 in trl_rows(args) if not args.only or "trl" in args.only else []:
         print(f"{name} ...", file=sys.stderr)
         rows[name] = run_trl(cfg, args, threads, bf16)
-    for name in [n for n in OURS if not args.only or n in args.only]:
+    for name in [n for n in our_rows(args) if not args.only or n in args.only]:
         print(f"{name} ...", file=sys.stderr)
         rows[name] = run_ours(name, base, args.warmup, args.target, args.config)
     print_table(Path(cfg.model.path).name, rows, args.target)

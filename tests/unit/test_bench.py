@@ -117,3 +117,16 @@ def test_trl_text_refuses_a_config_without_a_text_task(tmp_path, capsys):
     assert trl_text.main(["--config", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert "needs a text task" in err and "Traceback" not in err
+
+
+def test_bf16_rows_run_every_model_in_bf16():
+    import argparse
+
+    args = argparse.Namespace(bf16=True, trl_bf16=False, trl_threads=[1, 2])
+    assert trl_compare.our_rows(args) == ["flattening", "separation k=1", "flattening bf16",
+                                          "separation k=1 bf16"]
+    assert trl_compare.trl_rows(args)[-1] == ("trl 2t bf16", 2, True)
+    cfg = load_config(None, ["algo.name=grpo", *trl_compare.OURS_BF16["separation k=1 bf16"]])
+    assert set(cfg.placement.dtype) == {"actor=bf16", "shadow_actor=bf16", "reward=bf16",
+                                        "reference=bf16"}
+    assert trl_compare.our_rows(argparse.Namespace(bf16=False)) == list(trl_compare.OURS)
