@@ -223,6 +223,13 @@ class Coordinator:
         """The pid of the node's current process while it runs; None once it is gone."""
         return self.supervisor.pid(node_id)
 
+    def host(self, node_id: str, default: str) -> str:
+        """Where `node_id` binds now (its spec follows a move, `readdress`); `default` for
+        a node that binds no tcp endpoint (a local run's ipc://)."""
+        record = self.nodes.get(node_id)
+        host = record.spec.host() if record is not None else None
+        return host or default
+
     def restart(self, node_id: str, reason: str, pid: int) -> bool:
         """Kill `node_id` and start it again (within restart_limit) as if it had died: for
         a node that cannot go on without a peer that died (a rank of a group). Only the

@@ -38,7 +38,7 @@ from typing import Any
 from rlhf_async.log import get_logger
 from rlhf_async.runtime.launcher import start_node, start_process, wait_polling
 from rlhf_async.runtime.ray_cluster import DeviceGroup, free_ports, ray
-from rlhf_async.runtime.spec import NodeSpec
+from rlhf_async.runtime.spec import NodeSpec, tcp_host
 
 if ray is not None:
     from ray.exceptions import ActorUnavailableError, RayError
@@ -55,15 +55,10 @@ def device_index(device: str) -> int:
     return int(index) if index.isdigit() else 0
 
 
-def _host(address: str) -> str:
-    """`tcp://HOST:PORT` -> HOST."""
-    return address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-
-
 def rehome(spec: NodeSpec, host: str) -> dict[str, str]:
     """old -> new for each tcp address `spec` binds on a host other than `host`: the same
     endpoint on a port free on `host` (where this runs)."""
-    away = [a for a in spec.bound_tcp() if _host(a) != host]
+    away = [a for a in spec.bound_tcp() if tcp_host(a) != host]
     return {old: f"tcp://{host}:{port}" for old, port in zip(away, free_ports(len(away)),
                                                               strict=True)}
 

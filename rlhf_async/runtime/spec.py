@@ -94,6 +94,12 @@ class NodeSpec:
         return [ep.address for ep in self.endpoints.values()
                 if ep.bind and ep.address.startswith("tcp://")]
 
+    def host(self) -> str | None:
+        """The host this node binds its tcp endpoints on (None without any): where it runs
+        for its peers, and where it hosts a rendezvous (a trainer)."""
+        bound = self.bound_tcp()
+        return tcp_host(bound[0]) if bound else None
+
     def connects_to(self, addresses: Collection[str]) -> bool:
         """Whether any endpoint of this node connects to one of `addresses`."""
         return any(not ep.bind and {ep.address, *ep.also} & set(addresses)
@@ -136,3 +142,8 @@ class NodeSpec:
             raise SpecError(f"cannot read node spec {path}: {e.strerror}") from None
         except json.JSONDecodeError as e:
             raise SpecError(f"node spec {path} is not JSON: {e}") from None
+
+
+def tcp_host(address: str) -> str:
+    """`tcp://HOST:PORT` -> HOST (an IPv6 host without its brackets)."""
+    return address.removeprefix("tcp://").rpartition(":")[0].strip("[]")

@@ -48,13 +48,16 @@ def is_loopback(spec: GroupSpec) -> bool:
         return False
 
 
-def _loopback_listener(port: int) -> int:
-    """A socket listening on 127.0.0.1 only, as a file descriptor for the store to own:
-    TCPStore alone listens on every interface whatever address it is given."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+def _loopback_listener(host: str, port: int) -> int:
+    """A socket listening on the loopback address `host` only (127.0.0.1 for localhost;
+    any of 127/8, ::1), as a file descriptor for the store to own: TCPStore alone listens
+    on every interface whatever address it is given."""
+    host = "127.0.0.1" if host == "localhost" else host
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", port))
+        sock.bind((host, port))
         sock.listen(128)
     except OSError:
         sock.close()
@@ -84,7 +87,7 @@ def open_store(spec: GroupSpec, *, is_master: bool, who: str) -> TCPStore:
     listen_fd = None
     try:
         if is_master and is_loopback(spec):
-            listen_fd = _loopback_listener(spec.master_port)
+            listen_fd = _loopback_listener(spec.master_addr, spec.master_port)
         store = TCPStore(spec.master_addr, spec.master_port, None, is_master, timeout,
                          wait_for_workers=False, master_listen_fd=listen_fd)
         listen_fd = None  # the store owns it now
@@ -125,6 +128,7 @@ class BroadcastGroup:
             rank=rank,
             world_size=spec.world_size,
             backend=spec.backend,
+            store=f"{spec.master_addr}:{spec.master_port}",
         )
 
     def _join(self, store: PrefixStore) -> None:

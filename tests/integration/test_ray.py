@@ -234,32 +234,44 @@ class _Hold:
         return True
 
 
-def test_a_lost_ray_node_of_a_binding_node_moves_its_endpoints(tmp_path, cache, cluster):
-    """The scorer binds its rollouts queue. Its Ray node lost, it restarts on a spare Ray
-    node at another address (127.0.0.2: a host of its own to Ray, on this machine), binds
-    there, and the generator, still running, connects there instead. Changes the cluster."""
-    spare = cluster.add_node(num_cpus=1, object_store_memory=STORE,
-                             node_ip_address="127.0.0.2")
+# a node that binds (the queue its peers push to), where it moves (a host of its own to
+# Ray, on this machine), the endpoint it binds and the node that connects to that
+MOVES = {"scorer0": ("127.0.0.2", "rollouts", "gen0"),
+         "trainer": ("127.0.0.3", "scored", "scorer0")}
+
+
+@pytest.mark.parametrize("node", list(MOVES))
+def test_a_lost_ray_node_of_a_binding_node_moves_its_endpoints(tmp_path, cache, cluster, node):
+    """The scorer binds its rollouts queue, the trainer its scored queue and hosts the
+    weight-sync group. Its Ray node lost, it restarts on a spare Ray node at another
+    address, binds there, and its peer, still running, connects there instead; the
+    trainer's weight-sync group is formed anew at its new host. Changes the cluster."""
+    ip, endpoint, peer = MOVES[node]
+    spare = cluster.add_node(num_cpus=1, object_store_memory=STORE, node_ip_address=ip)
     cluster.wait_for_nodes()
     cfg = _cfg(tmp_path, cache, "moved", *APART, *LOSSY, f"ray.address={cluster.address}")
     run_dir, lost = tmp_path / "moved", list[str]()
     ray.init(address=cluster.address, log_to_driver=False)  # the job uses this connection
-    try:  # the spare is held while the job places its group, then free for the scorer
+    try:  # the spare is held while the job places its group, then free for the node
         on_spare = NodeAffinitySchedulingStrategy(spare.node_id, soft=False)
         hold = ray.remote(num_cpus=1)(_Hold).options(scheduling_strategy=on_spare).remote()
         assert ray.get(hold.ready.remote(), timeout=120)
-        run_during(cfg, lambda stop: _remove_node_of(cluster, "scorer0", run_dir, 2, stop,
+        run_during(cfg, lambda stop: _remove_node_of(cluster, node, run_dir, 2, stop,
                                                      lost, lambda: ray.kill(hold)))
     finally:
         ray.shutdown()
-    assert lost, "the run ended before the scorer's node was taken down"
-    scorers = _survived(run_dir, "scorer0")
-    assert scorers[0]["ray_node"] == lost[0] and scorers[-1]["address"] == "127.0.0.2"
-    spec = json.loads((run_dir / "specs" / "scorer0.json").read_text())  # the last start's
-    bound = spec["endpoints"]["rollouts"]["address"]
-    assert bound.startswith("tcp://127.0.0.2:")
-    old = next(iter(scorers[-1]["moved"]))
-    assert old.startswith(f"tcp://{scorers[0]['address']}:") and scorers[-1]["moved"] == {
+    assert lost, f"the run ended before the {node}'s node was taken down"
+    starts = _survived(run_dir, node)
+    assert starts[0]["ray_node"] == lost[0] and starts[-1]["address"] == ip
+    spec = json.loads((run_dir / "specs" / f"{node}.json").read_text())  # the last start's
+    bound = spec["endpoints"][endpoint]["address"]
+    assert bound.startswith(f"tcp://{ip}:")
+    old = next(iter(starts[-1]["moved"]))
+    assert old.startswith(f"tcp://{starts[0]['address']}:") and starts[-1]["moved"] == {
         old: bound}
-    gen = (run_dir / "logs" / "gen0.log").read_text()  # never restarted: told to follow
-    assert "endpoints_readdressed" in gen and bound in gen
+    log = (run_dir / "logs" / f"{peer}.log").read_text()  # never restarted: told to follow
+    assert "endpoints_readdressed" in log and bound in log
+    if node == "trainer":  # the generator joined the regrouped weight sync at the new host
+        ready = [json.loads(x) for x in (run_dir / "logs" / "gen0.log").read_text().splitlines()
+                 if '"weight_sync_group_ready"' in x]
+        assert ready[-1]["store"].startswith(f"{ip}:"), ready

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import time
 from collections import Counter
@@ -329,7 +330,10 @@ class Driver:
             self._want_regroup = False
             if "trainer" in self.down or not self.generators:
                 return  # the trainer's or a generator's recovery asks again
-            self.spec = self.spec.with_epoch(self.spec.epoch + 1)
+            # the trainer hosts the group: where it runs now (restarted on another Ray host)
+            self.spec = dataclasses.replace(
+                self.spec.with_epoch(self.spec.epoch + 1),
+                master_addr=self.coord.host("trainer", self.spec.master_addr))
             self.counts["regroups"] += 1
             try:
                 self.spec = await connect_weight_sync(self.coord, self.spec, "trainer",

@@ -174,8 +174,9 @@ class TrainerRanks:
             await self.coord.wait_ready(self.ranks)
             self.joining = self._current()
             try:
-                pids = await connect_trainer_group(self.coord, self.ranks, self.addr,
-                                                   self.timeout)
+                # rank 0 hosts the rendezvous: where it runs now (moved on Ray: elsewhere)
+                addr = self.coord.host(self.ranks[0], self.addr)
+                pids = await connect_trainer_group(self.coord, self.ranks, addr, self.timeout)
             except PipelineError as e:
                 failures += 1
                 if failures > 2:

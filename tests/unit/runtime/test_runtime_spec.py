@@ -5,6 +5,7 @@ import pytest
 from rlhf_async.runtime import NodeSpec, SpecError
 from rlhf_async.runtime.process import main as node_main
 from rlhf_async.runtime.process import resolve_entry
+from rlhf_async.runtime.spec import tcp_host
 from rlhf_async.wire.transport import Endpoint
 
 
@@ -74,3 +75,7 @@ def test_a_readdressed_spec_follows_moved_peers_bound_or_connected():
     assert moved.endpoints["in"].address == "tcp://10.0.0.8:5001" and moved.endpoints["in"].bind
     assert moved.endpoints["local"] == spec.endpoints["local"]
     assert spec.readdressed({}) == spec
+    # where the node runs for its peers (a trainer's rendezvous): its bound tcp host
+    assert spec.host() == "10.0.0.2" and moved.host() == "10.0.0.8"
+    ipc_only = _spec(endpoints={"local": Endpoint("pull", "ipc:///tmp/x/l", bind=True)})
+    assert ipc_only.host() is None and tcp_host("tcp://[::1]:5") == "::1"

@@ -47,6 +47,9 @@ class FakeCoord:
     async def moves_followed(self) -> None:
         """No node moved host here (the Ray launcher's moves: test_ray.py)."""
 
+    def host(self, node_id: str, default: str) -> str:
+        return default
+
 
 class Events:
     def __init__(self) -> None:

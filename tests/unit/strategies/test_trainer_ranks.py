@@ -25,6 +25,11 @@ class FakeCoord:
         self.connects: list[dict[str, int]] = []  # the pids each rendezvous reached
         self.limit = restart_limit
         self.fail_connects = 0
+        self.hosts: dict[str, str] = {}  # node -> where it binds now (after a Ray move)
+        self.meets: list[str] = []  # the rendezvous host each rank was told
+
+    def host(self, node: str, default: str) -> str:
+        return self.hosts.get(node, default)
 
     def pid(self, node: str) -> int | None:
         return self.procs.get(node)
@@ -56,6 +61,7 @@ class FakeCoord:
             self.fail_connects -= 1
             raise TimeoutError(f"node {node!r} did not answer")
         self.connects.append({node: self.procs[node]})
+        self.meets.append(payload["addr"])  # type: ignore[index]
         return {"pid": self.procs[node]}
 
 
@@ -83,6 +89,21 @@ def test_a_dead_member_restarts_the_other_ranks_and_a_new_group_forms():
             assert ranks.died(r, first[r]) == []
         await settle()
         assert len(coord.killed) == 2 and ranks.failure() is None
+    asyncio.run(main())
+
+
+def test_after_rank_0_moved_host_the_new_group_meets_where_it_runs_now():
+    async def main() -> None:
+        coord = FakeCoord()
+        ranks = TrainerRanks(coord, RANKS, "10.0.0.1", 5.0)  # type: ignore[arg-type]
+        ranks.form()
+        await settle()
+        assert coord.meets == ["10.0.0.1"] * 3
+        coord.hosts["trainer"] = "10.0.0.2"  # restarted on another Ray node, re-addressed
+        ranks.died("trainer", coord.die("trainer"))
+        await settle()
+        assert ranks.members == {r: coord.procs[r] for r in RANKS}
+        assert coord.meets[3:] == ["10.0.0.2"] * 3
     asyncio.run(main())
 
 

@@ -336,6 +336,24 @@ def test_a_single_host_group_listens_on_loopback_only() -> None:
         wide.close()
 
 
+def test_a_sender_on_another_loopback_address_is_reached_there() -> None:
+    """A host of its own to Ray on one machine (127.0.0.3, a trainer moved there): the
+    store listens on that address, not on 127.0.0.1, and the receivers reach it."""
+    sender = TorchBroadcastSender("gloo")
+    spec = sender.prepare(GroupSpec("gloo", "127.0.0.3", 0, 2, timeout_s=20))
+    rx = TorchBroadcastReceiver("gloo")
+    try:
+        assert _listening()[spec.master_port] == {"127.0.0.3"}
+        assert _run_threads([lambda: sender.connect(spec), lambda: rx.connect(spec, 1)]) == [
+            None, None]
+        plan = sender.plan(_tensors(), 1)
+        got = _run_threads([lambda: sender.send(_tensors(), plan), lambda: rx.receive(plan)])
+        assert got[0] is None and got[1].version == 1
+    finally:
+        sender.close()
+        rx.close()
+
+
 CUTS = [  # consecutive groups of _tensors(): a bucket then spans groups, or lies in one
     [["emb"], ["w", "h"], ["scalar", "empty", "count", "mask"]],
     [["emb", "w"], ["h"], ["scalar"], ["empty"], ["count", "mask"]],
