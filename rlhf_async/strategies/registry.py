@@ -8,7 +8,7 @@ it to one of these before anything runs.
 from __future__ import annotations
 
 from rlhf_async.config import JobConfig, PlacementConfig
-from rlhf_async.strategies import flattening, interleaving, separation
+from rlhf_async.strategies import flattening, interleaving
 from rlhf_async.strategies.base import Strategy
 from rlhf_async.strategies.placement import (
     Placement,
@@ -18,11 +18,12 @@ from rlhf_async.strategies.placement import (
     validate,
     with_engines,
 )
+from rlhf_async.strategies.separation import strategy as separation_strategy
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     flattening.STRATEGY,
     interleaving.STRATEGY,
-    separation.STRATEGY,
+    separation_strategy.STRATEGY,
 )}
 AUTO = "auto"
 

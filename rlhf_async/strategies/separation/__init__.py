@@ -5,8 +5,7 @@ each node's busy and idle time, `events` the typed control messages, `startup` b
 nodes and the weight-sync group up, `driver` is the coordinator's side (dispatch under the
 staleness gate, weight-version bookkeeping, metrics), `runner` builds the node specs and
 runs them, `strategy` is the preset and checks behind `placement.strategy = separation`.
+
+The package imports none of them itself: a node process needs `wire`, `events` and
+`stage`, not the runners (and with them Ray, when installed).
 """
-
-from rlhf_async.strategies.separation.strategy import STRATEGY
-
-__all__ = ["STRATEGY"]
