@@ -9,16 +9,18 @@ with the same prompts per step, responses per prompt, max new tokens, learning r
 temperature 1 / no top-k, clip 0.2, KL beta (k3 in the loss), group-std advantage scaling,
 token-level loss normalisation, one optimizer step per batch, grad clip 1.0, AdamW
 defaults and fp32 (TRL's default bf16 autocast is turned off; `--trl-bf16` adds a row with
-it, `--bf16` that row and ours in bf16). TRL gets every core as torch threads in one process (its normal CPU use); ours
-runs as a user runs it (`job.run`) with each strategy on every core. Reported: completions/s
-and completion tokens/s over the steady steps (warm-up excluded), the whole RL phase's wall
-time (process start and model loading included for ours; TRL's `train()`), and the
-wall-clock until the hidden score (the task's true score; rolling mean of 3 training
-batches) first reaches the target. `--new-tokens N` is the generation-heavy regime: both
-sides generate N tokens per completion (EOS is allowed only as the N-th: min new tokens
-N - 1; the task's own answer is 7), so generation dominates the step; the reward model then scores the first
-N tokens and the hidden score stops being a learning signal (throughput only). Needs the `bench` extra (`pip install -e .[bench]`).
-Writes bench/results/trl_compare.json.
+it, `--bf16` that row and ours in bf16). TRL gets every core as torch threads in one
+process (its normal CPU use); ours runs as a user runs it (`job.run`) with each strategy on
+every core. Reported: completions/s and completion tokens/s over the steady steps (warm-up
+excluded), the whole RL phase's wall time (process start and model loading included for
+ours; TRL's `train()`), and the wall-clock until the hidden score (the task's true score;
+rolling mean of 3 training batches) first reaches the target.
+
+`--new-tokens N` is the generation-heavy regime: both sides generate N tokens per
+completion (EOS is allowed only as the N-th: min new tokens N - 1; the task's own answer is
+7), so generation dominates the step; the reward model then scores all N tokens and the
+hidden score stops being a learning signal (throughput only). Needs the `bench` extra
+(`pip install -e .[bench]`). Writes bench/results/trl_compare.json.
 """
 
 from __future__ import annotations
@@ -258,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--beta", type=float, default=0.05, help="KL coefficient (both sides)")
     ap.add_argument("--target", type=float, default=0.55, help="hidden score to reach")
     ap.add_argument("--new-tokens", type=int, default=0,
-                    help="generation-heavy rows: exactly this many new tokens per completion "
-                    "on both sides (0: the task's own length, EOS ends a completion)")
+                    help="generation-heavy rows: this many new tokens per completion on both "
+                    "sides, EOS only as the last (0: the task's own length, EOS ends one)")
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--trl-threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}),
                     help="torch thread counts to run TRL with (each is one row; the best "

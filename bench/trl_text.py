@@ -9,9 +9,10 @@ new tokens, temperature (no top-k / top-p), learning rate, clip, KL beta (k3 in 
 group-std advantage scaling, token-level loss normalisation (`dapo`), one optimizer step
 per batch, grad clip, AdamW defaults, fp32 (TRL's default bf16 autocast off; `--trl-bf16`
 adds a row with it, `--bf16` that row and ours in bf16). TRL draws its own prompt order
-from the same training prompts (held-out ones excluded); the rule reward sees the same (prompt, response) text on
-both sides. Reported as in `bench.trl_compare`, with the mean rule reward per batch in the
-"hidden" columns. Needs the `bench` extra and the model directory.
+from the same training prompts (held-out ones excluded); the rule reward sees the same
+(prompt, response) text on both sides. Reported as in `bench.trl_compare`, with the mean
+rule reward per batch in the "hidden" columns. Needs the `bench` extra and the model
+directory.
 """
 
 from __future__ import annotations

@@ -131,17 +131,16 @@ def predictions(cfg: JobConfig) -> dict[str, Candidate]:
     for name in STRATEGIES:
         job = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement,
                                                                      strategy=name))
-        if name == "separation" and not pinned(job.placement):
-            found = balanced(job, price)
-            if found is not None:
-                job, p = found
-                out[name] = (job.placement, p, predict(p, shape, work, dev, cal), "")
+        found = balanced(job, price) if name == "separation" and not pinned(job.placement) \
+            else None
+        if found is not None:
+            job, p = found
+        else:
+            try:
+                p = runnable_placement(job)
+            except PlacementError as e:
+                out[name] = (job.placement, None, None, "; ".join(e.problems))
                 continue
-        try:
-            p = runnable_placement(job)
-        except PlacementError as e:
-            out[name] = (job.placement, None, None, "; ".join(e.problems))
-            continue
         out[name] = (job.placement, p, predict(p, shape, work, dev, cal), "")
     return out
 
@@ -155,7 +154,7 @@ def _choose(cfg: JobConfig) -> tuple[PlacementConfig, Placement, str]:
                               f"{why or '; '.join(pr.notes if pr else [])}"
                               for n, (_, _, pr, why) in preds.items()])
     best = min(ok, key=lambda n: ok[n][2].step_s)
-    times = ", ".join(f"{n} {pr.step_s * 1e3:.1f} ms" + (f" ({_layout(p)})" if _layout(p)
+    times = ", ".join(f"{n} {pr.step_s * 1e3:.1f} ms" + (f" ({lay})" if (lay := _layout(p))
                                                         else "")
                       for n, (_, p, pr) in ok.items())
     skipped = "".join(f"; {n} not possible ({why or 'infeasible'})"
