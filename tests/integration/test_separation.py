@@ -56,7 +56,17 @@ def test_separation_matches_flattening_when_synchronous(tmp_path, cache, algo, o
     # last-ulp differences of near-zero gradients into a fraction of one step (lr 5e-4)
     atol = 2e-4 if "placement.actor=[0,1]" in LAYOUTS[algo] else 1e-5
     for k in wf:
-        torch.testing.assert_close(wf[k], ws[k], rtol=1e-4, atol=atol)
+        a, b = wf[k], ws[k]
+        if k.endswith("attn.c_attn.bias"):
+            # the key bias adds q.b to every score of a row alike, so softmax cancels it: its
+            # gradient is float noise, which Adam scales up to whole steps of either sign
+            a, b = _without_key_bias(a), _without_key_bias(b)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=atol)
+
+
+def _without_key_bias(qkv_bias: torch.Tensor) -> torch.Tensor:
+    q, _, v = qkv_bias.chunk(3)
+    return torch.cat([q, v])
 
 
 def test_replicas_train_every_prompt_exactly_once(tmp_path, cache):
