@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rlhf_async.modeling.decode_step import decode_step
 from rlhf_async.modeling.determinism import keyed_uniform
 from rlhf_async.modeling.kv_cache import preallocated_cache
 from rlhf_async.modeling.models import cache_keyword, keep_logits
@@ -142,6 +143,8 @@ def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: Sa
     out = actor(input_ids=prompt_ids, attention_mask=mask[:, :P], position_ids=pos,
                 use_cache=True, **keep_logits(actor, 1), **({} if ours is None else {kw: ours}))
     cache: Any = _output_cache(out)  # ours, or the model's own (a Cache, or tuples)
+    # on our cache, the decode steps skip HF's module tree where the architecture allows
+    step = decode_step(actor) if ours is not None and cache is ours else None
     logits = out.logits[:, -1]  # [B, V]
     droppable = hasattr(cache, "batch_select_indices")
     next_pos = pos[:, -1:] + 1  # [b, 1]
@@ -171,9 +174,12 @@ def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: Sa
             cache.batch_select_indices(keep)
             rows, mask, tok, next_pos = rows[keep], mask[keep], tok[keep], next_pos[keep]
             live = live[keep]
-        out = actor(input_ids=tok[:, None], attention_mask=mask[:, : P + t + 1],
-                    position_ids=next_pos, use_cache=True, **{kw: cache})
-        cache, logits = _output_cache(out), out.logits[:, -1]
+        if step is not None:
+            logits = step(tok, next_pos, mask[:, : P + t + 1], cache)
+        else:
+            out = actor(input_ids=tok[:, None], attention_mask=mask[:, : P + t + 1],
+                        position_ids=next_pos, use_cache=True, **{kw: cache})
+            cache, logits = _output_cache(out), out.logits[:, -1]
         next_pos = next_pos + 1
     actor.train(was_training)
     return Generated(tokens, resp_mask, logprobs)
