@@ -129,6 +129,9 @@ class Prediction:
     feasible: bool
     notes: list[str] = field(default_factory=list)
     activations: dict[int, float] = field(default_factory=dict)  # bytes per training device
+    # priced with ZeRO-3-sharded training copies: the job must run train.backend =
+    # deepspeed, train.zero_stage = 3 (torch holds them whole, which does not fit)
+    zero3: bool = False
 
     @property
     def peak_memory(self) -> float:
@@ -200,7 +203,8 @@ def sharded(p: Placement, m: ModelPlacement, zero3: bool) -> bool:
 def memory_plan(p: Placement, shape: ModelShape, dev: DeviceSpec,
                 acts: dict[int, float] | None = None) -> tuple[dict[int, float], bool]:
     """Resident bytes per device and whether data-parallel models are ZeRO-3 sharded (when
-    the unsharded states plus the activations `acts` would crowd a device)."""
+    the unsharded states plus the activations `acts` would crowd a device, and ZeRO-3 has
+    a model with several replicas to shard: else there is nothing for it to do)."""
     def per_device(zero3: bool) -> dict[int, float]:
         mem = {d: 0.0 for d in range(p.num_devices)}
         for m in p.models:
@@ -209,7 +213,8 @@ def memory_plan(p: Placement, shape: ModelShape, dev: DeviceSpec,
                 mem[d] = mem.get(d, 0.0) + _state_bytes(m.runtime, m.dtype) * shape.params / shard
         return mem
     plain = per_device(False)
-    if max(b + (acts or {}).get(d, 0.0) for d, b in plain.items()) <= 0.75 * _budget(dev):
+    crowded = max(b + (acts or {}).get(d, 0.0) for d, b in plain.items()) > 0.75 * _budget(dev)
+    if not crowded or not any(sharded(p, m, True) for m in p.models):
         return plain, False
     return per_device(True), True
 
@@ -366,4 +371,4 @@ def predict(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
     if zero3:
         notes.insert(0, "ZeRO-3 sharding of data-parallel models")
     feasible = gen is not None and max(peak.values()) <= _budget(dev)
-    return Prediction(p.strategy, step, phases, peak, feasible, notes, acts)
+    return Prediction(p.strategy, step, phases, peak, feasible, notes, acts, zero3)
