@@ -8,9 +8,10 @@ concurrently (phase time = the busiest device); Separation with max_staleness > 
 generation with training (step time = the busiest pipeline stage).
 
 What makes Flattening slow at scale is modelled explicitly: when the training states do
-not fit one device unsharded, every data-parallel model is ZeRO-3 sharded, and *every*
-generation forward pass (prefill and each decoded token) first gathers the actor's full
-weights over the interconnect; the memory the resident models leave is what the KV cache
+not fit one device unsharded, the training copies (actor, critic) are ZeRO-3 sharded over
+their data-parallel group (the frozen models stay whole, as the runners hold them), and
+*every* generation forward pass (prefill and each decoded token) first gathers the actor's
+full weights over the interconnect; the memory the resident models leave is what the KV cache
 gets, which bounds the rows decoded at once (more sequential passes when it is small).
 A training device also holds one micro-batch's activations during the backward pass
 (`activation_plan`); they count towards its peak memory, not towards the KV cache's room
@@ -32,8 +33,10 @@ ASSUMPTIONS = [
     ("LLaMA-1 shapes (7B/13B/33B/65B: 32/40/60/80 layers, hidden 4096/5120/6656/8192, "
     "vocab 32000, no GQA); actor, critic, reward and reference all of the actor's size"),
     ("bf16 weights; training states 16 bytes/param (bf16 weights + grads, fp32 Adam m, v, "
-    "master); ZeRO-3 over each model's data-parallel group when the unsharded states and "
-    "activations of a device's models exceed 75% of its memory, else plain data parallelism"),
+    "master); ZeRO-3 (train.backend = deepspeed, train.zero_stage = 3) over the training "
+    "copies' data-parallel group when the unsharded states and activations of a device's "
+    "models exceed 75% of its memory, else plain data parallelism; frozen models (reward, "
+    "reference) and generators always whole, as this build's runners hold them"),
     ("per step: prompt 512 tokens, 480 generated tokens (the paper's setting), 1024 samples, "
     "1 PPO epoch in 4 minibatches, no gradient accumulation; activation checkpointing: "
     "each layer's bf16 input kept, one layer's activations (16 values per token and hidden "
@@ -129,6 +132,9 @@ class Prediction:
     feasible: bool
     notes: list[str] = field(default_factory=list)
     activations: dict[int, float] = field(default_factory=dict)  # bytes per training device
+    # priced with ZeRO-3-sharded training copies: the job must run train.backend =
+    # deepspeed, train.zero_stage = 3 (torch holds them whole, which does not fit)
+    zero3: bool = False
 
     @property
     def peak_memory(self) -> float:
@@ -191,25 +197,28 @@ def _bw(devices: tuple[int, ...], dev: DeviceSpec, cal: Calibration) -> float:
     return (dev.link_bw if len(nodes) <= 1 else dev.net_bw) * cal.link_eff
 
 
-def sharded(p: Placement, m: ModelPlacement, zero3: bool) -> bool:
-    """ZeRO-3 shards training copies, and under flattening / interleaving the frozen models
-    too (one engine for all); Separation's inference replicas stay whole."""
-    return zero3 and m.replicas > 1 and (m.runtime == TRAIN or p.strategy != "separation")
+def sharded(m: ModelPlacement, zero3: bool) -> bool:
+    """ZeRO-3 shards the training copies only: every runner holds its frozen models whole
+    (the reference is a copy of the SFT actor taken before the training engine shards it,
+    the reward model loads plain, inference engines keep whole copies)."""
+    return zero3 and m.replicas > 1 and m.runtime == TRAIN
 
 
 def memory_plan(p: Placement, shape: ModelShape, dev: DeviceSpec,
                 acts: dict[int, float] | None = None) -> tuple[dict[int, float], bool]:
-    """Resident bytes per device and whether data-parallel models are ZeRO-3 sharded (when
-    the unsharded states plus the activations `acts` would crowd a device)."""
+    """Resident bytes per device and whether the training copies are ZeRO-3 sharded (when
+    the unsharded states plus the activations `acts` would crowd a device, and ZeRO-3 has
+    a model with several replicas to shard: else there is nothing for it to do)."""
     def per_device(zero3: bool) -> dict[int, float]:
         mem = {d: 0.0 for d in range(p.num_devices)}
         for m in p.models:
-            shard = m.tensor_parallel * (m.replicas if sharded(p, m, zero3) else 1)
+            shard = m.tensor_parallel * (m.replicas if sharded(m, zero3) else 1)
             for d in m.devices:
                 mem[d] = mem.get(d, 0.0) + _state_bytes(m.runtime, m.dtype) * shape.params / shard
         return mem
     plain = per_device(False)
-    if max(b + (acts or {}).get(d, 0.0) for d, b in plain.items()) <= 0.75 * _budget(dev):
+    crowded = max(b + (acts or {}).get(d, 0.0) for d, b in plain.items()) > 0.75 * _budget(dev)
+    if not crowded or not any(sharded(m, True) for m in p.models):
         return plain, False
     return per_device(True), True
 
@@ -243,7 +252,7 @@ def _gen_time(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec, cal
         return None
     passes = math.ceil(rows / fit)
     wbytes = dtype_bytes(m.dtype) * shape.params / tp
-    gather = wbytes * (reps - 1) / reps / _bw(m.devices, dev, cal) if sharded(p, m, zero3) \
+    gather = wbytes * (reps - 1) / reps / _bw(m.devices, dev, cal) if sharded(m, zero3) \
         else 0.0
     tp_comm = 2 * shape.layers * cal.collective_s if tp > 1 else 0.0
     fixed = shape.layers * cal.gen_call_s + tp_comm + gather
@@ -268,8 +277,9 @@ def _forward_s(flops: float, layers: int, call_s: float, eff: float, dev: Device
 
 
 def _score_times(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
-                 cal: Calibration, zero3: bool) -> dict[int, float]:
-    """Busy seconds per device scoring; owners of different models work concurrently."""
+                 cal: Calibration) -> dict[int, float]:
+    """Busy seconds per device scoring (whole frozen models: nothing to gather); owners
+    of different models work concurrently."""
     busy = {d: 0.0 for d in range(p.num_devices)}
     seq = w.prompt_len + w.gen_len
     for m in p.models:
@@ -279,8 +289,6 @@ def _score_times(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
         rows = math.ceil(w.samples / reps)
         t = _forward_s(2 * shape.params * rows * seq / m.tensor_parallel, shape.layers,
                        cal.score_call_s, cal.score_eff, dev)
-        if sharded(p, m, zero3):
-            t += dtype_bytes(m.dtype) * shape.params / _bw(m.devices, dev, cal)
         for d in m.devices:
             busy[d] = busy.get(d, 0.0) + t
     return busy
@@ -301,7 +309,7 @@ def _train_times(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
         t = _forward_s(flops, passes * shape.layers, cal.train_call_s, cal.train_eff, dev)
         grads = dtype_bytes(m.dtype) * shape.params / m.tensor_parallel
         if reps > 1:
-            volume = 2 * grads * (reps - 1) / reps * (2.5 if sharded(p, m, zero3) else 1.0)
+            volume = 2 * grads * (reps - 1) / reps * (2.5 if sharded(m, zero3) else 1.0)
             t += updates * volume / _bw(m.devices, dev, cal)
             if m.model == "actor":  # the critic's gradients travel with the actor's
                 t += train_collectives(w) * cal.collective_s
@@ -340,7 +348,7 @@ def predict(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
                      f"{acts.get(d, 0.0) / GiB:.1f} GiB on device {d}, budget "
                      f"{_budget(dev) / GiB:.1f} GiB")
     gen = _gen_time(p, shape, w, dev, cal, mem, zero3, notes)
-    score = _score_times(p, shape, w, dev, cal, zero3)
+    score = _score_times(p, shape, w, dev, cal)
     train = _train_times(p, shape, w, dev, cal, zero3)
     phases = {"generate": gen or math.inf, "score": max(score.values()),
               "train": max(train.values()), "sync": 0.0}
@@ -364,6 +372,6 @@ def predict(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
             phases = {k: v * slow for k, v in phases.items()}
         step += phases["generate"] + phases["score"] + phases["train"]
     if zero3:
-        notes.insert(0, "ZeRO-3 sharding of data-parallel models")
+        notes.insert(0, "ZeRO-3 sharding of the training copies (actor, critic)")
     feasible = gen is not None and max(peak.values()) <= _budget(dev)
-    return Prediction(p.strategy, step, phases, peak, feasible, notes, acts)
+    return Prediction(p.strategy, step, phases, peak, feasible, notes, acts, zero3)

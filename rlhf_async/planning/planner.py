@@ -325,7 +325,9 @@ def simulate(gpu: str, models: list[str], sizes: list[int], work: Workload = SIM
 def _best(runnable: list[tuple[JobConfig, Placement]], refused: list[str], shape: ModelShape,
           work: Workload, dev: DeviceSpec, cal: Calibration) -> dict:
     """The fastest feasible of the runnable layouts, each with the smallest
-    train.grad_accum (of 1-16) whose activations fit; else the fastest, marked OOM."""
+    train.grad_accum (of 1-16) whose activations fit; else the fastest, marked OOM. Its
+    overrides name the engine the price assumes (`priced_job`); a row whose engine `run`
+    would refuse is refused, not proposed."""
     if not runnable:
         return {"step_s": None, "phases": {}, "memory_gib": 0.0, "feasible": False,
                 "runnable": False, "notes": refused, "layout": "", "overrides": []}
@@ -338,11 +340,24 @@ def _best(runnable: list[tuple[JobConfig, Placement]], refused: list[str], shape
                 break
     feasible = [x for x in preds if x[0].feasible] or preds
     pred, job, p, accum = min(feasible, key=lambda x: x[0].step_s)
-    job = dataclasses.replace(job, train=dataclasses.replace(job.train, grad_accum=accum))
+    job = priced_job(job, pred, accum)
+    try:
+        runnable_placement(job)
+    except PlacementError as e:  # the engine the price needs is one `run` refuses here
+        return _best([], e.problems, shape, work, dev, cal)
     layout = _layout(p) + (f"; grad_accum {accum}" if accum > 1 else "")
     return {"step_s": pred.step_s, "phases": pred.phases, "memory_gib": pred.peak_memory / GiB,
             "feasible": pred.feasible, "runnable": True, "notes": pred.notes,
             "layout": layout.strip("; "), "overrides": overrides(job)}
+
+
+def priced_job(job: JobConfig, pred: Prediction, accum: int) -> JobConfig:
+    """`job` as `pred` priced it: with its train.grad_accum, and on DeepSpeed ZeRO-3 when
+    the prediction shards the training copies (the torch engine would hold them whole)."""
+    train = dataclasses.replace(job.train, grad_accum=accum)
+    if pred.zero3:
+        train = dataclasses.replace(train, backend="deepspeed", zero_stage=3)
+    return dataclasses.replace(job, train=train)
 
 
 def _layout(p: Placement) -> str:

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from rlhf_async.cli import main
-from rlhf_async.config import ConfigError, PlacementConfig, load_config
+from rlhf_async.config import ConfigError, JobConfig, PlacementConfig, load_config
+from rlhf_async.planning import planner
 from rlhf_async.planning.costmodel import (
     DEVICES,
     LLAMA,
@@ -25,7 +26,9 @@ from rlhf_async.planning.planner import (
     choose,
     load_calibration,
     plan_job,
+    priced_job,
     resolve_auto,
+    sim_job,
     sim_options,
     simulate,
 )
@@ -47,7 +50,11 @@ def test_memory_is_summed_per_device_and_sharded_only_when_needed():
     assert not zero3 and mem == {0: 40e6, 1: 40e6}
     small = dataclasses.replace(BIG_MEMORY, memory=40e6)  # budget 36 MB: must shard
     mem, zero3 = memory_plan(_placement("flattening"), SHAPE, small)
-    assert zero3 and mem == {0: 20e6, 1: 20e6}
+    # actor and critic sharded over the 2 replicas; reward and reference whole, as the
+    # runners hold them (the reference is copied from the actor before ZeRO shards it)
+    assert zero3 and mem == {0: 24e6, 1: 24e6}
+    # one replica: ZeRO-3 would shard nothing, so the plan does not ask for it
+    assert memory_plan(_placement("flattening", 1), SHAPE, small) == ({0: 40e6}, False)
     mem, _ = memory_plan(_placement("interleaving", 4), SHAPE, BIG_MEMORY)
     assert mem == {0: 36e6, 1: 36e6, 2: 36e6, 3: 36e6}  # one frozen model per device
 
@@ -76,9 +83,10 @@ def test_separation_overlaps_only_with_staleness():
 
 def test_flattening_at_scale_gathers_weights_every_token_and_loses_to_separation():
     n, shape = 64, LLAMA["13B"]
-    work = Workload(samples=1024, prompt_len=512, gen_len=480)
-    flat = predict(_placement("flattening", n, device="cuda"), shape, work, DEVICES["H100"],
-                   Calibration())
+    # the simulation's workload: checkpointed activations leave room for the whole reward
+    # model and reference beside the sharded training copies
+    flat = predict(_placement("flattening", n, device="cuda"), shape, SIM_WORK,
+                   DEVICES["H100"], Calibration())
     assert flat.feasible and any("gathers" in note for note in flat.notes)
     rows = simulate("H100", ["13B"], [n])
     best = {r["strategy"]: r for r in rows}
@@ -210,10 +218,49 @@ def test_every_simulated_proposal_is_a_layout_run_accepts():
     rows = simulate("H100", ["7B"], [8, 16])
     proposed = [r for r in rows if r["runnable"]]
     assert {"flattening", "separation k=0", "separation k=1"} <= {r["strategy"] for r in proposed}
+    zero3_rows = 0
     for r in proposed:
         # the row's own overrides, on a model with room for the 992-token sequences
         cfg = load_config(None, [*r["overrides"], "model.max_positions=1024"])
         placement = runnable_placement(cfg)  # PlacementError: what `run` would refuse
         assert r["strategy"].startswith(placement.strategy) and " tp" not in r["layout"]
+        # a price that shards the training copies comes with the engine that shards them
+        zero3 = any(n.startswith("ZeRO-3 sharding") for n in r["notes"])
+        engine = ("deepspeed", 3) if zero3 else ("torch", JobConfig().train.zero_stage)
+        assert (cfg.train.backend, cfg.train.zero_stage) == engine
+        # and the job the overrides describe is priced the same way again
+        work = dataclasses.replace(SIM_WORK, grad_accum=cfg.train.grad_accum,
+                                   max_staleness=cfg.algo.max_staleness)
+        again = predict(placement, LLAMA["7B"], work, DEVICES["H100"], Calibration())
+        assert again.zero3 == zero3 and again.step_s == pytest.approx(r["step_s"])
+        zero3_rows += zero3
+    assert zero3_rows  # 7B's training states (16 bytes/param) fit no H100 unsharded
     for r in rows:
         assert r["runnable"] or (r["notes"] and r["step_s"] is None and not r["overrides"])
+
+
+def test_a_simulated_job_runs_on_the_engine_its_price_assumes():
+    job = sim_job(PlacementConfig(strategy="flattening", devices=2), SIM_WORK)
+    p = runnable_placement(job)
+    roomy = predict(p, SHAPE, WORK, BIG_MEMORY, Calibration())
+    tight = predict(p, SHAPE, WORK, dataclasses.replace(BIG_MEMORY, memory=40e6),
+                    Calibration())
+    assert not roomy.zero3 and tight.zero3
+    plain = priced_job(job, roomy, 2).train
+    assert (plain.backend, plain.zero_stage, plain.grad_accum) == ("torch", 2, 2)
+    sharded = priced_job(job, tight, 1)
+    assert (sharded.train.backend, sharded.train.zero_stage) == ("deepspeed", 3)
+    assert runnable_placement(sharded) == p  # `run` executes it as planned
+
+
+def test_a_row_whose_engine_run_would_refuse_is_refused_not_proposed(monkeypatch):
+    real = planner.runnable_placement
+
+    def no_deepspeed(cfg: JobConfig):
+        if cfg.train.backend == "deepspeed":
+            raise PlacementError(["train.backend: deepspeed is refused here"])
+        return real(cfg)
+    monkeypatch.setattr(planner, "runnable_placement", no_deepspeed)
+    flat = next(r for r in simulate("H100", ["7B"], [8]) if r["strategy"] == "flattening")
+    assert not flat["runnable"] and not flat["overrides"] and flat["step_s"] is None
+    assert flat["notes"] == ["train.backend: deepspeed is refused here"]
