@@ -215,6 +215,11 @@ def _plan(cfg: JobConfig) -> tuple[Placement | None, Prediction | None, list[str
     dev, cal = machine(cfg)
     shape, work = shape_of(cfg), workload_of(cfg)
     pred = predict(found, shape, work, dev, cal)
+    if pred.zero3 and (cfg.train.backend, cfg.train.zero_stage) != ("deepspeed", 3):
+        pred.notes.append(
+            f"the training copies fit only ZeRO-3-sharded (this prediction shards them), but "
+            f"train.backend = {cfg.train.backend!r} holds them whole on every device: set "
+            "train.backend=deepspeed train.zero_stage=3")
     problems += [f"placement: predicted memory over budget on device {d}: {b / GiB:.3g} GiB "
                  f"> {0.9 * dev.memory / GiB:.3g} GiB (placement.memory_gb or the device's "
                  f"memory){_activation_hint(pred.activations.get(d, 0.0))}"

@@ -210,6 +210,20 @@ def test_plan_job_names_a_micro_batchs_activations_and_what_lowers_them():
     plan_job(load_config(None, [*args, "train.grad_accum=64"]))  # fits: no error
 
 
+def test_plan_says_when_its_prediction_needs_zero3_that_the_config_lacks():
+    # 3.2M-parameter actor and critic: whole, their training states crowd 0.12 GB a device
+    args = ["placement.devices=2", "model.hidden=256", "model.layers=4",
+            "train.grad_accum=32", "placement.memory_gb=0.12"]
+    _, pred = plan_job(load_config(None, args))
+    assert pred.zero3
+    assert any("set train.backend=deepspeed train.zero_stage=3" in n for n in pred.notes)
+    _, pred = plan_job(load_config(None, [*args, "train.backend=deepspeed",
+                                          "train.zero_stage=3"]))
+    assert pred.zero3 and not any("train.backend=deepspeed" in n for n in pred.notes)
+    _, pred = plan_job(load_config(None, args[:-1]))  # room enough: nothing to shard for
+    assert not pred.zero3 and not any("ZeRO-3" in n for n in pred.notes)
+
+
 def test_every_simulated_proposal_is_a_layout_run_accepts():
     runnable, refused = sim_options(8, SIM_WORK)["separation"]
     # the grid tries tensor-parallel generators and scorers; the runners' check drops them
