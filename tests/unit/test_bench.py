@@ -5,6 +5,7 @@ import torch
 
 from bench import trl_compare
 from bench.__main__ import series
+from bench.bench_decode import compare as decode_compare
 from bench.plots import plot_runs
 from rlhf_async.config import TaskConfig, load_config
 from rlhf_async.task import SortDigitsTask
@@ -130,3 +131,9 @@ def test_bf16_rows_run_every_model_in_bf16():
     assert set(cfg.placement.dtype) == {"actor=bf16", "shadow_actor=bf16", "reward=bf16",
                                         "reference=bf16"}
     assert trl_compare.our_rows(argparse.Namespace(bf16=False)) == list(trl_compare.OURS)
+
+
+def test_bench_decode_times_both_paths_on_the_same_samples():
+    r = decode_compare("llama 4x128", rounds=1, rows=4, new_tokens=5)
+    assert r["tokens_equal"] and r["logprob_max_diff"] < 1e-5
+    assert r["hf_ms"] > 0 and r["step_ms"] > 0

@@ -1,0 +1,88 @@
+"""Sampling with the functional decode step against stepping the HF model, side by side.
+
+    python bench/bench_decode.py [--rounds 5] [--rows 16] [--new-tokens 49]
+
+For each model size: `modeling.generation.sample` on the same prompts and uniforms, with
+`decode_step` (the default) and with it turned off (every token through the model's own
+forward), taking turns round by round on one thread. Prints the median milliseconds per
+call of each, their ratio, whether the tokens are equal and the largest log-prob
+difference, with the load average before and after (compare ratios from one run on an
+idle box). Random weights are enough: the cost of a step does not depend on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig
+
+from rlhf_async.modeling import generation
+from rlhf_async.modeling.generation import SamplingParams
+
+SIZES = {"gpt2 2x64": ("gpt2", 2, 64, 4), "gpt2 4x128": ("gpt2", 4, 128, 4),
+         "gpt2 6x384": ("gpt2", 6, 384, 6), "llama 4x128": ("llama", 4, 128, 4)}
+VOCAB, PAD, EOS = 16, 0, 1
+
+
+def model_config(arch: str, layers: int, hidden: int, heads: int) -> PretrainedConfig:
+    special = {"pad_token_id": PAD, "eos_token_id": EOS, "bos_token_id": 2}
+    if arch == "llama":
+        return LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=4 * hidden,
+                           num_hidden_layers=layers, num_attention_heads=heads,
+                           num_key_value_heads=heads, max_position_embeddings=128, **special)
+    return GPT2Config(vocab_size=VOCAB, n_positions=128, n_embd=hidden, n_layer=layers,
+                      n_head=heads, activation_function="gelu_pytorch_tanh", **special)
+
+
+def compare(name: str, rounds: int, rows: int, new_tokens: int) -> dict:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(model_config(*SIZES[name])).eval()
+    ids = torch.randint(3, VOCAB, (rows, 8))  # [B, P], a quarter of the rows left-padded
+    mask = torch.ones_like(ids)
+    mask[: rows // 4, :3], ids[: rows // 4, :3] = 0, PAD
+    params = SamplingParams(max_new_tokens=new_tokens, eos_id=EOS, pad_id=PAD,
+                            min_new_tokens=new_tokens - 1)
+    uniforms = torch.rand(rows, new_tokens, dtype=torch.float64)
+    own = generation.decode_step
+    times: dict[str, list[float]] = {"hf": [], "step": []}
+    outs = {}
+    try:
+        for _ in range(rounds):
+            for path, pick in (("hf", lambda model: None), ("step", own)):
+                generation.decode_step = pick
+                t0 = time.perf_counter()
+                outs[path] = generation.sample(model, ids, mask, params, uniforms)
+                times[path].append(time.perf_counter() - t0)
+    finally:
+        generation.decode_step = own
+    hf, step = (statistics.median(times[p]) for p in ("hf", "step"))
+    return {"model": name, "hf_ms": hf * 1e3, "step_ms": step * 1e3, "speedup": hf / step,
+            "tokens_equal": torch.equal(outs["hf"].response_ids, outs["step"].response_ids),
+            "logprob_max_diff": float((outs["hf"].logprobs - outs["step"].logprobs).abs().max())}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=49)
+    ap.add_argument("--only", nargs="*", choices=list(SIZES), default=list(SIZES))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    print(f"load average before {os.getloadavg()[0]:.2f}; {args.rows} rows x "
+          f"{args.new_tokens} new tokens, medians of {args.rounds} calls, one thread")
+    print(f"{'model':<12} {'HF forward ms':>14} {'decode step ms':>15} {'speed-up':>9}  "
+          "tokens equal  log-prob max diff")
+    for name in args.only:
+        r = compare(name, args.rounds, args.rows, args.new_tokens)
+        print(f"{name:<12} {r['hf_ms']:>14.1f} {r['step_ms']:>15.1f} {r['speedup']:>8.2f}x  "
+              f"{r['tokens_equal']!s:<12}  {r['logprob_max_diff']:.1e}")
+    print(f"load average after {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
