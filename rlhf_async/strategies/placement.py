@@ -222,9 +222,11 @@ def engine_problems(p: Placement, one_replica_per_device: bool = True) -> list[s
     keeps one copy per device) replica counts that differ from that."""
     out = []
     for m in p.models:
-        if m.tensor_parallel > 1:
+        if m.tensor_parallel > 1 and (m.model, m.backend) != ("shadow_actor", "vllm"):
+            engine = ("; tensor-parallel generators run on vLLM (generation.backend = "
+                      "'vllm')") if m.model == "shadow_actor" else ""
             out.append(f"placement.tensor_parallel: {m.model}={m.tensor_parallel} is not run "
-                       "by this build's runners (they keep whole copies); use 1")
+                       f"by this build's runners (they keep whole copies{engine}); use 1")
         need = {TRAIN: ("torch", "hf", "deepspeed")}.get(m.runtime, ("torch", "hf"))
         if m.model == "shadow_actor":
             need = ("torch", "hf", "vllm")

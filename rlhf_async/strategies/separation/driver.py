@@ -83,9 +83,10 @@ class Driver:
                  prompts: Channel, roles: dict[str, str], spec: GroupSpec, run_dir: Path,
                  chunks_per_step: int, start_step: int, lineage: str,
                  backlog: list[NodeEvent] | None = None,
-                 ranks: TrainerRanks | None = None) -> None:
+                 ranks: TrainerRanks | None = None, gen_ranks: int = 1) -> None:
         self.cfg, self.coord, self.events, self.chan = cfg, coord, events, prompts
         self.roles, self.spec, self.run_dir, self.chunks = roles, spec, run_dir, chunks_per_step
+        self.gen_ranks = gen_ranks  # weight-sync ranks per generator (its vLLM TP workers)
         self.policy = StalenessPolicy(cfg.algo.max_staleness, cfg.train.publish_every)
         self.task = make_task(cfg)
         # generator -> (version, lineage) of the weights it holds; all start from the SFT
@@ -337,7 +338,7 @@ class Driver:
             self.counts["regroups"] += 1
             try:
                 self.spec = await connect_weight_sync(self.coord, self.spec, "trainer",
-                                                      self.generators)
+                                                      self.generators, self.gen_ranks)
             except PipelineError as e:
                 failures += 1
                 log.warning("regroup_failed", error=str(e), attempt=failures)

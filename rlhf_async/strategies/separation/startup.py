@@ -10,6 +10,7 @@ from typing import Any
 from rlhf_async.control.client import EventStream, NodeEvent
 from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.log import get_logger
+from rlhf_async.strategies.placement import Placement
 from rlhf_async.strategies.separation.events import (
     Loaded,
     NodeDead,
@@ -70,20 +71,37 @@ async def wait_loaded(events: EventStream, node_ids: list[str], timeout: float,
     return loaded, backlog
 
 
+def generator_ranks(p: Placement) -> int:
+    """Weight-sync ranks of one generator: a vLLM generator's tensor-parallel workers each
+    join the broadcast group (each receives the full weights and keeps its shard)."""
+    shadow = p.model("shadow_actor")
+    return shadow.tensor_parallel if shadow is not None else 1
+
+
+def sync_group(spec: GroupSpec, trainer: str, generators: list[str],
+               ranks_each: int = 1) -> GroupSpec:
+    """`spec` sized for the trainer (rank 0) and `ranks_each` ranks per generator: the
+    first of generator i is 1 + i * ranks_each."""
+    peers = [g if ranks_each == 1 else f"{g} worker {w}" for g in generators
+             for w in range(ranks_each)]
+    return GroupSpec(spec.backend, spec.master_addr, 0, 1 + len(peers), spec.name,
+                     spec.epoch, spec.timeout_s, (trainer, *peers))
+
+
 async def connect_weight_sync(coord: Coordinator, spec: GroupSpec, trainer: str,
-                              generators: list[str]) -> GroupSpec:
-    """Build (or rebuild, under `spec.epoch`) the trainer -> generators broadcast group.
-    The generators start joining before the trainer does; every step is bounded."""
-    spec = GroupSpec(spec.backend, spec.master_addr, 0, 1 + len(generators), spec.name,
-                     spec.epoch, spec.timeout_s, (trainer, *generators))
+                              generators: list[str], ranks_each: int = 1) -> GroupSpec:
+    """Build (or rebuild, under `spec.epoch`) the trainer -> generators broadcast group,
+    `ranks_each` ranks per generator (generator_ranks). The generators start joining
+    before the trainer does; every step is bounded."""
+    spec = sync_group(spec, trainer, generators, ranks_each)
     try:
         prepare = WeightSyncPrepare(spec.to_dict())
         spec = GroupSpec.from_dict(await coord.command(trainer, prepare.kind, encode(prepare)))
     except (TimeoutError, RuntimeError) as e:  # the trainer died or is restarting
         raise PipelineError(f"weight-sync group {spec.group_name}: {e}") from None
     limit = spec.timeout_s + 10
-    joins = [asyncio.ensure_future(command(coord, g, WeightSyncConnect(spec.to_dict(), r),
-                                            limit)) for r, g in enumerate(generators, start=1)]
+    joins = [asyncio.ensure_future(command(coord, g, WeightSyncConnect(
+        spec.to_dict(), 1 + i * ranks_each), limit)) for i, g in enumerate(generators)]
     await asyncio.sleep(0)  # let the generators' join commands go out first
     try:
         await asyncio.gather(command(coord, trainer, WeightSyncConnect(spec.to_dict()), limit),

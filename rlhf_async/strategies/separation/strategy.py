@@ -20,6 +20,7 @@ from rlhf_async.strategies.placement import (
 )
 from rlhf_async.strategies.separation.on_ray import run as run_on_ray
 from rlhf_async.strategies.separation.runner import run as run_here
+from rlhf_async.strategies.separation.startup import generator_ranks
 from rlhf_async.strategies.separation.trainer_group import trainer_id
 from rlhf_async.task.pretrain import Artefacts
 
@@ -87,11 +88,11 @@ def placement_problems(cfg: PlacementConfig, p: Placement) -> list[str]:
 
 
 def runner_problems(cfg: JobConfig, p: Placement) -> list[str]:
-    """Any replica count per model, but a generator or scorer process runs on one GPU (no
-    tensor parallelism in this build's engines): one that the plan gives several would
-    leave all but the first idle, which is refused, not done (CPU slots are not pinned:
-    processes there share the cores). The trainer runs one data-parallel rank per device
-    of its group, so its models have exactly that many replicas."""
+    """Any replica count per model, but a scorer process runs on one GPU and a generator
+    on one, or on its tensor-parallel size of them under vLLM: a process that the plan
+    gives more would leave the rest idle, which is refused, not done (CPU slots are not
+    pinned: processes there share the cores). The trainer runs one data-parallel rank per
+    device of its group, so its models have exactly that many replicas."""
     out = engine_problems(p, one_replica_per_device=False)
     ranks = len(p.by_role("trainer"))
     for m in p.models:
@@ -102,13 +103,21 @@ def runner_problems(cfg: JobConfig, p: Placement) -> list[str]:
     if ranks > 1 and cfg.train.prompts_per_step % ranks:
         out.append(f"train.prompts_per_step: {cfg.train.prompts_per_step} must divide evenly "
                    f"over the {ranks} trainer ranks (placement.actor)")
+    tp = generator_ranks(p)
+    if tp > 1 and cfg.placement.launcher == "ray":
+        out.append(f"placement.tensor_parallel: shadow_actor={tp} runs with the local launcher "
+                   "only (a Ray bundle gives each node process one GPU); use "
+                   "placement.launcher = 'local' or shadow_actor=1")
     key = {"generator": "placement.generators", "scorer": "placement.scorers"}
+    width = {"generator": tp, "scorer": 1}
     for q in p.processes:
-        if q.role in key and len(q.devices) > 1 and p.device_kind == "cuda":
+        if q.role in key and len(q.devices) > width[q.role] and p.device_kind == "cuda":
             group = sorted({d for x in p.by_role(q.role) for d in x.devices})
+            runs_on = "one" if width[q.role] == 1 else f"{tp} (its tensor-parallel size)"
             out.append(f"{key[q.role]}: {q.node_id} is given devices {ranges(q.devices)} but "
-                       f"a {q.role} process runs on one; use {key[q.role]} = {len(group)} "
-                       f"(one per device, the default: 0) for devices {ranges(tuple(group))}")
+                       f"a {q.role} process runs on {runs_on}; use {key[q.role]} = "
+                       f"{len(group) // width[q.role]} (the default: 0) for devices "
+                       f"{ranges(tuple(group))}")
             break
     return out
 
