@@ -24,12 +24,19 @@ from rlhf_async.modeling import generation
 from rlhf_async.modeling.generation import SamplingParams
 
 SIZES = {"gpt2 2x64": ("gpt2", 2, 64, 4), "gpt2 4x128": ("gpt2", 4, 128, 4),
-         "gpt2 6x384": ("gpt2", 6, 384, 6), "llama 4x128": ("llama", 4, 128, 4)}
+         "gpt2 6x384": ("gpt2", 6, 384, 6), "llama 4x128": ("llama", 4, 128, 4),
+         # SmolLM2-135M's shape (random weights: a step costs the same)
+         "smollm2-135m": ("smollm2", 30, 576, 9)}
 VOCAB, PAD, EOS = 16, 0, 1
 
 
 def model_config(arch: str, layers: int, hidden: int, heads: int) -> PretrainedConfig:
     special = {"pad_token_id": PAD, "eos_token_id": EOS, "bos_token_id": 2}
+    if arch == "smollm2":
+        return LlamaConfig(vocab_size=49152, hidden_size=hidden, intermediate_size=1536,
+                           num_hidden_layers=layers, num_attention_heads=heads,
+                           num_key_value_heads=3, max_position_embeddings=2048,
+                           tie_word_embeddings=True, rope_theta=100000.0, **special)
     if arch == "llama":
         return LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=4 * hidden,
                            num_hidden_layers=layers, num_attention_heads=heads,
