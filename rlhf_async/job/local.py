@@ -36,7 +36,7 @@ from rlhf_async.planning.planner import prepare_run
 from rlhf_async.progress import Phase
 from rlhf_async.rl.checkpoint import CheckpointError, list_checkpoints, load_latest
 from rlhf_async.strategies.base import JobStopped, RunResult
-from rlhf_async.strategies.placement import Placement
+from rlhf_async.strategies.placement import Placement, with_engines
 from rlhf_async.strategies.registry import STRATEGIES
 from rlhf_async.strategies.separation.on_ray import ray_cluster
 from rlhf_async.task import Task, make_task, reward_mix, sampling_params
@@ -352,5 +352,6 @@ def dry_run_report(cfg: JobConfig) -> str:
     executes, the task's inputs), then the placement it would run, as text."""
     cfg, placement = prepare_run(cfg)
     make_task(cfg)
+    placement = with_engines(placement, cfg.train.backend, cfg.generation.backend)
     return (f"{placement.table()}\n\nrun directory: {run_dir_of(cfg)}\n"
             "dry run: every check passed; nothing was started or written\n")

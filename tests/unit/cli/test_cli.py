@@ -126,6 +126,14 @@ def test_dry_run_places_cuda_defaults_and_writes_nothing(strategy, tmp_path, cap
     assert not (tmp_path / "runs").exists()
 
 
+def test_dry_run_prints_the_engines_that_run(tmp_path, capsys):
+    rc = main(["run", "--dry-run", "placement.strategy=separation", "placement.devices=2",
+               "train.backend=deepspeed", f"run.output_dir={tmp_path}"])
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line}
+    assert rc == 0
+    assert "deepspeed" in rows["actor"] and "deepspeed" not in rows["reward"]
+
+
 def test_dry_run_reports_what_the_runner_refuses(tmp_path, capsys):
     rc = main(["run", "--dry-run", "placement.dtype=[\"actor=fp16\"]",
                f"run.output_dir={tmp_path}"])
