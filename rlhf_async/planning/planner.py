@@ -39,7 +39,12 @@ from rlhf_async.planning.costmodel import (
     kv_cache_room,
     predict,
 )
-from rlhf_async.strategies.placement import Placement, PlacementError, with_reason
+from rlhf_async.strategies.placement import (
+    Placement,
+    PlacementError,
+    parse_overrides,
+    with_reason,
+)
 from rlhf_async.strategies.registry import (
     AUTO,
     STRATEGIES,
@@ -263,10 +268,15 @@ SIM_GRAD_ACCUM = (1, 2, 4, 8, 16)  # micro-batches per minibatch the simulation 
 
 def sim_job(placement: PlacementConfig, work: Workload) -> JobConfig:
     """The job `plan --simulate` prices: PPO on `work` (one response per prompt) with this
-    placement, as `run` would get it."""
+    placement, as `run` would get it (tensor-parallel generators on vLLM, the engine that
+    runs them)."""
+    over, _ = parse_overrides(placement)
+    gen_tp = int(over.get("shadow_actor", {}).get("tensor_parallel", 1))  # type: ignore[call-overload]
     return JobConfig(
         algo=AlgoConfig(name="ppo", group_size=1, max_staleness=work.max_staleness),
-        generation=GenerationConfig(max_new_tokens=work.gen_len),
+        # tensor-parallel generators run on vLLM
+        generation=GenerationConfig(max_new_tokens=work.gen_len,
+                                    backend="vllm" if gen_tp > 1 else "torch"),
         train=TrainConfig(prompts_per_step=work.samples, epochs=work.epochs,
                           minibatches=work.minibatches, grad_accum=work.grad_accum,
                           gradient_checkpointing=work.checkpointing),

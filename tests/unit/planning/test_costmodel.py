@@ -2,6 +2,8 @@
 slow at scale, `auto`'s choice and reason, and the `plan` command."""
 
 import dataclasses
+import importlib.machinery
+import importlib.util
 import json
 
 import pytest
@@ -224,20 +226,33 @@ def test_plan_says_when_its_prediction_needs_zero3_that_the_config_lacks():
     assert not pred.zero3 and not any("ZeRO-3" in n for n in pred.notes)
 
 
-def test_every_simulated_proposal_is_a_layout_run_accepts():
+def test_every_simulated_proposal_is_a_layout_run_accepts(monkeypatch):
     runnable, refused = sim_options(8, SIM_WORK)["separation"]
-    # the grid tries tensor-parallel generators and scorers; the runners' check drops them
-    assert any(p.startswith("placement.tensor_parallel:") for p in refused)
-    assert runnable and all(m.tensor_parallel == 1 for _, p in runnable for m in p.models)
+    # the grid tries tensor-parallel generators and scorers; the runners run the first on
+    # vLLM and refuse the second
+    assert any(p.startswith("placement.tensor_parallel: reward=") for p in refused)
+    assert runnable and all(m.tensor_parallel == 1 for _, p in runnable for m in p.models
+                            if m.model != "shadow_actor")
+    tp_jobs = [job for job, p in runnable if p.model("shadow_actor").tensor_parallel > 1]
+    assert tp_jobs and all(job.generation.backend == "vllm" for job in tp_jobs)
     rows = simulate("H100", ["7B"], [8, 16])
     proposed = [r for r in rows if r["runnable"]]
     assert {"flattening", "separation k=0", "separation k=1"} <= {r["strategy"] for r in proposed}
+    assert any(" tp" in r["layout"] for r in proposed)
+    # loading a vLLM row's overrides only checks that vllm exists, which it need not here
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: importlib.machinery
+                        .ModuleSpec(name, None) if name == "vllm" else real(name, *a))
     zero3_rows = 0
     for r in proposed:
         # the row's own overrides, on a model with room for the 992-token sequences
         cfg = load_config(None, [*r["overrides"], "model.max_positions=1024"])
         placement = runnable_placement(cfg)  # PlacementError: what `run` would refuse
-        assert r["strategy"].startswith(placement.strategy) and " tp" not in r["layout"]
+        assert r["strategy"].startswith(placement.strategy)
+        tp = placement.model("shadow_actor").tensor_parallel if placement.model(
+            "shadow_actor") else 1
+        assert (f"tp{tp}" in r["layout"]) == (tp > 1)
+        assert (cfg.generation.backend == "vllm") == (tp > 1)
         # a price that shards the training copies comes with the engine that shards them
         zero3 = any(n.startswith("ZeRO-3 sharding") for n in r["notes"])
         engine = ("deepspeed", 3) if zero3 else ("torch", JobConfig().train.zero_stage)
