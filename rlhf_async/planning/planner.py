@@ -274,7 +274,6 @@ def sim_job(placement: PlacementConfig, work: Workload) -> JobConfig:
     gen_tp = int(over.get("shadow_actor", {}).get("tensor_parallel", 1))  # type: ignore[call-overload]
     return JobConfig(
         algo=AlgoConfig(name="ppo", group_size=1, max_staleness=work.max_staleness),
-        # tensor-parallel generators run on vLLM
         generation=GenerationConfig(max_new_tokens=work.gen_len,
                                     backend="vllm" if gen_tp > 1 else "torch"),
         train=TrainConfig(prompts_per_step=work.samples, epochs=work.epochs,
