@@ -53,6 +53,12 @@ OURS = {"flattening": ["placement.strategy=flattening"],
 # autocast over fp32 master weights, frozen ones and the shadow actor held in bf16
 BF16 = ['placement.dtype=["actor=bf16","shadow_actor=bf16","reward=bf16","reference=bf16"]']
 OURS_BF16 = {f"{name} bf16": [*over, *BF16] for name, over in OURS.items()}
+# and the same with generation in fp32 (on CPU, bf16 matmuls gain only from ~384 wide and
+# the narrow models' decode steps lose to its casts): the shadow actor stays at fp32
+TRAIN_SCORE_BF16 = 'placement.dtype=["actor=bf16","reward=bf16","reference=bf16"]'
+OURS_BF16["flattening bf16 gen-fp32"] = [*OURS["flattening"], TRAIN_SCORE_BF16,
+                                         "generation.dtype=fp32"]
+OURS_BF16["separation k=1 bf16 gen-fp32"] = [*OURS["separation k=1"], TRAIN_SCORE_BF16]
 TOKENS = ["<pad>", "<bos>", "<sep>", "<eos>", *map(str, range(10)), "<unused14>", "<unk>"]
 
 
@@ -222,15 +228,16 @@ def run_trl(cfg: JobConfig, args: argparse.Namespace, threads: int, target: floa
 
 
 def print_table(size: str, rows: dict[str, dict], target: float) -> None:
-    trl = max((r["completions_per_s"] for n, r in rows.items()
-               if n.startswith("trl") and not n.endswith("bf16")), default=None)
+    """One row per system; "vs TRL" is against TRL's fastest row, fp32 or bf16."""
+    trl = max((r["completions_per_s"] for n, r in rows.items() if n.startswith("trl")),
+              default=None)
     print(f"\n[{size}] target hidden score {target}")
-    print(f"{'system':16s} {'compl/s':>8s} {'tok/s':>8s} {'vs TRL':>7s} {'RL wall s':>9s} "
+    print(f"{'system':28s} {'compl/s':>8s} {'tok/s':>8s} {'vs TRL':>7s} {'RL wall s':>9s} "
           f"{'to target s':>11s} {'hidden first->last':>19s}")
     for name, r in rows.items():
         vs = f"{r['completions_per_s'] / trl:.2f}x" if trl else "-"
         tt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"
-        print(f"{name:16s} {r['completions_per_s']:8.1f} {r['tokens_per_s']:8.0f} {vs:>7s} "
+        print(f"{name:28s} {r['completions_per_s']:8.1f} {r['tokens_per_s']:8.0f} {vs:>7s} "
               f"{r['rl_wall_s']:9.1f} {tt:>11s} {r['first_hidden']:8.3f} -> "
               f"{r['last_hidden']:.3f}")
 

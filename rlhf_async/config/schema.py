@@ -186,6 +186,11 @@ class GenerationConfig:
                                   "one (kept in it; task.name = 'text')")
     backend: str = opt("torch", "generator engine (separation); vllm needs the [vllm] extra",
                        choices=("torch", "vllm"))
+    dtype: str = opt("", "what Flattening and Interleaving generate in (the actor's own "
+                     "weights, under autocast); '' = the actor's dtype (placement.dtype). On "
+                     "CPU narrow models generate faster in fp32 while they train in bf16 "
+                     "(bench/README.md). Separation's generators use placement.dtype "
+                     "shadow_actor=...", choices=("", "fp32", "bf16"))
 
 
 @dataclass

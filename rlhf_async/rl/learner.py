@@ -57,6 +57,9 @@ class Learner:
             raise ValueError("PPO needs a critic")
         self.algo, self.train, self.seed, self.temperature = algo, train, seed, temperature
         self.precision = precision
+        precision.prepare("actor", actor)
+        if critic is not None:
+            precision.prepare("critic", critic)
         self.device = next(actor.parameters()).device
         self.lora = lora if lora is not None else LoraConfig()
         self.adapted = self._add_adapters(actor, critic if algo.name == "ppo" else None)

@@ -88,6 +88,14 @@ class StopRequest:
         return bool(flag.item())
 
 
+def generation_precision(cfg: JobConfig, precision: Precision) -> Precision:
+    """What the lock-step loop generates in: the actor generates with its own weights, in
+    its own dtype unless `generation.dtype` names another."""
+    if not cfg.generation.dtype:
+        return precision
+    return Precision({**precision.dtypes, "actor": cfg.generation.dtype})
+
+
 def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: int,
               start_step: int, make_scorer: ScorerFactory, strategy: str,
               precision: Precision, stop: StopRequest | None = None) -> bool:
@@ -108,11 +116,13 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
     writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
     progress = Progress(cfg.train.steps, cfg.run.progress and rank == 0, start_step=start_step)
     params, seed, G = sampling_params(cfg, task), cfg.run.seed, cfg.algo.group_size
+    generating = generation_precision(cfg, precision)
+    check_device(generating, device)
     for step in range(start_step, cfg.train.steps):
         prompts = task.prompt_batch(seed, "train", step, cfg.train.prompts_per_step, G)
         mine = prompts.split(G, world)[rank].to(device)  # [B/world, P], whole groups
         t0 = time.perf_counter()
-        with precision.compute("actor", device):
+        with generating.compute("actor", device):
             batch = generate(actor, mine, params, seed, step, learner.version)
         t1 = time.perf_counter()
         batch = scorer(batch)

@@ -8,6 +8,7 @@ from bench.__main__ import series
 from bench.bench_decode import compare as decode_compare
 from bench.plots import plot_runs
 from rlhf_async.config import TaskConfig, load_config
+from rlhf_async.strategies.registry import plan_placement, runner_problems
 from rlhf_async.task import SortDigitsTask
 
 pytestmark = pytest.mark.timeout(60)
@@ -124,12 +125,18 @@ def test_bf16_rows_run_every_model_in_bf16():
     import argparse
 
     args = argparse.Namespace(bf16=True, trl_bf16=False, trl_threads=[1, 2])
-    assert trl_compare.our_rows(args) == ["flattening", "separation k=1", "flattening bf16",
-                                          "separation k=1 bf16"]
+    assert trl_compare.our_rows(args) == [
+        "flattening", "separation k=1", "flattening bf16", "separation k=1 bf16",
+        "flattening bf16 gen-fp32", "separation k=1 bf16 gen-fp32"]
     assert trl_compare.trl_rows(args)[-1] == ("trl 2t bf16", 2, True)
     cfg = load_config(None, ["algo.name=grpo", *trl_compare.OURS_BF16["separation k=1 bf16"]])
     assert set(cfg.placement.dtype) == {"actor=bf16", "shadow_actor=bf16", "reward=bf16",
                                         "reference=bf16"}
+    for name in ("flattening bf16 gen-fp32", "separation k=1 bf16 gen-fp32"):
+        cfg = load_config(None, ["algo.name=grpo", *trl_compare.OURS_BF16[name]])
+        assert set(cfg.placement.dtype) == {"actor=bf16", "reward=bf16", "reference=bf16"}
+        placement = plan_placement(cfg.placement, "grpo")
+        assert runner_problems(cfg, placement) == []  # each strategy runs its fp32 generation
     assert trl_compare.our_rows(argparse.Namespace(bf16=False)) == list(trl_compare.OURS)
 
 

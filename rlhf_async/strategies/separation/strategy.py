@@ -103,6 +103,10 @@ def runner_problems(cfg: JobConfig, p: Placement) -> list[str]:
     if ranks > 1 and cfg.train.prompts_per_step % ranks:
         out.append(f"train.prompts_per_step: {cfg.train.prompts_per_step} must divide evenly "
                    f"over the {ranks} trainer ranks (placement.actor)")
+    if cfg.generation.dtype:
+        out.append(f"generation.dtype: {cfg.generation.dtype!r} is for Flattening and "
+                   "Interleaving, where the actor generates; Separation's generators hold "
+                   f"the shadow actor: placement.dtype = ['shadow_actor={cfg.generation.dtype}']")
     tp = generator_ranks(p)
     if tp > 1 and cfg.placement.launcher == "ray":
         out.append(f"placement.tensor_parallel: shadow_actor={tp} runs with the local launcher "

@@ -5,11 +5,19 @@ import copy
 import pytest
 import torch
 
-from rlhf_async.config import AlgoConfig, JobConfig, PlacementConfig, TrainConfig
+import rlhf_async.modeling.precision as precision_module
+from rlhf_async.config import (
+    AlgoConfig,
+    GenerationConfig,
+    JobConfig,
+    PlacementConfig,
+    TrainConfig,
+)
 from rlhf_async.engines.torch_gen import TorchGenerationBackend
 from rlhf_async.modeling.models import response_logits, sequence_scores
-from rlhf_async.modeling.precision import Precision, dtype_problems
+from rlhf_async.modeling.precision import SDPA_FP32_ON_CPU, Precision, dtype_problems
 from rlhf_async.rl.learner import Learner
+from rlhf_async.strategies.lockstep import generation_precision
 from rlhf_async.strategies.registry import plan_placement, runner_problems
 from tests.unit.rl.test_roles import SP, models, scored_batch
 
@@ -103,3 +111,57 @@ def test_a_broadcast_arrives_in_the_shadows_dtype():
         assert v.dtype == torch.bfloat16
         assert torch.equal(v, fresh[k].to(torch.bfloat16))
     gen.close()
+
+
+def _attention_dtypes(monkeypatch) -> list[torch.dtype]:
+    """The dtypes HF's SDPA function is called with from now on."""
+    seen: list[torch.dtype] = []
+    real = precision_module.sdpa_attention_forward
+
+    def spy(module, query, *args, **kwargs):
+        seen.append(query.dtype)
+        return real(module, query, *args, **kwargs)
+    monkeypatch.setattr(precision_module, "sdpa_attention_forward", spy)
+    return seen
+
+
+def test_bf16_attention_computes_in_fp32_on_cpu(monkeypatch):
+    """torch's CPU attention is slower in bf16 (4x in its backward): a bf16 model's
+    attention, held or under autocast, runs in fp32 there and hands bf16 on; an fp32
+    model keeps HF's own SDPA."""
+    actor, ref, rm, critic = models()
+    b = scored_batch(actor, ref, rm)
+    args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
+    plain = copy.deepcopy(actor)
+    assert Precision().hold("reward", copy.deepcopy(rm)).trunk.config._attn_implementation \
+        == "sdpa"
+    held = BF16.hold("reward", copy.deepcopy(rm))
+    assert held.trunk.config._attn_implementation == SDPA_FP32_ON_CPU
+    learner = Learner(actor, critic, AlgoConfig(), TrainConfig(epochs=1, minibatches=1),
+                      seed=0, precision=BF16)
+    assert learner.actor.config._attn_implementation == SDPA_FP32_ON_CPU
+    assert critic.trunk.config._attn_implementation == SDPA_FP32_ON_CPU
+    seen = _attention_dtypes(monkeypatch)
+    s16 = sequence_scores(held, *args)
+    assert s16.dtype == torch.bfloat16 and seen and set(seen) == {torch.float32}
+    seen.clear()
+    with BF16.compute("actor", torch.device("cpu")):
+        logits = response_logits(learner.actor, *args)
+    assert logits.dtype == torch.bfloat16 and set(seen) == {torch.float32}
+    ref_logits = response_logits(plain, *args)
+    assert torch.allclose(logits.float(), ref_logits, atol=0.1)
+    logits.float().sum().backward()  # the fp32 attention is differentiable
+    assert all(p.grad is not None for p in learner.actor.parameters() if p.requires_grad)
+
+
+def test_lockstep_generation_dtype():
+    """generation.dtype: the lock-step loop generates in it, the actor's own by default;
+    Separation refuses it (its generators hold the shadow actor in its own dtype)."""
+    cfg = JobConfig(generation=GenerationConfig(dtype="fp32"))
+    assert generation_precision(cfg, BF16).name("actor") == "fp32"
+    assert generation_precision(cfg, BF16).name("reward") == "bf16"
+    assert generation_precision(JobConfig(), BF16) is BF16
+    cfg = JobConfig(generation=GenerationConfig(dtype="bf16"),
+                    placement=PlacementConfig(strategy="separation", devices=2))
+    problems = runner_problems(cfg, plan_placement(cfg.placement, "ppo"))
+    assert any("placement.dtype = ['shadow_actor=bf16']" in p for p in problems)
