@@ -76,7 +76,7 @@ def test_the_decode_step_samples_what_the_model_samples(monkeypatch, name):
     torch.testing.assert_close(fast.logprobs, slow.logprobs, atol=1e-5, rtol=0)
 
 
-def test_the_decode_step_reads_the_weights_at_every_call():
+def test_the_decode_step_sees_weight_updates_in_place():
     torch.manual_seed(0)
     lm = _gpt2().eval()
     step = decode_step(lm)
