@@ -194,7 +194,10 @@ class Learner:
 
     def _minibatches(self, b: RolloutBatch, epoch: int) -> list[Tensor]:
         """Local row indices of each minibatch; the split is over the GLOBAL batch, keyed by
-        (seed, step, epoch), so it does not depend on how samples are spread over ranks."""
+        (seed, step, epoch), so it does not depend on how samples are spread over ranks.
+        One minibatch holds every row: no collective (every rank skips it alike)."""
+        if self.train.minibatches == 1:
+            return [torch.arange(len(b), device=b.sample_ids.device)]
         all_ids = all_gather_1d(b.sample_ids).tolist()
         order = keyed_order(self.seed, ("minibatch", b.step, epoch), all_ids)
         M = self.train.minibatches
