@@ -63,13 +63,17 @@ def _output_cache(out: object) -> object:
     return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
-def _scaled_logprobs(logits: Tensor, params: SamplingParams, t: int = 0) -> Tensor:
+def _scaled_logprobs(logits: Tensor, params: SamplingParams, t: int = 0,
+                     barred: Tensor | None = None) -> Tensor:
     """Log-probs the behaviour policy samples token `t` of a response from: temperature,
     then top-k, then the nucleus (top-p), with the stop tokens barred before
-    `min_new_tokens`."""
+    `min_new_tokens` (`barred`: their ids in the vocabulary, when the caller made them)."""
     scaled = logits.float() / params.temperature
     if t < params.min_new_tokens:
-        scaled[..., [s for s in params.stops if s < scaled.shape[-1]]] = float("-inf")
+        if barred is None:
+            barred = torch.tensor([s for s in params.stops if s < scaled.shape[-1]],
+                                  dtype=torch.long, device=scaled.device)
+        scaled.index_fill_(-1, barred, float("-inf"))
     if params.top_k and params.top_k < scaled.shape[-1]:
         kth = scaled.topk(params.top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -154,15 +158,18 @@ def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: Sa
     resp_mask = torch.zeros((B, R), dtype=torch.long, device=device)
     logprobs = torch.zeros((B, R), dtype=torch.float32, device=device)
     rows = torch.arange(B, device=device)  # [b] the model batch's rows of the full batch
+    whole = True  # rows is still every row in order: columns are written as slices
     live = torch.ones(B, dtype=torch.bool, device=device)  # [b] rows still in a response
     stop_ids = torch.tensor(params.stops, dtype=torch.long, device=device)
+    barred = stop_ids[stop_ids < logits.shape[-1]]
     for t in range(R):
-        logp = _scaled_logprobs(logits, params, t)  # [b, V]
-        tok = torch.where(live, _inverse_cdf(logp, uniforms[rows, t]), params.pad_id)  # [b]
+        logp = _scaled_logprobs(logits, params, t, barred)  # [b, V]
+        at = slice(None) if whole else rows
+        tok = torch.where(live, _inverse_cdf(logp, uniforms[at, t]), params.pad_id)  # [b]
         fed = live.long()  # [b] 1 = a response token, 0 = a finished row's pad
-        tokens[rows, t] = tok
-        resp_mask[rows, t] = fed
-        logprobs[rows, t] = torch.where(live, logp.gather(1, tok[:, None]).squeeze(1), 0.0)
+        tokens[at, t] = tok
+        resp_mask[at, t] = fed
+        logprobs[at, t] = torch.where(live, logp.gather(1, tok[:, None]).squeeze(1), 0.0)
         live = live & ~torch.isin(tok, stop_ids)
         if params.stop_strings and decode is not None and t >= params.min_new_tokens:
             live = live & ~_string_stopped(tokens, t, rows, live, params.stop_strings, decode)
@@ -173,7 +180,7 @@ def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: Sa
             keep = live.nonzero().flatten()  # [b'] the rows that go on
             cache.batch_select_indices(keep)
             rows, mask, tok, next_pos = rows[keep], mask[keep], tok[keep], next_pos[keep]
-            live = live[keep]
+            live, whole = live[keep], False
         if step is not None:
             logits = step(tok, next_pos, mask[:, : P + t + 1], cache)
         else:
