@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 from rlhf_async.config import AlgoConfig, ModelConfig, TrainConfig
-from rlhf_async.engines.process_group import free_port
+from rlhf_async.engines.process_group import exit_rank, free_port
 from rlhf_async.modeling.models import load_actor
 from rlhf_async.rl.learner import Learner
 from rlhf_async.strategies.separation.trainer_group import Op, TrainerGroup
@@ -67,7 +67,8 @@ def rank_main(rank: int, port: int, hidden: int, bucket_kb: int, out_path: str) 
                       TrainConfig(backend="deepspeed", zero_stage=3), seed=0)
     if rank == 1:
         group.follow(learner, torch.device("cpu"))
-        return
+        learner.close()
+        exit_rank()  # no interpreter finalization with DeepSpeed's group alive (it can abort)
     record: list[tuple[int, int]] = []
     sender = TorchBroadcastSender("gloo", bucket_mb=bucket_kb / 1024)
     spec = sender.prepare(GroupSpec("gloo", "127.0.0.1", 0, 2, timeout_s=60))
@@ -111,6 +112,7 @@ def rank_main(rank: int, port: int, hidden: int, bucket_kb: int, out_path: str) 
     sender.close()
     rx.close()
     learner.close()
+    exit_rank()
 
 
 def run(hidden: int, bucket_kb: int, tmp_dir: str) -> dict[str, Any]:
