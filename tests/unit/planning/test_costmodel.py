@@ -293,3 +293,13 @@ def test_a_row_whose_engine_run_would_refuse_is_refused_not_proposed(monkeypatch
     flat = next(r for r in simulate("H100", ["7B"], [8]) if r["strategy"] == "flattening")
     assert not flat["runnable"] and not flat["overrides"] and flat["step_s"] is None
     assert flat["notes"] == ["train.backend: deepspeed is refused here"]
+
+
+def test_calibration_peak_is_the_faster_of_fp32_and_bf16_matmuls():
+    """A config computing in bf16 is fitted against the machine's real peak (bf16 runs up
+    to 4x fp32's speed on AVX-512 BF16 CPUs), so its phase efficiencies stay <= 1."""
+    from rlhf_async.planning.calibrate import peak_flops
+
+    peaks = peak_flops()
+    assert peaks["fp32"] > 0 and peaks["bf16"] > 0
+    assert peaks["peak"] == max(peaks["fp32"], peaks["bf16"])
