@@ -107,14 +107,13 @@ def _sdpa_fp32_on_cpu(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     return out.to(query.dtype), weights
 
 
-def fp32_attention_on_cpu(module: nn.Module) -> bool:
+def fp32_attention_on_cpu(module: nn.Module) -> None:
     """Switch every HF model in `module` (itself, a trunk, a wrapped model) that attends
     with SDPA to `_sdpa_fp32_on_cpu`: the same function to float rounding, unchanged on
     GPUs and in fp32. Other attention implementations, and transformers without the
-    registries, are left as they are. Returns whether any model attends this way now."""
+    registries, are left as they are."""
     if AttentionInterface is None:
-        return False
-    found = False
+        return
     for m in module.modules():
         name = getattr(getattr(m, "config", None), "_attn_implementation", None)
         if name == "sdpa" and hasattr(m, "set_attn_implementation"):
@@ -122,9 +121,6 @@ def fp32_attention_on_cpu(module: nn.Module) -> bool:
                 AttentionInterface.register(SDPA_FP32_ON_CPU, _sdpa_fp32_on_cpu)
                 AttentionMaskInterface.register(SDPA_FP32_ON_CPU, sdpa_mask)
             m.set_attn_implementation(SDPA_FP32_ON_CPU)  # type: ignore[operator]  # HF's
-            name = SDPA_FP32_ON_CPU
-        found = found or name == SDPA_FP32_ON_CPU
-    return found
 
 
 def check_device(precision: Precision, device: torch.device) -> None:
