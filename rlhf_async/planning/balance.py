@@ -21,7 +21,12 @@ import dataclasses
 from collections.abc import Callable
 
 from rlhf_async.config import JobConfig, PlacementConfig
-from rlhf_async.strategies.placement import Placement, PlacementError, parse_overrides
+from rlhf_async.strategies.placement import (
+    Placement,
+    PlacementError,
+    override_int,
+    parse_overrides,
+)
 from rlhf_async.strategies.registry import runnable_placement
 
 # the fields that pin Separation's stage sizes or devices: set by the user, they are kept
@@ -68,8 +73,8 @@ def splits(base: PlacementConfig) -> list[PlacementConfig]:
     """Every (trainer, scorer) split of base.devices, with the generators' and scorers'
     tensor-parallel sizes of base (scorers apart or on the generators' devices)."""
     over, _ = parse_overrides(base)
-    gen_tp = int(over.get("shadow_actor", {}).get("tensor_parallel", 1))  # type: ignore[call-overload]
-    score_tp = int(over.get("reward", {}).get("tensor_parallel", 1))  # type: ignore[call-overload]
+    gen_tp = override_int(over, "shadow_actor", "tensor_parallel", 1)
+    score_tp = override_int(over, "reward", "tensor_parallel", 1)
     n = base.devices
     out = []
     for trainers in (t for t in _sizes(n) if t < n):

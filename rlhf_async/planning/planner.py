@@ -42,6 +42,7 @@ from rlhf_async.planning.costmodel import (
 from rlhf_async.strategies.placement import (
     Placement,
     PlacementError,
+    override_int,
     parse_overrides,
     with_reason,
 )
@@ -271,7 +272,7 @@ def sim_job(placement: PlacementConfig, work: Workload) -> JobConfig:
     placement, as `run` would get it (tensor-parallel generators on vLLM, the engine that
     runs them)."""
     over, _ = parse_overrides(placement)
-    gen_tp = int(over.get("shadow_actor", {}).get("tensor_parallel", 1))  # type: ignore[call-overload]
+    gen_tp = override_int(over, "shadow_actor", "tensor_parallel", 1)
     return JobConfig(
         algo=AlgoConfig(name="ppo", group_size=1, max_staleness=work.max_staleness),
         generation=GenerationConfig(max_new_tokens=work.gen_len,

@@ -138,15 +138,21 @@ def _override_value(key: str, raw: str) -> tuple[object, str]:
                                                     f"{', '.join(accepted)}"))
 
 
+def override_int(over: dict[str, dict[str, object]], model: str, key: str,
+                 default: int) -> int:
+    """`model`'s integer override `key` (replicas, tensor_parallel), or `default`."""
+    return int(over.get(model, {}).get(key, default))  # type: ignore[call-overload]  # parse_overrides made it an int
+
+
 def model_placement(cfg: PlacementConfig, name: str, devices: list[int] | tuple[int, ...],
            runtime: str, over: dict[str, dict[str, object]], replicas: int | None = None
            ) -> ModelPlacement:
     o = over.get(name, {})
-    tp = int(o.get("tensor_parallel", 1))  # type: ignore[call-overload]
+    tp = override_int(over, name, "tensor_parallel", 1)
     default_reps = replicas if replicas is not None else max(1, len(devices) // tp)
     default_dtype = "bf16" if cfg.device == "cuda" else "fp32"
     default_backend = "torch"
-    return ModelPlacement(name, tuple(devices), int(o.get("replicas", default_reps)),  # type: ignore[call-overload]
+    return ModelPlacement(name, tuple(devices), override_int(over, name, "replicas", default_reps),
                           tp, runtime, str(o.get("backend", default_backend)),
                           str(o.get("dtype", default_dtype)))
 

@@ -16,6 +16,7 @@ from rlhf_async.strategies.placement import (
     ProcessPlacement,
     engine_problems,
     model_placement,
+    override_int,
     ranges,
 )
 from rlhf_async.strategies.separation.on_ray import run as run_on_ray
@@ -46,8 +47,8 @@ def preset(cfg: PlacementConfig, algo: str, over: Overrides) -> Placement:
     generator = cfg.generator or rest
     scorer = cfg.reward or cfg.reference or generator
     train_models = ("actor", "critic") if algo == "ppo" else ("actor",)
-    gens = int(over.get("shadow_actor", {}).get(  # type: ignore[call-overload]  # an int
-        "replicas", cfg.generators or _per_device(generator, over, "shadow_actor")))
+    gens = override_int(over, "shadow_actor", "replicas",
+                        cfg.generators or _per_device(generator, over, "shadow_actor"))
     scorers = cfg.scorers or _per_device(scorer, over, "reward")
     # one data-parallel rank per device of the trainer's group; rank 0 is "trainer"
     procs = [ProcessPlacement(trainer_id(r), "trainer", train_models, (d,), TRAIN)
@@ -65,7 +66,7 @@ def preset(cfg: PlacementConfig, algo: str, over: Overrides) -> Placement:
 
 def _per_device(devices: list[int], over: Overrides, model: str) -> int:
     """Replicas when none are asked for: one per device, or per tensor-parallel group."""
-    tp = int(over.get(model, {}).get("tensor_parallel", 1))  # type: ignore[call-overload]
+    tp = override_int(over, model, "tensor_parallel", 1)
     return max(1, len(set(devices)) // tp)
 
 
