@@ -22,8 +22,9 @@ from torch import Tensor, nn
 from rlhf_async.modeling.decode_step import decode_step
 from rlhf_async.modeling.determinism import keyed_uniform
 from rlhf_async.modeling.kv_cache import preallocated_cache
-from rlhf_async.modeling.models import cache_keyword, keep_logits
+from rlhf_async.modeling.models import cache_keyword, keep_logits, output_cache
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
+from rlhf_async.modeling.shared_prompts import prompt_groups
 
 Decode = Callable[[list[int]], str]  # token ids -> text (a task's tokenizer)
 
@@ -56,11 +57,6 @@ class Generated:
 def sampling_uniforms(seed: int, step: int, sample_ids: list[int], max_new_tokens: int) -> Tensor:
     """[B, R] uniforms; row b depends only on (seed, step, sample_ids[b])."""
     return keyed_uniform(seed, ("sample", step), sample_ids, (max_new_tokens,))
-
-
-def _output_cache(out: object) -> object:
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
 def _scaled_logprobs(logits: Tensor, params: SamplingParams, t: int = 0,
@@ -144,12 +140,19 @@ def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: Sa
     mask[:, :P] = prompt_mask
     pos = (mask[:, :P].cumsum(dim=1) - 1).clamp(min=0)
     kw, ours = cache_keyword(actor), preallocated_cache(actor, P + R)
-    out = actor(input_ids=prompt_ids, attention_mask=mask[:, :P], position_ids=pos,
-                use_cache=True, **keep_logits(actor, 1), **({} if ours is None else {kw: ours}))
-    cache: Any = _output_cache(out)  # ours, or the model's own (a Cache, or tuples)
+    # a prompt that repeats (a group's) is prefilled once, then its cache rows copied
+    groups = None if ours is None else prompt_groups(actor, prompt_ids, prompt_mask)
+    fill = slice(None) if groups is None else groups.first
+    out = actor(input_ids=prompt_ids[fill], attention_mask=mask[fill, :P],
+                position_ids=pos[fill], use_cache=True, **keep_logits(actor, 1),
+                **({} if ours is None else {kw: ours}))
+    cache: Any = output_cache(out)  # ours, or the model's own (a Cache, or tuples)
     # on our cache, the decode steps skip HF's module tree where the architecture allows
     step = decode_step(actor) if ours is not None and cache is ours else None
-    logits = out.logits[:, -1]  # [B, V]
+    logits = out.logits[:, -1]  # [B, V] ([U, V] when shared)
+    if groups is not None:
+        cache.batch_select_indices(groups.inverse)
+        logits = logits[groups.inverse]
     droppable = hasattr(cache, "batch_select_indices")
     next_pos = pos[:, -1:] + 1  # [b, 1]
     uniforms = uniforms.to(device)  # [B, R] float64
@@ -186,7 +189,7 @@ def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: Sa
         else:
             out = actor(input_ids=tok[:, None], attention_mask=mask[:, : P + t + 1],
                         position_ids=next_pos, use_cache=True, **{kw: cache})
-            cache, logits = _output_cache(out), out.logits[:, -1]
+            cache, logits = output_cache(out), out.logits[:, -1]
         next_pos = next_pos + 1
     actor.train(was_training)
     return Generated(tokens, resp_mask, logprobs)

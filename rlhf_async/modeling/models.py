@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from rlhf_async.config import ConfigError, ModelConfig
+from rlhf_async.modeling.shared_prompts import PromptGroups, prompt_groups
 
 HEAD_FILE = "value_head.safetensors"
 M = TypeVar("M", bound=nn.Module)
@@ -194,13 +195,59 @@ def sequence_inputs(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tenso
 
 def response_logits(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
                     response_ids: Tensor, response_mask: Tensor) -> Tensor:
-    """Logits that predict each response token. -> [B, R, V]."""
+    """Logits that predict each response token. -> [B, R, V]. A prompt that repeats in the
+    batch runs once where that pays (shared_prompts)."""
     ids, mask, pos = sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
     P, R = prompt_ids.shape[1], response_ids.shape[1]
+    groups = prompt_groups(actor, prompt_ids, prompt_mask) if _caches(actor) else None
+    if groups is not None:
+        shared = _shared_prompt_logits(actor, ids, mask, pos, P, groups)
+        if shared is not None:
+            return shared
     keep = keep_logits(actor, R + 1)  # the LM head skips the prompt positions
     logits = actor(input_ids=ids, attention_mask=mask, position_ids=pos, **keep).logits
     start = P - 1 - (ids.shape[1] - logits.shape[1])
     return logits[:, start: start + R]
+
+
+def _caches(model: nn.Module) -> bool:
+    """Whether a forward of `model` hands back a KV cache whose rows can be re-indexed: not
+    under activation checkpointing while training (HF then turns the cache off)."""
+    inner = getattr(model, "module", model)  # a DeepSpeed engine's model
+    if not (model.training and torch.is_grad_enabled()):
+        return True
+    flag = getattr(inner, "is_activation_checkpointing", None)
+    if flag is None:  # transformers < 5
+        flag = getattr(inner, "is_gradient_checkpointing", False)
+    return not flag
+
+
+def _shared_prompt_logits(actor: nn.Module, ids: Tensor, mask: Tensor, pos: Tensor, P: int,
+                          groups: PromptGroups) -> Tensor | None:
+    """`response_logits` with each distinct prompt run once: its KV cache is copied to the
+    rows that share it (under autograd the copy's backward sums their gradients), then the
+    responses run on it. ids, mask, pos: [B, P + R] from `sequence_inputs`. None: the
+    model's cache cannot be re-indexed (transformers without cache objects)."""
+    first, inverse = groups
+    out = actor(input_ids=ids[first, :P], attention_mask=mask[first, :P],
+                position_ids=pos[first, :P], use_cache=True, **keep_logits(actor, 1))
+    head = out.logits[:, -1:][inverse]  # [B, 1, V] predicts response token 0
+    if ids.shape[1] == P + 1:
+        return head
+    cache: Any = output_cache(out)
+    if not hasattr(cache, "batch_select_indices"):
+        return None
+    cache.batch_select_indices(inverse)  # [U, ...] -> [B, ...]
+    rest = actor(input_ids=ids[:, P:-1], attention_mask=mask[:, :-1],
+                 position_ids=pos[:, P:-1], use_cache=True,
+                 **{cache_keyword(actor): cache}).logits  # [B, R - 1, V]
+    return torch.cat([head, rest], dim=1)
+
+
+def output_cache(out: object) -> object:
+    """The KV cache of a model call's output (`cache` in transformers >= 5.x)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
 def response_values(critic: ScalarHeadModel, prompt_ids: Tensor, prompt_mask: Tensor,
