@@ -10,9 +10,9 @@ fp16 is refused on CPU (no fast kernels there, and autocast on CPU takes bf16 on
 trained models (fp16 training needs loss scaling, which this build does not do); bf16 is
 checked against the device when a model is placed on it, not when a plan is made.
 
-On CPU a bf16 model's attention computes in fp32 (`fp32_attention_on_cpu`): torch's CPU
-attention kernel is slower in bf16 than in fp32, 4x in its backward, while bf16 matmuls
-run up to 4x faster than fp32 ones on CPUs with AVX-512 BF16 (bench/README.md).
+On CPU a bf16 model's attention computes in fp32 (`cpu_attention`): torch's CPU attention
+kernel is slower in bf16 than in fp32, 4x in its backward, while bf16 matmuls run up to 4x
+faster than fp32 ones on CPUs with AVX-512 BF16 (bench/README.md).
 """
 
 from __future__ import annotations
@@ -20,17 +20,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-try:  # transformers >= 4.53: attention and its mask chosen by name from registries
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    from transformers.modeling_utils import AttentionInterface
-except ImportError:  # pragma: no cover - older transformers: attention stays as it is
-    AttentionInterface = None  # type: ignore[assignment,misc]
+from rlhf_async.modeling.cpu_attention import cpu_attention
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -68,10 +63,9 @@ class Precision:
         return self.prepare(model, module.to(self.dtype(model)))
 
     def prepare(self, model: str, module: M) -> M:
-        """`module` (held or computing in this precision) made ready for its dtype: in
-        bf16, its attention computes in fp32 on CPU (`fp32_attention_on_cpu`)."""
-        if self.name(model) == "bf16":
-            fp32_attention_on_cpu(module)
+        """`module` (held or computing in this precision) made ready for it: its attention
+        runs `cpu_attention`'s kernel on CPU (in bf16: computing in fp32)."""
+        cpu_attention(module)
         return module
 
     @contextlib.contextmanager
@@ -88,39 +82,6 @@ class Precision:
 
 
 FP32 = Precision()
-
-
-SDPA_FP32_ON_CPU = "sdpa_fp32_on_cpu"
-
-
-def _sdpa_fp32_on_cpu(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                      attention_mask: Tensor | None, **kwargs: Any) -> tuple[Tensor, Any]:
-    """HF's SDPA attention; a bf16 call on CPU runs in fp32 (outside autocast, which
-    would cast it back) and returns bf16."""
-    if query.device.type != "cpu" or query.dtype != torch.bfloat16:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if attention_mask is not None and attention_mask.is_floating_point():
-        attention_mask = attention_mask.float()
-    with torch.autocast("cpu", enabled=False):
-        out, weights = sdpa_attention_forward(module, query.float(), key.float(),
-                                              value.float(), attention_mask, **kwargs)
-    return out.to(query.dtype), weights
-
-
-def fp32_attention_on_cpu(module: nn.Module) -> None:
-    """Switch every HF model in `module` (itself, a trunk, a wrapped model) that attends
-    with SDPA to `_sdpa_fp32_on_cpu`: the same function to float rounding, unchanged on
-    GPUs and in fp32. Other attention implementations, and transformers without the
-    registries, are left as they are."""
-    if AttentionInterface is None:
-        return
-    for m in module.modules():
-        name = getattr(getattr(m, "config", None), "_attn_implementation", None)
-        if name == "sdpa" and hasattr(m, "set_attn_implementation"):
-            if SDPA_FP32_ON_CPU not in AttentionInterface._global_mapping:
-                AttentionInterface.register(SDPA_FP32_ON_CPU, _sdpa_fp32_on_cpu)
-                AttentionMaskInterface.register(SDPA_FP32_ON_CPU, sdpa_mask)
-            m.set_attn_implementation(SDPA_FP32_ON_CPU)  # type: ignore[operator]  # HF's
 
 
 def check_device(precision: Precision, device: torch.device) -> None:

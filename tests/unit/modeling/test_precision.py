@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-import rlhf_async.modeling.precision as precision_module
+import rlhf_async.modeling.cpu_attention as cpu_attention_module
 from rlhf_async.config import (
     AlgoConfig,
     GenerationConfig,
@@ -14,8 +14,9 @@ from rlhf_async.config import (
     TrainConfig,
 )
 from rlhf_async.engines.torch_gen import TorchGenerationBackend
+from rlhf_async.modeling.cpu_attention import CPU_SDPA
 from rlhf_async.modeling.models import response_logits, sequence_scores
-from rlhf_async.modeling.precision import SDPA_FP32_ON_CPU, Precision, dtype_problems
+from rlhf_async.modeling.precision import Precision, dtype_problems
 from rlhf_async.rl.learner import Learner
 from rlhf_async.strategies.lockstep import generation_precision
 from rlhf_async.strategies.registry import plan_placement, runner_problems
@@ -116,31 +117,31 @@ def test_a_broadcast_arrives_in_the_shadows_dtype():
 def _attention_dtypes(monkeypatch) -> list[torch.dtype]:
     """The dtypes HF's SDPA function is called with from now on."""
     seen: list[torch.dtype] = []
-    real = precision_module.sdpa_attention_forward
+    real = cpu_attention_module.sdpa_attention_forward
 
     def spy(module, query, *args, **kwargs):
         seen.append(query.dtype)
         return real(module, query, *args, **kwargs)
-    monkeypatch.setattr(precision_module, "sdpa_attention_forward", spy)
+    monkeypatch.setattr(cpu_attention_module, "sdpa_attention_forward", spy)
     return seen
 
 
 def test_bf16_attention_computes_in_fp32_on_cpu(monkeypatch):
     """torch's CPU attention is slower in bf16 (4x in its backward): a bf16 model's
-    attention, held or under autocast, runs in fp32 there and hands bf16 on; an fp32
-    model keeps HF's own SDPA."""
+    attention, held or under autocast, runs in fp32 there and hands bf16 on (an fp32
+    model runs the same CPU attention, in fp32)."""
     actor, ref, rm, critic = models()
     b = scored_batch(actor, ref, rm)
     args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
     plain = copy.deepcopy(actor)
     assert Precision().hold("reward", copy.deepcopy(rm)).trunk.config._attn_implementation \
-        == "sdpa"
+        == CPU_SDPA
     held = BF16.hold("reward", copy.deepcopy(rm))
-    assert held.trunk.config._attn_implementation == SDPA_FP32_ON_CPU
+    assert held.trunk.config._attn_implementation == CPU_SDPA
     learner = Learner(actor, critic, AlgoConfig(), TrainConfig(epochs=1, minibatches=1),
                       seed=0, precision=BF16)
-    assert learner.actor.config._attn_implementation == SDPA_FP32_ON_CPU
-    assert critic.trunk.config._attn_implementation == SDPA_FP32_ON_CPU
+    assert learner.actor.config._attn_implementation == CPU_SDPA
+    assert critic.trunk.config._attn_implementation == CPU_SDPA
     seen = _attention_dtypes(monkeypatch)
     s16 = sequence_scores(held, *args)
     assert s16.dtype == torch.bfloat16 and seen and set(seen) == {torch.float32}
