@@ -34,7 +34,7 @@ from rlhf_async.runtime.ray_cluster import (
 from rlhf_async.runtime.ray_launcher import RayLauncher, device_index
 from rlhf_async.strategies.base import RunResult
 from rlhf_async.strategies.placement import Placement
-from rlhf_async.strategies.separation.runner import build_specs, drive
+from rlhf_async.strategies.separation.runner import build_specs, chunks_per_step, drive
 from rlhf_async.strategies.separation.tcp import tcp_specs
 from rlhf_async.task.pretrain import Artefacts
 from rlhf_async.weight_sync import GroupSpec
@@ -94,4 +94,5 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
         coord.install_signal_handlers()
         launcher.on_move = coord.readdress  # a node restarted on another host
         push = transport.channel(Endpoint("push", prompts, bind=True, hwm=64))
-        return await drive(cfg, coord, push, specs, roles, sync, gens, run_dir, start_step)
+        return await drive(cfg, coord, push, specs, roles, sync, gens, run_dir, start_step,
+                           chunks_per_step(cfg, placement))

@@ -8,6 +8,7 @@ from rlhf_async.config import (
 )
 from rlhf_async.strategies.placement import PlacementError, with_engines
 from rlhf_async.strategies.registry import plan_placement, runner_problems
+from rlhf_async.strategies.separation.runner import chunks_per_step
 
 
 def test_separation_defaults_keep_training_apart():
@@ -162,3 +163,17 @@ def test_separation_trainer_runs_one_rank_per_device_of_its_group():
     assert [q.devices for q in p.by_role("generator")] == [(4,), (5,), (6,), (7,)]
     assert runner_problems(cfg, p) == []
     assert "trainer3  trainer    train    cuda:3" in p.table()
+
+
+def test_separation_cuts_a_step_into_one_chunk_per_generator_unless_scorers_stand_apart():
+    """Two chunks per generator only pay where a scorer can score one on its own device
+    while the next is generated; on a shared device they would take turns."""
+    cfg = JobConfig(train=TrainConfig(prompts_per_step=8))
+    shared = plan_placement(PlacementConfig(strategy="separation", devices=3), "grpo")
+    assert chunks_per_step(cfg, shared) == 2  # two generators, each with a scorer beside
+    apart = plan_placement(PlacementConfig(strategy="separation", devices=4, generator=[1, 2],
+                                           reward=[3], reference=[3]), "grpo")
+    assert {q.devices for q in apart.by_role("scorer")} == {(3,)}
+    assert chunks_per_step(cfg, apart) == 4
+    few = JobConfig(train=TrainConfig(prompts_per_step=3))
+    assert chunks_per_step(few, apart) == 3  # never more chunks than prompts
