@@ -199,8 +199,9 @@ def response_logits(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor,
     batch runs once where that pays (shared_prompts)."""
     ids, mask, pos = sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
     P, R = prompt_ids.shape[1], response_ids.shape[1]
-    groups = prompt_groups(actor, prompt_ids, prompt_mask) if _caches(actor) else None
-    if groups is not None:
+    # the size rule first: it is arithmetic, `_caches` walks the module tree
+    groups = prompt_groups(actor, prompt_ids, prompt_mask)
+    if groups is not None and _caches(actor):
         shared = _shared_prompt_logits(actor, ids, mask, pos, P, groups)
         if shared is not None:
             return shared
