@@ -78,8 +78,11 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, layer: Any, scale: fl
     b, H, _, D = q.shape
     Hkv, T = keys.shape[1], keys.shape[2]
     qg = q.reshape(b * Hkv, H // Hkv, D)  # the query heads that share a key/value head
-    scores = torch.baddbmm(bias, qg, keys.reshape(b * Hkv, T, D).transpose(1, 2),
-                           alpha=scale)  # [b * Hkv, H / Hkv, T]
+    # keys times queries, not queries times transposed keys: the cache's view of T of its
+    # positions is then taken as it is, where a transposed one was copied at every call
+    # in bf16 (bench/README.md, "Decode attention")
+    scores = torch.bmm(keys.reshape(b * Hkv, T, D), qg.transpose(1, 2))  # [b * Hkv, T, G]
+    scores = torch.add(bias, scores.transpose(1, 2), alpha=scale)  # [b * Hkv, G, T]
     out = torch.bmm(scores.softmax(dim=-1), values.reshape(b * Hkv, T, D))
     return out.view(b, 1, H * D)
 
