@@ -9,6 +9,9 @@
    prompts x 4 responses, every row in full against each prompt once, for tiny GPT-2
    sizes and (with --model) a local HF model, in bf16 autocast. Prints the seconds and
    whether the rule would share.
+3. bf16 attention (`modeling/cpu_attention.py`): `_cpu_sdpa` on bf16 inputs, written out
+   (bf16 matmuls, fp32 softmax) against torch's kernel in fp32, forward alone and
+   forward + backward, at the attention shapes of the benchmark models (and of --model).
 
 One thread; prints the load average, which every number needs beside it.
 """
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
+from rlhf_async.modeling import cpu_attention as attention
 from rlhf_async.modeling import shared_prompts
 from rlhf_async.modeling.cpu_attention import cpu_attention
 from rlhf_async.modeling.models import disable_dropout, response_logits
@@ -81,6 +85,45 @@ def shared_vs_full(name: str, model: PreTrainedModel, P: int, R: int) -> None:
           f"{times['shared']:.3f} s; {saved:.1e} multiply-adds saved: the rule {rule}")
 
 
+class _Heads(torch.nn.Module):
+    """What `_cpu_sdpa` reads off an HF attention module."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups, self.is_causal = groups, True
+
+
+def bf16_attention(name: str, B: int, H: int, Hkv: int, T: int, D: int) -> None:
+    """`_cpu_sdpa` on bf16 [B, H, T, D] queries under a left-padding mask: written out
+    against the kernel in fp32 (MAX_SCORES 0 turns the written-out form off)."""
+    q = torch.randn(B, T, H, D, dtype=torch.bfloat16).transpose(1, 2)  # HF's layout
+    k, v = (torch.randn(B, T, Hkv, D, dtype=torch.bfloat16).transpose(1, 2) for _ in "kv")
+    mask = torch.ones(B, 1, T, T, dtype=torch.bool).tril()
+    mask[: B // 2, :, :, :2] = False
+    mask[..., 0] = True
+    module = _Heads(H // Hkv)
+
+    def run(grad: bool) -> Callable[[], None]:
+        lq, lk, lv = (t.detach().requires_grad_(grad) for t in (q, k, v))
+
+        def call() -> None:
+            out, _ = attention._cpu_sdpa(module, lq, lk, lv, mask)
+            if grad:
+                out.float().sum().backward()
+        return call
+
+    cap = attention.MAX_SCORES
+    times = {}
+    for label, bar in (("kernel", 0), ("written", cap)):
+        attention.MAX_SCORES = bar
+        times[label] = [best_of(run(grad), 15) * 1e3 for grad in (False, True)]
+    attention.MAX_SCORES = cap
+    k_f, k_b = times["kernel"]
+    w_f, w_b = times["written"]
+    print(f"bf16 attention {name} [{B}, {H}/{Hkv}, {T}, {D}]: forward {k_f:.2f} -> {w_f:.2f} "
+          f"ms, fwd + bwd {k_b:.2f} -> {w_b:.2f} ms (kernel in fp32 -> written out)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="", help="a local HF causal LM directory")
@@ -99,6 +142,9 @@ def main() -> None:
         lm = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True)
         shared_vs_full(os.path.basename(args.model.rstrip("/")), lm, args.prompt,
                        args.response)
+    for name, shape in (("GPT-2 4x128", (32, 4, 4, 15, 32)), ("GPT-2 6x384", (32, 6, 6, 57, 64)),
+                        ("SmolLM2-135M", (16, 9, 3, 63, 64))):
+        bf16_attention(name, *shape)
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 

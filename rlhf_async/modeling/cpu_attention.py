@@ -3,7 +3,12 @@
 Two measured pathologies of torch's CPU attention kernel (bench/README.md, "CPU attention"):
 
 - **bf16 is slower than fp32**, 4x in the backward, while bf16 matmuls run up to 4x faster
-  than fp32 ones on CPUs with AVX-512 BF16. A bf16 call computes in fp32 and returns bf16.
+  than fp32 ones on CPUs with AVX-512 BF16. A bf16 call whose scores are few (the short
+  sequences CPU jobs run) and whose shape the kernel loses at (more than 16 keys, head
+  dims from 32) is written out: the two matmuls in bf16, scale, mask and softmax in fp32,
+  as GPU attention kernels do. Forward and backward at 32 x 6 heads x 57 positions x 64
+  dims: 7.5 against 12.4 ms for the kernel in fp32 (bench/README.md, "bf16 attention").
+  Other bf16 calls compute in fp32 through the kernel and return bf16.
 - **Lengths off a multiple of 16 are slow**: the kernel's tail handling costs more than
   the tail. At 32 x 4 heads x 16 dims, one forward took 523 us at 15 positions and 195 us at
   16; 1063 at 31 and 406 at 32; 2076 at 63 and 906 at 64. Queries and keys are padded to
@@ -33,6 +38,8 @@ except ImportError:  # pragma: no cover - older transformers: attention stays as
 CPU_SDPA = "sdpa_cpu"
 WIDTH = 16  # positions the CPU kernel handles at full speed: pad lengths to a multiple
 MAX_PAD = 3  # ... when at most this many short (measured: bench/README.md, "CPU attention")
+MAX_SCORES = 1 << 22  # bf16 calls with at most this many scores are written out (16 MB fp32)
+MIN_HEAD_DIM = 32  # ... at head dims from this (bench/README.md, "bf16 attention")
 
 
 def _padding(length: int) -> int:
@@ -81,14 +88,58 @@ def _padded_sdpa(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
     return out[:, :Tq], weights
 
 
+def _written_out(query: Tensor, key: Tensor, kwargs: dict[str, Any]) -> bool:
+    """Whether a bf16 call runs `_bf16_attention`: no dropout or extra terms, scores that
+    fit in MAX_SCORES, and a shape it wins at: more keys than one block of the kernel
+    (which wins up to WIDTH, padded) and head dims from MIN_HEAD_DIM (at 16 the kernel won).
+    """
+    B, H, Tq, D = query.shape
+    Tk = key.shape[2]
+    extra = any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux"))
+    return not extra and not kwargs.get("dropout") and D >= MIN_HEAD_DIM and Tk > WIDTH \
+        and B * H * Tq * Tk <= MAX_SCORES
+
+
+def _bf16_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                    attention_mask: Tensor | None, scaling: float | None = None,
+                    is_causal: bool | None = None, **_: Any) -> tuple[Tensor, None]:
+    """Attention written out for bf16 on CPU: query [B, H, Tq, D], key and value
+    [B, Hkv, Tk, D]; scores and the weighted sum are bf16 matmuls (fp32 accumulation),
+    scale, mask and softmax fp32. A query row that may attend to nothing gets even weights
+    instead of NaN (its output is a padding position's, never read). -> [B, Tq, H, D]."""
+    B, H, Tq, D = query.shape
+    Hkv, Tk = key.shape[1], key.shape[2]
+    G = H // Hkv  # query heads per key/value head, folded into rows
+    q = query.reshape(B, Hkv, G * Tq, D)
+    scores = torch.matmul(q, key.transpose(-1, -2)).float().view(B, Hkv, G, Tq, Tk)
+    scores = scores * (D ** -0.5 if scaling is None else scaling)
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    low = torch.finfo(torch.float32).min
+    if attention_mask is not None:
+        m = attention_mask if attention_mask.shape[1] == 1 else \
+            attention_mask.view(attention_mask.shape[0], Hkv, G, Tq, Tk)
+        m = m[:, :, None] if attention_mask.shape[1] == 1 else m  # [B|1, Hkv|1, G|1, Tq, Tk]
+        scores = scores.masked_fill(~m, low) if m.dtype == torch.bool else scores + m.float()
+    elif causal and Tq > 1:  # as SDPA's is_causal: query i sees keys 0..i
+        seen = torch.ones(Tq, Tk, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~seen, low)
+    weights = scores.softmax(dim=-1).to(value.dtype).view(B, Hkv, G * Tq, Tk)
+    out = torch.matmul(weights, value).view(B, H, Tq, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _cpu_sdpa(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
               attention_mask: Tensor | None, **kwargs: Any) -> tuple[Tensor, Any]:
-    """HF's SDPA attention; on CPU padded to the kernel's width, and in fp32 for bf16
-    (outside autocast, which would cast it back; returned as bf16)."""
+    """HF's SDPA attention; on CPU padded to the kernel's width, and for bf16 written out
+    (small scores) or in fp32 (outside autocast, which would cast it back; returned as
+    bf16)."""
     if query.device.type != "cpu":
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if query.dtype != torch.bfloat16:
         return _padded_sdpa(module, query, key, value, attention_mask, **kwargs)
+    if _written_out(query, key, kwargs):
+        with torch.autocast("cpu", enabled=False):
+            return _bf16_attention(module, query, key, value, attention_mask, **kwargs)
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.float()
     with torch.autocast("cpu", enabled=False):

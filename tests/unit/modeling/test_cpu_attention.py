@@ -9,7 +9,14 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from rlhf_async.modeling.cpu_attention import CPU_SDPA, _cpu_sdpa, _padding, cpu_attention
+from rlhf_async.modeling.cpu_attention import (
+    CPU_SDPA,
+    _bf16_attention,
+    _cpu_sdpa,
+    _padding,
+    _written_out,
+    cpu_attention,
+)
 from rlhf_async.modeling.models import sequence_inputs
 
 
@@ -67,6 +74,49 @@ def test_padding_and_cached_prefixes_under_a_mask(Tq, Tk, kind):
 
 def test_bf16_computes_in_fp32_and_returns_bf16():
     same(Attn(), *qkv(2, 2, 2, 13, 13), None, dtype=torch.bfloat16)
+
+
+def left_padded(B, Tq, Tk, kind="bool"):
+    allowed = torch.ones(Tq, Tk, dtype=torch.bool).tril(Tk - Tq).expand(B, 1, Tq, Tk).clone()
+    allowed[0, :, :, :3] = False
+    allowed[..., -1:] |= True  # every row attends to something
+    if kind == "bool":
+        return allowed
+    return torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize("H,Hkv,Tq,Tk,kind", [
+    (4, 4, 20, 20, None), (4, 2, 33, 33, "bool"), (4, 2, 17, 40, "float"),
+    (6, 3, 1, 30, "bool"), (2, 2, 57, 57, "bool")])
+def test_bf16_written_out_matches_the_kernel(H, Hkv, Tq, Tk, kind):
+    """More than 16 keys at head dim 32: bf16 matmuls with an fp32 softmax, to bf16
+    rounding of HF's SDPA (causal without a mask, both kinds of mask, grouped heads)."""
+    q, k, v = qkv(2, H, Hkv, Tq, Tk, D=32)
+    assert _written_out(q, k, {})
+    same(Attn(groups=H // Hkv), q, k, v, None if kind is None else left_padded(2, Tq, Tk, kind),
+         dtype=torch.bfloat16)
+
+
+def test_the_kernel_keeps_what_it_is_faster_at():
+    q, k, _ = qkv(2, 4, 4, 16, 16, D=32)
+    assert not _written_out(q, k, {})  # one block of 16 keys
+    q, k, _ = qkv(2, 4, 4, 40, 40, D=16)
+    assert not _written_out(q, k, {})  # head dim 16
+    q, k, _ = qkv(2, 4, 4, 40, 40, D=32)
+    assert not _written_out(q, k, {"dropout": 0.1})
+    assert not _written_out(q, k, {"softcap": 30.0})
+
+
+def test_a_query_that_may_attend_to_nothing_stays_finite():
+    """A padding position's query row (all keys masked) gets even weights, not NaN: a NaN
+    there would reach real rows through the next layer's keys and values."""
+    q, k, v = (t.detach().bfloat16().requires_grad_() for t in qkv(2, 4, 4, 20, 20, D=32))
+    mask = torch.ones(2, 1, 20, 20, dtype=torch.bool).tril()
+    mask[0, :, :, :3] = False  # rows 0-2 of sample 0 see nothing
+    out, _ = _bf16_attention(Attn(), q, k, v, mask)
+    out.float().sum().backward()
+    assert torch.isfinite(out.float()).all()
+    assert all(torch.isfinite(t.grad.float()).all() for t in (q, k, v))
 
 
 def test_non_causal_attention_without_a_mask_is_left_alone():
