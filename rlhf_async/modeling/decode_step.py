@@ -7,9 +7,17 @@ while the arithmetic is a handful of small matmuls (bench/README.md: at 2x64, 1.
 token of which 0.7 ms in operators). `decode_step` returns a function that runs the same
 arithmetic with the model's own parameters, on the KV cache of
 `kv_cache.preallocated_cache` that the HF prefill filled: a few operators a layer and
-nothing else. The parameters are looked up when the step is made (`sample` makes one per
-call) and used as they are then: a weight update in place (a broadcast, an optimizer
-step) is seen by the next token, a module given new parameter objects by the next call.
+nothing else. The parameters are read when the step is made (`sample` makes one per call,
+and weights change only between calls: a generator swaps them between generation steps,
+Flattening trains after generating): a weight update is seen by the next call.
+
+On CPU, for a call of at least PACK_MIN_STEPS decode steps, the step's matmul weights are
+packed once, when it is made, into oneDNN's blocked layout (`_linear`): a small-batch
+matmul otherwise re-packs its weight at every call. bf16 weights (20-45% a matmul), fp32
+ones from PACK_MIN_FP32 elements (below it the packed call's fixed cost loses). Packing
+costs ~0.1 ms a weight (37 ms for SmolLM2's 49152 x 576 head), paid again at every call
+as weights change every RL step, so short generations keep the plain matmuls;
+bench/README.md, "Packed decode weights".
 Attention for the one new query is two batched matmuls and a softmax, in the model's
 dtype (torch's SDPA kernel costs ~1.5x as much for one query row on CPU), with grouped
 query heads folded into rows of their key/value head.
@@ -40,8 +48,41 @@ _GPT2_FLAGS_OFF = ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
 _GELU = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
 
 
-def decode_step(model: nn.Module) -> DecodeStep | None:
-    """The functional decode step for `model`, or None where it has none (see above)."""
+PACK_MIN_STEPS = 16  # decode steps a call must run for its weights to be packed on CPU
+PACK_MIN_FP32 = 1 << 16  # ... and fp32 weights of at least this many elements
+BATCH_HINT = 32  # rows the packed layout is chosen for (any number of rows runs on it)
+Linear = Callable[[Tensor], Tensor]
+
+
+def _packs(weight: Tensor) -> bool:
+    """Whether a decode step packs `weight` for oneDNN (see the module)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available() \
+            or torch.is_autocast_enabled("cpu"):
+        return False  # under autocast the matmuls' dtype is autocast's, not the weight's
+    if weight.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32 and weight.numel() >= PACK_MIN_FP32
+
+
+def _linear(weight: Tensor, bias: Tensor | None, pack: bool, conv1d: bool = False) -> Linear:
+    """x [..., in] -> x @ W^T + bias for a weight [out, in] (nn.Linear's) or [in, out]
+    (`conv1d`: GPT-2's Conv1D), with `pack` on a packed copy of the weight where that pays."""
+    w = weight.t() if conv1d else weight  # [out, in]
+    if pack and _packs(w):
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(),
+                                                             BATCH_HINT)
+            return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none",
+                                                                [], "")
+        except (RuntimeError, AttributeError):  # a build without these oneDNN ops
+            pass
+    return lambda x: F.linear(x, w, bias)
+
+
+def decode_step(model: nn.Module, steps: int = 0) -> DecodeStep | None:
+    """The functional decode step for `model`, or None where it has none (see above);
+    `steps`: how many decode steps the call will run at most (it packs from
+    PACK_MIN_STEPS)."""
     if type(model).__name__ not in ("GPT2LMHeadModel", "LlamaForCausalLM",
                                     "Qwen2ForCausalLM", "MistralForCausalLM"):
         return None  # peft and DeepSpeed wrappers land here too
@@ -56,10 +97,11 @@ def decode_step(model: nn.Module) -> DecodeStep | None:
                 or config.activation_function not in _GELU \
                 or not getattr(config, "scale_attn_weights", True):
             return None
-        return _gpt2_step(model)
+        return _gpt2_step(model, steps >= PACK_MIN_STEPS)
     if config.model_type in ("llama", "qwen2", "mistral") \
             and getattr(config, "hidden_act", "silu") == "silu":
-        return _llama_step(model)  # its own rotary module: every RoPE variant HF has
+        # its own rotary module: every RoPE variant HF has
+        return _llama_step(model, steps >= PACK_MIN_STEPS)
     return None
 
 
@@ -87,35 +129,33 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, layer: Any, scale: fl
     return out.view(b, 1, H * D)
 
 
-def _gpt2_step(model: Any) -> DecodeStep:
+def _gpt2_step(model: Any, pack: bool) -> DecodeStep:
     tr, config = model.transformer, model.config
     H, eps = config.n_head, config.layer_norm_epsilon
     gelu = _GELU[config.activation_function]
-    wte, wpe, lm_head = tr.wte.weight, tr.wpe.weight, model.lm_head.weight
+    wte, wpe, lm_head = tr.wte.weight, tr.wpe.weight, _linear(model.lm_head.weight, None, pack)
     ln_f = (tr.ln_f.weight, tr.ln_f.bias)
-    blocks = [(blk.ln_1.weight, blk.ln_1.bias, blk.attn.c_attn.weight, blk.attn.c_attn.bias,
-               blk.attn.c_proj.weight, blk.attn.c_proj.bias, blk.ln_2.weight, blk.ln_2.bias,
-               blk.mlp.c_fc.weight, blk.mlp.c_fc.bias, blk.mlp.c_proj.weight,
-               blk.mlp.c_proj.bias) for blk in tr.h]
+    blocks = [(blk.ln_1.weight, blk.ln_1.bias, blk.ln_2.weight, blk.ln_2.bias,
+               *(_linear(c.weight, c.bias, pack, conv1d=True) for c in (
+                   blk.attn.c_attn, blk.attn.c_proj, blk.mlp.c_fc, blk.mlp.c_proj)))
+              for blk in tr.h]
 
     def step(tok: Tensor, pos: Tensor, mask: Tensor, cache: Any) -> Tensor:
         x = wte[tok[:, None]] + wpe[pos]  # [b, 1, E]
         b, E = x.shape[0], x.shape[-1]
         D = E // H
         bias = _mask_bias(mask, x.dtype, H)
-        for (ln1_w, ln1_b, qkv_w, qkv_b, o_w, o_b, ln2_w, ln2_b, fc_w, fc_b, pr_w, pr_b), \
-                layer in zip(blocks, cache.layers, strict=True):
+        for (ln1_w, ln1_b, ln2_w, ln2_b, qkv_p, o_p, fc_p, pr_p), layer in \
+                zip(blocks, cache.layers, strict=True):
             h = F.layer_norm(x, (E,), ln1_w, ln1_b, eps)
-            # Conv1D: x @ W + bias, W stored [in, out]
-            qkv = torch.addmm(qkv_b, h.view(b, E), qkv_w)
+            qkv = qkv_p(h.view(b, E))
             q, k, v = qkv.view(b, 3, H, 1, D).unbind(1)  # each [b, H, 1, D]
             a = _attend(q, k, v, bias, layer, D ** -0.5)
-            x = x + torch.addmm(o_b, a.view(b, E), o_w).view(b, 1, E)
+            x = x + o_p(a.view(b, E)).view(b, 1, E)
             h = F.layer_norm(x, (E,), ln2_w, ln2_b, eps)
-            m = F.gelu(torch.addmm(fc_b, h.view(b, E), fc_w), approximate=gelu)
-            x = x + torch.addmm(pr_b, m, pr_w).view(b, 1, E)
+            x = x + pr_p(F.gelu(fc_p(h.view(b, E)), approximate=gelu)).view(b, 1, E)
         x = F.layer_norm(x, (E,), ln_f[0], ln_f[1], eps)
-        return F.linear(x.view(b, E), lm_head)  # [b, V]
+        return lm_head(x.view(b, E))  # [b, V]
 
     return step
 
@@ -131,16 +171,16 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def _llama_step(model: Any) -> DecodeStep:
+def _llama_step(model: Any, pack: bool) -> DecodeStep:
     base, config = model.model, model.config
     H, Hkv = config.num_attention_heads, config.num_key_value_heads
     D = getattr(config, "head_dim", None) or config.hidden_size // H
     eps = config.rms_norm_eps
     embed, norm = base.embed_tokens.weight, base.norm.weight
-    head = (model.lm_head.weight, model.lm_head.bias)
+    head = _linear(model.lm_head.weight, model.lm_head.bias, pack)
     blocks = [(blk.input_layernorm.weight, blk.post_attention_layernorm.weight,
                blk.self_attn.scaling,
-               *((lin.weight, lin.bias) for lin in (
+               *(_linear(lin.weight, lin.bias, pack) for lin in (
                    blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj,
                    blk.self_attn.o_proj, blk.mlp.gate_proj, blk.mlp.up_proj,
                    blk.mlp.down_proj))) for blk in base.layers]
@@ -154,15 +194,15 @@ def _llama_step(model: Any) -> DecodeStep:
         for (ln1, ln2, scaling, q_p, k_p, v_p, o_p, gate, up, down), layer in \
                 zip(blocks, cache.layers, strict=True):
             h = _rms(x, ln1, eps)
-            q = F.linear(h, *q_p).view(b, 1, H, D)
-            k = F.linear(h, *k_p).view(b, 1, Hkv, D)
-            v = F.linear(h, *v_p).view(b, 1, Hkv, D)
+            q = q_p(h).view(b, 1, H, D)
+            k = k_p(h).view(b, 1, Hkv, D)
+            v = v_p(h).view(b, 1, Hkv, D)
             q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
             a = _attend(q, k, v.transpose(1, 2), bias, layer, scaling)
-            x = x + F.linear(a, *o_p)
+            x = x + o_p(a)
             h = _rms(x, ln2, eps)
-            x = x + F.linear(F.silu(F.linear(h, *gate)) * F.linear(h, *up), *down)
+            x = x + down(F.silu(gate(h)) * up(h))
         x = _rms(x, norm, eps)
-        return F.linear(x.view(b, -1), *head)  # [b, V]
+        return head(x.view(b, -1))  # [b, V]
 
     return step

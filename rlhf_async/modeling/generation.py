@@ -148,7 +148,7 @@ def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: Sa
                 **({} if ours is None else {kw: ours}))
     cache: Any = output_cache(out)  # ours, or the model's own (a Cache, or tuples)
     # on our cache, the decode steps skip HF's module tree where the architecture allows
-    step = decode_step(actor) if ours is not None and cache is ours else None
+    step = decode_step(actor, R - 1) if ours is not None and cache is ours else None
     logits = out.logits[:, -1]  # [B, V] ([U, V] when shared)
     if groups is not None:
         cache.batch_select_indices(groups.inverse)

@@ -1,6 +1,8 @@
 """The functional decode step samples what stepping the HF model samples (same tokens,
-log-probs to float rounding), sees weights changed between calls, and stands aside for
-models it does not know."""
+log-probs to float rounding), also on weights packed for oneDNN, sees weights changed
+between calls, and stands aside for models it does not know."""
+
+import copy
 
 import pytest
 import torch
@@ -14,8 +16,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from rlhf_async.modeling import decode_step as steps_module
 from rlhf_async.modeling import generation
-from rlhf_async.modeling.decode_step import decode_step
+from rlhf_async.modeling.decode_step import PACK_MIN_STEPS, _linear, _packs, decode_step
 from rlhf_async.modeling.generation import SamplingParams, sample, sampling_uniforms
 
 EOS, PAD, V = 3, 0, 24
@@ -50,14 +53,14 @@ def _sample_both(monkeypatch, lm: nn.Module, sp: SamplingParams):
     u = sampling_uniforms(0, 0, list(range(len(ids))), sp.max_new_tokens)
     steps: list[int] = []
 
-    def counted(model):
-        step = decode_step(model)
+    def counted(model, most=0):
+        step = decode_step(model, most)
         assert step is not None
         return lambda tok, *a: (steps.append(len(tok)), step(tok, *a))[1]
 
     monkeypatch.setattr(generation, "decode_step", counted)
     fast = sample(lm, ids, mask, sp, u)
-    monkeypatch.setattr(generation, "decode_step", lambda model: None)
+    monkeypatch.setattr(generation, "decode_step", lambda model, most=0: None)
     slow = sample(lm, ids, mask, sp, u)
     return fast, slow, steps
 
@@ -76,11 +79,9 @@ def test_the_decode_step_samples_what_the_model_samples(monkeypatch, name):
     torch.testing.assert_close(fast.logprobs, slow.logprobs, atol=1e-5, rtol=0)
 
 
-def test_the_decode_step_sees_weight_updates_in_place():
+def test_the_next_call_sees_weight_updates_in_place():
     torch.manual_seed(0)
     lm = _gpt2().eval()
-    step = decode_step(lm)
-    assert step is not None
     sp = SamplingParams(max_new_tokens=6, eos_id=EOS, pad_id=PAD, min_new_tokens=6)
     ids, mask = torch.tensor([[1, 5, 6, 2]]), torch.ones(1, 4, dtype=torch.long)
     u = sampling_uniforms(0, 0, [0], 6)
@@ -90,13 +91,45 @@ def test_the_decode_step_sees_weight_updates_in_place():
             p.add_(torch.randn_like(p) * 0.5)
     after = sample(lm, ids, mask, sp, u)
     assert not torch.allclose(before, after.logprobs)
-    with torch.no_grad():  # the step built before the update sees it too
-        out = lm(input_ids=ids, attention_mask=mask, use_cache=True,
-                 cache=generation.preallocated_cache(lm, 6))
-        pos = torch.tensor([[4]])
-        logits = step(torch.tensor([7]), pos, torch.ones(1, 5, dtype=torch.long), out.cache)
-        want = lm(input_ids=torch.cat([ids, torch.tensor([[7]])], 1)).logits[:, -1]
-    torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
+    fresh = sample(copy.deepcopy(lm), ids, mask, sp, u)  # loaded with the new weights
+    assert torch.equal(after.response_ids, fresh.response_ids)
+    assert torch.equal(after.logprobs, fresh.logprobs)
+
+
+def test_packed_weights_compute_what_the_plain_matmul_does():
+    torch.manual_seed(0)
+    w, b, x = torch.randn(512, 128), torch.randn(512), torch.randn(5, 128)
+    assert _packs(w) and not _packs(w[:64])  # fp32: from PACK_MIN_FP32 elements
+    torch.testing.assert_close(_linear(w, b, pack=True)(x), x @ w.T + b, atol=1e-4, rtol=1e-5)
+    conv1d = w.T.contiguous()  # GPT-2 stores [in, out]
+    torch.testing.assert_close(_linear(conv1d, b, pack=True, conv1d=True)(x), x @ w.T + b,
+                               atol=1e-4, rtol=1e-5)
+    if _packs(w.bfloat16()):  # a CPU with bf16 in oneDNN
+        got = _linear(w.bfloat16(), None, pack=True)(x.bfloat16())
+        torch.testing.assert_close(got.float(), (x.bfloat16() @ w.bfloat16().T).float())
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_long_generation_samples_the_same_on_packed_weights(monkeypatch, name):
+    """From PACK_MIN_STEPS decode steps the step packs weights of PACK_MIN_FP32 elements
+    (these models' 128 x 512 MLP weights): the same tokens as the HF model's steps."""
+    torch.manual_seed(0)
+    lm = (GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=64, n_embd=128, n_layer=2,
+                                     n_head=4, eos_token_id=EOS, pad_token_id=PAD))
+          if name == "gpt2" else
+          LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=128, intermediate_size=512,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, eos_token_id=EOS,
+                                       pad_token_id=PAD))).eval()
+    packed = []
+    real = steps_module._packs
+    monkeypatch.setattr(steps_module, "_packs", lambda w: packed.append(real(w)) or real(w))
+    sp = SamplingParams(max_new_tokens=PACK_MIN_STEPS + 2, eos_id=EOS, pad_id=PAD,
+                        min_new_tokens=PACK_MIN_STEPS + 2)
+    fast, slow, _ = _sample_both(monkeypatch, lm, sp)
+    assert any(packed)
+    assert torch.equal(fast.response_ids, slow.response_ids)
+    torch.testing.assert_close(fast.logprobs, slow.logprobs, atol=1e-4, rtol=0)
 
 
 def test_models_it_does_not_know_step_through_their_own_forward():

@@ -63,7 +63,7 @@ def test_sampling_gives_the_same_responses_with_the_models_own_cache(monkeypatch
     monkeypatch.setattr(lm, "forward", counted)
     # every step through the model's forward (the functional decode step skips it; that
     # path has tests of its own in test_decode_step.py)
-    monkeypatch.setattr(generation, "decode_step", lambda model: None)
+    monkeypatch.setattr(generation, "decode_step", lambda model, most=0: None)
     fast = sample(lm, ids, mask, sp, u)
     lengths = fast.response_mask.sum(1)
     assert lengths.min() < 10 and lengths.max() == 10  # rows that end early, and one that runs
