@@ -9,7 +9,9 @@ with the same prompts per step, responses per prompt, max new tokens, learning r
 temperature 1 / no top-k, clip 0.2, KL beta (k3 in the loss), group-std advantage scaling,
 token-level loss normalisation, one optimizer step per batch, grad clip 1.0, AdamW
 defaults and fp32 (TRL's default bf16 autocast is turned off; `--trl-bf16` adds a row with
-it, `--bf16` that row and ours in bf16). TRL gets every core as torch threads in one
+it, `--bf16` that row and ours in bf16: every model in bf16, generation in fp32
+("gen-fp32"), and Separation's scorer beside the trainer ("scorer@trainer")). TRL gets
+every core as torch threads in one
 process (its normal CPU use); ours runs as a user runs it (`job.run`) with each strategy on
 every core. Reported: completions/s and completion tokens/s over the steady steps (warm-up
 excluded), the whole RL phase's wall time (process start and model loading included for
@@ -59,6 +61,10 @@ TRAIN_SCORE_BF16 = 'placement.dtype=["actor=bf16","reward=bf16","reference=bf16"
 OURS_BF16["flattening bf16 gen-fp32"] = [*OURS["flattening"], TRAIN_SCORE_BF16,
                                          "generation.dtype=fp32"]
 OURS_BF16["separation k=1 bf16 gen-fp32"] = [*OURS["separation k=1"], TRAIN_SCORE_BF16]
+# and with the scorer beside the trainer (device 0), where training leaves that core idle
+OURS_BF16["separation k=1 bf16 scorer@trainer"] = [*OURS_BF16["separation k=1 bf16"],
+                                                  "placement.reward=[0]",
+                                                  "placement.reference=[0]"]
 TOKENS = ["<pad>", "<bos>", "<sep>", "<eos>", *map(str, range(10)), "<unused14>", "<unk>"]
 
 

@@ -39,7 +39,9 @@ def preset(cfg: PlacementConfig, algo: str, over: Overrides) -> Placement:
     Defaults: the trainer on device 0 (or one rank per device of placement.actor),
     generators on the other devices, scorers sharing the
     generators' devices (scoring is one forward pass, generation many); one generator and
-    one scorer process per device of its group, so every device works.
+    one scorer process per device of its group, so every device works. placement.reward
+    may put the scorers on the trainer's devices instead, where training leaves them idle
+    (a long generation on a small model: bench/README.md, "Scorers beside the trainer").
     """
     n = cfg.devices
     trainer = cfg.actor or [0]
@@ -80,11 +82,13 @@ def placement_problems(cfg: PlacementConfig, p: Placement) -> list[str]:
                    "scorer process; give them the same devices or leave one empty")
     if p.num_devices > 1:
         train = {d for q in p.processes if q.runtime == TRAIN for d in q.devices}
-        for q in p.processes:
-            shared = sorted(train & set(q.devices)) if q.runtime == INFER else []
+        for q in p.processes:  # scorers may time-share the trainer's devices; generators
+            # may not (their weight broadcast needs a device of their own on GPUs)
+            shared = sorted(train & set(q.devices)) if q.role == "generator" else []
             if shared:
                 out.append(f"placement: {q.node_id} ({q.role}) shares device(s) {shared} "
-                           "with the trainer; separation keeps training and inference apart")
+                           "with the trainer; separation keeps the trainer and generators "
+                           "apart (scorers may share the trainer's devices)")
     return out
 
 

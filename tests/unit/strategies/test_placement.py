@@ -1,6 +1,7 @@
 import pytest
 
 from rlhf_async.config import (
+    AlgoConfig,
     GenerationConfig,
     JobConfig,
     PlacementConfig,
@@ -166,8 +167,9 @@ def test_separation_trainer_runs_one_rank_per_device_of_its_group():
 
 
 def test_separation_cuts_a_step_into_one_chunk_per_generator_unless_scorers_stand_apart():
-    """Two chunks per generator only pay where a scorer can score one on its own device
-    while the next is generated; on a shared device they would take turns."""
+    """Two chunks per generator only pay in synchronous steps where a scorer can score one
+    on its own device while the next is generated; on a shared device they would take
+    turns, and with staleness the next step's generation overlaps already."""
     cfg = JobConfig(train=TrainConfig(prompts_per_step=8))
     shared = plan_placement(PlacementConfig(strategy="separation", devices=3), "grpo")
     assert chunks_per_step(cfg, shared) == 2  # two generators, each with a scorer beside
@@ -177,3 +179,19 @@ def test_separation_cuts_a_step_into_one_chunk_per_generator_unless_scorers_stan
     assert chunks_per_step(cfg, apart) == 4
     few = JobConfig(train=TrainConfig(prompts_per_step=3))
     assert chunks_per_step(few, apart) == 3  # never more chunks than prompts
+    stale = JobConfig(train=TrainConfig(prompts_per_step=8), algo=AlgoConfig(max_staleness=1))
+    assert chunks_per_step(stale, apart) == 2
+
+
+def test_separation_scorers_may_share_the_trainers_devices_generators_may_not():
+    """A scorer beside the trainer time-shares its device (where training leaves it idle);
+    a generator there is refused, saying what is allowed."""
+    p = plan_placement(PlacementConfig(strategy="separation", devices=2, reward=[0],
+                                       reference=[0]), "grpo")
+    assert [(q.role, q.devices) for q in p.processes] == [
+        ("trainer", (0,)), ("generator", (1,)), ("scorer", (0,))]
+    assert runner_problems(JobConfig(placement=PlacementConfig(
+        strategy="separation", devices=2, reward=[0], reference=[0])), p) == []
+    with pytest.raises(PlacementError, match="scorers may share the trainer's devices"):
+        plan_placement(PlacementConfig(strategy="separation", devices=2, generator=[0, 1]),
+                       "grpo")
