@@ -5,12 +5,14 @@ rank per device), generators (one shadow actor per device or tensor-parallel gro
 scorers (reward + reference). The preset gives the trainer one device and the generators
 the rest, with the scorers sharing the generators' devices; that is right for some jobs
 and leaves a stage idle most of the step in others (a long generation on few generator
-devices, a large batch on one trainer rank). `balanced` prices every split of the devices
-with the cost model (whose stage times come from the calibration) and returns the
-fastest that this build runs. `auto` uses it whenever the user pinned none of the stage
-sizes; `plan --simulate` prices the same splits.
+devices, a large batch on one trainer rank; a trainer idle while generation and scoring
+take turns on the other devices, where the scorers are better beside the trainer).
+`balanced` prices every split of the devices with the cost model (whose stage times come
+from the calibration) and returns the fastest that this build runs. `auto` uses it
+whenever the user pinned none of the stage sizes; `plan --simulate` prices the same
+splits.
 
-    split(base, trainers, scorers, gen_tp, score_tp) -> PlacementConfig | None
+    split(base, trainers, scorers, gen_tp, score_tp, beside_trainer) -> PlacementConfig | None
     splits(base)                                     -> every split worth pricing
     balanced(cfg, price)                             -> the fastest runnable one
 """
@@ -42,19 +44,22 @@ def pinned(cfg: PlacementConfig) -> list[str]:
 
 
 def split(base: PlacementConfig, trainers: int, scorers: int, gen_tp: int = 1,
-          score_tp: int = 1) -> PlacementConfig | None:
+          score_tp: int = 1, beside_trainer: bool = False) -> PlacementConfig | None:
     """Separation on base.devices: trainer ranks on the first `trainers` devices, scorers
-    on the last `scorers` (0: sharing the generators' devices), generators on the rest, one
-    process per device or tensor-parallel group. None when the sizes do not fit."""
+    on the last `scorers` (0: sharing the generators' devices, or with `beside_trainer`
+    the trainer's), generators on the rest, one process per device or tensor-parallel
+    group. None when the sizes do not fit."""
     n = base.devices
     gens = n - trainers - scorers
-    if trainers < 1 or scorers < 0 or gens < gen_tp or gens % gen_tp:
+    if trainers < 1 or scorers < 0 or gens < gen_tp or gens % gen_tp \
+            or (beside_trainer and scorers):
         return None
-    score_devs = scorers or gens
+    score_devs = trainers if beside_trainer else scorers or gens
     if score_devs < score_tp or score_devs % score_tp:
         return None
     generator = list(range(trainers, trainers + gens))
-    reward = list(range(trainers + gens, n)) if scorers else []
+    reward = list(range(trainers)) if beside_trainer else \
+        list(range(trainers + gens, n)) if scorers else []
     tps = {"shadow_actor": gen_tp, "reward": score_tp, "reference": score_tp}
     kept = [e for e in base.tensor_parallel if e.split("=")[0].strip() not in tps]
     return dataclasses.replace(base, strategy="separation", actor=list(range(trainers)),
@@ -71,7 +76,8 @@ def _sizes(n: int) -> list[int]:
 
 def splits(base: PlacementConfig) -> list[PlacementConfig]:
     """Every (trainer, scorer) split of base.devices, with the generators' and scorers'
-    tensor-parallel sizes of base (scorers apart or on the generators' devices)."""
+    tensor-parallel sizes of base (scorers apart, on the generators' devices or on the
+    trainer's)."""
     over, _ = parse_overrides(base)
     gen_tp = override_int(over, "shadow_actor", "tensor_parallel", 1)
     score_tp = override_int(over, "reward", "tensor_parallel", 1)
@@ -82,6 +88,9 @@ def splits(base: PlacementConfig) -> list[PlacementConfig]:
             pc = split(base, trainers, scorers, gen_tp, score_tp)
             if pc is not None:
                 out.append(pc)
+        beside = split(base, trainers, 0, gen_tp, score_tp, beside_trainer=True)
+        if beside is not None:
+            out.append(beside)
     return out
 
 

@@ -359,10 +359,13 @@ def predict(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
         gen_devs = set(p.model("shadow_actor").devices)  # type: ignore[union-attr]
         score_devs = {d for m in p.models if m.runtime == INFER and m.model != "shadow_actor"
                       for d in m.devices}
-        infer = phases["generate"] + phases["score"] if gen_devs & score_devs else \
-            slow * max(phases["generate"], phases["score"])
         train_devs = p.model("actor").devices  # type: ignore[union-attr]
-        train_side = phases["train"] * (slow if len(train_devs) > 1 else 1.0) + phases["sync"]
+        beside = bool(score_devs & set(train_devs))  # scorers time-share the trainer's
+        infer = phases["generate"] if beside else \
+            phases["generate"] + phases["score"] if gen_devs & score_devs else \
+            slow * max(phases["generate"], phases["score"])
+        train_side = phases["train"] * (slow if len(train_devs) > 1 else 1.0) + \
+            phases["sync"] + (phases["score"] if beside else 0.0)
         step += cal.pipeline_step_s + (infer + train_side if w.max_staleness == 0
                                        else slow * max(infer, train_side))
     else:

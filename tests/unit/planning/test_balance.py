@@ -36,9 +36,13 @@ def _sizes(placement):
 def test_every_split_uses_each_device_once():
     base = PlacementConfig(devices=7)
     for pc in splits(base):
-        stages = pc.actor + pc.generator + pc.reward
+        stages = pc.actor + pc.generator + (pc.reward if pc.reward != pc.actor else [])
         assert sorted(stages) == list(range(7)) and pc.actor and pc.generator
     assert split(base, 6, 1) is None  # no device left for a generator
+    beside = split(base, 2, 0, beside_trainer=True)
+    assert beside is not None and beside.reward == [0, 1] and beside.generator == [2, 3, 4, 5, 6]
+    assert split(base, 2, 1, beside_trainer=True) is None  # beside the trainer or apart
+    assert any(pc.reward == pc.actor for pc in splits(base))
     assert split(base, 3, 0, gen_tp=2) is not None and split(base, 3, 0, gen_tp=3) is None
     tp = split(dataclasses.replace(base, tensor_parallel=["actor=1", "shadow_actor=4"]), 3, 0,
                gen_tp=2)

@@ -83,6 +83,19 @@ def test_separation_overlaps_only_with_staleness():
                                           ph["train"] + ph["sync"]))
 
 
+def test_scorers_beside_the_trainer_take_its_time_not_the_generators():
+    work = dataclasses.replace(WORK, max_staleness=1)
+    beside = predict(_placement("separation", 2, reward=[0], reference=[0]), SHAPE, work,
+                     BIG_MEMORY, Calibration())
+    ph = beside.phases
+    assert beside.step_s == pytest.approx(max(ph["generate"],
+                                              ph["train"] + ph["sync"] + ph["score"]))
+    shared = predict(_placement("separation", 2), SHAPE, work, BIG_MEMORY, Calibration())
+    ph = shared.phases
+    assert shared.step_s == pytest.approx(max(ph["generate"] + ph["score"],
+                                              ph["train"] + ph["sync"]))
+
+
 def test_flattening_at_scale_gathers_weights_every_token_and_loses_to_separation():
     n, shape = 64, LLAMA["13B"]
     # the simulation's workload: checkpointed activations leave room for the whole reward
