@@ -59,7 +59,7 @@ def compare(name: str, rounds: int, rows: int, new_tokens: int) -> dict:
     outs = {}
     try:
         for _ in range(rounds):
-            for path, pick in (("hf", lambda model: None), ("step", own)):
+            for path, pick in (("hf", lambda model, most=0: None), ("step", own)):
                 generation.decode_step = pick
                 t0 = time.perf_counter()
                 outs[path] = generation.sample(model, ids, mask, params, uniforms)

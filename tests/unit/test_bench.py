@@ -127,7 +127,8 @@ def test_bf16_rows_run_every_model_in_bf16():
     args = argparse.Namespace(bf16=True, trl_bf16=False, trl_threads=[1, 2])
     assert trl_compare.our_rows(args) == [
         "flattening", "separation k=1", "flattening bf16", "separation k=1 bf16",
-        "flattening bf16 gen-fp32", "separation k=1 bf16 gen-fp32"]
+        "flattening bf16 gen-fp32", "separation k=1 bf16 gen-fp32",
+        "separation k=1 bf16 scorer@trainer"]
     assert trl_compare.trl_rows(args)[-1] == ("trl 2t bf16", 2, True)
     cfg = load_config(None, ["algo.name=grpo", *trl_compare.OURS_BF16["separation k=1 bf16"]])
     assert set(cfg.placement.dtype) == {"actor=bf16", "shadow_actor=bf16", "reward=bf16",
@@ -137,6 +138,11 @@ def test_bf16_rows_run_every_model_in_bf16():
         assert set(cfg.placement.dtype) == {"actor=bf16", "reward=bf16", "reference=bf16"}
         placement = plan_placement(cfg.placement, "grpo")
         assert runner_problems(cfg, placement) == []  # each strategy runs its fp32 generation
+    cfg = load_config(None, ["algo.name=grpo", "placement.devices=2",
+                             *trl_compare.OURS_BF16["separation k=1 bf16 scorer@trainer"]])
+    placement = plan_placement(cfg.placement, "grpo")
+    assert placement.by_role("scorer")[0].devices == placement.by_role("trainer")[0].devices
+    assert runner_problems(cfg, placement) == []
     assert trl_compare.our_rows(argparse.Namespace(bf16=False)) == list(trl_compare.OURS)
 
 
