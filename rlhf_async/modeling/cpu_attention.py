@@ -116,9 +116,8 @@ def _bf16_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     low = torch.finfo(torch.float32).min
     if attention_mask is not None:
-        m = attention_mask if attention_mask.shape[1] == 1 else \
-            attention_mask.view(attention_mask.shape[0], Hkv, G, Tq, Tk)
-        m = m[:, :, None] if attention_mask.shape[1] == 1 else m  # [B|1, Hkv|1, G|1, Tq, Tk]
+        m = attention_mask[:, :, None] if attention_mask.shape[1] == 1 else \
+            attention_mask.view(attention_mask.shape[0], Hkv, G, Tq, Tk)  # [B|1, Hkv|1, G|1, ...]
         scores = scores.masked_fill(~m, low) if m.dtype == torch.bool else scores + m.float()
     elif causal and Tq > 1:  # as SDPA's is_causal: query i sees keys 0..i
         seen = torch.ones(Tq, Tk, dtype=torch.bool, device=query.device).tril()

@@ -68,15 +68,18 @@ def _linear(weight: Tensor, bias: Tensor | None, pack: bool, conv1d: bool = Fals
     """x [..., in] -> x @ W^T + bias for a weight [out, in] (nn.Linear's) or [in, out]
     (`conv1d`: GPT-2's Conv1D), with `pack` on a packed copy of the weight where that pays."""
     w = weight.t() if conv1d else weight  # [out, in]
-    if pack and _packs(w):
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(),
-                                                             BATCH_HINT)
-            return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none",
-                                                                [], "")
-        except (RuntimeError, AttributeError):  # a build without these oneDNN ops
-            pass
-    return lambda x: F.linear(x, w, bias)
+    packed = _packed(w) if pack and _packs(w) else None
+    if packed is None:
+        return lambda x: F.linear(x, w, bias)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _packed(w: Tensor) -> Tensor | None:
+    """`w` [out, in] in oneDNN's blocked layout; None on a build without that op."""
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), BATCH_HINT)
+    except (RuntimeError, AttributeError):
+        return None
 
 
 def decode_step(model: nn.Module, steps: int = 0) -> DecodeStep | None:

@@ -361,9 +361,12 @@ def predict(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
                       for d in m.devices}
         train_devs = p.model("actor").devices  # type: ignore[union-attr]
         beside = bool(score_devs & set(train_devs))  # scorers time-share the trainer's
-        infer = phases["generate"] if beside else \
-            phases["generate"] + phases["score"] if gen_devs & score_devs else \
-            slow * max(phases["generate"], phases["score"])
+        if beside:  # their time counts on the trainer's side below
+            infer = phases["generate"]
+        elif gen_devs & score_devs:  # generators and scorers take turns
+            infer = phases["generate"] + phases["score"]
+        else:
+            infer = slow * max(phases["generate"], phases["score"])
         train_side = phases["train"] * (slow if len(train_devs) > 1 else 1.0) + \
             phases["sync"] + (phases["score"] if beside else 0.0)
         step += cal.pipeline_step_s + (infer + train_side if w.max_staleness == 0
