@@ -92,10 +92,16 @@ async def _score(request: web.Request) -> web.Response:
 
 
 def make_app(rule: RuleReward, path: str) -> web.Application:
-    """The server's application: POST `path` scores with `rule`."""
+    """The server's application: POST `path` scores with `rule`; anything else is answered
+    404 (another path) or 405 (another method) naming what it serves."""
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        return _answer(405 if request.path == path else 404,
+                       error=f"{request.method} {request.path}: this server scores POST {path}")
     app = web.Application(client_max_size=MAX_BODY)
     app[RULE] = rule
     app.router.add_post(path, _score)
+    app.router.add_route("*", "/{tail:.*}", elsewhere)
     return app
 
 
