@@ -5,6 +5,7 @@ timeout, busy, wrong or not JSON is one clear error naming the URL and what it a
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import socket
 import threading
@@ -14,7 +15,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from rlhf_async.config import TaskConfig, load_config
+from rlhf_async.config import ConfigError, TaskConfig, load_config
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.ops.reward_server import make_app
 from rlhf_async.rl.scoring import RewardMix
@@ -197,3 +198,16 @@ def test_load_rule_picks_function_server_or_nothing():
     assert isinstance(load_rule(TaskConfig(reward="http://127.0.0.1:1/r"), "x"), RemoteReward)
     assert isinstance(load_rule(TaskConfig(reward="rlhf_async.task.sort_digits:rule"), "x"),
                       RuleReward)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("http://:80/x", "'http://:80/x' names no host; expected 'http://HOST:PORT/PATH'"),
+    ("http://h:99999/", "'http://h:99999/' is not a usable URL (Port out of range 0-65535)"),
+    ("reward", "'reward' is neither 'module.path:function', 'path/to/file.py:function' nor "
+               "a reward server 'http://HOST:PORT/PATH'"),
+])
+def test_bad_urls_are_config_errors(spec, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"task.reward={json.dumps(spec)}"])
+    assert e.value.problems == [f"task.reward: {message}"]
+    load_config(None, ['task.reward="https://judge.example:8443/score?model=a"'])
