@@ -43,7 +43,12 @@ def is_url(spec: str) -> bool:
 
 
 class RewardServerError(RewardFunctionError):
-    """The reward server cannot be reached, or answered something other than rewards."""
+    """The reward server cannot be reached, or answered something other than rewards: one
+    line (it is no mistake in the config file, so not listed as one)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.args = (self.problems[0],)
 
 
 def _snippet(body: bytes) -> str:

@@ -120,5 +120,6 @@ def test_a_server_that_is_down_is_one_error_from_the_cli(tmp_path, cache, capsys
                        f"task.reward={json.dumps(url)}", "task.reward_backoff_s=0.01"])
     err = capsys.readouterr().err
     assert rc != 0 and "Traceback" not in err
-    assert err.endswith(f"  - task.reward: reward server {url} could not be reached (Connection "
-                        "refused) (the last of 3 tries; task.reward_retries = 2)\n"), err
+    assert err == (f"rlhf-async run: error: task.reward: reward server {url} could not be "
+                   "reached (Connection refused) (the last of 3 tries; task.reward_retries = "
+                   "2)\n"), err
