@@ -19,10 +19,11 @@ from aiohttp import web
 
 from rlhf_async import job
 from rlhf_async.cli.main import main as cli_main
-from rlhf_async.config import load_config
+from rlhf_async.config import config_from_dict, load_config
 from rlhf_async.metrics import read_metrics
 from rlhf_async.rl.checkpoint import PREFIX
 from rlhf_async.strategies.separation.startup import PipelineError
+from rlhf_async.task.remote_reward import RewardServerError
 from rlhf_async.task.sort_digits import rule
 from tests.served import serving
 
@@ -89,26 +90,52 @@ def test_served_rule_gives_the_in_process_trajectory(tmp_path, cache, served, on
 
 
 def test_a_server_failing_mid_run_stops_separation_with_a_checkpoint(tmp_path, cache):
-    metrics = tmp_path / "flaky" / "metrics.jsonl"
+    # from step 1 on (the trainer has trained step 0) the scorer node's requests fail
+    with serving(_flaky_app(tmp_path / "flaky" / "metrics.jsonl", 1, [True])) as url, \
+            pytest.raises(PipelineError) as e:
+        _run(tmp_path, cache, "flaky", f"task.reward={json.dumps(url)}",
+             "placement.strategy=separation", "placement.devices=2", "algo.max_staleness=0",
+             "train.steps=4", "task.reward_retries=1", "task.reward_backoff_s=0.01")
+    assert str(e.value) == (f"scorer0: task.reward: reward server {url} answered 503 Service "
+                            "Unavailable: '{\"error\": \"judge model unloaded\"}' (the last "
+                            "of 2 tries; task.reward_retries = 1)")
+    done = [int(p.name[len(PREFIX):]) for p in (tmp_path / "flaky" / "checkpoints").iterdir()
+            if p.name.startswith(PREFIX)]
+    assert done and max(done) >= 1, done  # the trainer stopped with what it had trained
 
+
+def _flaky_app(metrics: Path, steps_first: int, down: list[bool]) -> web.Application:
+    """The built-in rule, answering 503 once `steps_first` steps are in `metrics` while
+    `down[0]` holds."""
     async def flaky(request: web.Request) -> web.Response:
         body = await request.json()
-        if metrics.exists() and metrics.read_text():  # once step 0 is trained
-            return web.json_response({"error": "judge model unloaded"}, status=500)
+        done = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        if down[0] and done >= steps_first:
+            return web.json_response({"error": "judge model unloaded"}, status=503)
         return web.json_response({"rewards": [rule(p, r) for p, r in
                                               zip(body["prompts"], body["responses"],
                                                   strict=True)]})
     app = web.Application()
     app.router.add_post("/reward", flaky)
-    with serving(app) as url, pytest.raises(PipelineError) as e:
-        _run(tmp_path, cache, "flaky", f"task.reward={json.dumps(url)}",
-             "placement.strategy=separation", "placement.devices=2", "algo.max_staleness=0",
-             "train.steps=4")
-    assert str(e.value) == (f"scorer0: task.reward: reward server {url} answered 500 "
-                            "Internal Server Error: '{\"error\": \"judge model unloaded\"}'")
-    done = [int(p.name[len(PREFIX):]) for p in (tmp_path / "flaky" / "checkpoints").iterdir()
-            if p.name.startswith(PREFIX)]
-    assert done and max(done) >= 1, done  # the trainer stopped with what it had trained
+    return app
+
+
+def test_lock_step_keeps_what_it_trained_and_resumes_once_the_server_answers(tmp_path,
+                                                                             cache):
+    run_dir, down = tmp_path / "flat", [True]
+    with serving(_flaky_app(run_dir / "metrics.jsonl", 2, down)) as url:
+        with pytest.raises(RewardServerError) as e:
+            _run(tmp_path, cache, "flat", f"task.reward={json.dumps(url)}",
+                 "task.reward_retries=1", "task.reward_backoff_s=0.01")
+        assert str(e.value) == (f"task.reward: reward server {url} answered 503 Service "
+                                "Unavailable: '{\"error\": \"judge model unloaded\"}' (the "
+                                "last of 2 tries; task.reward_retries = 1)")
+        assert [p.name for p in (run_dir / "checkpoints").iterdir()
+                if p.name.startswith(PREFIX)] == [f"{PREFIX}{2:08d}"]
+        down[0] = False  # back: the run goes on from step 2
+        job.run(config_from_dict(json.loads((run_dir / "config.json").read_text())),
+                run_dir=run_dir)
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2]
 
 
 def test_a_server_that_is_down_is_one_error_from_the_cli(tmp_path, cache, capsys):
