@@ -62,8 +62,9 @@ class ModelConfig:
 @dataclass
 class TaskConfig:
     name: str = opt("sort_digits", "sort_digits = the built-in task (SFT + reward model); "
-                    "text = your prompts + your reward function (needs model.path)",
-                    choices=("sort_digits", "text"))
+                    "calculator = the built-in multi-turn task (SFT, then episodes with a "
+                    "calc(...) tool); text = your prompts + your reward function (needs "
+                    "model.path)", choices=("sort_digits", "calculator", "text"))
     min_len: int = opt(3, "shortest prompt (digits; sort_digits)", ge=2)
     max_len: int = opt(6, "longest prompt (digits; sort_digits)", ge=2)
     num_digits: int = opt(10, "digit alphabet size (sort_digits)", ge=2, le=10)
@@ -91,6 +92,14 @@ class TaskConfig:
                                  "included)", ge=1)
     reward_timeout_s: float = opt(60.0, "text: longest one call of task.reward may take "
                                   "(s); past it the run stops with an error", gt=0.0)
+    env: str = opt("", "text: an environment for multi-turn episodes, 'file.py:Class' or "
+                   "'module.path:Class' (async reset(row) -> observation, async "
+                   "step(action) -> (observation, reward, done)) or a built-in name "
+                   "(calculator); its rewards are the episode's rule reward. calculator: "
+                   "its own")
+    max_turns: int = opt(3, "policy turns per episode (with an environment)", ge=1)
+    env_timeout_s: float = opt(30.0, "longest one environment reset/step may take (s); past "
+                               "it the episode ends there", gt=0.0)
 
 
 @dataclass
@@ -172,7 +181,10 @@ class AlgoConfig:
 
 @dataclass
 class GenerationConfig:
-    max_new_tokens: int = opt(8, "response length limit (tokens, EOS included)", ge=1)
+    max_new_tokens: int = opt(8, "response length limit (tokens, EOS included); with an "
+                              "environment, of each policy turn", ge=1)
+    max_episode_tokens: int = opt(32, "with an environment: an episode's tokens after its "
+                                  "prompt, every turn's (policy and environment)", ge=1)
     temperature: float = opt(1.0, "sampling temperature (also used for training log-probs)",
                              gt=0.0)
     top_k: int = opt(0, "sample from the k most likely tokens; 0 = all", ge=0)

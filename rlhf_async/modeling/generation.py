@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from rlhf_async.modeling.decode_step import decode_step
 from rlhf_async.modeling.determinism import keyed_uniform
+from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.kv_cache import preallocated_cache
 from rlhf_async.modeling.models import cache_keyword, keep_logits, output_cache
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
@@ -41,6 +42,8 @@ class SamplingParams:
     min_new_tokens: int = 0  # before this many tokens, EOS and the stop ids are not sampled
     stop_strings: tuple[str, ...] = ()  # end a response at the token completing one (kept)
     decode: Decode | None = field(default=None, compare=False, repr=False)  # for stop_strings
+    # multi-turn episodes with an environment (`modeling/episodes.py`); None: one response
+    episode: EpisodeSpec | None = field(default=None, compare=False, repr=False)
 
     @property
     def stops(self) -> tuple[int, ...]:

@@ -33,7 +33,9 @@ class RewardMix:
     def combine(self, rm_scores: Tensor | None, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         """(rewards [B], hidden scores [B]) of `batch`, given its reward-model scores."""
         hidden = None
-        if self.rule is not None:
+        if batch.env_rewards is not None:  # an episode's environment judged it: its rule
+            hidden = batch.env_rewards.float()
+        elif self.rule is not None:
             hidden = self.rule(batch.prompt_ids, batch.response_ids, batch.response_mask)
         if rm_scores is None:
             if hidden is None:
@@ -53,7 +55,7 @@ def score(reward_model: ScalarHeadModel | None, reference: nn.Module, batch: Rol
     """Add rewards [B], reference log-probs [B, R] and hidden scores [B] (see RewardMix)."""
     args = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
     logits = response_logits(reference, *args)
-    ref_lp = A.gather_logprobs(logits, batch.response_ids, temperature) * batch.response_mask
+    ref_lp = A.gather_logprobs(logits, batch.response_ids, temperature) * batch.loss_mask
     rm = None if reward_model is None else sequence_scores(reward_model, *args)
     rewards, hidden = mix.combine(rm, batch)
     return batch.replace(rewards=rewards.to(ref_lp.device), ref_logprobs=ref_lp,
