@@ -59,12 +59,21 @@ class ModelConfig:
     max_positions: int = opt(64, "context length of the built-in model", ge=8)
 
 
+# A built-in task's own defaults, used where the config file and the overrides leave a key
+# unset (the reference file shows the general ones): the calculator's episodes are short,
+# and its tool use is learned in a few dozen steps, so its default run fits in minutes.
+TASK_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
+    "calculator": {"train": {"steps": 20}, "generation": {"max_episode_tokens": 20}},
+}
+
+
 @dataclass
 class TaskConfig:
     name: str = opt("sort_digits", "sort_digits = the built-in task (SFT + reward model); "
                     "calculator = the built-in multi-turn task (SFT, then episodes with a "
-                    "calc(...) tool); text = your prompts + your reward function (needs "
-                    "model.path)", choices=("sort_digits", "calculator", "text"))
+                    "calc(...) tool; its own defaults: TASK_DEFAULTS in config/schema.py); "
+                    "text = your prompts + your reward function (needs model.path)",
+                    choices=("sort_digits", "calculator", "text"))
     min_len: int = opt(3, "shortest prompt (digits; sort_digits)", ge=2)
     max_len: int = opt(6, "longest prompt (digits; sort_digits)", ge=2)
     num_digits: int = opt(10, "digit alphabet size (sort_digits)", ge=2, le=10)

@@ -61,7 +61,7 @@ def evaluate(actor: torch.nn.Module, reward_model: ScalarHeadModel | None, task:
         bar.update(len(b), hidden=float(hidden.mean()), reward=float(reward.mean()))
     return {"hidden_score": float(hidden.mean()),
             "reward": float(reward.mean()),
-            "response_length": float(b.response_mask.float().sum(1).mean()),
+            "response_length": float(b.loss_mask.sum(1).mean()),  # the policy's tokens
             "prompts": len(b)}
 
 

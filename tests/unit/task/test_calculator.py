@@ -40,3 +40,11 @@ def test_demonstrations_mark_the_tool_output_as_environment_tokens():
     eval_ = task.prompt_batch(0, "eval", 0, 50, 1).prompt_ids.tolist()
     train = task.prompt_batch(0, "train", 0, 200, 1).prompt_ids.tolist()
     assert not {tuple(x) for x in eval_} & {tuple(x) for x in train}
+
+
+def test_its_own_defaults_yield_to_the_users_keys():
+    cfg = load_config(None, ["task.name=calculator"])
+    assert cfg.train.steps == 20 and cfg.generation.max_episode_tokens == 20
+    cfg = load_config(None, ["task.name=calculator", "train.steps=7"])
+    assert cfg.train.steps == 7
+    assert load_config(None, []).train.steps == 100  # other tasks keep the general ones
