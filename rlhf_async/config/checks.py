@@ -21,7 +21,7 @@ def cross_checks(cfg: JobConfig) -> list[str]:
     out.extend(_reward_spec_problems(cfg.task.reward))
     if cfg.task.name == "text":
         out.extend(_text_task_checks(cfg))
-    elif cfg.generation.max_new_tokens < cfg.task.max_len + 1:
+    elif cfg.task.name == "sort_digits" and cfg.generation.max_new_tokens < cfg.task.max_len + 1:
         out.append(f"generation.max_new_tokens: {cfg.generation.max_new_tokens} cannot hold "
                    f"a full answer; needs >= task.max_len + 1 = {cfg.task.max_len + 1}")
     samples = cfg.train.prompts_per_step * cfg.algo.group_size
@@ -55,6 +55,29 @@ def cross_checks(cfg: JobConfig) -> list[str]:
     if cfg.model.hidden % cfg.model.heads:
         out.append(f"model.hidden: {cfg.model.hidden} must be divisible by model.heads")
     out.extend(_context_checks(cfg))
+    out.extend(_episode_checks(cfg))
+    return out
+
+
+def has_env(cfg: JobConfig) -> bool:
+    """Whether the job's rollouts are multi-turn episodes with an environment."""
+    return cfg.task.name == "calculator" or bool(cfg.task.env)
+
+
+def _episode_checks(cfg: JobConfig) -> list[str]:
+    """An environment: a task that has text for it, and the torch generation engine (our
+    episode loop drives the keyed sampler)."""
+    t, out = cfg.task, []
+    if t.env and t.name == "sort_digits":
+        out.append(f"task.env: {t.env!r}: task.name = 'sort_digits' has no environment; "
+                   "accepted: task.name = 'text' (your environment) or 'calculator'")
+    if t.name == "calculator" and t.env not in ("", "calculator"):
+        out.append(f"task.env: task.name = 'calculator' runs its own environment; got "
+                   f"{t.env!r} (accepted: '' or 'calculator'; your own needs task.name = "
+                   "'text')")
+    if has_env(cfg) and cfg.generation.backend != "torch":
+        out.append(f"generation.backend: {cfg.generation.backend!r} cannot run multi-turn "
+                   "episodes (task.env); accepted: torch")
     return out
 
 
@@ -115,14 +138,17 @@ def _context_checks(cfg: JobConfig) -> list[str]:
     context, source = found
     if cfg.task.name == "text":
         prompt, prompt_key = cfg.task.max_prompt_tokens, "task.max_prompt_tokens"
+    elif cfg.task.name == "calculator":
+        prompt, prompt_key = 7, "a calculator prompt"
     else:
         prompt, prompt_key = cfg.task.max_len + 2, "task.max_len + 2"
-    new = cfg.generation.max_new_tokens
+    key = "generation.max_episode_tokens" if has_env(cfg) else "generation.max_new_tokens"
+    new = cfg.generation.max_episode_tokens if has_env(cfg) else cfg.generation.max_new_tokens
     if prompt + new <= context:
         return []
-    return [f"generation.max_new_tokens: a prompt of up to {prompt} tokens ({prompt_key}) "
-            f"plus {new} new tokens needs {prompt + new} positions, over the model's context "
-            f"of {context} ({source}); accepted: prompt + max_new_tokens <= {context}"]
+    return [f"{key}: a prompt of up to {prompt} tokens ({prompt_key}) plus {new} new tokens "
+            f"needs {prompt + new} positions, over the model's context of {context} "
+            f"({source}); accepted: prompt + {key.split('.')[1]} <= {context}"]
 
 
 def _stop_string_checks(cfg: JobConfig) -> list[str]:

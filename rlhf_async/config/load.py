@@ -12,7 +12,7 @@ from typing import Any
 
 from rlhf_async.config.checks import cross_checks
 from rlhf_async.config.hub import DATA_KEYS, MODEL_KEYS, resolve_hub_id
-from rlhf_async.config.schema import ConfigError, JobConfig
+from rlhf_async.config.schema import TASK_DEFAULTS, ConfigError, JobConfig
 
 
 def _section_types(cls: type) -> dict[str, Any]:
@@ -182,6 +182,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             node = nxt
         else:
             node[keys[-1]] = value
+    _task_defaults(data)
     cfg = _build(JobConfig, data, "", problems)
     _resolve_hub_ids(cfg, None if base_dir is None else Path(base_dir), problems)
     if base_dir is not None:
@@ -190,6 +191,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def _task_defaults(data: dict[str, Any]) -> None:
+    """Fill in the named task's own defaults (`TASK_DEFAULTS`) for keys the file and the
+    overrides leave unset."""
+    task = data.get("task")
+    name = task.get("name") if isinstance(task, dict) else None
+    for section, values in TASK_DEFAULTS.get(name, {}).items() if isinstance(name, str) else ():
+        given = data.setdefault(section, {})
+        if isinstance(given, dict):
+            for key, value in values.items():
+                given.setdefault(key, value)
 
 
 def config_from_dict(data: dict[str, Any]) -> JobConfig:

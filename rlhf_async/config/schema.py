@@ -59,11 +59,21 @@ class ModelConfig:
     max_positions: int = opt(64, "context length of the built-in model", ge=8)
 
 
+# A built-in task's own defaults, used where the config file and the overrides leave a key
+# unset (the reference file shows the general ones): the calculator's episodes are short,
+# and its tool use is learned in a few dozen steps, so its default run fits in minutes.
+TASK_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
+    "calculator": {"train": {"steps": 20}, "generation": {"max_episode_tokens": 20}},
+}
+
+
 @dataclass
 class TaskConfig:
     name: str = opt("sort_digits", "sort_digits = the built-in task (SFT + reward model); "
+                    "calculator = the built-in multi-turn task (SFT, then episodes with a "
+                    "calc(...) tool; its own defaults: TASK_DEFAULTS in config/schema.py); "
                     "text = your prompts + your reward function (needs model.path)",
-                    choices=("sort_digits", "text"))
+                    choices=("sort_digits", "calculator", "text"))
     min_len: int = opt(3, "shortest prompt (digits; sort_digits)", ge=2)
     max_len: int = opt(6, "longest prompt (digits; sort_digits)", ge=2)
     num_digits: int = opt(10, "digit alphabet size (sort_digits)", ge=2, le=10)
@@ -106,6 +116,14 @@ class TaskConfig:
     reward_request_rows: int = opt(64, "task.reward server: responses per request at most "
                                    "(a larger batch is split; 0 = one request per batch)",
                                    ge=0)
+    env: str = opt("", "text: an environment for multi-turn episodes, 'file.py:Class' or "
+                   "'module.path:Class' (async reset(row) -> observation, async "
+                   "step(action) -> (observation, reward, done)) or a built-in name "
+                   "(calculator); its rewards are the episode's rule reward. calculator: "
+                   "its own")
+    max_turns: int = opt(3, "policy turns per episode (with an environment)", ge=1)
+    env_timeout_s: float = opt(30.0, "longest one environment reset/step may take (s); past "
+                               "it the episode ends there", gt=0.0)
 
 
 @dataclass
@@ -187,7 +205,10 @@ class AlgoConfig:
 
 @dataclass
 class GenerationConfig:
-    max_new_tokens: int = opt(8, "response length limit (tokens, EOS included)", ge=1)
+    max_new_tokens: int = opt(8, "response length limit (tokens, EOS included); with an "
+                              "environment, of each policy turn", ge=1)
+    max_episode_tokens: int = opt(32, "with an environment: an episode's tokens after its "
+                                  "prompt, every turn's (policy and environment)", ge=1)
     temperature: float = opt(1.0, "sampling temperature (also used for training log-probs)",
                              gt=0.0)
     top_k: int = opt(0, "sample from the k most likely tokens; 0 = all", ge=0)

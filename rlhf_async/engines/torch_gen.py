@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlhf_async.modeling.generation import SamplingParams, generate
+from rlhf_async.modeling.episodes import rollout
+from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.weight_sync import GroupSpec, load_into_module, make_receiver
 
@@ -24,7 +25,7 @@ class TorchGenerationBackend:
 
     def generate(self, prompts: PromptBatch, seed: int, step: int, version: int) -> RolloutBatch:
 
-        return generate(self.actor, prompts, self.params, seed, step, version)
+        return rollout(self.actor, prompts, self.params, seed, step, version)
 
     def connect(self, spec: GroupSpec, rank: int) -> None:
         self.receiver.connect(spec, rank)

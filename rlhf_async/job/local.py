@@ -28,7 +28,7 @@ from rlhf_async.job.on_ray import run_ranks
 from rlhf_async.job.signals import on_stop_signals
 from rlhf_async.log import get_logger
 from rlhf_async.metrics import truncate_metrics
-from rlhf_async.modeling.generation import generate
+from rlhf_async.modeling.episodes import rollout
 from rlhf_async.modeling.models import ScalarHeadModel, sequence_scores
 from rlhf_async.ops.plotting import plot_metrics
 from rlhf_async.ops.reporting import Reporter
@@ -54,14 +54,14 @@ def evaluate(actor: torch.nn.Module, reward_model: ScalarHeadModel | None, task:
     prompts = task.prompt_batch(cfg.run.seed, "eval", 0, cfg.run.eval_prompts, 1)
     with Phase(f"eval {label}", len(prompts), enabled=cfg.run.progress, unit="prompt") as bar:
         # one batch: the evaluation is the same whatever the progress display
-        b = generate(actor, prompts, sampling_params(cfg, task), cfg.run.seed, EVAL_STEP, 0)
+        b = rollout(actor, prompts, sampling_params(cfg, task), cfg.run.seed, EVAL_STEP, 0)
         args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
         rm = None if reward_model is None else sequence_scores(reward_model, *args)
         reward, hidden = reward_mix(cfg, task).combine(rm, b)
         bar.update(len(b), hidden=float(hidden.mean()), reward=float(reward.mean()))
     return {"hidden_score": float(hidden.mean()),
             "reward": float(reward.mean()),
-            "response_length": float(b.response_mask.float().sum(1).mean()),
+            "response_length": float(b.loss_mask.sum(1).mean()),  # the policy's tokens
             "prompts": len(b)}
 
 

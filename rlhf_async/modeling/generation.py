@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlhf_async.modeling.decode_step import decode_step
+from rlhf_async.modeling.decode_step import DecodeStep, decode_step
 from rlhf_async.modeling.determinism import keyed_uniform
+from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.kv_cache import preallocated_cache
 from rlhf_async.modeling.models import cache_keyword, keep_logits, output_cache
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
@@ -41,6 +42,8 @@ class SamplingParams:
     min_new_tokens: int = 0  # before this many tokens, EOS and the stop ids are not sampled
     stop_strings: tuple[str, ...] = ()  # end a response at the token completing one (kept)
     decode: Decode | None = field(default=None, compare=False, repr=False)  # for stop_strings
+    # multi-turn episodes with an environment (`modeling/episodes.py`); None: one response
+    episode: EpisodeSpec | None = field(default=None, compare=False, repr=False)
 
     @property
     def stops(self) -> tuple[int, ...]:
@@ -119,6 +122,51 @@ def _inverse_cdf(logp: Tensor, u: Tensor) -> Tensor:
     return torch.searchsorted(cdf, target).squeeze(1).clamp(max=cdf.shape[-1] - 1)
 
 
+class _Decoder:
+    """The model and its KV cache for one `sample` call, chosen once after the prefill:
+    our preallocated cache stepped by `decode_step` (HF's module tree skipped) where the
+    architecture allows, else the model's own forward on whatever cache it returned. Rows
+    leave the cache (`drop`) where the cache can re-index them."""
+
+    def __init__(self, actor: nn.Module, cache: Any, fast: DecodeStep | None) -> None:
+        self.actor, self.cache, self.fast = actor, cache, fast
+        self.kw = cache_keyword(actor)
+        self.droppable = hasattr(cache, "batch_select_indices")
+
+    def drop(self, keep: Tensor) -> None:
+        """Keep only rows `keep` [b'] of the cache."""
+        self.cache.batch_select_indices(keep)
+
+    def step(self, tok: Tensor, pos: Tensor, mask: Tensor) -> Tensor:
+        """Logits [b, V] after feeding tok [b] at positions pos [b, 1] (mask: [b, T])."""
+        if self.fast is not None:
+            return self.fast(tok, pos, mask, self.cache)
+        out = self.actor(input_ids=tok[:, None], attention_mask=mask, position_ids=pos,
+                         use_cache=True, **{self.kw: self.cache})
+        self.cache = output_cache(out)
+        return out.logits[:, -1]
+
+
+def _prefill(actor: nn.Module, prompt_ids: Tensor, mask: Tensor, pos: Tensor,
+             R: int) -> tuple[_Decoder, Tensor]:
+    """Run the prompts [B, P] (mask [B, P], pos [B, P]) once: (the decoder, logits [B, V]
+    of each row's first response token). A prompt that repeats (a group's) is prefilled
+    once and its cache rows copied."""
+    P = prompt_ids.shape[1]
+    kw, ours = cache_keyword(actor), preallocated_cache(actor, P + R)
+    groups = None if ours is None else prompt_groups(actor, prompt_ids, mask)
+    fill = slice(None) if groups is None else groups.first
+    out = actor(input_ids=prompt_ids[fill], attention_mask=mask[fill], position_ids=pos[fill],
+                use_cache=True, **keep_logits(actor, 1), **({} if ours is None else {kw: ours}))
+    cache: Any = output_cache(out)  # ours, or the model's own (a Cache, or tuples)
+    fast = decode_step(actor, R - 1) if ours is not None and cache is ours else None
+    logits = out.logits[:, -1]  # [B, V] ([U, V] when shared)
+    if groups is not None:
+        cache.batch_select_indices(groups.inverse)
+        logits = logits[groups.inverse]
+    return _Decoder(actor, cache, fast), logits
+
+
 @torch.no_grad()
 def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
            uniforms: Tensor) -> Generated:
@@ -139,21 +187,7 @@ def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: Sa
     mask = torch.zeros((B, P + R), dtype=torch.long, device=device)  # [b, P + R]
     mask[:, :P] = prompt_mask
     pos = (mask[:, :P].cumsum(dim=1) - 1).clamp(min=0)
-    kw, ours = cache_keyword(actor), preallocated_cache(actor, P + R)
-    # a prompt that repeats (a group's) is prefilled once, then its cache rows copied
-    groups = None if ours is None else prompt_groups(actor, prompt_ids, prompt_mask)
-    fill = slice(None) if groups is None else groups.first
-    out = actor(input_ids=prompt_ids[fill], attention_mask=mask[fill, :P],
-                position_ids=pos[fill], use_cache=True, **keep_logits(actor, 1),
-                **({} if ours is None else {kw: ours}))
-    cache: Any = output_cache(out)  # ours, or the model's own (a Cache, or tuples)
-    # on our cache, the decode steps skip HF's module tree where the architecture allows
-    step = decode_step(actor, R - 1) if ours is not None and cache is ours else None
-    logits = out.logits[:, -1]  # [B, V] ([U, V] when shared)
-    if groups is not None:
-        cache.batch_select_indices(groups.inverse)
-        logits = logits[groups.inverse]
-    droppable = hasattr(cache, "batch_select_indices")
+    decoder, logits = _prefill(actor, prompt_ids, mask[:, :P], pos, R)
     next_pos = pos[:, -1:] + 1  # [b, 1]
     uniforms = uniforms.to(device)  # [B, R] float64
 
@@ -179,17 +213,12 @@ def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: Sa
         if t == R - 1 or not bool(live.any()):
             break
         mask[:, P + t] = fed
-        if droppable and not bool(live.all()):
+        if decoder.droppable and not bool(live.all()):
             keep = live.nonzero().flatten()  # [b'] the rows that go on
-            cache.batch_select_indices(keep)
+            decoder.drop(keep)
             rows, mask, tok, next_pos = rows[keep], mask[keep], tok[keep], next_pos[keep]
             live, whole = live[keep], False
-        if step is not None:
-            logits = step(tok, next_pos, mask[:, : P + t + 1], cache)
-        else:
-            out = actor(input_ids=tok[:, None], attention_mask=mask[:, : P + t + 1],
-                        position_ids=next_pos, use_cache=True, **{kw: cache})
-            cache, logits = output_cache(out), out.logits[:, -1]
+        logits = decoder.step(tok, next_pos, mask[:, : P + t + 1])
         next_pos = next_pos + 1
     actor.train(was_training)
     return Generated(tokens, resp_mask, logprobs)

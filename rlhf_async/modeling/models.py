@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from rlhf_async.config import ConfigError, ModelConfig
+from rlhf_async.modeling.rollout import attention_mask
 from rlhf_async.modeling.shared_prompts import PromptGroups, prompt_groups
 
 HEAD_FILE = "value_head.safetensors"
@@ -185,10 +186,11 @@ def sequence_inputs(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tenso
     """Concatenate left-padded prompts [B, P] and right-padded responses [B, R].
 
     Returns input_ids, attention_mask, position_ids, each [B, P + R]; positions count only
-    real tokens, so a sample's numbers do not depend on how much padding its batch has.
+    real tokens, so a sample's numbers do not depend on how much padding its batch has. An
+    episode's environment tokens are real tokens here (read, not trained on).
     """
     ids = torch.cat([prompt_ids, response_ids], dim=1)
-    mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+    mask = torch.cat([prompt_mask, attention_mask(response_mask)], dim=1).long()
     pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
     return ids, mask, pos
 
@@ -265,7 +267,7 @@ def sequence_scores(reward_model: ScalarHeadModel, prompt_ids: Tensor, prompt_ma
     ids, mask, pos = sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
     per_pos = reward_model(ids, mask, pos)  # [B, P + R]
     P = prompt_ids.shape[1]
-    last = P + response_mask.long().sum(dim=1) - 1
+    last = P + attention_mask(response_mask).sum(dim=1) - 1
     return per_pos.gather(1, last.unsqueeze(1)).squeeze(1)
 
 

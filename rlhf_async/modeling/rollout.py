@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,20 @@ from torch import Tensor
 
 REQUIRED = ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
             "behaviour_logprobs", "sample_ids", "group_ids")
-OPTIONAL = ("rewards", "ref_logprobs", "hidden_scores")
+OPTIONAL = ("rewards", "ref_logprobs", "hidden_scores", "env_rewards")
+# response_mask values: a token the policy sampled (trained on), an environment's token of a
+# multi-turn episode (context the policy reads, never trained on), padding
+POLICY, ENV, PAD = 1, 2, 0
+
+
+def loss_mask(response_mask: Tensor) -> Tensor:
+    """[B, R] float: 1 on the policy's own tokens, 0 on environment tokens and padding."""
+    return (response_mask == POLICY).float()
+
+
+def attention_mask(response_mask: Tensor) -> Tensor:
+    """[B, R] long: 1 on every real token (the policy's and the environment's)."""
+    return (response_mask != PAD).long()
 
 
 @dataclass
@@ -61,7 +75,7 @@ class RolloutBatch:
     prompt_ids: Tensor  # [B, P] long, left-padded
     prompt_mask: Tensor  # [B, P] long, 1 = real token
     response_ids: Tensor  # [B, R] long, right-padded after EOS
-    response_mask: Tensor  # [B, R] long, 1 = real token (EOS included)
+    response_mask: Tensor  # [B, R] long: POLICY (EOS included), ENV (an episode's), PAD
     behaviour_logprobs: Tensor  # [B, R] float32, log mu(token) of the generating policy
     sample_ids: Tensor  # [B] long, globally unique per (prompt, response) sample
     group_ids: Tensor  # [B] long, samples of the same prompt share it
@@ -70,6 +84,28 @@ class RolloutBatch:
     rewards: Tensor | None = None  # [B] float32 reward-model scores (scorer)
     ref_logprobs: Tensor | None = None  # [B, R] float32 reference log-probs (scorer)
     hidden_scores: Tensor | None = None  # [B] float32 task's true score (reported only)
+    env_rewards: Tensor | None = None  # [B] float32 an episode's environment rewards, summed
+
+    @property
+    def loss_mask(self) -> Tensor:
+        """[B, R] float: 1 on the tokens the policy sampled (see `loss_mask`)."""
+        return loss_mask(self.response_mask)
+
+    def turns(self, decode: Callable[[list[int]], str]) -> list[list[dict[str, str]]]:
+        """Each row as [{"role": "prompt" | "policy" | "environment", "text": ...}]: the
+        prompt, then each run of the policy's and the environment's tokens, decoded."""
+        out = []
+        for p, pm, r, rm in zip(self.prompt_ids.tolist(), self.prompt_mask.tolist(),
+                                self.response_ids.tolist(), self.response_mask.tolist(),
+                                strict=True):
+            turns = [{"role": "prompt", "text": decode([t for t, m in zip(p, pm, strict=True)
+                                                        if m])}]
+            for kind, run in itertools.groupby(zip(r, rm, strict=True), key=lambda x: x[1]):
+                if kind != PAD:
+                    role = "policy" if kind == POLICY else "environment"
+                    turns.append({"role": role, "text": decode([t for t, _ in run])})
+            out.append(turns)
+        return out
 
     def __len__(self) -> int:
         return int(self.prompt_ids.shape[0])
@@ -105,7 +141,7 @@ class RolloutBatch:
         want = {"prompt_ids": (B, P), "prompt_mask": (B, P), "response_ids": (B, R),
                 "response_mask": (B, R), "behaviour_logprobs": (B, R), "sample_ids": (B,),
                 "group_ids": (B,), "rewards": (B,), "ref_logprobs": (B, R),
-                "hidden_scores": (B,)}
+                "hidden_scores": (B,), "env_rewards": (B,)}
         problems = []
         for name, shape in want.items():
             t = getattr(self, name)

@@ -48,6 +48,8 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
     """Generalised advantage estimation over right-padded sequences.
 
     rewards, values, mask: [B, T]. The value after the last valid token is 0 (episode end).
+    Masked tokens inside a sequence (a multi-turn episode's environment tokens) are skipped:
+    the policy token before them bootstraps from the next policy token after them.
     Returns (advantages, returns), both [B, T], zero on padding.
     """
     m = mask.float()
@@ -57,9 +59,10 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float,
     next_value = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)
     for t in reversed(range(T)):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last = (delta + gamma * lam * last) * m[:, t]
-        adv[:, t] = last
-        next_value = values[:, t] * m[:, t]
+        on = m[:, t] > 0
+        last = torch.where(on, delta + gamma * lam * last, last)
+        adv[:, t] = last * m[:, t]
+        next_value = torch.where(on, values[:, t], next_value)
     returns = (adv + values) * m
     return adv, returns
 
@@ -81,9 +84,9 @@ def token_rewards(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) -> T
     """
     m = mask.float()
     r = -kl_coef * kl * m
-    lengths = m.sum(dim=1).long()
-    has = lengths > 0
-    last = (lengths - 1).clamp(min=0)
+    has = m.sum(dim=1) > 0
+    # the last valid token (a multi-turn episode's mask has holes: its environment tokens)
+    last = m.shape[1] - 1 - (m.flip(1) > 0).long().argmax(dim=1)
     rows = torch.arange(r.shape[0], device=r.device)
     r[rows[has], last[has]] += scores[has].to(r.dtype)
     return r

@@ -174,7 +174,7 @@ class Learner:
                     values: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """-> advantages [B, R], returns [B, R] (PPO only), per-token KL [B, R] (None
         without `old_lp`)."""
-        algo, m = self.algo, b.response_mask.float()
+        algo, m = self.algo, b.loss_mask
         assert b.rewards is not None and b.ref_logprobs is not None  # checked by train_step
         if old_lp is None:  # _reuses_logprobs: rewards alone decide the advantages
             fn = A.grpo_advantages if algo.name == "grpo" else A.rloo_advantages
@@ -223,7 +223,7 @@ class Learner:
         `idx` of the batch (`mb`, their forward `fwd`). With `fill_old`, this forward's
         detached log-probs are the old ones (written to old_lp)."""
         algo, lp = self.algo, fwd.logprobs
-        m = mb.response_mask.float()
+        m = mb.loss_mask
         if fill_old:
             old_lp[idx] = lp.detach() * m
         pg, st = A.ppo_policy_loss(lp, old_lp[idx], adv[idx], m, algo.clip_eps,
@@ -282,7 +282,7 @@ class Learner:
         metrics (identical on every rank)."""
         if batch.rewards is None or batch.ref_logprobs is None:
             raise ValueError("train_step needs a scored batch (rewards and ref_logprobs)")
-        b, m = batch, batch.response_mask.float()
+        b, m = batch, batch.loss_mask
         args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
         reuse = self._reuses_logprobs()
         first: Forward | None = None
@@ -331,7 +331,7 @@ class Learner:
     def _global_stats(self, b: RolloutBatch, kl: Tensor, adv: Tensor, sums: dict[str, Tensor],
                       n_updates: int) -> dict[str, float]:
         """One all-reduce for every metric: per-sample sums + counts, loss partial sums."""
-        m = b.response_mask.float()
+        m = b.loss_mask
         assert b.rewards is not None
         per_sample = {"reward": b.rewards.float(), "kl": kl.sum(dim=1),
                       "response_length": m.sum(dim=1), "advantage_abs": (adv.abs() * m).sum(1)

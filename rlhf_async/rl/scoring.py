@@ -49,7 +49,9 @@ class RewardMix:
         """(rewards [B], hidden scores [B]) of `batch`, given its reward-model scores (and
         the rule's scores `start` began, if it did)."""
         hidden = None
-        if started is not None:
+        if batch.env_rewards is not None:  # an episode's environment judged it: its rule
+            hidden = batch.env_rewards.float()
+        elif started is not None:
             hidden = started.result()  # the rule's own error, raised here
         elif self.rule is not None:
             hidden = self.rule(batch.prompt_ids, batch.response_ids, batch.response_mask)
@@ -72,7 +74,7 @@ def score(reward_model: ScalarHeadModel | None, reference: nn.Module, batch: Rol
     started = mix.start(batch)  # a reward server's answer comes while the forwards run
     args = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
     logits = response_logits(reference, *args)
-    ref_lp = A.gather_logprobs(logits, batch.response_ids, temperature) * batch.response_mask
+    ref_lp = A.gather_logprobs(logits, batch.response_ids, temperature) * batch.loss_mask
     rm = None if reward_model is None else sequence_scores(reward_model, *args)
     rewards, hidden = mix.combine(rm, batch, started)
     return batch.replace(rewards=rewards.to(ref_lp.device), ref_logprobs=ref_lp,

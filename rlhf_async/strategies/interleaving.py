@@ -33,7 +33,7 @@ from rlhf_async.modeling.models import (
     sequence_scores,
 )
 from rlhf_async.modeling.precision import Precision
-from rlhf_async.modeling.rollout import RolloutBatch, split_bounds
+from rlhf_async.modeling.rollout import RolloutBatch, loss_mask, split_bounds
 from rlhf_async.rl import algorithms as A
 from rlhf_async.rl.scoring import RewardMix
 from rlhf_async.strategies.base import Overrides, RunResult, Strategy
@@ -115,7 +115,7 @@ def score_interleaved(batch: RolloutBatch, sizes: list[int], reward_model: Scala
     if reference is not None and rows.stop > rows.start:
         args = [full[rows, a:b] for a, b in cols.values()]
         logits = response_logits(reference, *args).float()  # [n_i, R, V]
-        both[rows, 1:] = A.gather_logprobs(logits, args[2], temperature) * args[3]
+        both[rows, 1:] = A.gather_logprobs(logits, args[2], temperature) * loss_mask(args[3])
     # exactly one owner wrote each entry, so summing zeros is exact
     dist.all_reduce(both, op=dist.ReduceOp.SUM)
     mine = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))

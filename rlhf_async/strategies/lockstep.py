@@ -28,7 +28,7 @@ from rlhf_async.config import JobConfig
 from rlhf_async.engines.process_group import exit_rank, free_port, launched, rank_group
 from rlhf_async.log import get_logger
 from rlhf_async.metrics import MetricsWriter, Progress
-from rlhf_async.modeling.generation import generate
+from rlhf_async.modeling.episodes import rollout
 from rlhf_async.modeling.models import save_policy
 from rlhf_async.modeling.precision import Precision, check_device
 from rlhf_async.modeling.rollout import RolloutBatch
@@ -124,7 +124,7 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
         mine = prompts.split(G, world)[rank].to(device)  # [B/world, P], whole groups
         t0 = time.perf_counter()
         with generating.compute("actor", device):
-            batch = generate(actor, mine, params, seed, step, learner.version)
+            batch = rollout(actor, mine, params, seed, step, learner.version)
         t1 = time.perf_counter()
         try:
             batch = scorer(batch)

@@ -1,7 +1,9 @@
 """Tasks: where prompts come from and how responses are judged.
 
-`sort_digits` is the built-in task (with its own SFT and reward-model stages); `text` takes
-the user's prompts file and rule reward function. `make_task(cfg)` builds the configured one.
+`sort_digits` is the built-in task (with its own SFT and reward-model stages); `calculator`
+the built-in multi-turn tool-use task (SFT, then episodes with a `calc` tool); `text` takes
+the user's prompts file and rule reward function (and, with `task.env`, the user's
+environment). `make_task(cfg)` builds the configured one.
 """
 
 from __future__ import annotations
@@ -11,15 +13,17 @@ from typing import Protocol
 from torch import Tensor
 
 from rlhf_async.config import JobConfig
+from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.generation import Decode, SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.rl.scoring import RewardMix
+from rlhf_async.task.calculator import CalculatorTask
 from rlhf_async.task.remote_reward import is_url
 from rlhf_async.task.sort_digits import EOS, PAD, VOCAB_SIZE, SortDigitsTask
 from rlhf_async.task.text import TextTask
 
-__all__ = ["EOS", "PAD", "VOCAB_SIZE", "SortDigitsTask", "Task", "make_task", "reward_mix",
-           "sampling_params"]
+__all__ = ["EOS", "PAD", "VOCAB_SIZE", "CalculatorTask", "SortDigitsTask", "Task", "make_task",
+           "reward_mix", "sampling_params"]
 
 
 class Task(Protocol):
@@ -27,6 +31,7 @@ class Task(Protocol):
     pad_id: int
     rule_reward: bool  # True: hidden_scores IS the reward (no reward model at all)
     has_rule: bool  # False: no hidden_scores (a text task judged by reward_model.path only)
+    stop_ids: tuple[int, ...]  # the task's own stop tokens (a tool call's end), beside EOS
 
     @property  # token ids -> text; None: the task has no text (no generation.stop_strings)
     def decode(self) -> Decode | None: ...
@@ -37,12 +42,16 @@ class Task(Protocol):
     def hidden_scores(self, prompt_ids: Tensor, response_ids: Tensor,
                       response_mask: Tensor) -> Tensor: ...
 
+    def episode_spec(self) -> EpisodeSpec | None: ...  # None: one response per prompt
+
 
 def make_task(cfg: JobConfig) -> Task:
     """The task `cfg.task.name` names (the text task reads its files and imports the reward
     function here; problems are a ConfigError)."""
     if cfg.task.name == "text":
         return TextTask(cfg)
+    if cfg.task.name == "calculator":
+        return CalculatorTask(cfg)
     return SortDigitsTask(cfg.task)
 
 
@@ -55,8 +64,10 @@ def reward_mix(cfg: JobConfig, task: Task) -> RewardMix:
 
 def sampling_params(cfg: JobConfig, task: Task) -> SamplingParams:
     """How the policy samples for this job: the generation settings and the task's tokens
-    (and its decoder, which matches the stop strings)."""
+    (and its decoder, which matches the stop strings; its episodes, when it has an
+    environment)."""
     g = cfg.generation
+    stops = (*g.stop_token_ids, *(s for s in task.stop_ids if s not in g.stop_token_ids))
     return SamplingParams(g.max_new_tokens, task.eos_id, task.pad_id, g.temperature, g.top_k,
-                          g.top_p, tuple(g.stop_token_ids), g.min_new_tokens,
-                          tuple(g.stop_strings), task.decode)
+                          g.top_p, stops, g.min_new_tokens, tuple(g.stop_strings), task.decode,
+                          task.episode_spec())

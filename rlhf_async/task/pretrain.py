@@ -31,6 +31,8 @@ from rlhf_async.modeling.models import (
 )
 from rlhf_async.progress import announce
 from rlhf_async.task import Task
+from rlhf_async.task.calculator import VOCAB_SIZE as CALC_VOCAB
+from rlhf_async.task.calculator import CalculatorTask
 from rlhf_async.task.sort_digits import VOCAB_SIZE, SortDigitsTask
 from rlhf_async.task.supervised import (
     Batch,
@@ -44,6 +46,7 @@ log = get_logger(component="pretrain")
 ARTEFACT_VERSION = 2
 # The artefacts depend on this code too: any change to it gives new cache keys.
 _CODE_FILES = (Path(__file__), Path(__file__).with_name("sort_digits.py"),
+               Path(__file__).with_name("calculator.py"),
                Path(__file__).with_name("supervised.py"),
                Path(__file__).parents[1] / "modeling" / "models.py")
 
@@ -97,9 +100,12 @@ def atomic_dir(final: Path, write: Callable[[Path], None]) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def train_sft(task: SortDigitsTask, actor: PreTrainedModel, cfg: JobConfig) -> dict:
-    """Cross-entropy on synthetic demonstrations' tokens only."""
+def train_sft(task: SortDigitsTask | CalculatorTask, actor: PreTrainedModel,
+              cfg: JobConfig) -> dict:
+    """Cross-entropy on synthetic demonstrations' tokens only (an episode's: the policy's)."""
     def batch(step: int) -> Batch:
+        if isinstance(task, CalculatorTask):
+            return task.demonstrations(cfg.run.seed, step, cfg.sft.batch_size)
         prompts, demos = task.demonstrations(cfg.run.seed, step, cfg.sft.batch_size)
         return (*task.encode_prompts(prompts), *task.encode_responses(demos, task.response_len))
 
@@ -143,13 +149,17 @@ def reward_model_accuracy(task: SortDigitsTask, rm: ScalarHeadModel, cfg: JobCon
             "rm_accuracy": float(true_order[decided].float().mean())}
 
 
-def _new_actor(cfg: JobConfig, task: SortDigitsTask) -> PreTrainedModel:
-    return load_actor(cfg.model, VOCAB_SIZE, task.special, cfg.run.seed)
+def _new_actor(cfg: JobConfig, task: SortDigitsTask | CalculatorTask) -> PreTrainedModel:
+    vocab = CALC_VOCAB if isinstance(task, CalculatorTask) else VOCAB_SIZE
+    return load_actor(cfg.model, vocab, task.special, cfg.run.seed)
 
 
 def prepare_artefacts(cfg: JobConfig, task: Task) -> Artefacts:
     """Train (or reuse from the cache) the SFT policy and the reward model; the text task
     starts RL from model.path directly, with reward_model.path's model or its rule."""
+    if isinstance(task, CalculatorTask):  # its environment rewards: no reward model
+        sft_dir = _sft(cfg, task)
+        return Artefacts(sft_dir, None, json.loads((sft_dir / "stats.json").read_text()), {})
     if not isinstance(task, SortDigitsTask):
         given = cfg.reward_model.path
         log.info("no SFT and no reward-model training here; the policy starts from "
@@ -161,18 +171,7 @@ def prepare_artefacts(cfg: JobConfig, task: Task) -> Artefacts:
     if (sft_dir / "stats.json").exists() and (rm_dir / "stats.json").exists():
         announce("sft + reward model", f"cached in {cache} (same config and code): skipped",
                  enabled=cfg.run.progress)
-    if not (sft_dir / "stats.json").exists():
-        t0 = time.perf_counter()
-        actor = _new_actor(cfg, task)
-        stats = train_sft(task, actor, cfg)
-        stats["sft_seconds"] = time.perf_counter() - t0
-
-        def write_sft(d: Path) -> None:
-            actor.save_pretrained(d, safe_serialization=True)
-            (d / "stats.json").write_text(json.dumps(stats))
-
-        atomic_dir(sft_dir, write_sft)
-        log.info("sft trained", **stats, dir=str(sft_dir))
+    _sft(cfg, task)
     if not (rm_dir / "stats.json").exists():
         t0 = time.perf_counter()
         rm = scalar_model_from_actor(load_sft(sft_dir), cfg.run.seed)
@@ -187,6 +186,24 @@ def prepare_artefacts(cfg: JobConfig, task: Task) -> Artefacts:
         log.info("reward model trained", **stats, dir=str(rm_dir))
     return Artefacts(sft_dir, rm_dir, json.loads((sft_dir / "stats.json").read_text()),
                      json.loads((rm_dir / "stats.json").read_text()))
+
+
+def _sft(cfg: JobConfig, task: SortDigitsTask | CalculatorTask) -> Path:
+    """The SFT policy's directory, trained into the cache unless it is there."""
+    sft_dir = Path(cfg.run.cache_dir) / stage_key(cfg, "sft")
+    if not (sft_dir / "stats.json").exists():
+        t0 = time.perf_counter()
+        actor = _new_actor(cfg, task)
+        stats = train_sft(task, actor, cfg)
+        stats["sft_seconds"] = time.perf_counter() - t0
+
+        def write_sft(d: Path) -> None:
+            actor.save_pretrained(d, safe_serialization=True)
+            (d / "stats.json").write_text(json.dumps(stats))
+
+        atomic_dir(sft_dir, write_sft)
+        log.info("sft trained", **stats, dir=str(sft_dir))
+    return sft_dir
 
 
 def load_sft(path: Path) -> PreTrainedModel:

@@ -41,6 +41,12 @@ class SortDigitsTask:
     rule_reward = False  # the policy is trained on a learned reward model
     has_rule = True  # the true score is known: reported as hidden_score
     decode = None  # digits, not text: no stop strings (config checks refuse them)
+    stop_ids: tuple[int, ...] = ()
+
+    @staticmethod
+    def episode_spec() -> None:
+        """One response per prompt: no environment."""
+        return None
 
     def __init__(self, cfg: TaskConfig) -> None:
         self.cfg = cfg

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlhf_async.modeling.models import ScalarHeadModel, response_logits, sequence_scores
+from rlhf_async.modeling.rollout import loss_mask
 from rlhf_async.progress import Phase
 
 # prompt ids [B, P] (left-padded), prompt mask, response ids [B, R] (right-padded), mask
@@ -39,7 +40,8 @@ def sft_loss(actor: nn.Module, batch: Batch) -> Tensor:
     p_ids, p_mask, r_ids, r_mask = batch
     logits = response_logits(actor, p_ids, p_mask, r_ids, r_mask)  # [B, R, V]
     per_tok = F.cross_entropy(logits.transpose(1, 2), r_ids, reduction="none")  # [B, R]
-    return (per_tok * r_mask).sum() / r_mask.sum()
+    m = loss_mask(r_mask)  # a demonstrated episode's environment tokens are not learned
+    return (per_tok * m).sum() / m.sum()
 
 
 def pair_scores(rm: ScalarHeadModel, batch: Batch) -> tuple[Tensor, Tensor]:

@@ -28,8 +28,10 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_async.config import ConfigError, JobConfig, TaskConfig
 from rlhf_async.modeling.determinism import key_seed
+from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.task.dataset import load_rows
+from rlhf_async.task.environment import load_env, template_delta
 from rlhf_async.task.remote_reward import load_rule
 from rlhf_async.task.tokens import (
     Prompt,
@@ -161,6 +163,25 @@ class TextTask:
         for i, toks in enumerate(self.tokens):
             self.index_of.setdefault(tuple(toks), i)
         self.train_idx, self.eval_idx = heldout_split([split_key(p) for p in self.prompts])
+        self.env = load_env(t.env) if t.env else None
+        self.max_turns, self.env_timeout_s = t.max_turns, t.env_timeout_s
+        self.max_episode_tokens = cfg.generation.max_episode_tokens
+
+    stop_ids: tuple[int, ...] = ()
+
+    def episode_spec(self) -> EpisodeSpec | None:
+        """With `task.env`: its episodes, observations as the chat template's tool turns."""
+        if self.env is None:
+            return None
+        return EpisodeSpec(self.env, self.env_row, template_delta(self.tokenizer), self.decode,
+                           self.max_turns, self.max_episode_tokens, self.env_timeout_s,
+                           self.cfg.env)
+
+    def env_row(self, tokens: list[int]) -> dict[str, Any]:
+        """What an environment's reset reads: the prompt's text and its row's columns."""
+        i = self.index_of.get(tuple(tokens), -1)
+        text = prompt_text(self.prompts[i]) if i >= 0 else self.decode(tokens)
+        return {**(self.columns[i] if i >= 0 else {}), "prompt": text}
 
     def _check_lengths(self) -> None:
         limit = self.cfg.max_prompt_tokens

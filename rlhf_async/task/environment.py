@@ -1,0 +1,74 @@
+"""The text task's environment: `task.env` loaded, and its replies rendered as tokens.
+
+`task.env` is 'file.py:Class', 'module.path:Class' (imported like `task.reward`) or a
+built-in name (`BUILTIN`). The class is made with no arguments, once per episode; its
+`reset` and `step` must be coroutine functions (the `Env` protocol).
+
+An observation becomes tokens as a chat-template delta: the text the template adds after
+the policy's turn for one more message of `role` (the assistant turn's closing markup, the
+message, the next generation prompt), found by rendering a placeholder conversation with
+and without it. Only that text is tokenised; the episode's earlier tokens never are, so
+they cannot drift. It matches the whole conversation's tokenisation when the template
+closes a turn with a special token (every common chat template does): tokenisers never
+merge across one.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from rlhf_async.config import ConfigError
+from rlhf_async.modeling.environment import Env
+from rlhf_async.task.calculator import CalculatorEnv
+from rlhf_async.task.reward_fn import RewardFunctionError, load_reward_fn
+
+BUILTIN: dict[str, Callable[[], Env]] = {"calculator": CalculatorEnv}
+_USER, _BOT = "\x00user\x00", "\x00assistant\x00"  # placeholders no template alters
+
+
+def load_env(spec: str) -> Callable[[], Env]:
+    """The environment class `spec` names; one ConfigError naming what is wrong."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    if ":" not in spec:
+        raise ConfigError([f"task.env: {spec!r} is neither a built-in environment "
+                           f"({', '.join(sorted(BUILTIN))}) nor 'file.py:Class' / "
+                           "'module.path:Class'"])
+    try:
+        cls = load_reward_fn(spec)
+    except RewardFunctionError as e:
+        raise ConfigError([p.replace("task.reward:", "task.env:", 1) for p in e.problems]) \
+            from None
+    missing = [m for m in ("reset", "step")
+               if not inspect.iscoroutinefunction(getattr(cls, m, None))]
+    if not inspect.isclass(cls) or missing:
+        raise ConfigError([f"task.env: {spec!r} must be a class with async reset(row) -> "
+                           "observation and async step(action) -> (observation, reward, "
+                           f"done); {'it is not a class' if not inspect.isclass(cls) else ''}"
+                           f"{'missing or not async: ' + ', '.join(missing) if missing else ''}"])
+    return cls  # type: ignore[return-value]  # checked above: an Env class
+
+
+def template_delta(tok: PreTrainedTokenizerBase, role: str = "tool",
+                   ) -> Callable[[str], list[int]]:
+    """observation -> the tokens the chat template adds for it after a policy turn."""
+    def render(chat: list[dict[str, Any]], generation: bool) -> str:
+        return str(tok.apply_chat_template(chat, tokenize=False,
+                                           add_generation_prompt=generation))
+
+    base = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _BOT}]
+    before = render(base, False)
+    if _BOT not in before:
+        raise ConfigError(["task.env: the chat template drops the assistant's turn, so an "
+                           "environment's reply cannot be placed after it"])
+
+    def delta(observation: str) -> list[int]:
+        text = render([*base, {"role": role, "content": observation}], True)
+        cut = text.index(_BOT) + len(_BOT)
+        return list(tok(text[cut:], add_special_tokens=False).input_ids)
+
+    return delta

@@ -1,0 +1,179 @@
+"""Multi-turn episodes: token ids without re-tokenisation drift, the loss mask over the
+policy's tokens only, keyed determinism, and environments that misbehave."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+from rlhf_async.config import ConfigError
+from rlhf_async.modeling.environment import EpisodeSpec
+from rlhf_async.modeling.episodes import _Episode, _observe, rollout, run_episodes
+from rlhf_async.modeling.generation import SamplingParams, generate
+from rlhf_async.modeling.rollout import ENV, POLICY, PromptBatch
+from rlhf_async.task.environment import template_delta
+
+TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}<|end|>"
+            "{% endfor %}{% if add_generation_prompt %}<|start|>assistant\n{% endif %}")
+CORPUS = ["What is 2+3? Use the tool.", "calc(2+3)", "5", "calc(5*7)", "35",
+          "The answer is 35.", "user assistant tool"] * 20
+
+
+def _tokenizer(kind: str) -> PreTrainedTokenizerFast:
+    """A GPT-2-style byte-level BPE or a Llama-style (SentencePiece-like, Metaspace) BPE,
+    trained here on a few lines; both get the chat template's special tokens."""
+    special = ["<|start|>", "<|end|>"]
+    if kind == "gpt2":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    else:
+        tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+        alphabet, special = [], ["<unk>", *special]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=special,
+                                  initial_alphabet=alphabet)
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>",
+                                   pad_token="<|end|>")
+    fast.chat_template = TEMPLATE
+    return fast
+
+
+def _ids(tok, text):
+    return list(tok(text, add_special_tokens=False).input_ids)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_three_turn_episode_is_the_whole_conversation_templated(kind):
+    tok = _tokenizer(kind)
+    chat = [{"role": "user", "content": "What is 2+3? Use the tool."}]
+    turns = [("calc(2+3)", "5"), ("calc(5*7)", "35"), ("The answer is 35.", None)]
+    whole = [*chat]
+    for action, obs in turns:
+        whole.append({"role": "assistant", "content": action})
+        if obs is not None:
+            whole.append({"role": "tool", "content": obs})
+    want = _ids(tok, tok.apply_chat_template(whole, tokenize=False))
+    prompt = _ids(tok, tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    spec = EpisodeSpec(lambda: None, dict, template_delta(tok), tok.decode, 3, 200, 1.0)
+    ep = _Episode(prompt, None)  # type: ignore[arg-type]  # no environment called here
+    stops = (tok.eos_token_id,)
+    for k, (action, obs) in enumerate(turns):
+        # the policy's tokens as sampled: the template's tokens of its turn, in context
+        before = tok.decode(ep.prompt + ep.tokens)
+        mine = _ids(tok, before + action)[len(_ids(tok, before)):]
+        if k == 1 or obs is None:
+            mine.append(tok.eos_token_id)  # this turn ended at EOS (the template's turn end)
+        ep.add(mine, POLICY)
+        if obs is not None:
+            _observe(spec, ep, obs, stops)
+    assert ep.prompt + ep.tokens == want
+    assert ENV in ep.kinds and ep.kinds[-1] == POLICY
+
+
+def tiny_lm(vocab=24):
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=32, n_layer=1, n_head=2,
+                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+class CountingEnv:
+    """Observation: 3 tokens' worth of text; reward 1 per step; done after 2 steps."""
+
+    def __init__(self) -> None:
+        self.steps, self.seed = 0, -1
+
+    async def reset(self, row):
+        self.seed = row["seed"]
+        return ""
+
+    async def step(self, action):
+        self.steps += 1
+        return "abc", 1.0, self.steps >= 2
+
+
+def _spec(make_env=CountingEnv, turns=3, tokens=20, timeout=5.0):
+    render = lambda obs: [20 + (ord(c) - ord("a")) for c in obs]  # noqa: E731
+    return EpisodeSpec(make_env, lambda toks: {"prompt": str(toks)}, render, str, turns,
+                       tokens, timeout)
+
+
+def _prompts(n=4):
+    ids = torch.tensor([[0, 1, 5, 6], [1, 7, 8, 9]] * (n // 2))
+    sids = torch.arange(n)
+    return PromptBatch(ids, (ids != 0).long(), sids, sids // 2)
+
+
+def _params(spec=None):
+    # stop ids 9-16: "tool call ends" (likely enough for an untrained model); EOS 2
+    return SamplingParams(max_new_tokens=6, eos_id=2, pad_id=0, stop_ids=tuple(range(9, 17)),
+                          episode=spec)
+
+
+def test_environment_tokens_are_masked_out_of_the_loss():
+    spec = _spec()
+    b = run_episodes(tiny_lm(), _prompts(), _params(spec), spec, seed=3, step=1, version=0)
+    assert b.response_ids.shape == (4, 20) and b.env_rewards is not None
+    env = b.response_mask == ENV
+    assert env.any() and (b.response_mask == POLICY).any()
+    assert (b.loss_mask[env] == 0).all() and (b.behaviour_logprobs[env] == 0).all()
+    assert (b.loss_mask[b.response_mask == POLICY] == 1).all()
+    for row in range(4):  # every environment turn is the rendered observation
+        kinds, toks = b.response_mask[row].tolist(), b.response_ids[row].tolist()
+        runs = [toks[i] for i, k in enumerate(kinds) if k == ENV]
+        assert runs == [20, 21, 22] * (len(runs) // 3)
+        # one reward per step; an observation follows every step but the last
+        assert len(runs) // 3 <= float(b.env_rewards[row]) <= len(runs) // 3 + 1
+    turns = b.turns(lambda ids: ",".join(map(str, ids)))
+    assert turns[0][0]["role"] == "prompt"
+    assert {t["role"] for row in turns for t in row[1:]} <= {"policy", "environment"}
+
+
+def test_episodes_are_keyed_by_sample_id_not_by_batch():
+    spec = _spec()
+    lm, p = tiny_lm(), _prompts(4)
+    full = run_episodes(lm, p, _params(spec), spec, seed=3, step=1, version=0)
+    pick = torch.tensor([3, 0])
+    part = run_episodes(lm, PromptBatch(p.prompt_ids[pick], p.prompt_mask[pick],
+                                        p.sample_ids[pick], p.group_ids[pick]),
+                        _params(spec), spec, seed=3, step=1, version=0)
+    assert torch.equal(part.response_ids, full.response_ids[pick])
+    assert torch.equal(part.response_mask, full.response_mask[pick])
+
+
+def test_one_turn_without_environment_is_generate():
+    lm, p = tiny_lm(), _prompts()
+    a = rollout(lm, p, _params(), seed=1, step=2, version=0)
+    b = generate(lm, p, _params(), 1, 2, 0)
+    assert torch.equal(a.response_ids, b.response_ids) and a.env_rewards is None
+
+
+class SlowEnv(CountingEnv):
+    async def step(self, action):
+        await asyncio.sleep(10)
+        return "", 0.0, True
+
+
+class BrokenEnv(CountingEnv):
+    async def step(self, action):
+        return "not a tuple"
+
+
+def test_a_step_past_the_timeout_ends_that_episode_only():
+    spec = _spec(SlowEnv, timeout=0.2)
+    b = run_episodes(tiny_lm(), _prompts(), _params(spec), spec, seed=3, step=1, version=0)
+    assert not (b.response_mask == ENV).any() and float(b.env_rewards.sum()) == 0.0
+
+
+def test_a_wrong_step_answer_is_one_clear_error():
+    spec = _spec(BrokenEnv)
+    with pytest.raises(ConfigError, match=r"task.env: .*step\(\) must return"):
+        run_episodes(tiny_lm(), _prompts(), _params(spec), spec, seed=3, step=1, version=0)

@@ -1,0 +1,44 @@
+"""The RL math over a multi-turn episode's mask: environment tokens (holes in the mask) are
+skipped, as if the policy's tokens were contiguous."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_async.modeling.rollout import ENV, POLICY, RolloutBatch, loss_mask
+from rlhf_async.rl import algorithms as A
+
+
+def test_gae_skips_environment_tokens():
+    # policy, policy, env, env, policy, pad: the same numbers as the 3 policy tokens alone
+    m = torch.tensor([[1.0, 1, 0, 0, 1, 0]])
+    r = torch.tensor([[0.0, 0.5, 9, 9, 1.0, 9]])
+    v = torch.tensor([[0.2, 0.4, 7, 7, 0.6, 7]])
+    adv, ret = A.gae(r, v, m, gamma=0.9, lam=0.8)
+    keep = m[0] > 0
+    adv3, ret3 = A.gae(r[:, keep], v[:, keep], m[:, keep], gamma=0.9, lam=0.8)
+    assert torch.allclose(adv[:, keep], adv3) and torch.allclose(ret[:, keep], ret3)
+    assert (adv[:, ~keep] == 0).all() and (ret[:, ~keep] == 0).all()
+    # by hand: d2 = 1 - 0.6 = 0.4; d1 = 0.5 + 0.9*0.6 - 0.4 = 0.64; d0 = 0.9*0.4 - 0.2 = 0.16
+    # A2 = 0.4, A1 = 0.64 + 0.72*0.4 = 0.928, A0 = 0.16 + 0.72*0.928 = 0.82816
+    assert torch.allclose(adv3, torch.tensor([[0.82816, 0.928, 0.4]]))
+
+
+def test_the_score_goes_on_the_last_policy_token():
+    m = torch.tensor([[1.0, 0, 0, 1, 0], [1.0, 1, 0, 0, 0], [0.0, 0, 0, 0, 0]])
+    r = A.token_rewards(torch.tensor([2.0, 3.0, 4.0]), torch.zeros(3, 5), m, 0.1)
+    assert r.tolist() == [[0, 0, 0, 2, 0], [0, 3, 0, 0, 0], [0, 0, 0, 0, 0]]
+
+
+def test_loss_mask_keeps_the_policy_tokens():
+    mask = torch.tensor([[POLICY, ENV, ENV, POLICY, 0]])
+    assert loss_mask(mask).tolist() == [[1.0, 0, 0, 1, 0]]
+    b = RolloutBatch(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
+                     torch.arange(5)[None], mask, torch.zeros(1, 5), torch.zeros(1, dtype=torch.long),
+                     torch.zeros(1, dtype=torch.long), env_rewards=torch.ones(1))
+    b.validate()
+    assert b.turns(lambda ids: " ".join(map(str, ids))) == [[
+        {"role": "prompt", "text": "1 1"}, {"role": "policy", "text": "0"},
+        {"role": "environment", "text": "1 2"}, {"role": "policy", "text": "3"}]]
+    again = RolloutBatch.from_tensors(b.to_tensors(), b.meta())
+    assert torch.equal(again.env_rewards, b.env_rewards)
