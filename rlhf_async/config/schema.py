@@ -322,7 +322,12 @@ def weight_sync_backend(cfg: JobConfig) -> str:
     """The collective the weight broadcast uses: `weight_sync.backend`, with auto resolved."""
     if cfg.weight_sync.backend != "auto":
         return cfg.weight_sync.backend
-    return "nccl" if cfg.placement.device == "cuda" else "gloo"
+    return collective_backend(cfg.placement.device)
+
+
+def collective_backend(device: str) -> str:
+    """The torch.distributed backend for a device kind ("cuda", "cpu", "cuda:1")."""
+    return "nccl" if device.startswith("cuda") else "gloo"
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
