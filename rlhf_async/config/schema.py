@@ -252,6 +252,9 @@ class RuntimeConfig:
     stop_grace_s: float = opt(60.0, "after a stop (SIGTERM, SIGINT, `rlhf-async stop`), "
                               "seconds to finish the step and write the checkpoint; a "
                               "second signal cuts it short", gt=0.0)
+    ready_timeout_s: float = opt(120.0, "seconds a node process may take to start and load "
+                                 "its models (separation), and a multi-rank trainer's "
+                                 "ranks to form their group", gt=0.0)
 
 
 @dataclass

@@ -132,6 +132,7 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
     async with Transport() as transport, \
             Coordinator(run_dir, time_to_dead=cfg.runtime.time_to_dead,
                         restart_limit=cfg.runtime.restart_limit,
+                        ready_timeout=cfg.runtime.ready_timeout_s,
                         stop_timeout=cfg.runtime.stop_grace_s + 5.0) as coord:
         coord.install_signal_handlers()
         prompts = transport.channel(Endpoint("push", prompts_addr, bind=True, hwm=64))
@@ -148,7 +149,7 @@ async def drive(cfg: JobConfig, coord: Coordinator, prompts: Any, specs: list[No
     with coord.events() as events:
         await coord.launch(specs)
         ranks = TrainerRanks(coord, [n for n, r in roles.items() if r == "trainer"],
-                             spec.master_addr, coord.ready_timeout)
+                             spec.master_addr, cfg.runtime.ready_timeout_s)
         ranks.form()  # several trainer ranks load their models once their group stands
         loaded, backlog = await wait_loaded(events, list(roles), coord.ready_timeout, ranks)
         if loaded["trainer"].step != start_step:
