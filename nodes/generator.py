@@ -78,8 +78,8 @@ async def main(node: Node) -> None:
         except WeightSyncError as e:  # the group broke (a peer died): regrouped and re-sent
             await node.send_event(WeightSyncFailed(str(e)))
             return
-        await node.send_event(WeightsApplied(version, lineage, t1 - t0, time.perf_counter() - t1),
-                   weight_version=version)
+        await node.send_event(WeightsApplied(version, lineage, t1 - t0,
+                                             time.perf_counter() - t1), weight_version=version)
 
     node.handle(WeightSyncConnect, connect)
     node.handle(UpdateWeights, update)
@@ -103,7 +103,7 @@ async def main(node: Node) -> None:
         await out.send(rollout_message("rollout", cid, batch.to("cpu"), node.node_id, lineage))
         node.info.update(clock.snapshot(), version=version)
         await node.send_event(Generated(cid.step, cid.chunk, cid.chunks, version, clock.busy_s,
-                                   clock.idle_s), step=cid.step, weight_version=version)
+                                        clock.idle_s), step=cid.step, weight_version=version)
 
 
 def _engine(job: NodeContext, tensor_parallel: int) -> GenerationBackend:

@@ -46,8 +46,8 @@ async def main(node: Node) -> None:
         await out.send(rollout_message("scored_rollout", cid, scored.to("cpu"), node.node_id,
                                        lineage))
         node.info.update(clock.snapshot())
-        await node.send_event(Scored(cid.step, cid.chunk, cid.chunks, clock.busy_s, clock.idle_s),
-                   step=cid.step)
+        await node.send_event(Scored(cid.step, cid.chunk, cid.chunks, clock.busy_s,
+                                     clock.idle_s), step=cid.step)
 
 
 def _models(job: NodeContext) -> tuple[ScalarHeadModel | None, torch.nn.Module]:
