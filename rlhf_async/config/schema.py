@@ -76,21 +76,36 @@ class TaskConfig:
     messages_key: str = opt("messages", "text: the chat column used when a row has no "
                             "prompt_key: a list of {role, content}; a last assistant turn "
                             "is dropped")
-    reward: str = opt("", "text: rule reward 'module.path:function' or 'file.py:function', "
-                      "called as f(prompt: str, response: str, **columns) -> float; the "
-                      "row's other columns are passed by name when f takes them")
-    reward_batched: bool = opt(False, "text: call task.reward once per batch as "
+    reward: str = opt("", "rule reward 'module.path:function' or 'file.py:function', "
+                      "called as f(prompt: str, response: str, **columns) -> float (the "
+                      "row's other columns are passed by name when f takes them), or a "
+                      "reward server 'http://HOST:PORT/PATH' (`rlhf-async serve-reward`); "
+                      "sort_digits: replaces its built-in rule, on the texts of "
+                      "sort_digits:rule")
+    reward_batched: bool = opt(False, "call task.reward (a function) once per batch as "
                                "f(prompts: list, responses: list, **columns: list) -> "
                                "list[float] (TRL's convention)")
-    reward_weight: float = opt(0.0, "text, with reward_model.path: weight of task.reward's "
-                               "score added to the learned reward; 0 = the rule is only "
-                               "reported (hidden_score)", ge=0.0)
+    reward_weight: float = opt(0.0, "with a reward model (sort_digits', or text's "
+                               "reward_model.path): weight of the rule's score added to the "
+                               "learned reward; 0 = the rule is only reported "
+                               "(hidden_score)", ge=0.0)
     chat_template: bool = opt(True, "text: wrap each prompt in the tokenizer's chat template "
                               "(with the generation prompt)")
     max_prompt_tokens: int = opt(256, "text: longest prompt accepted (tokens, template "
                                  "included)", ge=1)
-    reward_timeout_s: float = opt(60.0, "text: longest one call of task.reward may take "
-                                  "(s); past it the run stops with an error", gt=0.0)
+    reward_timeout_s: float = opt(60.0, "longest one call of task.reward may take (s; a "
+                                  "server: each try of one request); past it the run "
+                                  "stops with an error", gt=0.0)
+    reward_retries: int = opt(2, "task.reward server: tries after the first of a request "
+                              "that cannot connect, times out or is answered 408, 429, "
+                              "502, 503 or 504; then the run stops with an error", ge=0)
+    reward_backoff_s: float = opt(0.5, "task.reward server: wait before the first retry "
+                                  "(s), doubled before each next one", ge=0.0)
+    reward_max_in_flight: int = opt(4, "task.reward server: requests one process has "
+                                    "waiting for an answer at once, at most", ge=1)
+    reward_request_rows: int = opt(64, "task.reward server: responses per request at most "
+                                   "(a larger batch is split; 0 = one request per batch)",
+                                   ge=0)
 
 
 @dataclass

@@ -4,6 +4,7 @@ reference model's log-probs of each response."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -14,26 +15,43 @@ from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl import algorithms as A
 
 HiddenScore = Callable[[Tensor, Tensor, Tensor], Tensor]  # (prompt_ids, response_ids, mask)
+# one thread runs a rule that waits on the network while the caller runs the forwards
+_RULES = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rule-reward")
 
 
 @dataclass(frozen=True)
 class RewardMix:
     """How a sample's reward is made: the reward model's score x `rm_weight`, plus the
     task's rule score x `rule_weight`; with no reward model, the rule's score alone. The
-    rule's score is reported as the hidden score; with no rule, the reward model's is."""
+    rule's score is reported as the hidden score; with no rule, the reward model's is.
+    `overlap`: the rule mostly waits (a reward server), so `start` runs it in a thread while
+    the caller runs the reference and reward-model forwards."""
 
     rule: HiddenScore | None
     rm_weight: float = 1.0
     rule_weight: float = 0.0
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.rule is None and self.rule_weight:
             raise ValueError("a rule weight needs a rule")
 
-    def combine(self, rm_scores: Tensor | None, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
-        """(rewards [B], hidden scores [B]) of `batch`, given its reward-model scores."""
+    def start(self, batch: RolloutBatch) -> Future[Tensor] | None:
+        """The rule's scores of `batch` [B], on their way (with `overlap`; else None: then
+        `combine` computes them itself). Give the future to `combine`."""
+        if not self.overlap or self.rule is None:
+            return None
+        return _RULES.submit(self.rule, batch.prompt_ids, batch.response_ids,
+                             batch.response_mask)
+
+    def combine(self, rm_scores: Tensor | None, batch: RolloutBatch,
+                started: Future[Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """(rewards [B], hidden scores [B]) of `batch`, given its reward-model scores (and
+        the rule's scores `start` began, if it did)."""
         hidden = None
-        if self.rule is not None:
+        if started is not None:
+            hidden = started.result()  # the rule's own error, raised here
+        elif self.rule is not None:
             hidden = self.rule(batch.prompt_ids, batch.response_ids, batch.response_mask)
         if rm_scores is None:
             if hidden is None:
@@ -51,10 +69,11 @@ class RewardMix:
 def score(reward_model: ScalarHeadModel | None, reference: nn.Module, batch: RolloutBatch,
           temperature: float, mix: RewardMix) -> RolloutBatch:
     """Add rewards [B], reference log-probs [B, R] and hidden scores [B] (see RewardMix)."""
+    started = mix.start(batch)  # a reward server's answer comes while the forwards run
     args = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
     logits = response_logits(reference, *args)
     ref_lp = A.gather_logprobs(logits, batch.response_ids, temperature) * batch.response_mask
     rm = None if reward_model is None else sequence_scores(reward_model, *args)
-    rewards, hidden = mix.combine(rm, batch)
+    rewards, hidden = mix.combine(rm, batch, started)
     return batch.replace(rewards=rewards.to(ref_lp.device), ref_logprobs=ref_lp,
                          hidden_scores=hidden.to(ref_lp.device))

@@ -97,6 +97,7 @@ def score_interleaved(batch: RolloutBatch, sizes: list[int], reward_model: Scala
     it (the same two collectives on all), owners do the forward passes. With `rule_reward`
     (no reward model anywhere) each rank's own rows get their rule scores (`mix`)."""
     rank = dist.get_rank()
+    started = mix.start(batch)  # a reward server's answer comes while the forwards run
     P = batch.prompt_ids.shape[1]
     packed = torch.cat([getattr(batch, k) for k in GATHERED], dim=1)  # [B, 2P + 2R]
     full = _gather_rows(packed, sizes)  # [N, 2P + 2R]: one collective for all four
@@ -118,7 +119,7 @@ def score_interleaved(batch: RolloutBatch, sizes: list[int], reward_model: Scala
     # exactly one owner wrote each entry, so summing zeros is exact
     dist.all_reduce(both, op=dist.ReduceOp.SUM)
     mine = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
-    rewards, hidden = mix.combine(None if rule_reward else both[mine, 0], batch)
+    rewards, hidden = mix.combine(None if rule_reward else both[mine, 0], batch, started)
     return batch.replace(rewards=rewards.contiguous(),
                          ref_logprobs=both[mine, 1:].contiguous(), hidden_scores=hidden)
 

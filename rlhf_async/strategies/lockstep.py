@@ -43,6 +43,7 @@ from rlhf_async.strategies.training import (
 )
 from rlhf_async.task import Task, make_task, sampling_params
 from rlhf_async.task.pretrain import Artefacts
+from rlhf_async.task.remote_reward import RewardServerError
 
 log = get_logger(component="lockstep")
 Scorer = Callable[[RolloutBatch], RolloutBatch]
@@ -122,7 +123,12 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
         with generating.compute("actor", device):
             batch = generate(actor, mine, params, seed, step, learner.version)
         t1 = time.perf_counter()
-        batch = scorer(batch)
+        try:
+            batch = scorer(batch)
+        except RewardServerError:
+            if world == 1:  # with more ranks the others may not fail: no collective save
+                _keep_trained(cfg, learner, run_dir, step, start_step, strategy)
+            raise
         t2 = time.perf_counter()
         metrics = learner.train_step(batch)
         t3 = time.perf_counter()
@@ -168,6 +174,15 @@ def _end_step(cfg: JobConfig, learner: Learner, run_dir: Path, writer: MetricsWr
     if due:
         _checkpoint(cfg, learner, run_dir, step + 1, strategy, writer is not None)
     return due
+
+
+def _keep_trained(cfg: JobConfig, learner: Learner, run_dir: Path, step: int,
+                  start_step: int, strategy: str) -> None:
+    """A reward server failed in `step`: checkpoint the steps trained since the last
+    checkpoint, so that `rlhf-async resume` goes on from there once it answers again."""
+    every = cfg.run.checkpoint_every
+    if step > start_step and not (every and step % every == 0):
+        _checkpoint(cfg, learner, run_dir, step, strategy, True)
 
 
 def _checkpoint(cfg: JobConfig, learner: Learner, run_dir: Path, step: int, strategy: str,

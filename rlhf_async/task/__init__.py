@@ -14,6 +14,7 @@ from rlhf_async.config import JobConfig
 from rlhf_async.modeling.generation import Decode, SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.rl.scoring import RewardMix
+from rlhf_async.task.remote_reward import is_url
 from rlhf_async.task.sort_digits import EOS, PAD, VOCAB_SIZE, SortDigitsTask
 from rlhf_async.task.text import TextTask
 
@@ -46,9 +47,10 @@ def make_task(cfg: JobConfig) -> Task:
 
 
 def reward_mix(cfg: JobConfig, task: Task) -> RewardMix:
-    """How this job makes a sample's reward from its reward model and the task's rule."""
+    """How this job makes a sample's reward from its reward model and the task's rule (a
+    reward server's requests overlap the scorer's forwards)."""
     return RewardMix(task.hidden_scores if task.has_rule else None, cfg.reward_model.weight,
-                     cfg.task.reward_weight)
+                     cfg.task.reward_weight, overlap=is_url(cfg.task.reward))
 
 
 def sampling_params(cfg: JobConfig, task: Task) -> SamplingParams:

@@ -165,15 +165,16 @@ def _number(value: Any, spec: str, where: str) -> float:
     return float(value)
 
 
-def _where(index: int) -> str:
-    return f"prompt {index} of task.prompts" if index >= 0 else "a prompt not in task.prompts"
+def _where(index: int, rows: str = "task.prompts") -> str:
+    return f"prompt {index} of {rows}" if index >= 0 else f"a prompt not in {rows}"
 
 
 def call_reward(fn: RewardFn, spec: str, prompt: str, response: str, index: int,
-                timeout_s: float, columns: dict[str, Any] | None = None) -> float:
+                timeout_s: float, columns: dict[str, Any] | None = None,
+                rows: str = "task.prompts") -> float:
     """fn(prompt, response, **columns) as a finite float within `timeout_s`; one clear
-    error otherwise."""
-    where = _where(index)
+    error otherwise (naming prompt `index` of `rows`)."""
+    where = _where(index, rows)
     value = _checked_call(fn, spec, (prompt, response), columns or {}, where,
                           f"prompt {prompt!r}, response {response!r}", timeout_s)
     return _number(value, spec, where)
@@ -194,15 +195,18 @@ def _column_names(fn: RewardFn) -> set[str] | None:
 
 class RuleReward:
     """The user's rule, loaded: called per sample, or once per batch (`batched`), with the
-    prompt rows' columns it takes."""
+    prompt rows' columns it takes. Its errors name a prompt by its index in `rows` (what
+    the indices it is given count: task.prompts, a request to `rlhf-async serve-reward`)."""
 
-    def __init__(self, fn: RewardFn, spec: str, batched: bool, timeout_s: float) -> None:
+    def __init__(self, fn: RewardFn, spec: str, batched: bool, timeout_s: float,
+                 rows: str = "task.prompts") -> None:
         self.fn, self.spec, self.batched, self.timeout_s = fn, spec, batched, timeout_s
-        self.takes = _column_names(fn)
+        self.takes, self.rows = _column_names(fn), rows
 
     @classmethod
-    def load(cls, spec: str, batched: bool, timeout_s: float) -> RuleReward:
-        return cls(load_reward_fn(spec), spec, batched, timeout_s)
+    def load(cls, spec: str, batched: bool, timeout_s: float,
+             rows: str = "task.prompts") -> RuleReward:
+        return cls(load_reward_fn(spec), spec, batched, timeout_s, rows)
 
     def _kwargs(self, row: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in row.items() if self.takes is None or k in self.takes}
@@ -212,12 +216,13 @@ class RuleReward:
         """One finite reward per response; `columns[b]` and `indices[b]` are row b's prompt
         row (its columns; its index in task.prompts, -1 when not one of them)."""
         if not self.batched:
-            return [call_reward(self.fn, self.spec, p, r, i, self.timeout_s, self._kwargs(c))
+            return [call_reward(self.fn, self.spec, p, r, i, self.timeout_s, self._kwargs(c),
+                                self.rows)
                     for p, r, c, i in zip(prompts, responses, columns, indices, strict=True)]
         names = sorted({k for c in columns for k in self._kwargs(c)})
         kwargs = {k: [c.get(k) for c in columns] for k in names}
         n, first = len(prompts), next(iter(indices), -1)
-        where = f"a batch of {n} responses (the first to {_where(first)})"
+        where = f"a batch of {n} responses (the first to {_where(first, self.rows)})"
         value = _checked_call(self.fn, self.spec, (list(prompts), list(responses)), kwargs,
                               where, f"first prompt {prompts[0]!r}" if n else "",
                               self.timeout_s)
@@ -229,4 +234,5 @@ class RuleReward:
             raise RewardFunctionError(f"{self.spec} returned {got} for {where}; with "
                                       "task.reward_batched it must return a list of one "
                                       f"number per response ({n})")
-        return [_number(v, self.spec, _where(i)) for v, i in zip(value, indices, strict=True)]
+        return [_number(v, self.spec, _where(i, self.rows))
+                for v, i in zip(value, indices, strict=True)]

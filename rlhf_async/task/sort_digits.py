@@ -5,6 +5,11 @@ policy copies digits but ignores order); the hidden "true" score that labels pre
 pairs rewards keeping the prompt's digits AND putting them in non-decreasing order. The
 policy only ever sees the learned reward model; the hidden score is reported beside it so
 reward hacking is visible.
+
+The hidden score is also a text rule, `rule(prompt, response)` on the task's texts (a
+prompt's digits; a response's tokens, one character each: `TOKEN_CHARS`), so that
+`task.reward` can replace it with a function or a reward server on the same texts
+(`rlhf-async serve-reward rlhf_async.task.sort_digits:rule` serves this very one).
 """
 
 from __future__ import annotations
@@ -20,10 +25,13 @@ from torch import Tensor
 from rlhf_async.config import TaskConfig
 from rlhf_async.modeling.determinism import key_seed
 from rlhf_async.modeling.rollout import PromptBatch
+from rlhf_async.task.remote_reward import load_rule
 
 PAD, BOS, SEP, EOS = 0, 1, 2, 3
 FIRST_DIGIT = 4
 VOCAB_SIZE = 16  # 4 specials + up to 10 digits, rounded up
+# a response's text: token t is TOKEN_CHARS[t] (the two spare ids are digits 10 and 11)
+TOKEN_CHARS = "_^|$0123456789ab"
 
 
 class SortDigitsTask:
@@ -39,6 +47,7 @@ class SortDigitsTask:
         self.prompt_len = cfg.max_len + 2  # BOS digits SEP
         self.response_len = cfg.max_len + 1  # digits EOS
         self.special = (PAD, BOS, EOS)
+        self.rule = load_rule(cfg, "the batch")  # None: the built-in hidden score
 
     # ---- prompts -------------------------------------------------------------------------
     def _is_heldout(self, digits: list[int]) -> bool:
@@ -110,11 +119,18 @@ class SortDigitsTask:
 
     def hidden_scores(self, prompt_ids: Tensor, response_ids: Tensor,
                       response_mask: Tensor) -> Tensor:
-        """[B] hidden scores of a batch (tokens after the mask are ignored)."""
-        out = []
-        for p, r, m in zip(prompt_ids, response_ids, response_mask, strict=True):
-            toks = r[m.bool()].tolist()
-            out.append(self.hidden_score_tokens(self.decode_prompt(p), toks))
+        """[B] hidden scores of a batch (tokens after the mask are ignored): the built-in
+        score, or `task.reward`'s on the batch's texts."""
+        prompts = [self.decode_prompt(p) for p in prompt_ids]
+        responses = [r[m.bool()].tolist() for r, m in zip(response_ids, response_mask,
+                                                           strict=True)]
+        if self.rule is None:
+            out = [self.hidden_score_tokens(p, r) for p, r in zip(prompts, responses,
+                                                                   strict=True)]
+        else:
+            out = self.rule([digits_text(p) for p in prompts],
+                            [tokens_text(r) for r in responses],
+                            [{}] * len(prompts), list(range(len(prompts))))
         return torch.tensor(out, dtype=torch.float32)
 
     # ---- synthetic data for SFT and the reward model ---------------------------------------
@@ -165,3 +181,27 @@ class SortDigitsTask:
             chosen.append(a if first else b)
             rejected.append(b if first else a)
         return prompts, chosen, rejected
+
+
+# ---- the hidden score as a text rule -----------------------------------------------------
+def digits_text(digits: list[int]) -> str:
+    """A prompt's text: its digits, e.g. "3141"."""
+    return "".join(str(d) for d in digits)
+
+
+def tokens_text(tokens: list[int]) -> str:
+    """A response's text: one character per token (`TOKEN_CHARS`), EOS "$" included."""
+    return "".join(TOKEN_CHARS[t] for t in tokens)
+
+
+def rule(prompt: str, response: str) -> float:
+    """The hidden score of a response on the task's texts (`digits_text`, `tokens_text`):
+    what `SortDigitsTask.hidden_score_tokens` gives on their tokens."""
+    if not prompt.isdigit() or not prompt.isascii():
+        raise ValueError(f"prompt {prompt!r} is not digits")
+    bad = set(response) - set(TOKEN_CHARS)
+    if bad:
+        raise ValueError(f"response {response!r} holds {sorted(bad)}, not characters of "
+                         f"{TOKEN_CHARS!r}")
+    return SortDigitsTask.hidden_score_tokens([int(c) for c in prompt],
+                                              [TOKEN_CHARS.index(c) for c in response])

@@ -11,10 +11,10 @@ prompts in a keyed shuffle per epoch.
 The rule is `task.reward` on the decoded response (up to EOS): per sample
 `f(prompt, response, **columns)`, or with `task.reward_batched` once per batch
 `f(prompts, responses, **columns) -> list[float]`; `columns` are the row's other columns
-(by name, those f takes). With no reward model it is both the training reward and the
-reported `hidden_score`. A reward model scores the policy's own token ids, so it must share
-the policy's tokenizer (checked here; one with another vocabulary is refused rather than
-re-tokenised).
+(by name, those f takes); or a reward server (`task/remote_reward.py`) sent the same.
+With no reward model it is both the training reward and the reported `hidden_score`. A
+reward model scores the policy's own token ids, so it must share the policy's tokenizer
+(checked here; one with another vocabulary is refused rather than re-tokenised).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from rlhf_async.config import ConfigError, JobConfig, TaskConfig
 from rlhf_async.modeling.determinism import key_seed
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.task.dataset import load_rows
-from rlhf_async.task.reward_fn import RuleReward
+from rlhf_async.task.remote_reward import load_rule
 from rlhf_async.task.tokens import (
     Prompt,
     check_chat,
@@ -144,8 +144,7 @@ class TextTask:
         self.cfg = t
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.prompts, self.columns = read_prompts(t)
-        self.rule = RuleReward.load(t.reward, t.reward_batched, t.reward_timeout_s) \
-            if t.reward else None
+        self.rule = load_rule(t, "task.prompts")
         self.has_rule = self.rule is not None
         self.rule_reward = not cfg.reward_model.path  # no reward model: the rule is it
         for key, path in (("reward_model.path", cfg.reward_model.path),
