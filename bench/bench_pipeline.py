@@ -55,7 +55,7 @@ OPTIONAL = {
 
 def steady(records: list[dict], warmup: int) -> dict:
     rows = records[warmup:]
-    if "time_step" in rows[0]:  # separation: wall time between trained steps
+    if "time_generate" not in rows[0]:  # separation: wall time between trained steps
         wall = sum(r["time_step"] for r in rows)
         stages: dict[str, float] = {}
         for r in rows:

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from rlhf_async.control.demo import DemoDone, DemoProgress, SourceDone
 from rlhf_async.runtime import Node
 from rlhf_async.wire.protocol import Message, register_kind
 
@@ -30,7 +31,7 @@ async def source(node: Node) -> None:
                                tensors={"x": x}, source=node.node_id))
         sent += 1
         node.counters["sent"] = sent
-    await node.emit("source_done", {"sent": sent})
+    await node.send_event(SourceDone(sent))
     await node.wait_stop()  # exiting now would drop messages still queued (linger=0)
 
 
@@ -68,11 +69,10 @@ async def sink(node: Node) -> None:
         nbytes += x.numel() * x.element_size()
         node.counters["received"] = count
         if count % every == 0:
-            await node.emit("progress", {"received": count, "expect": expect})
+            await node.send_event(DemoProgress(count, expect))
     seconds = max(time.perf_counter() - start, 1e-9)
-    await node.emit("done", {
-        "received": count, "bytes": nbytes, "seconds": seconds,
-        "mb_per_s": nbytes / seconds / 1e6, "msgs_per_s": count / seconds,
-        "out_of_order": out_of_order, "bad_values": bad_values, "last_seq": next_seq,
-    })
+    await node.send_event(DemoDone(
+        received=count, bytes=nbytes, seconds=seconds, mb_per_s=nbytes / seconds / 1e6,
+        msgs_per_s=count / seconds, out_of_order=out_of_order, bad_values=bad_values,
+        last_seq=next_seq))
     await node.wait_stop()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,44 +22,49 @@ from rlhf_async.engines import GenerationBackend, make_generation_backend
 from rlhf_async.runtime import Node
 from rlhf_async.strategies.separation.events import (
     SFT_LINEAGE,
+    Connected,
     Generated,
     Loaded,
+    Receiving,
     UpdateWeights,
     WeightsApplied,
     WeightSyncConnect,
     WeightSyncFailed,
-    decode_command,
-    emit,
 )
 from rlhf_async.strategies.separation.stage import StageClock
 from rlhf_async.strategies.separation.wire import prompts_from_message, rollout_message
-from rlhf_async.task.pretrain import load_sft
-from rlhf_async.weight_sync import GroupSpec, WeightSyncError
+from rlhf_async.strategies.training import load_actor
+from rlhf_async.weight_sync import WeightSyncError
+
+
+@dataclass
+class Held:
+    """The weights generation uses now: their version and lineage (trainer incarnation)."""
+
+    version: int = 0  # the SFT policy
+    lineage: str = SFT_LINEAGE
 
 
 async def main(node: Node) -> None:
     job = load_context(node)
     # version 0 = the SFT policy; loaded off the loop so heartbeats go on
     engine = await asyncio.to_thread(_engine, job, int(node.params.get("tensor_parallel", 1)))
-    state = {"version": 0, "lineage": SFT_LINEAGE}
+    held = Held()
     swap = asyncio.Lock()  # held by generation and by the weight swap: one at a time
     received = asyncio.Lock()  # one update in flight: the receiver's staging is reused
 
-    async def connect(payload: dict) -> dict:
+    async def connect(cmd: WeightSyncConnect) -> Connected:
         """Join (or re-join under a new epoch) the trainer's broadcast group."""
-        cmd = decode_command(WeightSyncConnect.kind, payload)
-        spec, rank = GroupSpec.from_dict(cmd.spec), cmd.rank
         async with received:
-            await asyncio.to_thread(engine.connect, spec, rank)
-        return {"connected": spec.group_name}
+            await asyncio.to_thread(engine.connect, cmd.spec, cmd.rank)
+        return Connected(cmd.spec.group_name)
 
-    async def update(payload: dict) -> dict:
-        cmd = decode_command(UpdateWeights.kind, payload)
+    async def update(cmd: UpdateWeights) -> Receiving:
         version = cmd.plan.get("version")
         node.transport.spawn(_update(cmd.plan, cmd.lineage), name=f"weights-v{version}")
-        return {"receiving": version}
+        return Receiving(version if isinstance(version, int) else -1)
 
-    async def _update(plan: dict, lineage: str) -> None:
+    async def _update(plan: dict[str, Any], lineage: str) -> None:
         t0 = time.perf_counter()
         try:
             async with received:
@@ -67,16 +74,16 @@ async def main(node: Node) -> None:
             t1 = time.perf_counter()
             async with swap:
                 version = await asyncio.to_thread(engine.swap, staged)
-                state.update(version=version, lineage=lineage)
+                held.version, held.lineage = version, lineage
         except WeightSyncError as e:  # the group broke (a peer died): regrouped and re-sent
-            await emit(node, WeightSyncFailed(str(e)))
+            await node.send_event(WeightSyncFailed(str(e)))
             return
-        await emit(node, WeightsApplied(version, lineage, t1 - t0, time.perf_counter() - t1),
-                   weight_version=version)
+        await node.send_event(WeightsApplied(version, lineage, t1 - t0,
+                                             time.perf_counter() - t1), weight_version=version)
 
-    node.on_command(WeightSyncConnect.kind, connect)
-    node.on_command(UpdateWeights.kind, update)
-    await emit(node, Loaded())
+    node.handle(WeightSyncConnect, connect)
+    node.handle(UpdateWeights, update)
+    await node.send_event(Loaded())
     seed = job.cfg.run.seed
     inp, out, clock = node.socket("prompts"), node.socket("rollouts"), StageClock()
     torch.set_grad_enabled(False)
@@ -90,13 +97,13 @@ async def main(node: Node) -> None:
             node.log.warning("bad_prompt_chunk", error=str(e))
             continue
         async with swap:  # weights cannot change under a generation step
-            version, lineage = state["version"], state["lineage"]
+            version, lineage = held.version, held.lineage
             batch = await clock.busy(asyncio.to_thread(
                 engine.generate, prompts.to(job.device), seed, cid.step, version))
         await out.send(rollout_message("rollout", cid, batch.to("cpu"), node.node_id, lineage))
         node.info.update(clock.snapshot(), version=version)
-        await emit(node, Generated(cid.step, cid.chunk, cid.chunks, version, clock.busy_s,
-                                   clock.idle_s), step=cid.step, weight_version=version)
+        await node.send_event(Generated(cid.step, cid.chunk, cid.chunks, version, clock.busy_s,
+                                        clock.idle_s), step=cid.step, weight_version=version)
 
 
 def _engine(job: NodeContext, tensor_parallel: int) -> GenerationBackend:
@@ -104,7 +111,7 @@ def _engine(job: NodeContext, tensor_parallel: int) -> GenerationBackend:
     vLLM loads its own over `tensor_parallel` workers."""
     kind = job.cfg.generation.backend
     shadow = job.precision
-    actor = shadow.hold("shadow_actor", load_sft(job.art.sft_dir).to(job.device)) \
+    actor = shadow.hold("shadow_actor", load_actor(job.art, job.device)) \
         if kind == "torch" else None
     return make_generation_backend(kind, str(job.art.sft_dir), job.sampling,
                                    sync_backend=weight_sync_backend(job.cfg), device=job.device,

@@ -10,7 +10,7 @@ from nodes.common import NodeContext, load_context, message_errors
 from rlhf_async.modeling.models import ScalarHeadModel, freeze
 from rlhf_async.rl.scoring import score
 from rlhf_async.runtime import Node
-from rlhf_async.strategies.separation.events import Loaded, Scored, emit, fail
+from rlhf_async.strategies.separation.events import Loaded, Scored, fail
 from rlhf_async.strategies.separation.stage import StageClock
 from rlhf_async.strategies.separation.wire import lineage_of, rollout_from_message, rollout_message
 from rlhf_async.task import make_task, reward_mix
@@ -26,7 +26,7 @@ async def main(node: Node) -> None:
     inp, out = node.socket("rollouts"), node.socket("scored")
     clock = StageClock()
     torch.set_grad_enabled(False)
-    await emit(node, Loaded())
+    await node.send_event(Loaded())
     while not node.stopping:
         await node.wait_resumed()
         msg = await clock.idle(inp.recv())
@@ -46,8 +46,8 @@ async def main(node: Node) -> None:
         await out.send(rollout_message("scored_rollout", cid, scored.to("cpu"), node.node_id,
                                        lineage))
         node.info.update(clock.snapshot())
-        await emit(node, Scored(cid.step, cid.chunk, cid.chunks, clock.busy_s, clock.idle_s),
-                   step=cid.step)
+        await node.send_event(Scored(cid.step, cid.chunk, cid.chunks, clock.busy_s,
+                                     clock.idle_s), step=cid.step)
 
 
 def _models(job: NodeContext) -> tuple[ScalarHeadModel | None, torch.nn.Module]:
@@ -55,4 +55,4 @@ def _models(job: NodeContext) -> tuple[ScalarHeadModel | None, torch.nn.Module]:
     rm, hold = load_reward(job.art), job.precision.hold
     # freshly loaded, so frozen in place (a copy would hold each model twice meanwhile)
     return (None if rm is None else hold("reward", freeze(rm).to(job.device)),
-            hold("reference", freeze(load_sft(job.art.sft_dir)).to(job.device)))
+            hold("reference", freeze(load_sft(job.art.sft_dir)).to(job.device)))  # type: ignore[arg-type]  # HF's .to overloads

@@ -24,8 +24,7 @@ __all__ = ["__version__", "reward_model", "sft", "train"]
 
 
 def _config(config: JobConfig | str | Path | None, overrides: list[str] | None) -> JobConfig:
-    from rlhf_async.config import JobConfig, load_config, to_dict
-    from rlhf_async.config.load import config_from_dict
+    from rlhf_async.config import JobConfig, config_from_dict, load_config, to_dict
 
     if isinstance(config, JobConfig):
         if overrides:

@@ -281,18 +281,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _run_pipeline_demo(run_dir: Path, **settings: Any) -> int:
-    from rlhf_async.control.coordinator import NodeEvent
-    from rlhf_async.control.demo import run_demo
+    from rlhf_async.control.demo import DemoProgress, NodeDead, NodeEvent, demo_event, run_demo
     from rlhf_async.runtime import run_loop
 
     configure_logging("warning")
 
     def progress(event: NodeEvent) -> None:
-        if event.kind == "progress":
-            p = event.payload
-            print(f"progress: {p['received']}/{p['expect']} messages", flush=True)
-        elif event.kind == "node_dead":
-            print(f"node {event.node_id} died: {event.payload['reason']}", flush=True)
+        with contextlib.suppress(ValueError):  # a bad event: run_demo reports it
+            match demo_event(event):
+                case DemoProgress(received=received, expect=expect):
+                    print(f"progress: {received}/{expect} messages", flush=True)
+                case NodeDead(reason=reason):
+                    print(f"node {event.node_id} died: {reason}", flush=True)
 
     print(f"demo: {settings or 'defaults'}; run dir {run_dir}", flush=True)
     result = run_loop(run_demo(run_dir, on_event=progress, handle_signals=True, **settings))

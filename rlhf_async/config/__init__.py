@@ -19,6 +19,7 @@ from rlhf_async.config.schema import (
     TaskConfig,
     TrainConfig,
     WeightSyncConfig,
+    collective_backend,
     to_dict,
     weight_sync_backend,
 )
@@ -26,5 +27,5 @@ from rlhf_async.config.schema import (
 __all__ = ["AlgoConfig", "ConfigError", "CriticConfig", "GenerationConfig", "JobConfig",
            "LoraConfig", "ModelConfig", "PlacementConfig", "RayConfig", "RewardModelConfig",
            "RunConfig", "RuntimeConfig", "SFTConfig", "TaskConfig", "TrainConfig",
-           "WeightSyncConfig",
-           "config_from_dict", "load_config", "parse_override", "to_dict", "weight_sync_backend"]
+           "WeightSyncConfig", "collective_backend", "config_from_dict", "load_config",
+           "parse_override", "to_dict", "weight_sync_backend"]

@@ -288,6 +288,9 @@ class RuntimeConfig:
     stop_grace_s: float = opt(60.0, "after a stop (SIGTERM, SIGINT, `rlhf-async stop`), "
                               "seconds to finish the step and write the checkpoint; a "
                               "second signal cuts it short", gt=0.0)
+    ready_timeout_s: float = opt(120.0, "seconds a node process may take to start and load "
+                                 "its models (separation), and a multi-rank trainer's "
+                                 "ranks to form their group", gt=0.0)
 
 
 @dataclass
@@ -358,7 +361,12 @@ def weight_sync_backend(cfg: JobConfig) -> str:
     """The collective the weight broadcast uses: `weight_sync.backend`, with auto resolved."""
     if cfg.weight_sync.backend != "auto":
         return cfg.weight_sync.backend
-    return "nccl" if cfg.placement.device == "cuda" else "gloo"
+    return collective_backend(cfg.placement.device)
+
+
+def collective_backend(device: str) -> str:
+    """The torch.distributed backend for a device kind ("cuda", "cpu", "cuda:1")."""
+    return "nccl" if device.startswith("cuda") else "gloo"
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import Any, Self
 
+from rlhf_async.runtime.messages import Msg
 from rlhf_async.wire.protocol import Message
 from rlhf_async.wire.security import Keyring
 from rlhf_async.wire.transport import Endpoint, Transport
@@ -38,19 +39,37 @@ class CommandError(CoordinatorError):
 @dataclass(frozen=True)
 class NodeEvent:
     node_id: str
-    kind: str  # app kinds from node.emit, plus ready / exited / node_dead / node_restarted
+    kind: str  # app kinds from node.emit, plus the coordinator's own (below)
     payload: Any = None
     step: int = 0
     weight_version: int = 0
     timestamp: float = field(default_factory=time.time)
 
 
-@dataclass(frozen=True)
-class NodeDead:
-    """The payload of the coordinator's own `node_dead` event: heartbeats stopped or the
-    process exited, and whether it is being restarted."""
+# ---- the coordinator's own events (NodeEvent.kind is the tag) ------------------------------
 
-    kind: ClassVar[str] = "node_dead"
+class NodeReady(Msg, frozen=True, tag="ready"):
+    """A node process is up and answers commands (its `main` runs)."""
+
+    pid: int
+    role: str
+    host: str
+
+
+class NodeExited(Msg, frozen=True, tag="exited"):
+    """A node exited with code 0 (finished, or stopped on request)."""
+
+    rc: int = 0
+    reason: str = ""
+
+
+class NodeRestarted(Msg, frozen=True, tag="node_restarted"):
+    restarts: int
+
+
+class NodeDead(Msg, frozen=True, tag="node_dead"):
+    """Heartbeats stopped or the process exited, and whether it is being restarted."""
+
     reason: str = ""
     will_restart: bool = False
     exit_code: int | None = None  # None: killed for silence

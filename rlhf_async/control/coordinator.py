@@ -2,7 +2,7 @@
 
     async with Coordinator(run_dir) as coord:
         await coord.launch(specs)                    # returns once every node is ready
-        reply = await coord.command("gen0", "status")
+        status = await coord.call("gen0", Status())   # a typed command, its typed reply
         async for event in coord.events(): ...       # app events + node_dead / node_restarted
 
 Nodes connect a DEALER (identity = node_id) to the coordinator's ROUTER; the coordinator
@@ -40,6 +40,7 @@ from rlhf_async.control.client import (
     EventStream,
     NodeEvent,
     NodeNotReady,
+    NodeReady,
     call_coordinator,
     read_coordinator_file,
 )
@@ -47,6 +48,18 @@ from rlhf_async.control.supervisor import NodeRecord, Supervisor
 from rlhf_async.runtime.ipc_dir import make_ipc_dir
 from rlhf_async.runtime.launcher import Launcher, LocalLauncher
 from rlhf_async.runtime.loop import in_main_thread
+from rlhf_async.runtime.messages import (
+    Command,
+    Handlers,
+    MessageError,
+    Readdress,
+    Status,
+    Stop,
+    Stopping,
+    decode_reply,
+    tag,
+    to_payload,
+)
 from rlhf_async.runtime.spec import NodeSpec
 from rlhf_async.wire.protocol import Message
 from rlhf_async.wire.security import Keyring, generate_keys
@@ -56,8 +69,7 @@ __all__ = ["COORDINATOR_FILE", "CommandError", "Coordinator", "CoordinatorError"
            "EventStream", "NodeEvent", "NodeNotReady", "call_coordinator",
            "read_coordinator_file"]
 T = TypeVar("T")
-# A coordinator-level command handler: payload -> msgpack-able reply.
-CoordHandler = Callable[[Any], Any]
+R = TypeVar("R")
 
 
 class Coordinator:
@@ -84,10 +96,14 @@ class Coordinator:
         self._transport = Transport(log=self.log, keys=self.keyring, insecure=insecure)
         self._pending: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._listeners: list[Callable[[NodeEvent], Any]] = []
-        self._handlers: dict[str, CoordHandler] = {
-            "status": lambda _: self.status(),
-            "stop": lambda p: self.request_stop(f"command: {p or 'stop'}"),
-        }
+        # coordinator-level commands, from nodes and the CLI (`call_coordinator`)
+        self._handlers = Handlers(self.log)
+        self._handlers.add(Status, lambda _: self.status())
+        self._handlers.add(Stop, lambda cmd: self.request_stop(f"command: {cmd.reason}"))
+        # the control socket's wire kinds (wire/protocol.py CONTROL_KINDS) from a known node
+        self._from_node: dict[str, Callable[[bytes, Message, NodeRecord], Any]] = {
+            "heartbeat": self._heartbeat, "reply": self._reply, "ready": self._ready,
+            "event": self._event, "stop": self._goodbye}
         self._started = time.monotonic()
         self._stopped = False
         self._following: set[asyncio.Task[Any]] = set()  # peers told of a moved node
@@ -164,12 +180,12 @@ class Coordinator:
             self._force.set()
         self.request_stop(name)
 
-    def request_stop(self, reason: str = "requested") -> dict[str, Any]:
+    def request_stop(self, reason: str = "requested") -> Stopping:
         if not self.stop_requested.is_set():
             self.stop_reason = reason
             self.log.info("stop_requested", reason=reason)
             self.stop_requested.set()
-        return {"stopping": True}
+        return Stopping()
 
     async def run_until_stop(self, job: Coroutine[Any, Any, T]) -> T | None:
         """Run `job` until it returns (its result) or a stop is requested (None)."""
@@ -254,7 +270,7 @@ class Coordinator:
     async def _follow(self, node_id: str, moved: dict[str, str]) -> None:
         try:
             await self.wait_ready([node_id])
-            left = await self.command(node_id, "readdress", moved)
+            left = await self.call(node_id, Readdress(moved))
             self.log.info("node_followed_move", node=node_id, left=left)
         except (TimeoutError, CoordinatorError) as e:
             # it died meanwhile: its replacement starts from the re-addressed spec
@@ -271,8 +287,9 @@ class Coordinator:
         self._stopped = True
         self.supervisor.close()  # a node stopping now is not a death to restart
         for n in self.supervisor.alive():
+            shutdown = Stop("coordinator shutdown")
             stop = Message("command", source="coordinator",
-                           meta={"name": "stop", "payload": "coordinator shutdown"})
+                           meta={"name": tag(shutdown), "payload": to_payload(shutdown)})
             with contextlib.suppress(TimeoutError):
                 await self._router.send(stop, to=n.spec.node_id.encode(), timeout=0.1)
         # a stop request grants the grace (the trainer checkpoints); a failed run's may not
@@ -280,9 +297,18 @@ class Coordinator:
         await self.supervisor.shut_down(grace, self._force)
         self.log.info("coordinator_stopped", reason=self.stop_reason)
 
+    async def call(self, node_id: str, cmd: Command[R], timeout: float = 10.0) -> R:
+        """Send the typed command to the node; its typed reply, or CommandError."""
+        result = await self.command(node_id, tag(cmd), to_payload(cmd), timeout)
+        try:
+            return decode_reply(cmd, result)
+        except MessageError as e:
+            raise CommandError(f"node {node_id!r}: {e}") from None
+
     async def command(self, node_id: str, kind: str, payload: Any = None,
                       timeout: float = 10.0) -> Any:
-        """Invoke the node's `kind` handler; returns its reply or raises CommandError."""
+        """Invoke the node's `kind` handler with an untyped payload (a tool's or a generic
+        node program's command; the typed form is `call`); its reply or CommandError."""
         if node_id not in self.nodes:
             raise CoordinatorError(f"unknown node {node_id!r}; nodes: {sorted(self.nodes)}")
         msg = Message("command", source="coordinator", meta={"name": kind, "payload": payload})
@@ -298,10 +324,6 @@ class Coordinator:
         if not reply.get("ok"):
             raise CommandError(f"node {node_id!r} failed command {kind!r}: {reply.get('error')}")
         return reply.get("result")
-
-    def on_command(self, kind: str, handler: CoordHandler) -> None:
-        """Coordinator-level command reachable by nodes and the CLI (see `call_coordinator`)."""
-        self._handlers[kind] = handler
 
     def on_event(self, callback: Callable[[NodeEvent], Any]) -> None:
         self._listeners.append(callback)
@@ -334,7 +356,7 @@ class Coordinator:
                 self.log.exception("control_message_failed", kind=msg.kind, source=msg.source)
 
     async def _on_control(self, peer: bytes, msg: Message) -> None:
-        if msg.kind == "command":
+        if msg.kind == "command":  # from anyone who may reach the socket (the CLI)
             self._transport.spawn(self._answer(peer, msg), name=f"answer-{msg.id}")
             return
         node = self.nodes.get(msg.source)
@@ -342,32 +364,29 @@ class Coordinator:
             self._transport.counters["control.unknown_peer"] += 1
             return
         node.last_seen = time.monotonic()
-        if msg.kind == "heartbeat":
-            await self._router.send(msg.reply("heartbeat", source="coordinator"), to=peer)
-        elif msg.kind == "reply" and msg.parent in self._pending:
-            future = self._pending[msg.parent]
-            if not future.done():
-                future.set_result(msg.meta)
-        elif msg.kind == "ready":
-            node.mark_ready()
-            self._publish(NodeEvent(msg.source, "ready", msg.meta))
-        elif msg.kind == "event":
-            self._publish(NodeEvent(msg.source, str(msg.meta.get("name")),
-                                    msg.meta.get("payload"), msg.step, msg.weight_version,
-                                    msg.timestamp))
-        elif msg.kind == "stop":
-            node.goodbye = msg.meta
+        handler = self._from_node.get(msg.kind)
+        if handler is not None:  # other kinds from a node: a sign of life only
+            await handler(peer, msg, node)
+
+    async def _heartbeat(self, peer: bytes, msg: Message, node: NodeRecord) -> None:
+        await self._router.send(msg.reply("heartbeat", source="coordinator"), to=peer)
+
+    async def _reply(self, peer: bytes, msg: Message, node: NodeRecord) -> None:
+        future = self._pending.get(msg.parent or "")
+        if future is not None and not future.done():
+            future.set_result(msg.meta)
+
+    async def _ready(self, peer: bytes, msg: Message, node: NodeRecord) -> None:
+        node.mark_ready()
+        self._publish(NodeEvent(msg.source, tag(NodeReady), msg.meta))
+
+    async def _event(self, peer: bytes, msg: Message, node: NodeRecord) -> None:
+        self._publish(NodeEvent(msg.source, str(msg.meta.get("name")), msg.meta.get("payload"),
+                                msg.step, msg.weight_version, msg.timestamp))
+
+    async def _goodbye(self, peer: bytes, msg: Message, node: NodeRecord) -> None:
+        node.goodbye = msg.meta
 
     async def _answer(self, peer: bytes, msg: Message) -> None:
-        name = msg.meta.get("name")
-        handler = self._handlers.get(name) if isinstance(name, str) else None
-        try:
-            if handler is None:
-                raise KeyError(f"unknown command {name!r}; known: {sorted(self._handlers)}")
-            result = handler(msg.meta.get("payload"))
-            if asyncio.iscoroutine(result):
-                result = await result
-            meta = {"ok": True, "result": result}
-        except Exception as e:
-            meta = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        meta = await self._handlers.answer(msg.meta.get("name"), msg.meta.get("payload"))
         await self._router.send(msg.reply("reply", meta=meta, source="coordinator"), to=peer)

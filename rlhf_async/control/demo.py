@@ -9,10 +9,40 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlhf_async.control.client import NodeEvent
+import msgspec
+
+from rlhf_async.control.client import NodeDead, NodeEvent
 from rlhf_async.control.coordinator import Coordinator
+from rlhf_async.runtime.messages import MessageError, Msg, from_payload, tag
 from rlhf_async.runtime.spec import NodeSpec
 from rlhf_async.wire.transport import Endpoint, free_tcp_port, ipc_address
+
+# ---- the demo's events (sent by nodes/demo_pipeline.py) -----------------------------------
+
+class SourceDone(Msg, frozen=True, tag="source_done"):
+    sent: int
+
+
+class DemoProgress(Msg, frozen=True, tag="progress"):
+    received: int
+    expect: int
+
+
+class DemoDone(Msg, frozen=True, tag="done"):
+    """The sink has every message: what arrived, how fast, and in what order."""
+
+    received: int
+    bytes: int
+    seconds: float
+    mb_per_s: float
+    msgs_per_s: float
+    out_of_order: int
+    bad_values: int
+    last_seq: dict[str, int]  # producer -> next sequence number expected
+
+
+DEMO_EVENTS: dict[str, type[Msg]] = {tag(c): c for c in (SourceDone, DemoProgress, DemoDone,
+                                                         NodeDead)}
 
 
 def build_specs(addr: Callable[[str], str], *, messages: int, floats: int, hwm: int,
@@ -69,8 +99,19 @@ async def _until_done(coord: Coordinator, specs: list[NodeSpec]) -> dict[str, An
     with coord.events() as events:
         await coord.launch(specs)
         async for event in events:
-            if event.kind == "done":
-                return dict(event.payload)
-            if event.kind == "node_dead":
-                return {"stopped": f"node {event.node_id} died: {event.payload['reason']}"}
+            try:
+                typed = demo_event(event)
+            except MessageError as e:
+                return {"stopped": f"node {event.node_id} sent a bad event: {e}"}
+            match typed:
+                case DemoDone():
+                    return msgspec.structs.asdict(typed)
+                case NodeDead(reason=reason):
+                    return {"stopped": f"node {event.node_id} died: {reason}"}
     raise AssertionError("unreachable: the event stream does not end")
+
+
+def demo_event(event: NodeEvent) -> Msg | None:
+    """The demo's typed event (or a death); None for the coordinator's other events."""
+    cls = DEMO_EVENTS.get(event.kind)
+    return None if cls is None else from_payload(cls, event.payload)

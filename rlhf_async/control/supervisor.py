@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rlhf_async.control.client import NodeDead, NodeEvent, NodeNotReady
 from rlhf_async.runtime.launcher import Launcher, NodeProcess
+from rlhf_async.runtime.messages import tag, to_payload
 from rlhf_async.runtime.spec import NodeSpec
 
 
@@ -141,8 +142,8 @@ class Supervisor:
         restart = self._will_restart(node)
         self.log.error("node_dead", node=node_id, role=node.spec.role, reason=reason,
                        restart=restart, log=self.log_hint(node))
-        self._publish(NodeEvent(node_id, NodeDead.kind,
-                                asdict(NodeDead(reason, restart, rc, node.process.pid))))
+        self._publish(NodeEvent(node_id, tag(NodeDead),
+                                to_payload(NodeDead(reason, restart, rc, node.process.pid))))
         if restart:
             self.start(node.spec, restarts=node.restarts + 1)
             self._publish(NodeEvent(node_id, "node_restarted", {"restarts": node.restarts + 1}))

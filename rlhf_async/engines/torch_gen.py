@@ -41,8 +41,5 @@ class TorchGenerationBackend:
         load_into_module(self.actor, staged[1])
         return staged[0]
 
-    def load_weights(self, weights: Mapping[str, Tensor]) -> None:
-        load_into_module(self.actor, weights)
-
     def close(self) -> None:
         self.receiver.close()

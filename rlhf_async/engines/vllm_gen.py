@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from rlhf_async.engines.extras import require_extra
 from rlhf_async.modeling.determinism import key_seed
@@ -106,10 +105,6 @@ class VLLMGenerationBackend:
         if len(versions) != 1:
             raise RuntimeError(f"vLLM workers disagree on the loaded version: {versions}")
         return versions.pop()
-
-    def load_weights(self, weights: Mapping[str, Tensor]) -> None:
-        """Load weights given in-process (through the RPC; for small models and tests)."""
-        self.llm.collective_rpc("rlhf_load", args=({k: v.cpu() for k, v in weights.items()},))
 
     def close(self) -> None:
         try:

@@ -61,11 +61,6 @@ class WeightSyncWorker:
         else:
             self._rlhf_model().load_weights(weights=items)
 
-    def rlhf_load(self, weights: dict[str, torch.Tensor]) -> int:
-        """Load weights passed through the RPC itself (small models, tests)."""
-        self._rlhf_load(list(weights.items()))
-        return len(weights)
-
     def rlhf_close(self) -> None:
         receiver = getattr(self, "_rlhf_receiver", None)
         if receiver is not None:

@@ -20,7 +20,14 @@ from typing import IO
 import torch
 from transformers.utils import logging as hf_logging
 
-from rlhf_async.config import ConfigError, JobConfig, config_from_dict, load_config, to_dict
+from rlhf_async.config import (
+    ConfigError,
+    JobConfig,
+    collective_backend,
+    config_from_dict,
+    load_config,
+    to_dict,
+)
 from rlhf_async.engines.process_group import env_group, launched
 from rlhf_async.job.launched import Share, adopt_world, follow, leading, lock_step_only
 from rlhf_async.job.lock import hold_run_dir
@@ -105,7 +112,7 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None,
                 _discard_unstarted(target)
             raise
     lock_step_only(placement.strategy, STRATEGIES[placement.strategy].roles)
-    with env_group("nccl" if cfg.placement.device == "cuda" else "gloo", launch):
+    with env_group(collective_backend(cfg.placement.device), launch):
         if launch.rank == 0:
             with leading() as share, hold_run_dir(target) as held:
                 return _run_held(cfg, placement, task, out, held, run_dir is not None,

@@ -8,18 +8,32 @@ import os
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 import structlog
 
+from rlhf_async.runtime.messages import (
+    Command,
+    Handlers,
+    Msg,
+    Pause,
+    Paused,
+    Readdress,
+    Resume,
+    Status,
+    Stop,
+    Stopping,
+    tag,
+    to_payload,
+)
 from rlhf_async.runtime.spec import NodeSpec
 from rlhf_async.wire.protocol import Message
 from rlhf_async.wire.transport import Channel, Transport
 
-# A command handler gets the command's payload and returns a msgpack-able reply.
+# An untyped command handler (`on_command`) gets the payload, returns a msgpack-able reply.
 Handler = Callable[[Any], Any | Awaitable[Any]]
-BUILTIN_COMMANDS = ("pause", "resume", "stop", "status", "readdress")
+R = TypeVar("R")
 
 
 class Node:
@@ -44,13 +58,13 @@ class Node:
         self.stop_reason = ""
         self._started = time.monotonic()
         self._channels = {name: transport.channel(ep) for name, ep in spec.endpoints.items()}
-        self._handlers: dict[str, Handler] = {
-            "pause": lambda _: self._set_paused(True),
-            "resume": lambda _: self._set_paused(False),
-            "stop": lambda payload: self.request_stop(f"command: {payload or 'stop'}"),
-            "status": lambda _: self.status(),
-            "readdress": self._readdress,
-        }
+        self._commands = Handlers(self.log)  # typed: `handle`
+        self._untyped: dict[str, Handler] = {}  # `on_command`
+        self.handle(Pause, lambda _: self._set_paused(True))
+        self.handle(Resume, lambda _: self._set_paused(False))
+        self.handle(Stop, lambda cmd: self.request_stop(f"command: {cmd.reason}"))
+        self.handle(Status, lambda _: self.status())
+        self.handle(Readdress, lambda cmd: self._readdress(cmd.moved))
 
     @property
     def node_id(self) -> str:
@@ -75,13 +89,13 @@ class Node:
     async def wait_stop(self) -> None:
         await self._stop.wait()
 
-    def request_stop(self, reason: str = "requested") -> dict[str, Any]:
+    def request_stop(self, reason: str = "requested") -> Stopping:
         if not self._stop.is_set():
             self.stop_reason = reason
             self.log.info("stopping", reason=reason)
             self._stop.set()
             self._resumed.set()  # a paused loop must wake up to see the stop
-        return {"stopping": True}
+        return Stopping()
 
     @property
     def paused(self) -> bool:
@@ -91,21 +105,18 @@ class Node:
         """Returns at once unless paused; call it once per iteration of a node's main loop."""
         await self._resumed.wait()
 
-    def _set_paused(self, paused: bool) -> dict[str, Any]:
+    def _set_paused(self, paused: bool) -> Paused:
         if paused and not self.stopping:
             self._resumed.clear()
         else:
             self._resumed.set()
         self.log.info("paused" if self.paused else "resumed")
-        return {"paused": self.paused}
+        return Paused(self.paused)
 
-    def _readdress(self, moved: Any) -> dict[str, list[str]]:
+    def _readdress(self, moved: dict[str, str]) -> dict[str, list[str]]:
         """Peers bound at the old addresses (keys of `moved`) now listen at the new ones
         (a node restarted on another host): every data channel connecting to one follows.
         Replies with what each channel left."""
-        if not isinstance(moved, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in moved.items()):
-            raise ValueError(f"readdress takes a mapping old address -> new, got {moved!r:.80}")
         left = {name: old for name, chan in self._channels.items()
                 if (old := chan.readdress(moved))}
         self.spec = self.spec.readdressed(moved)  # what status and later reads see
@@ -113,11 +124,22 @@ class Node:
         return left
 
     # commands and events
+    def handle(self, cls: type[Command[R]], handler: Callable[[Any], R | Awaitable[R]]
+               ) -> None:
+        """Answer `coordinator.call(node_id, cls(...))` with `handler(command) -> R`; the
+        payload is validated into `cls` first (a mismatch is answered as an error)."""
+        self._commands.add(cls, handler)
+
     def on_command(self, kind: str, handler: Handler) -> None:
-        """Register `handler(payload) -> reply` for `coordinator.command(node_id, kind, ...)`."""
-        if kind in BUILTIN_COMMANDS:
-            raise ValueError(f"command {kind!r} is built in ({', '.join(BUILTIN_COMMANDS)})")
-        self._handlers[kind] = handler
+        """An untyped command (a generic node program's): `handler(payload) -> reply` for
+        `coordinator.command(node_id, kind, payload)`."""
+        if kind in self._commands.names:
+            raise ValueError(f"command {kind!r} is built in ({', '.join(self._commands.names)})")
+        self._untyped[kind] = handler
+
+    async def send_event(self, event: Msg, *, step: int = 0, weight_version: int = 0) -> None:
+        """Send a typed event to the coordinator (see `emit`)."""
+        await self.emit(tag(event), to_payload(event), step=step, weight_version=weight_version)
 
     async def emit(self, kind: str, payload: Any = None, *, step: int = 0,
                    weight_version: int = 0) -> None:
@@ -136,19 +158,13 @@ class Node:
 
     async def handle_command(self, msg: Message) -> None:
         name, payload = msg.meta.get("name"), msg.meta.get("payload")
-        handler = self._handlers.get(name) if isinstance(name, str) else None
-        if handler is None:
-            meta = {"ok": False, "error": f"unknown command {name!r}; "
-                                          f"known: {sorted(self._handlers)}"}
+        if isinstance(name, str) and name in self._untyped:
+            meta = await self._answer_untyped(name, self._untyped[name], payload)
+        elif isinstance(name, str) and name in self._commands.names:
+            meta = await self._commands.answer(name, payload)
         else:
-            try:
-                result = handler(payload)
-                if inspect.isawaitable(result):
-                    result = await result
-                meta = {"ok": True, "result": result}
-            except Exception as e:  # a failing handler must not kill the node
-                self.log.exception("command_failed", command=name)
-                meta = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            meta = {"ok": False, "error": f"unknown command {name!r}; known: "
+                                          f"{sorted([*self._commands.names, *self._untyped])}"}
         reply = msg.reply("reply", meta=meta)
         reply.source = self.node_id
         try:
@@ -156,6 +172,17 @@ class Node:
         except TypeError as e:  # handler returned something msgpack cannot encode
             reply.meta = {"ok": False, "error": f"reply of {name!r} is not msgpack-able: {e}"}
             await self._control.send(reply, timeout=self.spec.orphan_timeout_s)
+
+    async def _answer_untyped(self, name: str, handler: Handler, payload: Any
+                              ) -> dict[str, Any]:
+        try:
+            result = handler(payload)
+            if inspect.isawaitable(result):
+                result = await result
+            return {"ok": True, "result": result}
+        except Exception as e:  # a failing handler must not kill the node
+            self.log.exception("command_failed", command=name)
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
     def status(self) -> dict[str, Any]:
         return {

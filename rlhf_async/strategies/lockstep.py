@@ -24,25 +24,25 @@ import torch.multiprocessing as mp
 from torch import nn
 from transformers.utils import logging as hf_logging
 
-from rlhf_async.config import JobConfig
+from rlhf_async.config import JobConfig, collective_backend
 from rlhf_async.engines.process_group import exit_rank, free_port, launched, rank_group
 from rlhf_async.log import get_logger
 from rlhf_async.metrics import MetricsWriter, Progress
 from rlhf_async.modeling.episodes import rollout
-from rlhf_async.modeling.models import save_policy
 from rlhf_async.modeling.precision import Precision, check_device
 from rlhf_async.modeling.rollout import RolloutBatch
-from rlhf_async.rl.checkpoint import (
-    CheckpointError,
-    learner_state,
-    load_shared,
-    restore_learner,
-    save_checkpoint,
-)
+from rlhf_async.rl.checkpoint import CheckpointError, load_shared, restore_learner
 from rlhf_async.rl.learner import Learner
 from rlhf_async.strategies.base import JobStopped, RankFailed, RunResult
+from rlhf_async.strategies.training import (
+    build_learner,
+    load_actor,
+    save_final_policy,
+    save_learner_checkpoint,
+    step_record,
+)
 from rlhf_async.task import Task, make_task, sampling_params
-from rlhf_async.task.pretrain import Artefacts, load_critic, load_sft
+from rlhf_async.task.pretrain import Artefacts
 from rlhf_async.task.remote_reward import RewardServerError
 
 log = get_logger(component="lockstep")
@@ -105,13 +105,10 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
     device = device_of(cfg, rank)
     check_device(precision, device)
     task = make_task(cfg)
-    actor = load_sft(art.sft_dir).to(device)  # type: ignore[arg-type]  # HF's .to overloads
+    actor = load_actor(art, device)
     # before training: the reference is a copy of the SFT actor
     scorer = make_scorer(cfg, art, task, actor, rank, world, device, precision)
-    critic = load_critic(cfg, art)
-    learner = Learner(actor, critic.to(device) if critic is not None else None, cfg.algo,
-                      cfg.train, cfg.run.seed, cfg.generation.temperature, precision,
-                      cfg.lora)
+    learner = build_learner(cfg, art, device, precision, actor)
     if start_step:  # every rank restores the same checkpoint
         restore_learner(learner, _checkpoint_state(run_dir, start_step, rank, world, device))
     writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
@@ -146,7 +143,7 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
             learner.close()
             return False
     progress.close()
-    _finish(cfg, learner, run_dir, writer)
+    _finish(cfg, learner, run_dir, writer, strategy)
     return True
 
 
@@ -170,8 +167,8 @@ def _end_step(cfg: JobConfig, learner: Learner, run_dir: Path, writer: MetricsWr
     every = cfg.run.checkpoint_every
     due = bool(every) and (step + 1) % every == 0 and step + 1 < cfg.train.steps
     if writer is not None:
-        record = {"step": step, **metrics, "time_generate": t1 - t0, "time_score": t2 - t1,
-                  "time_train": t3 - t2, "samples_per_s": metrics["samples"] / (t3 - t0)}
+        record = step_record(step, metrics, t3 - t0, time_generate=t1 - t0,
+                             time_score=t2 - t1, time_train=t3 - t2)
         writer.write(record)  # before the checkpoint that includes the step
         progress.update(record)
     if due:
@@ -190,24 +187,16 @@ def _keep_trained(cfg: JobConfig, learner: Learner, run_dir: Path, step: int,
 
 def _checkpoint(cfg: JobConfig, learner: Learner, run_dir: Path, step: int, strategy: str,
                 writes: bool) -> None:
-    """Every rank calls it (gathering the learner state is collective under ZeRO); the
-    rank with the writer saves it."""
-    state = learner_state(learner)
-    if writes:
-        save_checkpoint(run_dir / "checkpoints", step, state,
-                        {"version": learner.version, "strategy": strategy},
-                        cfg.run.keep_checkpoints)
+    save_learner_checkpoint(cfg, learner, run_dir / "checkpoints", step, strategy,
+                            writes=writes)
 
 
-def _finish(cfg: JobConfig, learner: Learner, run_dir: Path,
-            writer: MetricsWriter | None) -> None:
+def _finish(cfg: JobConfig, learner: Learner, run_dir: Path, writer: MetricsWriter | None,
+            strategy: str) -> None:
     """Rank 0 saves the final policy; every rank joins the gather and closes its engines."""
-    with learner.actor_backend.gathered():  # full weights even under ZeRO-3 (collective)
-        if writer is not None:
-            writer.close()
-            save_policy(learner.actor, run_dir / "policy",  # type: ignore[arg-type]
-                        {"algo": cfg.algo.name, "steps": cfg.train.steps,
-                         "version": learner.version}, learner.policy_weights())
+    if writer is not None:
+        writer.close()
+    save_final_policy(cfg, learner, run_dir / "policy", strategy, writes=writer is not None)
     learner.close()
 
 
@@ -220,8 +209,7 @@ def _worker(rank: int, world: int, port: int, cfg: JobConfig, art: Artefacts, ru
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(cfg.placement.cpu_threads)
     hf_logging.disable_progress_bar()
-    backend = "nccl" if cfg.placement.device == "cuda" else "gloo"
-    with rank_group(backend, port, rank, world):
+    with rank_group(collective_backend(cfg.placement.device), port, rank, world):
         rank_loop(cfg, art, run_dir, rank, world, start_step, make_scorer, strategy,
                   precision, stop)
     exit_rank()

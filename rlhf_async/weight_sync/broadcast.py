@@ -274,11 +274,6 @@ class TorchBroadcastReceiver:
             self._store_addr = addr
         self._group = BroadcastGroup(self._store, spec, rank, self.device)
 
-    def prepare(self, plan: Mapping[str, Any]) -> None:
-        """Reserve the staging buffer for `plan` ahead of the first update (optional)."""
-        _, _, layout = parse_plan(plan)
-        self._ensure_staging(layout.total_bytes)
-
     def receive(self, plan: Mapping[str, Any]) -> ReceivedWeights:
         """Receive one update described by `plan`; returns it once every bucket arrived."""
         version, group_name, layout = parse_plan(plan)

@@ -26,7 +26,7 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 4096
 MAX_NDIM = 16
 
-DATA_KINDS = ("prompts", "rollout", "scored_rollout", "weights_meta")
+DATA_KINDS = ("prompts", "rollout", "scored_rollout")
 CONTROL_KINDS = ("register", "ready", "heartbeat", "command", "reply", "event", "stop")
 _KINDS: set[str] = set(DATA_KINDS + CONTROL_KINDS)
 

@@ -96,7 +96,7 @@ def test_a_moved_peer_is_followed_and_what_queued_for_its_old_address_is_dropped
             at_old = t.channel(Endpoint("pull", old, bind=True))
             with pytest.raises(TimeoutError):
                 await at_old.recv(timeout=1.0)  # message 1 left with the old pipe
-            with pytest.raises(CommandError, match="readdress takes a mapping"):
+            with pytest.raises(CommandError, match="readdress: Expected `object`, got `array`"):
                 await coord.command("pusher0", "readdress", ["not", "a", "mapping"])
 
     asyncio.run(main())

@@ -18,16 +18,22 @@ import enum
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rlhf_async.config import JobConfig
-from rlhf_async.control.client import EventStream, NodeEvent
-from rlhf_async.control.coordinator import Coordinator
+from rlhf_async.control.client import NodeEvent, NodeExited
 from rlhf_async.log import get_logger
 from rlhf_async.metrics import MetricsWriter, Progress, truncate_metrics
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.rl.checkpoint import disk_full
 from rlhf_async.rl.staleness import StalenessPolicy
+from rlhf_async.strategies.separation.clients import (
+    ControlPlane,
+    GeneratorClient,
+    PipelineError,
+    TrainerClient,
+    connect_weight_sync,
+)
 from rlhf_async.strategies.separation.events import (
     SFT_LINEAGE,
     ChunkDropped,
@@ -38,28 +44,32 @@ from rlhf_async.strategies.separation.events import (
     Generated,
     Loaded,
     NodeDead,
+    NodeReady,
+    NodeRestarted,
     Published,
     Scored,
     Trained,
-    UpdateWeights,
     WeightsApplied,
     WeightSyncFailed,
     decode_event,
-    encode,
 )
-from rlhf_async.strategies.separation.startup import (
-    PipelineError,
-    TrainerRanks,
-    command,
-    connect_weight_sync,
-)
+from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
 from rlhf_async.strategies.separation.wire import ChunkId, prompts_message
+from rlhf_async.strategies.training import step_record
 from rlhf_async.task import make_task
 from rlhf_async.weight_sync import GroupSpec
-from rlhf_async.wire.transport import Channel
+from rlhf_async.wire.protocol import Message
 
 log = get_logger(component="pipeline")
 Key = tuple[int, int]  # (step, chunk)
+
+
+class Events(Protocol):  # the coordinator's EventStream
+    async def get(self, timeout: float | None = None) -> NodeEvent: ...
+
+
+class Prompts(Protocol):  # the generators' queue (a wire.transport Channel)
+    async def send(self, msg: Message, timeout: float | None = None) -> None: ...
 
 
 class ChunkState(enum.StrEnum):
@@ -79,12 +89,14 @@ class Driver:
     waking up when the staleness gate opens.
     """
 
-    def __init__(self, cfg: JobConfig, coord: Coordinator, events: EventStream,
-                 prompts: Channel, roles: dict[str, str], spec: GroupSpec, run_dir: Path,
-                 chunks_per_step: int, start_step: int, lineage: str,
-                 backlog: list[NodeEvent] | None = None,
-                 ranks: TrainerRanks | None = None, gen_ranks: int = 1) -> None:
+    def __init__(self, cfg: JobConfig, coord: ControlPlane, events: Events,
+                 prompts: Prompts, roles: dict[str, str], spec: GroupSpec, run_dir: Path,
+                 chunks_per_step: int, start_step: int, lineage: str, ranks: TrainerRanks,
+                 backlog: list[NodeEvent] | None = None, gen_ranks: int = 1) -> None:
         self.cfg, self.coord, self.events, self.chan = cfg, coord, events, prompts
+        self.trainer = TrainerClient(coord)
+        self.clients = {n: GeneratorClient(coord, n) for n, r in roles.items()
+                        if r == "generator"}
         self.roles, self.spec, self.run_dir, self.chunks = roles, spec, run_dir, chunks_per_step
         self.gen_ranks = gen_ranks  # weight-sync ranks per generator (its vLLM TP workers)
         self.policy = StalenessPolicy(cfg.algo.max_staleness, cfg.train.publish_every)
@@ -97,9 +109,7 @@ class Driver:
         self.chunk_state: dict[Key, ChunkState] = {}
         self.chunk_prompts: dict[Key, tuple[ChunkId, PromptBatch]] = {}
         self.down: set[str] = set()
-        # the trainer's ranks, rank 0 ("trainer") first; several: kept one group
-        self.ranks = ranks or TrainerRanks(coord, [n for n, r in roles.items()
-                                                   if r == "trainer"], spec.master_addr, 120.0)
+        self.ranks = ranks  # the trainer's, rank 0 ("trainer") first; several: one group
         self.trained_ids = Counter[int]()
         self.busy: dict[str, float] = {}  # node -> cumulative busy seconds
         self.last_busy: dict[str, float] = {}
@@ -142,7 +152,7 @@ class Driver:
         self.dispatcher.cancel()
         self._open_logs()
         with contextlib.suppress(TimeoutError, RuntimeError):  # it may be gone already
-            await self.coord.command("trainer", "stop", "run stopping", timeout=2.0)
+            await self.trainer.stop("run stopping", timeout=2.0)
         deadline = time.monotonic() + grace
         try:
             while (left := deadline - time.monotonic()) > 0:
@@ -152,10 +162,11 @@ class Driver:
                 except TimeoutError:
                     log.warning("trainer_stop_timeout", grace_s=grace)
                     return
-                if ev.node_id == "trainer" and ev.kind in ("exited", NodeDead.kind):
+                event = self._decode(ev)
+                if ev.node_id == "trainer" and isinstance(event, NodeExited | NodeDead):
                     return
-                if ev.kind != NodeDead.kind:  # records, weights forwarded as usual
-                    await self._handle(ev)
+                if event is not None and not isinstance(event, NodeDead):
+                    await self._on(ev.node_id, event)  # records, weights forwarded as usual
         finally:
             self.writer.close()
 
@@ -225,29 +236,33 @@ class Driver:
         self._spawn(resend())
 
     async def _handle(self, ev: NodeEvent) -> bool:
-        """One node event; True when the run is complete. A payload that is not the record
-        its kind names is logged and counted, never fatal."""
+        """One node event; True when the run is complete."""
+        event = self._decode(ev)
+        return event is not None and await self._on(ev.node_id, event)
+
+    def _decode(self, ev: NodeEvent) -> Event | None:
+        """The typed event; None (logged and counted, never fatal) for a payload that is
+        not the record its kind names."""
         try:
-            event = decode_event(ev.kind, ev.payload)
+            return decode_event(ev)
         except EventError as e:
-            if ev.kind not in ("ready", "exited", "node_restarted"):  # coordinator-internal
-                self.counts["bad_events"] += 1
-                log.warning("bad_event", node=ev.node_id, kind=ev.kind, error=str(e))
-            return False
-        return await self._on(ev.node_id, event)
+            self.counts["bad_events"] += 1
+            log.warning("bad_event", node=ev.node_id, kind=ev.kind, error=str(e))
+            return None
 
     async def _on(self, node: str, event: Event) -> bool:
         match event:
             case Published(plan=plan, lineage=lineage):
                 for gen in self.generators:
-                    self._spawn(self._forward(gen, UpdateWeights(plan, lineage)))
+                    self._spawn(self._forward(gen, plan, lineage))
             case WeightsApplied(version=version, lineage=lineage):
                 self.applied[node] = (version, lineage)
                 self.gate.set()
             case Generated() | Scored():
                 key = (event.step, event.chunk)
                 if key in self.chunk_state:
-                    self.chunk_state[key] = ChunkState(event.kind)
+                    self.chunk_state[key] = ChunkState.GENERATED \
+                        if isinstance(event, Generated) else ChunkState.SCORED
                 self.busy[node] = event.busy_s
             case ChunkDropped():
                 key = (event.step, event.chunk)
@@ -257,7 +272,7 @@ class Driver:
             case Trained():
                 self._record(node, event)
             case Done():
-                self.result = encode(event)
+                self.result = {"policy_dir": event.policy_dir, "steps": event.steps}
                 return True
             case Failed(error=error):  # a restart would repeat it: stop with the cause
                 raise PipelineError(f"{node}: {error}")
@@ -267,6 +282,8 @@ class Driver:
                 await self._recover(node, event)
             case WeightSyncFailed(error=error):
                 log.warning("weight_sync_failed", node=node, error=error)
+            case NodeReady() | NodeExited() | NodeRestarted() | Loaded():
+                pass  # the coordinator's bookkeeping; a first load (start-up's)
         return False
 
     async def _node_dead(self, node: str, dead: NodeDead) -> None:
@@ -337,8 +354,9 @@ class Driver:
                 master_addr=self.coord.host("trainer", self.spec.master_addr))
             self.counts["regroups"] += 1
             try:
-                self.spec = await connect_weight_sync(self.coord, self.spec, "trainer",
-                                                      self.generators, self.gen_ranks)
+                self.spec = await connect_weight_sync(
+                    self.trainer, [self.clients[g] for g in self.generators], self.spec,
+                    self.gen_ranks)
             except PipelineError as e:
                 failures += 1
                 log.warning("regroup_failed", error=str(e), attempt=failures)
@@ -351,8 +369,7 @@ class Driver:
 
     async def _republish(self) -> None:
         try:
-            await self.coord.command("trainer", "republish", None,
-                                     timeout=self.cfg.weight_sync.timeout_s + 10)
+            await self.trainer.republish(timeout=self.cfg.weight_sync.timeout_s + 10)
         except (TimeoutError, RuntimeError) as e:  # a death is reported on its own
             log.warning("republish_failed", error=str(e))
 
@@ -361,9 +378,9 @@ class Driver:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _forward(self, gen: str, update: UpdateWeights) -> None:
+    async def _forward(self, gen: str, plan: dict[str, Any], lineage: str) -> None:
         try:
-            await command(self.coord, gen, update, 30.0)
+            await self.clients[gen].update_weights(plan, lineage)
         except (TimeoutError, RuntimeError) as e:  # a death is reported on its own
             log.warning("weights_not_forwarded", node=gen, error=str(e))
 
@@ -378,15 +395,13 @@ class Driver:
         util = {f"util/{n}": (b - self.last_busy.get(n, 0.0)) / dt for n, b in self.busy.items()}
         self.last_busy = dict(self.busy)
         states = Counter(self.chunk_state.values())
-        record = {"step": t.step, **t.metrics, "time_step": dt,
-                  "samples_per_s": t.metrics["samples"] / dt,
-                  "rollout_version": t.rollout_version,
-                  "published_version": self._published(),
-                  "weight_sync_s": t.weight_sync_s, "weight_sync_bytes": t.weight_sync_bytes,
-                  "staleness_hist": t.staleness_hist, **t.staleness,
-                  **{f"queue/{s}": states.get(s, 0) for s in ChunkState},
-                  "queue/trainer": t.queue_trainer, **util,
-                  **{f"faults/{k}": v for k, v in self.counts.items()}}
+        record = step_record(
+            t.step, t.metrics, dt, rollout_version=t.rollout_version,
+            published_version=self._published(), weight_sync_s=t.weight_sync.seconds,
+            weight_sync_bytes=t.weight_sync.bytes, staleness_hist=t.staleness_hist,
+            **t.staleness, **{f"queue/{s}": states.get(s, 0) for s in ChunkState},
+            **{"queue/trainer": t.queue_trainer}, **util,
+            **{f"faults/{k}": v for k, v in self.counts.items()})
         try:
             self.writer.write(record)
         except OSError as e:  # a full disk: one error naming it, not a traceback

@@ -1,57 +1,52 @@
-"""The Separation pipeline's control messages: what nodes tell the coordinator (events) and
-what the coordinator asks of nodes (commands), as typed records.
+"""The Separation pipeline's control protocol: what nodes tell the coordinator (events),
+what the coordinator asks of nodes (commands) and what they answer (replies), as typed,
+tagged msgspec Structs (runtime/messages.py) in the control messages' meta.
 
-Both sides use this module: a node sends `await emit(node, Generated(...))`, the Driver
-reads `decode(event.kind, event.payload)`. A payload with a missing, unknown or wrongly
-typed field raises `EventError` naming the field and the record, so a mismatch between the
-two sides fails at the first message with a clear line instead of a KeyError mid-run.
+A node sends `await node.send_event(Generated(...))`; the Driver reads `decode_event(ev)`; the
+coordinator's clients (`clients.py`) send `Command[Reply]`s that nodes serve with
+`node.handle(UpdateWeights, fn)`. A payload with a missing, unknown or wrongly typed field
+raises `EventError` naming the record and the field, so a mismatch between the two sides
+fails at the first message with a clear line instead of a KeyError mid-run.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
-from rlhf_async.control.client import NodeDead
+import msgspec
+
+from rlhf_async.control.client import NodeDead, NodeEvent, NodeExited, NodeReady, NodeRestarted
+from rlhf_async.runtime.messages import Command, MessageError, Msg, from_payload, tag
+from rlhf_async.weight_sync import GroupSpec
 
 # Lineage names which trainer incarnation produced the weights behind a rollout: a trainer
 # restarted from a checkpoint refuses rollouts made by weights its predecessor published
 # after that checkpoint (same version number, different weights). Version 0 is the SFT
 # policy, the same for every incarnation.
 SFT_LINEAGE = "sft"
-
-
-class EventError(ValueError):
-    """A control payload that does not match its record."""
+EventError = MessageError  # a control payload that does not match its record
 
 
 class Emitter(Protocol):
-    async def emit(self, kind: str, payload: Any = None, *, step: int = 0,
-                   weight_version: int = 0) -> None: ...
+    async def send_event(self, event: Msg, *, step: int = 0,
+                         weight_version: int = 0) -> None: ...
 
 
 class StoppableEmitter(Emitter, Protocol):
     async def wait_stop(self) -> Any: ...
 
 
-# ---- events: node -> coordinator (and the coordinator's own `NodeDead`) -------------------
+# ---- events: node -> coordinator (and the coordinator's own, control/client.py) ----------
 
-@dataclass(frozen=True)
-class Loaded:
+class Loaded(Msg, frozen=True, tag="loaded"):
     """A node has its models; the trainer says which step it restored and its lineage."""
 
-    kind: ClassVar[str] = "loaded"
     step: int = 0
     version: int = 0
     lineage: str = SFT_LINEAGE
 
 
-@dataclass(frozen=True)
-class Generated:
-    kind: ClassVar[str] = "generated"
+class Generated(Msg, frozen=True, tag="generated"):
     step: int
     chunk: int
     chunks: int
@@ -60,9 +55,7 @@ class Generated:
     idle_s: float
 
 
-@dataclass(frozen=True)
-class Scored:
-    kind: ClassVar[str] = "scored"
+class Scored(Msg, frozen=True, tag="scored"):
     step: int
     chunk: int
     chunks: int
@@ -70,204 +63,146 @@ class Scored:
     idle_s: float
 
 
-@dataclass(frozen=True)
-class ChunkDropped:
+class ChunkDropped(Msg, frozen=True, tag="chunk_dropped"):
     """The trainer refused a chunk (too stale, or weights of a dead predecessor): send it
     again."""
 
-    kind: ClassVar[str] = "chunk_dropped"
     step: int
     chunk: int
     chunks: int
     version: int
 
 
-@dataclass(frozen=True)
-class Trained:
+class WeightSync(Msg, frozen=True):
+    """What one step's publication cost (zero when none was due)."""
+
+    seconds: float = 0.0
+    bytes: int = 0
+
+
+class Trained(Msg, frozen=True, kw_only=True, tag="trained"):
     """One step trained; written to metrics by the Driver, exactly-once counted from
     `sample_ids`."""
 
-    kind: ClassVar[str] = "trained"
     step: int
     metrics: dict[str, float]
     sample_ids: list[int]
     rollout_version: int
-    queue_trainer: int
-    weight_sync_s: float
-    weight_sync_bytes: int
+    queue_trainer: int  # scored chunks waiting at the trainer
+    weight_sync: WeightSync
     busy_s: float
     idle_s: float
-    staleness: dict[str, float] = field(default_factory=dict)  # StalenessPolicy.metrics()
-    staleness_hist: dict[str, int] = field(default_factory=dict)
-    published_version: int | None = None
+    staleness: dict[str, float] = msgspec.field(default_factory=dict)  # policy.metrics()
+    staleness_hist: dict[str, int] = msgspec.field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Published:
+class Published(Msg, frozen=True, tag="publish"):
     """The trainer is broadcasting new weights; the Driver forwards the plan to generators."""
 
-    kind: ClassVar[str] = "publish"
-    plan: dict[str, Any]
+    plan: dict[str, Any]  # weight_sync.plan's bucket layout, validated by the receiver
     lineage: str
 
 
-@dataclass(frozen=True)
-class WeightsApplied:
+class WeightsApplied(Msg, frozen=True, tag="weights_applied"):
     """A generator swapped in new weights; only now does the staleness gate see them."""
 
-    kind: ClassVar[str] = "weights_applied"
     version: int
     lineage: str
     receive_s: float = 0.0
     swap_wait_s: float = 0.0
 
 
-@dataclass(frozen=True)
-class WeightSyncFailed:
-    kind: ClassVar[str] = "weight_sync_failed"
+class WeightSyncFailed(Msg, frozen=True, tag="weight_sync_failed"):
     error: str
     version: int | None = None
 
 
-@dataclass(frozen=True)
-class Failed:
+class Failed(Msg, frozen=True, tag="failed"):
     """A node hit an error that a restart would only repeat (the user's reward function, a
     full disk): the Driver stops the run with `error` instead of restarting the node."""
 
-    kind: ClassVar[str] = "failed"
     error: str
 
 
-@dataclass(frozen=True)
-class Done:
-    kind: ClassVar[str] = "done"
+class Done(Msg, frozen=True, tag="done"):
     policy_dir: str
     steps: int
 
 
 Event = (Loaded | Generated | Scored | ChunkDropped | Trained | Published | WeightsApplied |
-         WeightSyncFailed | Failed | Done | NodeDead)
-EVENTS: dict[str, Any] = {c.kind: c for c in typing.get_args(Event)}
+         WeightSyncFailed | Failed | Done | NodeDead | NodeReady | NodeExited | NodeRestarted)
+EVENTS: dict[str, type[Msg]] = {tag(c): c for c in (
+    Loaded, Generated, Scored, ChunkDropped, Trained, Published, WeightsApplied,
+    WeightSyncFailed, Failed, Done, NodeDead, NodeReady, NodeExited, NodeRestarted)}
 
 
-# ---- commands: coordinator -> node --------------------------------------------------------
+# ---- commands: coordinator -> node, and their replies -------------------------------------
 
-@dataclass(frozen=True)
-class WeightSyncPrepare:
-    kind: ClassVar[str] = "weight_sync_prepare"
-    spec: dict[str, Any]
+class Connected(Msg, frozen=True):
+    group: str  # the group's name at its epoch
 
 
-@dataclass(frozen=True)
-class WeightSyncConnect:
-    kind: ClassVar[str] = "weight_sync_connect"
-    spec: dict[str, Any]
+class Receiving(Msg, frozen=True):
+    version: int
+
+
+class Joined(Msg, frozen=True):
+    rank: int
+    world: int
+    pid: int
+
+
+class Republished(Msg, frozen=True):
+    version: int | None = None  # None: the broadcast failed (reported on its own)
+
+
+class WeightSyncPrepare(Command[GroupSpec], frozen=True, tag="weight_sync_prepare"):
+    """The trainer: pick the group's port; replies the spec with it."""
+
+    spec: GroupSpec
+
+
+class WeightSyncConnect(Command[Connected], frozen=True, tag="weight_sync_connect"):
+    spec: GroupSpec
     rank: int = 0  # generators join as 1..n; the trainer is rank 0
 
 
-@dataclass(frozen=True)
-class UpdateWeights:
-    kind: ClassVar[str] = "update_weights"
+class UpdateWeights(Command[Receiving], frozen=True, tag="update_weights"):
     plan: dict[str, Any]
     lineage: str
 
 
-@dataclass(frozen=True)
-class TrainGroupPrepare:
+class TrainGroupPrepare(Command[int], frozen=True, tag="train_group_prepare"):
     """Rank 0 of a multi-rank trainer: pick the port its group meets on."""
 
-    kind: ClassVar[str] = "train_group_prepare"
 
-
-@dataclass(frozen=True)
-class TrainGroupConnect:
+class TrainGroupConnect(Command[Joined], frozen=True, tag="train_group_connect"):
     """Every trainer rank: join the trainer group at addr:port (replied once it is formed)."""
 
-    kind: ClassVar[str] = "train_group_connect"
     addr: str
     port: int
     rank: int
     world: int
-    timeout_s: float = 120.0  # for every rank to arrive
+    timeout_s: float  # for every rank to arrive
 
 
-@dataclass(frozen=True)
-class Republish:
-    kind: ClassVar[str] = "republish"
+class Republish(Command[Republished], frozen=True, tag="republish"):
+    """The trainer: broadcast the weights now (after a resume or a regrouped broadcast)."""
 
 
-Command = (WeightSyncPrepare | WeightSyncConnect | UpdateWeights | TrainGroupPrepare |
-           TrainGroupConnect | Republish)
-COMMANDS: dict[str, Any] = {c.kind: c for c in typing.get_args(Command)}
-
-
-# ---- encoding ------------------------------------------------------------------------------
-
-def encode(record: Event | Command) -> dict[str, Any]:
-    return dataclasses.asdict(record)
-
-
-async def emit(node: Emitter, event: Event, *, step: int = 0, weight_version: int = 0) -> None:
-    await node.emit(event.kind, encode(event), step=step, weight_version=weight_version)
-
+# ---- sending and reading ------------------------------------------------------------------
 
 async def fail(node: StoppableEmitter, error: str) -> None:
     """Report an error that a restart would repeat, then wait for the Driver to stop the
     run: exiting instead would have the coordinator restart the node into the same error
     (runtime.restart_limit times) and the cause would end up only in the node's log."""
-    await emit(node, Failed(error))
+    await node.send_event(Failed(error))
     await node.wait_stop()
 
 
-def decode_event(kind: str, payload: Any) -> Event:
-    """The typed event behind (kind, payload); EventError when it is not one we know."""
-    if kind not in EVENTS:
-        raise EventError(f"unknown event kind {kind!r}; known: {', '.join(EVENTS)}")
-    return _build(EVENTS[kind], payload)
-
-
-def decode_command(kind: str, payload: Any) -> Any:
-    if kind not in COMMANDS:
-        raise EventError(f"unknown command {kind!r}; known: {', '.join(COMMANDS)}")
-    return _build(COMMANDS[kind], payload)
-
-
-def _build(cls: Any, payload: Any) -> Any:  # cls: one of the records above
-    payload = {} if payload is None else payload
-    if not isinstance(payload, dict):
-        raise EventError(f"{cls.kind}: payload must be a mapping, got {type(payload).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(payload) - set(fields))
-    if unknown:
-        raise EventError(f"{cls.kind}: unknown field(s) {unknown}; accepted: {', '.join(fields)}")
-    missing = [n for n, f in fields.items() if n not in payload and
-               f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise EventError(f"{cls.kind}: missing field(s) {missing}")
-    for name, value in payload.items():
-        if not _matches(hints[name], value):
-            raise EventError(f"{cls.kind}.{name}: expected {hints[name]}, got {value!r:.80}")
-    return cls(**payload)
-
-
-def _matches(tp: Any, value: Any) -> bool:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return any(_matches(t, value) for t in typing.get_args(tp))
-    if tp is type(None):
-        return value is None
-    if tp is Any:
-        return True
-    if origin is dict:
-        kt, vt = typing.get_args(tp)
-        return isinstance(value, dict) and all(_matches(kt, k) and _matches(vt, v)
-                                               for k, v in value.items())
-    if origin is list:
-        (it,) = typing.get_args(tp)
-        return isinstance(value, list) and all(_matches(it, v) for v in value)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, tp)
+def decode_event(ev: NodeEvent) -> Event:
+    """The typed event behind a node event; EventError when it is not one we know."""
+    cls = EVENTS.get(ev.kind)
+    if cls is None:
+        raise EventError(f"unknown event kind {ev.kind!r}; known: {', '.join(EVENTS)}")
+    return from_payload(cls, ev.payload)  # type: ignore[return-value]  # cls is in Event

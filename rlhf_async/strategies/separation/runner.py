@@ -21,14 +21,15 @@ from rlhf_async.runtime import NodeSpec, run_loop
 from rlhf_async.runtime.ipc_dir import make_ipc_dir
 from rlhf_async.strategies.base import JobStopped, RunResult
 from rlhf_async.strategies.placement import Placement, ProcessPlacement
-from rlhf_async.strategies.separation.driver import Driver
-from rlhf_async.strategies.separation.startup import (
+from rlhf_async.strategies.separation.clients import (
+    GeneratorClient,
     PipelineError,
-    TrainerRanks,
+    TrainerClient,
     connect_weight_sync,
-    generator_ranks,
-    wait_loaded,
 )
+from rlhf_async.strategies.separation.driver import Driver
+from rlhf_async.strategies.separation.startup import generator_ranks, wait_loaded
+from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
 from rlhf_async.task.pretrain import Artefacts
 from rlhf_async.weight_sync import GroupSpec
 from rlhf_async.wire.transport import Endpoint, Transport
@@ -131,6 +132,7 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
     async with Transport() as transport, \
             Coordinator(run_dir, time_to_dead=cfg.runtime.time_to_dead,
                         restart_limit=cfg.runtime.restart_limit,
+                        ready_timeout=cfg.runtime.ready_timeout_s,
                         stop_timeout=cfg.runtime.stop_grace_s + 5.0) as coord:
         coord.install_signal_handlers()
         prompts = transport.channel(Endpoint("push", prompts_addr, bind=True, hwm=64))
@@ -147,16 +149,17 @@ async def drive(cfg: JobConfig, coord: Coordinator, prompts: Any, specs: list[No
     with coord.events() as events:
         await coord.launch(specs)
         ranks = TrainerRanks(coord, [n for n, r in roles.items() if r == "trainer"],
-                             spec.master_addr, coord.ready_timeout)
+                             spec.master_addr, cfg.runtime.ready_timeout_s)
         ranks.form()  # several trainer ranks load their models once their group stands
         loaded, backlog = await wait_loaded(events, list(roles), coord.ready_timeout, ranks)
         if loaded["trainer"].step != start_step:
             raise PipelineError(f"the trainer restored step {loaded['trainer'].step}, "
                                 f"expected {start_step}")
-        spec = await connect_weight_sync(coord, spec, "trainer", gens, gen_ranks)
-        driver = Driver(cfg, coord, events, prompts, roles, spec, run_dir,
-                        chunks, start_step,
-                        loaded["trainer"].lineage, backlog, ranks, gen_ranks)
+        spec = await connect_weight_sync(TrainerClient(coord),
+                                         [GeneratorClient(coord, g) for g in gens], spec,
+                                         gen_ranks)
+        driver = Driver(cfg, coord, events, prompts, roles, spec, run_dir, chunks,
+                        start_step, loaded["trainer"].lineage, ranks, backlog, gen_ranks)
         result = await coord.run_until_stop(driver.run())
         if result is None:  # stopped: the trainer finishes its step and checkpoints
             await driver.finish_stopping(cfg.runtime.stop_grace_s)

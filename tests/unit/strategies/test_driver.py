@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import errno
 from collections import Counter
+from typing import Any, TypeVar
 
 import pytest
 
@@ -13,6 +14,8 @@ from rlhf_async.config import load_config
 from rlhf_async.control.client import NodeEvent
 from rlhf_async.metrics import MetricsWriter
 from rlhf_async.rl.checkpoint import DiskFullError
+from rlhf_async.runtime.messages import Command, Msg, decode_reply, tag, to_payload
+from rlhf_async.strategies.separation.clients import ControlPlane
 from rlhf_async.strategies.separation.driver import ChunkState, Driver, PipelineError
 from rlhf_async.strategies.separation.events import (
     ChunkDropped,
@@ -24,31 +27,59 @@ from rlhf_async.strategies.separation.events import (
     Published,
     Scored,
     Trained,
+    UpdateWeights,
     WeightsApplied,
-    encode,
+    WeightSync,
+    WeightSyncPrepare,
 )
+from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
 from rlhf_async.weight_sync import GroupSpec
+from rlhf_async.wire.protocol import Message
+
+R = TypeVar("R")
 
 ROLES = {"trainer": "trainer", "gen0": "generator", "gen1": "generator", "scorer0": "scorer"}
 LINEAGE = "abcd"
 
 
 class FakeCoord:
-    def __init__(self) -> None:
-        self.commands: list[tuple[str, str, object]] = []
+    """A `ControlPlane`: records each command and answers it as a node would, on the wire
+    (the reply is decoded as the real coordinator decodes it)."""
 
-    async def command(self, node: str, kind: str, payload: object = None,
-                      timeout: float = 5.0) -> object:
-        self.commands.append((node, kind, payload))
-        if kind == "weight_sync_prepare":
-            return payload["spec"]  # type: ignore[index]
-        return {}
+    def __init__(self) -> None:
+        self.commands: list[tuple[str, Command[Any]]] = []
+
+    async def call(self, node_id: str, cmd: Command[R], timeout: float = 10.0) -> R:
+        self.commands.append((node_id, cmd))
+        answer: Any = {}
+        if isinstance(cmd, WeightSyncPrepare):
+            answer = to_payload(cmd.spec)
+        elif isinstance(cmd, UpdateWeights):
+            answer = {"version": cmd.plan["version"]}
+        elif tag(cmd) == "republish":
+            answer = {"version": None}
+        elif tag(cmd) == "weight_sync_connect":
+            answer = {"group": "actor@1"}
+        return decode_reply(cmd, answer)
+
+    async def wait_ready(self, node_ids: list[str] | None = None,
+                         timeout: float | None = None) -> None:
+        """Every node is ready here."""
 
     async def moves_followed(self) -> None:
         """No node moved host here (the Ray launcher's moves: test_ray.py)."""
 
     def host(self, node_id: str, default: str) -> str:
         return default
+
+    def pid(self, node_id: str) -> int | None:
+        return 100
+
+    def restart(self, node_id: str, reason: str, pid: int) -> bool:
+        return False
+
+
+_plane: ControlPlane = FakeCoord()  # mypy: the fake keeps up with the real one
 
 
 class Events:
@@ -58,16 +89,16 @@ class Events:
     async def get(self, timeout: float | None = None) -> NodeEvent:
         return await asyncio.wait_for(self.queue.get(), timeout)
 
-    def put(self, node: str, event: object) -> None:
-        self.queue.put_nowait(NodeEvent(node, event.kind, encode(event)))  # type: ignore[attr-defined]
+    def put(self, node: str, event: Msg) -> None:
+        self.queue.put_nowait(NodeEvent(node, tag(event), to_payload(event)))
 
 
 class Prompts:
     def __init__(self) -> None:
         self.sent: list[tuple[int, int]] = []  # (step, chunk) of each prompts message
 
-    async def send(self, msg: object, timeout: float | None = None) -> None:
-        self.sent.append((msg.meta["step"], msg.meta["chunk"]))  # type: ignore[attr-defined]
+    async def send(self, msg: Message, timeout: float | None = None) -> None:
+        self.sent.append((msg.meta["step"], msg.meta["chunk"]))
 
 
 class Harness:
@@ -78,22 +109,25 @@ class Harness:
                                  "runtime.restart_limit=2"])
         self.coord, self.events, self.prompts = FakeCoord(), Events(), Prompts()
         spec = GroupSpec("gloo", "127.0.0.1", 0, 3, timeout_s=5)
-        self.driver = Driver(cfg, self.coord, self.events, self.prompts, ROLES,  # type: ignore[arg-type]
-                             spec, tmp_path, 2, 0, LINEAGE, backlog)
+        ranks = TrainerRanks(self.coord, ["trainer"], "127.0.0.1", 5.0)
+        self.driver = Driver(cfg, self.coord, self.events, self.prompts, ROLES,
+                             spec, tmp_path, 2, 0, LINEAGE, ranks, backlog)
         self.task: asyncio.Task | None = None
 
     async def start(self) -> None:
         self.task = asyncio.ensure_future(self.driver.run())
         await settle()
 
-    async def send(self, node: str, event: object) -> None:
+    async def send(self, node: str, event: Msg) -> None:
         self.events.put(node, event)
         await settle()
 
     async def trained(self, step: int, version: int = 0) -> None:
         ids = list(range(step * 4, step * 4 + 4))
-        await self.send("trainer", Trained(step, {"samples": 4.0, "loss": 0.5}, ids, version,
-                                           0, 0.0, 0, 1.0, 0.0))
+        await self.send("trainer", Trained(
+            step=step, metrics={"samples": 4.0, "loss": 0.5}, sample_ids=ids,
+            rollout_version=version, queue_trainer=0, weight_sync=WeightSync(), busy_s=1.0,
+            idle_s=0.0))
 
 
 async def settle() -> None:
@@ -108,7 +142,7 @@ def test_dispatch_waits_for_every_generator_to_apply_the_next_version(tmp_path):
         assert h.prompts.sent == [(0, 0), (0, 1)]  # step 0: two chunks, then the gate
         await h.trained(0)
         await h.send("trainer", Published({"version": 1}, LINEAGE))
-        forwarded = [(n, k) for n, k, _ in h.coord.commands if k == "update_weights"]
+        forwarded = [(n, tag(c)) for n, c in h.coord.commands if isinstance(c, UpdateWeights)]
         assert sorted(forwarded) == [("gen0", "update_weights"), ("gen1", "update_weights")]
         await h.send("gen0", WeightsApplied(1, LINEAGE))
         assert len(h.prompts.sent) == 2  # gen1 still holds version 0
@@ -224,7 +258,7 @@ def test_events_that_came_before_every_node_loaded_are_handled_first(tmp_path):
     """A trainer with nothing left to train says `done` before the others have loaded; the
     wait for `loaded` hands that event on instead of dropping it (resume used to hang)."""
     async def main() -> None:
-        early = [NodeEvent("trainer", "done", encode(Done("/p", 1)))]
+        early = [NodeEvent("trainer", "done", to_payload(Done("/p", 1)))]
         h = Harness(tmp_path, steps=1, backlog=early)
         assert await asyncio.wait_for(h.driver.run(), 5) == {"policy_dir": "/p", "steps": 1}
     asyncio.run(main())

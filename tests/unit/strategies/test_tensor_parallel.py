@@ -8,10 +8,17 @@ import importlib.util
 import pytest
 
 from rlhf_async.config import load_config
+from rlhf_async.runtime.messages import Command, decode_reply, to_payload
 from rlhf_async.strategies.placement import PlacementError
 from rlhf_async.strategies.registry import runnable_placement
+from rlhf_async.strategies.separation.clients import (
+    GeneratorClient,
+    TrainerClient,
+    connect_weight_sync,
+)
+from rlhf_async.strategies.separation.events import WeightSyncConnect, WeightSyncPrepare
 from rlhf_async.strategies.separation.runner import build_specs
-from rlhf_async.strategies.separation.startup import connect_weight_sync, generator_ranks
+from rlhf_async.strategies.separation.startup import generator_ranks
 from rlhf_async.task.pretrain import Artefacts
 from rlhf_async.weight_sync import GroupSpec
 
@@ -67,22 +74,25 @@ def test_tensor_parallel_generators_need_vllm_and_the_local_launcher():
 
 class Coord:
     def __init__(self) -> None:
-        self.commands: list[tuple[str, str, dict]] = []
+        self.commands: list[tuple[str, Command]] = []
 
-    async def command(self, node: str, kind: str, payload: dict, timeout: float = 5.0):
-        self.commands.append((node, kind, payload))
-        return payload["spec"] if kind == "weight_sync_prepare" else {}
+    async def call(self, node_id: str, cmd: Command, timeout: float = 10.0):
+        self.commands.append((node_id, cmd))
+        if isinstance(cmd, WeightSyncPrepare):
+            return decode_reply(cmd, to_payload(cmd.spec))
+        return decode_reply(cmd, {"group": "actor@0"})
 
 
 def test_every_tensor_parallel_worker_is_a_rank_of_the_broadcast_group():
     coord = Coord()
     spec = GroupSpec("nccl", "10.0.0.1", 0, 2, timeout_s=5)
-    out = asyncio.run(connect_weight_sync(coord, spec, "trainer", ["gen0", "gen1"], 2))  # type: ignore[arg-type]
+    gens = [GeneratorClient(coord, g) for g in ("gen0", "gen1")]  # type: ignore[arg-type]
+    out = asyncio.run(connect_weight_sync(TrainerClient(coord), gens, spec, 2))  # type: ignore[arg-type]
     assert out.world_size == 5  # the trainer and two workers of each generator
     assert out.peers == ("trainer", "gen0 worker 0", "gen0 worker 1", "gen1 worker 0",
                          "gen1 worker 1")
-    first = {node: p["rank"] for node, kind, p in coord.commands
-             if kind == "weight_sync_connect" and node != "trainer"}
+    first = {node: c.rank for node, c in coord.commands
+             if isinstance(c, WeightSyncConnect) and node != "trainer"}
     assert first == {"gen0": 1, "gen1": 3}  # worker w of a generator joins as first + w
 
 

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from typing import Any, TypeVar
 
 import pytest
 import torch
 
 from rlhf_async.modeling.rollout import RolloutBatch
-from rlhf_async.strategies.separation.startup import PipelineError, TrainerRanks
+from rlhf_async.runtime.messages import Command, decode_reply
+from rlhf_async.strategies.separation.clients import ControlPlane, PipelineError
+from rlhf_async.strategies.separation.events import TrainGroupConnect, TrainGroupPrepare
 from rlhf_async.strategies.separation.trainer_group import Op, TrainerGroup
+from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
+
+R = TypeVar("R")
 
 RANKS = ["trainer", "trainer1", "trainer2"]
 
@@ -48,21 +54,31 @@ class FakeCoord:
         self.die(node)
         return True
 
-    async def wait_ready(self, ids: list[str]) -> None:
+    async def wait_ready(self, node_ids: list[str] | None = None,
+                         timeout: float | None = None) -> None:
         await asyncio.sleep(0)
 
-    async def command(self, node: str, kind: str, payload: object = None,
-                      timeout: float = 5.0) -> object:
+    async def moves_followed(self) -> None:
+        """Nothing moves here."""
+
+    async def call(self, node_id: str, cmd: Command[R], timeout: float = 10.0) -> R:
         await asyncio.sleep(0)
-        if kind == "train_group_prepare":
-            return 4242
-        assert kind == "train_group_connect"
-        if self.fail_connects:
-            self.fail_connects -= 1
-            raise TimeoutError(f"node {node!r} did not answer")
-        self.connects.append({node: self.procs[node]})
-        self.meets.append(payload["addr"])  # type: ignore[index]
-        return {"pid": self.procs[node]}
+        request: Command[R] = cmd  # (narrowed below)
+        answer: Any
+        if isinstance(cmd, TrainGroupPrepare):
+            answer = 4242
+        else:
+            assert isinstance(cmd, TrainGroupConnect)
+            if self.fail_connects:
+                self.fail_connects -= 1
+                raise TimeoutError(f"node {node_id!r} did not answer")
+            self.connects.append({node_id: self.procs[node_id]})
+            self.meets.append(cmd.addr)
+            answer = {"rank": cmd.rank, "world": cmd.world, "pid": self.procs[node_id]}
+        return decode_reply(request, answer)
+
+
+_plane: ControlPlane = FakeCoord()  # mypy: the fake keeps up with the real one
 
 
 async def settle() -> None:
@@ -73,7 +89,7 @@ async def settle() -> None:
 def test_a_dead_member_restarts_the_other_ranks_and_a_new_group_forms():
     async def main() -> None:
         coord = FakeCoord()
-        ranks = TrainerRanks(coord, RANKS, "127.0.0.1", 5.0)  # type: ignore[arg-type]
+        ranks = TrainerRanks(coord, RANKS, "127.0.0.1", 5.0)
         ranks.form()
         await settle()
         first = dict(ranks.members)
@@ -110,7 +126,7 @@ def test_after_rank_0_moved_host_the_new_group_meets_where_it_runs_now():
 def test_a_process_that_was_never_in_a_group_dies_without_taking_others_down():
     async def main() -> None:
         coord = FakeCoord()
-        ranks = TrainerRanks(coord, RANKS, "127.0.0.1", 5.0)  # type: ignore[arg-type]
+        ranks = TrainerRanks(coord, RANKS, "127.0.0.1", 5.0)
         early = coord.die("trainer2")  # killed while loading, before any rendezvous
         ranks.form()
         await settle()
@@ -124,7 +140,7 @@ def test_a_failed_rendezvous_restarts_every_rank_and_gives_up_after_three():
     async def main() -> None:
         coord = FakeCoord()
         coord.fail_connects = 1
-        ranks = TrainerRanks(coord, RANKS, "127.0.0.1", 5.0)  # type: ignore[arg-type]
+        ranks = TrainerRanks(coord, RANKS, "127.0.0.1", 5.0)
         ranks.form()
         await settle()
         assert sorted(n for n, _ in coord.killed) == RANKS  # all start afresh

@@ -48,7 +48,7 @@ def test_encode_is_zero_copy_for_contiguous_cpu_tensors():
 
 
 def test_registry_is_extensible():
-    assert {"prompts", "rollout", "scored_rollout", "weights_meta", "heartbeat"} <= P.known_kinds()
+    assert {"prompts", "rollout", "scored_rollout", "heartbeat"} <= P.known_kinds()
     with pytest.raises(P.UnknownKind):
         decode(encode(Message("zz_custom_kind")))
     P.register_kind("zz_custom_kind")

@@ -1,0 +1,67 @@
+"""What every strategy's trainer does the same way: build the `Learner`, write a checkpoint,
+save the final policy, and shape one step's metrics record. The lock-step ranks
+(lockstep.py) and the Separation trainer node (nodes/trainer.py) both use these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlhf_async.config import JobConfig
+from rlhf_async.modeling.models import save_policy
+from rlhf_async.modeling.precision import Precision
+from rlhf_async.rl.checkpoint import learner_state, save_checkpoint
+from rlhf_async.rl.learner import Learner
+from rlhf_async.task.pretrain import Artefacts, load_critic, load_sft
+
+
+def load_actor(art: Artefacts, device: torch.device) -> nn.Module:
+    """The SFT policy the actor starts from, on `device`."""
+    return load_sft(art.sft_dir).to(device)  # type: ignore[arg-type]  # HF's .to overloads
+
+
+def build_learner(cfg: JobConfig, art: Artefacts, device: torch.device, precision: Precision,
+                  actor: nn.Module | None = None) -> Learner:
+    """The actor (`actor`, or the SFT policy loaded here) and critic with their optimizers."""
+    critic = load_critic(cfg, art)
+    return Learner(actor if actor is not None else load_actor(art, device),
+                   critic.to(device) if critic is not None else None, cfg.algo, cfg.train,
+                   cfg.run.seed, cfg.generation.temperature, precision, cfg.lora)
+
+
+def save_learner_checkpoint(cfg: JobConfig, learner: Learner, root: Path, step: int,
+                            strategy: str, *, writes: bool = True,
+                            meta: Mapping[str, Any] | None = None) -> None:
+    """Every rank calls it (gathering the learner state is collective under ZeRO); the
+    rank that `writes` saves checkpoint `step` under `root`, with `meta` beside the
+    learner's version and the strategy."""
+    state = learner_state(learner)
+    if writes:
+        save_checkpoint(root, step, state, {"version": learner.version, "strategy": strategy,
+                                            **(meta or {})}, cfg.run.keep_checkpoints)
+
+
+def save_final_policy(cfg: JobConfig, learner: Learner, policy_dir: Path, strategy: str,
+                      *, writes: bool = True) -> None:
+    """Every rank joins the gather of the full weights (ZeRO-3: collective); the rank that
+    `writes` saves them, merged (LoRA), as the run's policy."""
+    with learner.actor_backend.gathered():
+        if writes:
+            save_policy(learner.actor, policy_dir,  # type: ignore[arg-type]
+                        {"algo": cfg.algo.name, "steps": cfg.train.steps,
+                         "version": learner.version, "strategy": strategy},
+                        learner.policy_weights())
+
+
+def step_record(step: int, metrics: Mapping[str, float], time_step: float,
+                **parts: Any) -> dict[str, Any]:
+    """One line of metrics.jsonl. Every strategy writes the step, the learner's metrics,
+    the step's wall time and its throughput; `parts` are the strategy's own (phase times,
+    queues, weight sync)."""
+    return {"step": step, **metrics, "time_step": time_step,
+            "samples_per_s": metrics["samples"] / time_step, **parts}
