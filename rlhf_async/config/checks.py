@@ -7,6 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+from rlhf_async.config.presets import resolve
 from rlhf_async.config.schema import JobConfig
 
 
@@ -15,8 +16,7 @@ def cross_checks(cfg: JobConfig) -> list[str]:
     out = []
     if cfg.task.min_len > cfg.task.max_len:
         out.append(f"task.min_len: {cfg.task.min_len} exceeds task.max_len {cfg.task.max_len}")
-    if cfg.algo.name in ("grpo", "rloo") and cfg.algo.group_size < 2:
-        out.append(f"algo.group_size: {cfg.algo.name} needs >= 2 responses per prompt")
+    out.extend(_algo_checks(cfg))
     if cfg.task.name == "text":
         out.extend(_text_task_checks(cfg))
     elif cfg.generation.max_new_tokens < cfg.task.max_len + 1:
@@ -137,6 +137,24 @@ def _stop_string_checks(cfg: JobConfig) -> list[str]:
         out.append(f"{key}: generation.backend = 'vllm' runs without a tokenizer and "
                    "cannot match them; set generation.backend = 'torch' (or use "
                    "generation.stop_token_ids)")
+    return out
+
+
+def _algo_checks(cfg: JobConfig) -> list[str]:
+    a, recipe = cfg.algo, resolve(cfg.algo)
+    out = []
+    if recipe.needs_groups and a.group_size < 2:
+        why = f"adv_norm = {a.adv_norm!r}" if a.adv_norm == "group" else a.name
+        out.append(f"algo.group_size: {why} needs >= 2 responses per prompt")
+    if recipe.has_critic and recipe.adv_norm == "group":
+        out.append("algo.adv_norm: ppo's advantages are per token, normalised over the "
+                   "batch or not at all; accepted: batch, none")
+    if a.is_cap > 0 and a.mismatch != "none":
+        out.append("algo.is_cap: the older name of algo.mismatch = 'tis' with that cap; set "
+                   "algo.mismatch and algo.mismatch_cap only")
+    if cfg.train.warmup_steps >= cfg.train.steps and cfg.train.lr_schedule != "constant":
+        out.append(f"train.warmup_steps: {cfg.train.warmup_steps} leaves no step of the "
+                   f"{cfg.train.lr_schedule} schedule (train.steps = {cfg.train.steps})")
     return out
 
 

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from rlhf_async.modeling.models import ScalarHeadModel, response_logits, sequence_scores
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl import algorithms as A
+from rlhf_async.rl.guards import require_finite
 
 HiddenScore = Callable[[Tensor, Tensor, Tensor], Tensor]  # (prompt_ids, response_ids, mask)
 
@@ -19,12 +20,18 @@ HiddenScore = Callable[[Tensor, Tensor, Tensor], Tensor]  # (prompt_ids, respons
 @dataclass(frozen=True)
 class RewardMix:
     """How a sample's reward is made: the reward model's score x `rm_weight`, plus the
-    task's rule score x `rule_weight`; with no reward model, the rule's score alone. The
-    rule's score is reported as the hidden score; with no rule, the reward model's is."""
+    task's rule score x `rule_weight`; with no reward model, the rule's score alone; plus
+    DAPO's overlong penalty (`A.overlong_penalty`, 0 = off) on responses ending within
+    `overlong_buffer` tokens of `max_new_tokens`. The rule's score is reported as the
+    hidden score; with no rule, the reward model's is. A NaN or infinite reward or hidden
+    score stops the step (`NonFiniteError`, naming the samples)."""
 
     rule: HiddenScore | None
     rm_weight: float = 1.0
     rule_weight: float = 0.0
+    overlong_penalty: float = 0.0
+    overlong_buffer: int = 1
+    max_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.rule is None and self.rule_weight:
@@ -32,6 +39,17 @@ class RewardMix:
 
     def combine(self, rm_scores: Tensor | None, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         """(rewards [B], hidden scores [B]) of `batch`, given its reward-model scores."""
+        rewards, hidden = self._mix(rm_scores, batch)
+        for what, t in (("a reward", rewards), ("a hidden score", hidden)):
+            require_finite(what, t, batch.step, "check the reward function / model",
+                           batch.sample_ids)
+        if self.overlong_penalty:
+            lengths = batch.response_mask.sum(dim=1).to(rewards.device)
+            rewards = rewards + A.overlong_penalty(lengths, self.max_new_tokens,
+                                                   self.overlong_buffer, self.overlong_penalty)
+        return rewards, hidden
+
+    def _mix(self, rm_scores: Tensor | None, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         hidden = None
         if self.rule is not None:
             hidden = self.rule(batch.prompt_ids, batch.response_ids, batch.response_mask)

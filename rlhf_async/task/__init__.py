@@ -11,6 +11,7 @@ from typing import Protocol
 from torch import Tensor
 
 from rlhf_async.config import JobConfig
+from rlhf_async.config.presets import overlong_buffer, resolve
 from rlhf_async.modeling.generation import Decode, SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.rl.scoring import RewardMix
@@ -47,8 +48,10 @@ def make_task(cfg: JobConfig) -> Task:
 
 def reward_mix(cfg: JobConfig, task: Task) -> RewardMix:
     """How this job makes a sample's reward from its reward model and the task's rule."""
+    g = cfg.generation
     return RewardMix(task.hidden_scores if task.has_rule else None, cfg.reward_model.weight,
-                     cfg.task.reward_weight)
+                     cfg.task.reward_weight, resolve(cfg.algo).overlong_penalty,
+                     overlong_buffer(cfg.algo, g.max_new_tokens), g.max_new_tokens)
 
 
 def sampling_params(cfg: JobConfig, task: Task) -> SamplingParams:
