@@ -11,9 +11,10 @@ from rlhf_async.config import AlgoConfig, ConfigError, TrainConfig, load_config
 from rlhf_async.config.presets import overlong_buffer, resolve
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl import algorithms as A
+from rlhf_async.rl.guards import NonFiniteError
 from rlhf_async.rl.learner import Learner
 from rlhf_async.rl.scoring import RewardMix
-from tests.unit.rl.test_learner_by_hand import Logits
+from tests.unit.rl.test_learner_by_hand import Logits, Value, batch
 
 
 def t(x):
@@ -185,3 +186,12 @@ def test_algo_config_problems_are_reported():
                            "train.warmup_steps=100"])
     text = str(ei.value)
     assert "algo.adv_norm" in text and "algo.is_cap" in text and "train.warmup_steps" in text
+
+
+def test_an_overflowing_loss_stops_the_step_before_any_update():
+    actor, critic = Logits(), Value()
+    lrn = Learner(actor, critic, AlgoConfig(name="ppo"), TrainConfig(), seed=0)
+    huge = batch().replace(rewards=t([1e30, 0.0]))  # (V - R)^2 overflows float32
+    with pytest.raises(NonFiniteError, match=r"step 0: the critic loss is not finite \(inf\)"):
+        lrn.train_step(huge)
+    assert actor.theta.tolist() == [0.0, 0.0] and critic.v.item() == 0.0
