@@ -31,6 +31,7 @@ from rlhf_async.rl.checkpoint import (
     restore_learner,
     save_checkpoint,
 )
+from rlhf_async.rl.guards import NonFiniteError
 from rlhf_async.rl.learner import Learner
 from rlhf_async.rl.staleness import StalenessPolicy
 from rlhf_async.runtime import Node
@@ -62,6 +63,8 @@ from rlhf_async.wire.protocol import Message
 async def main(node: Node) -> None:
     try:
         await _main(node)
+    except NonFiniteError as e:  # the same data trains the same NaN after a restart
+        await fail(node, str(e))
     except (OSError, RuntimeError) as e:  # a full disk: a restart would only fill it again,
         full = disk_full(e, Path(node.params["checkpoint_dir"]))  # so the run stops with it
         if full is None:

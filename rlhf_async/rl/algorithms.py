@@ -1,4 +1,6 @@
-"""RLHF math as pure functions over tensors: advantages, KL, PPO/GRPO/RLOO losses.
+"""RLHF math as pure functions over tensors: advantages (GAE, group baselines), KL, the
+clipped policy loss with its variants (clip-higher, sequence ratio, loss aggregation),
+importance weights, the overlong penalty and learning-rate schedules.
 
 Losses return a SUM of per-token terms divided by `normaliser` (default: the local token
 count). Callers that split a global batch over ranks pass the GLOBAL token count, so that

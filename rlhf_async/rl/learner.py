@@ -1,5 +1,5 @@
-"""The trainer's role: training copies of actor (+ critic) and one PPO/GRPO/RLOO update per
-global batch (`Learner.train_step`).
+"""The trainer's role: training copies of actor (+ critic) and one update per global batch
+(PPO, or a critic-free `algo.name`: config/presets.py) (`Learner.train_step`).
 
 The other two roles are `modeling.generation.generate` and `rl.scoring.score`; all three
 take and return plain data (`RolloutBatch`), so any of them can sit behind a queue. When
@@ -339,7 +339,7 @@ class Learner:
         return stats, own
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """PPO / GRPO / RLOO update on a scored batch (this rank's shard): old log-probs ->
+        """One update (`algo.name`'s recipe) on a scored batch (this rank's shard): old log-probs ->
         advantages -> per minibatch (forward, loss, backward, optimizer step). Returns global
         metrics (identical on every rank)."""
         if batch.rewards is None or batch.ref_logprobs is None:
