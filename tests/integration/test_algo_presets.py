@@ -150,7 +150,7 @@ def test_a_non_finite_value_stops_with_the_step_and_no_nan_weights(
         except ValueError as e:
             assert "step" in str(e) and "not finite" in str(e), e
     else:
-        with pytest.raises(Exception, match=error):  # noqa: PT011  # matched by its text
+        with pytest.raises(Exception, match=error):  # matched by its text
             _text_run(text_files, tmp_path, monkeypatch, name, value, *extra)
         assert not (tmp_path / name / "policy").exists()
     _no_nan_on_disk(tmp_path / name)
