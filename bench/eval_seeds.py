@@ -1,6 +1,6 @@
-"""Does the default recipe learn on every seed? SFT vs final hidden score for PPO and GRPO.
+"""Does the default recipe learn on every seed? SFT vs final hidden score per algo.name.
 
-    .venv/bin/python bench/eval_seeds.py [--seeds 0 1 ... 7] [--algos ppo grpo] [override ...]
+    .venv/bin/python bench/eval_seeds.py [--seeds 0 1 ... 7] [--algos ppo grpo dapo ...] [override ...]
 
 Each seed trains (or reuses from the cache) its own SFT policy and reward model; every run
 is the default `rlhf-async run` job with `algo.name` and `run.seed` set, as a user runs it.

@@ -8,6 +8,7 @@ import torch
 
 from nodes.common import NodeContext, load_context, message_errors
 from rlhf_async.modeling.models import ScalarHeadModel, freeze
+from rlhf_async.rl.guards import NonFiniteError
 from rlhf_async.rl.scoring import score
 from rlhf_async.runtime import Node
 from rlhf_async.strategies.separation.events import Loaded, Scored, fail
@@ -42,6 +43,9 @@ async def main(node: Node) -> None:
                 score, reward_model, reference, batch.to(job.device), T, mix))
         except RewardFunctionError as e:  # the user's reward: the same on any restart
             await fail(node, "; ".join(e.problems))
+            return
+        except NonFiniteError as e:  # a NaN/inf reward: the same on any restart
+            await fail(node, str(e))
             return
         await out.send(rollout_message("scored_rollout", cid, scored.to("cpu"), node.node_id,
                                        lineage))

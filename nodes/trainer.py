@@ -23,7 +23,12 @@ from rlhf_async.config import collective_backend, weight_sync_backend
 from rlhf_async.engines.process_group import free_port
 from rlhf_async.metrics import MetricsWriter, truncate_jsonl
 from rlhf_async.modeling.rollout import RolloutBatch
-from rlhf_async.rl.checkpoint import disk_full, load_shared, restore_learner
+from rlhf_async.rl.checkpoint import (
+    disk_full,
+    load_shared,
+    restore_learner,
+)
+from rlhf_async.rl.guards import NonFiniteError
 from rlhf_async.rl.learner import Learner
 from rlhf_async.rl.staleness import StalenessPolicy
 from rlhf_async.runtime import Node
@@ -64,6 +69,8 @@ STRATEGY = "separation"
 async def main(node: Node) -> None:
     try:
         await _main(node)
+    except NonFiniteError as e:  # the same data trains the same NaN after a restart
+        await fail(node, str(e))
     except (OSError, RuntimeError) as e:  # a full disk: a restart would only fill it again,
         full = disk_full(e, Path(node.params["checkpoint_dir"]))  # so the run stops with it
         if full is None:

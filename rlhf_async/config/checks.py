@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from rlhf_async.config.presets import resolve
 from rlhf_async.config.schema import JobConfig
 
 
@@ -16,8 +17,7 @@ def cross_checks(cfg: JobConfig) -> list[str]:
     out = []
     if cfg.task.min_len > cfg.task.max_len:
         out.append(f"task.min_len: {cfg.task.min_len} exceeds task.max_len {cfg.task.max_len}")
-    if cfg.algo.name in ("grpo", "rloo") and cfg.algo.group_size < 2:
-        out.append(f"algo.group_size: {cfg.algo.name} needs >= 2 responses per prompt")
+    out.extend(_algo_checks(cfg))
     out.extend(_reward_spec_problems(cfg.task.reward))
     if cfg.task.name == "text":
         out.extend(_text_task_checks(cfg))
@@ -185,6 +185,24 @@ def _reward_spec_problems(reward: str) -> list[str]:
         return [f"task.reward: {reward!r} is neither 'module.path:function', "
                 "'path/to/file.py:function' nor a reward server 'http://HOST:PORT/PATH'"]
     return []
+
+
+def _algo_checks(cfg: JobConfig) -> list[str]:
+    a, recipe = cfg.algo, resolve(cfg.algo)
+    out = []
+    if recipe.needs_groups and a.group_size < 2:
+        why = f"adv_norm = {a.adv_norm!r}" if a.adv_norm == "group" else a.name
+        out.append(f"algo.group_size: {why} needs >= 2 responses per prompt")
+    if recipe.has_critic and recipe.adv_norm == "group":
+        out.append("algo.adv_norm: ppo's advantages are per token, normalised over the "
+                   "batch or not at all; accepted: batch, none")
+    if a.is_cap > 0 and a.mismatch != "none":
+        out.append("algo.is_cap: the older name of algo.mismatch = 'tis' with that cap; set "
+                   "algo.mismatch and algo.mismatch_cap only")
+    if cfg.train.warmup_steps >= cfg.train.steps and cfg.train.lr_schedule != "constant":
+        out.append(f"train.warmup_steps: {cfg.train.warmup_steps} leaves no step of the "
+                   f"{cfg.train.lr_schedule} schedule (train.steps = {cfg.train.steps})")
+    return out
 
 
 def _text_task_checks(cfg: JobConfig) -> list[str]:

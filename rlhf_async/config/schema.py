@@ -180,7 +180,9 @@ class CriticConfig:
 
 @dataclass
 class AlgoConfig:
-    name: str = opt("ppo", "RL algorithm", choices=("ppo", "grpo", "rloo"))
+    name: str = opt("ppo", "RL algorithm: a preset of the knobs below that are left at "
+                    "their preset's value (config/presets.py; each cites its paper)",
+                    choices=("ppo", "grpo", "rloo", "dapo", "gspo", "dr_grpo", "reinforce_pp"))
     kl_coef: float = opt(0.05, "weight of the KL penalty to the reference (with kl_target > "
                          "0: its floor)", ge=0.0)
     kl_target: float = opt(5.0, "adaptive KL controller: raise the KL weight while the KL to "
@@ -191,6 +193,41 @@ class AlgoConfig:
     kl_estimator: str = opt("k1", "per-token KL estimator", choices=("k1", "k3"))
     kl_mode: str = opt("reward", "where the KL penalty goes", choices=("reward", "loss"))
     clip_eps: float = opt(0.2, "PPO ratio clip", gt=0.0)
+    clip_eps_low: float = opt(0.0, "ratio clip below 1 (ratio >= 1 - clip_eps_low); 0 = the "
+                              "preset's (dapo 0.2, gspo 3e-4), else clip_eps", ge=0.0, le=1.0)
+    clip_eps_high: float = opt(0.0, "ratio clip above 1 (clip-higher: ratio <= 1 + "
+                               "clip_eps_high); 0 = the preset's (dapo 0.28, gspo 4e-4), else "
+                               "clip_eps", ge=0.0)
+    loss_agg: str = opt("", "how per-token policy losses make the loss: token_mean (over "
+                        "every token of the batch), seq_mean_token_sum (each response's sum, "
+                        "averaged over responses: no length normalisation), "
+                        "seq_mean_token_mean (each response's mean, averaged over "
+                        "responses); '' = the preset's (token_mean; gspo seq_mean_token_mean, "
+                        "dr_grpo seq_mean_token_sum)",
+                        choices=("", "token_mean", "seq_mean_token_sum", "seq_mean_token_mean"))
+    ratio_level: str = opt("", "importance ratio per token, or per sequence (GSPO: exp of "
+                           "the response's mean log ratio); '' = the preset's (gspo "
+                           "sequence, else token)", choices=("", "token", "sequence"))
+    adv_norm: str = opt("", "advantage normalisation: group (over the std of the prompt's "
+                        "responses), batch (z-score over every token of the global batch), "
+                        "none; '' = the preset's (ppo batch unless whiten_advantages = false, "
+                        "grpo/dapo/gspo group, rloo/dr_grpo none, reinforce_pp batch)",
+                        choices=("", "group", "batch", "none"))
+    overlong_penalty: float = opt(-1.0, "DAPO's soft overlong penalty: a response ending in "
+                                  "the last overlong_buffer tokens before "
+                                  "generation.max_new_tokens loses up to this much reward, "
+                                  "linearly (all of it at the limit); 0 = off; -1 = the "
+                                  "preset's (dapo 1, else off)", ge=-1.0)
+    overlong_buffer: int = opt(0, "tokens before max_new_tokens over which the overlong "
+                               "penalty ramps; 0 = a fifth of max_new_tokens (DAPO's), at "
+                               "least 1", ge=0)
+    mismatch: str = opt("none", "correct the gap between the generator's (behaviour) and "
+                        "the trainer's log-probs of the same policy (vLLM, bf16; stale "
+                        "rollouts): tis = weight each token's loss by min(ratio, "
+                        "mismatch_cap), mis = drop tokens (sequences, with ratio_level = "
+                        "sequence) whose ratio is above mismatch_cap", choices=("none", "tis",
+                                                                                "mis"))
+    mismatch_cap: float = opt(2.0, "the cap of algo.mismatch", gt=0.0)
     value_clip: float = opt(0.2, "PPO value clip", gt=0.0)
     vf_coef: float = opt(0.5, "value-loss weight (ppo)", ge=0.0)
     entropy_coef: float = opt(0.0, "entropy bonus weight", ge=0.0)
@@ -198,7 +235,8 @@ class AlgoConfig:
     lam: float = opt(0.95, "GAE lambda (ppo)", ge=0.0, le=1.0)
     whiten_advantages: bool = opt(True, "whiten advantages over the global batch (ppo)")
     group_size: int = opt(4, "responses sampled per prompt (grpo/rloo need >= 2)", ge=1)
-    is_cap: float = opt(0.0, "truncated importance-sampling cap vs behaviour log-probs; 0 = off",
+    is_cap: float = opt(0.0, "truncated importance-sampling cap vs behaviour log-probs; 0 = "
+                        "off; the older name of mismatch = 'tis' with mismatch_cap = is_cap",
                         ge=0.0)
     max_staleness: int = opt(0, "weight versions generation may run ahead of training", ge=0)
 
@@ -237,6 +275,12 @@ class TrainConfig:
     minibatches: int = opt(2, "optimizer steps per epoch", ge=1)
     lr: float = opt(5e-4, "actor learning rate", gt=0.0)
     critic_lr: float = opt(1e-3, "critic learning rate (ppo)", gt=0.0)
+    lr_schedule: str = opt("constant", "learning rate over the RL steps, for actor and "
+                           "critic, after the warm-up: constant, linear (to 0 at "
+                           "train.steps), cosine (to 0 at train.steps)",
+                           choices=("constant", "linear", "cosine"))
+    warmup_steps: int = opt(0, "RL steps over which the learning rate rises linearly from "
+                            "lr / warmup_steps to lr", ge=0)
     grad_clip: float = opt(1.0, "global gradient-norm clip; 0 = off", ge=0.0)
     weight_decay: float = opt(0.0, "AdamW weight decay", ge=0.0)
     publish_every: int = opt(1, "publish weights to generators every N steps", ge=1)

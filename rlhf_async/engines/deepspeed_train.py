@@ -154,6 +154,11 @@ class DeepSpeedTrainBackend:
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else 0.0
 
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next step (ZeRO's param groups are the wrapped AdamW's)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def weight_layout(self) -> dict[str, Tensor]:
         """The state dict's entries as meta tensors (names, aliases, dtypes, full shapes),
         in the order `iter_weight_groups` yields them; nothing is gathered."""

@@ -4,6 +4,7 @@ ranks by one all-reduce when torch.distributed is up (the CPU / CI default)."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -36,9 +37,14 @@ class TorchTrainBackend:
         all_reduce_grads(self.params)
         clip = self.grad_clip or float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
-        self.optimizer.step()
+        if math.isfinite(norm):  # a NaN/inf gradient is never applied (the caller stops)
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def state_dict(self) -> dict[str, Tensor]:
         return dict(self.module.state_dict())

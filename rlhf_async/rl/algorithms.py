@@ -1,4 +1,6 @@
-"""RLHF math as pure functions over tensors: advantages, KL, PPO/GRPO/RLOO losses.
+"""RLHF math as pure functions over tensors: advantages (GAE, group baselines), KL, the
+clipped policy loss with its variants (clip-higher, sequence ratio, loss aggregation),
+importance weights, the overlong penalty and learning-rate schedules.
 
 Losses return a SUM of per-token terms divided by `normaliser` (default: the local token
 count). Callers that split a global batch over ranks pass the GLOBAL token count, so that
@@ -7,6 +9,7 @@ summing gradients over ranks gives exactly the single-process gradient.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -104,29 +107,94 @@ def adaptive_kl_coef(coef: float, kl: float, target: float, horizon: float,
     return max(floor, coef * (1.0 + error / horizon))
 
 
-def importance_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float) -> Tensor:
-    """Truncated IS weights min(pi_old / mu, cap) correcting for a stale behaviour policy."""
-    return torch.exp(old_logprobs - behaviour_logprobs).clamp(max=cap).detach()
+def sequence_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Each row's mean over its valid tokens, broadcast back to [B, T] (0 for an empty row)."""
+    m = mask.float()
+    return ((x * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0))[:, None].expand_as(x)
+
+
+def lr_factor(step: int, total: int, warmup: int, kind: str) -> float:
+    """The learning rate of RL step `step` (from 0) of `total`, as a fraction of the base:
+    (step + 1) / warmup during the warm-up, then constant 1, or linear / cosine from 1 to 0
+    at `total` (so the last step still learns)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if kind == "constant":
+        return 1.0
+    if kind == "linear":
+        return 1.0 - progress
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown learning-rate schedule {kind!r}; accepted: constant, linear, "
+                     "cosine")
+
+
+def importance_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float,
+                       mode: str = "tis", mask: Tensor | None = None,
+                       level: str = "token") -> Tensor:
+    """Weights correcting for rollouts sampled by a behaviour policy mu other than the
+    trainer's old policy (an older version, or the same weights in another engine/dtype),
+    from the ratio pi_old / mu: tis = min(ratio, cap) (truncated IS); mis = the ratio where
+    it is <= cap, 0 where above (masked IS). `level = sequence`: one ratio per response,
+    exp of its mean log ratio over `mask`. Detached, [B, T]."""
+    log_ratio = old_logprobs - behaviour_logprobs
+    if level == "sequence":
+        assert mask is not None, "a sequence-level ratio needs the response mask"
+        log_ratio = sequence_mean(log_ratio, mask)
+    ratio = torch.exp(log_ratio).detach()
+    if mode == "tis":
+        return ratio.clamp(max=cap)
+    if mode == "mis":
+        return torch.where(ratio > cap, torch.zeros_like(ratio), ratio)
+    raise ValueError(f"unknown mismatch correction {mode!r}; accepted: tis, mis")
+
+
+def aggregate(per_token: Tensor, mask: Tensor, mode: str, n_tokens: Tensor | float,
+              n_seqs: Tensor | float) -> Tensor:
+    """One loss from per-token terms [B, T]: token_mean = sum / n_tokens; seq_mean_token_sum
+    = sum of each response's sum / n_seqs; seq_mean_token_mean = sum of each response's
+    mean / n_seqs. n_tokens, n_seqs: the GLOBAL counts of the minibatch (so that gradients
+    summed over ranks and micro-batches are the whole minibatch's)."""
+    x = per_token * mask.float()
+    if mode == "token_mean":
+        return x.sum() / n_tokens
+    if mode == "seq_mean_token_sum":
+        return x.sum() / n_seqs
+    if mode == "seq_mean_token_mean":
+        return (x.sum(dim=1) / mask.float().sum(dim=1).clamp(min=1.0)).sum() / n_seqs
+    raise ValueError(f"unknown loss aggregation {mode!r}; accepted: token_mean, "
+                     "seq_mean_token_sum, seq_mean_token_mean")
 
 
 def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                    clip_eps: float, behaviour_logprobs: Tensor | None = None,
-                    is_cap: float = 0.0,
-                    normaliser: Tensor | float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped surrogate; with behaviour_logprobs and is_cap > 0, tokens are weighted by
-    min(pi_old/mu, is_cap) (truncated IS for rollouts from an older policy mu). [B, T] inputs."""
+                    clip_eps: float, clip_eps_high: float | None = None, *,
+                    weights: Tensor | None = None, ratio_level: str = "token",
+                    loss_agg: str = "token_mean", normaliser: Tensor | float | None = None,
+                    n_seqs: Tensor | float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped surrogate -min(r A, clip(r, 1 - clip_eps, 1 + clip_eps_high) A) per token,
+    times `weights` (mismatch / staleness correction), aggregated by `loss_agg`. The ratio r
+    is per token, or with `ratio_level = sequence` the response's exp(mean log ratio)
+    (GSPO). `normaliser`, `n_seqs`: global token and response counts (default: local).
+    [B, T] inputs."""
     m = mask.float()
     n = m.sum() if normaliser is None else normaliser
-    ratio = torch.exp(logprobs - old_logprobs)
+    log_ratio = logprobs - old_logprobs
+    if ratio_level == "sequence":
+        log_ratio = sequence_mean(log_ratio, m)
+    elif ratio_level != "token":
+        raise ValueError(f"unknown ratio level {ratio_level!r}; accepted: token, sequence")
+    ratio = torch.exp(log_ratio)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     surr1 = ratio * advantages
-    surr2 = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantages
+    surr2 = ratio.clamp(1.0 - clip_eps, 1.0 + high) * advantages
     per_token = -torch.minimum(surr1, surr2)
-    if behaviour_logprobs is not None and is_cap > 0:
-        per_token = per_token * importance_weights(old_logprobs, behaviour_logprobs, is_cap)
-    loss = (per_token * m).sum() / n
+    if weights is not None:
+        per_token = per_token * weights
+    loss = aggregate(per_token, m, loss_agg, n, float(m.shape[0]) if n_seqs is None else n_seqs)
     with torch.no_grad():
         clipped = ((surr2 < surr1).float() * m).sum() / n
-        approx_kl = (((ratio - 1) - (logprobs - old_logprobs)) * m).sum() / n
+        approx_kl = (((ratio - 1) - log_ratio) * m).sum() / n
     return loss, {"clip_frac": clipped, "approx_kl": approx_kl}
 
 
@@ -158,13 +226,8 @@ def _group_index(group_ids: Tensor) -> tuple[Tensor, int]:
 
 def grpo_advantages(scores: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Tensor:
     """(r - group mean) / (group std + eps); std is the unbiased sample std. [B] -> [B]."""
-    idx, G = _group_index(group_ids)
-    s = scores.double()
-    count = torch.zeros(G, dtype=s.dtype).index_add_(0, idx, torch.ones_like(s))
-    mean = torch.zeros(G, dtype=s.dtype).index_add_(0, idx, s) / count
-    dev = s - mean[idx]
-    var = torch.zeros(G, dtype=s.dtype).index_add_(0, idx, dev * dev) / (count - 1).clamp(min=1)
-    return (dev / (var.sqrt()[idx] + eps)).to(scores.dtype)
+    mean, std = _group_stats(scores, group_ids)
+    return ((scores.double() - mean) / (std + eps)).to(scores.dtype)
 
 
 def rloo_advantages(scores: Tensor, group_ids: Tensor) -> Tensor:
@@ -177,6 +240,46 @@ def rloo_advantages(scores: Tensor, group_ids: Tensor) -> Tensor:
         raise ValueError("RLOO needs at least 2 responses per prompt (group)")
     baseline = (total[idx] - s) / (count[idx] - 1)
     return (s - baseline).to(scores.dtype)
+
+
+def _group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Each response's group mean and unbiased group std of `scores`, [B] each, float64."""
+    idx, G = _group_index(group_ids)
+    s = scores.double()
+    count = torch.zeros(G, dtype=s.dtype).index_add_(0, idx, torch.ones_like(s))
+    mean = torch.zeros(G, dtype=s.dtype).index_add_(0, idx, s) / count
+    dev = s - mean[idx]
+    var = torch.zeros(G, dtype=s.dtype).index_add_(0, idx, dev * dev) / (count - 1).clamp(min=1)
+    return mean[idx], var.sqrt()[idx]
+
+
+def outcome_advantages(scores: Tensor, group_ids: Tensor, baseline: str,
+                       group_norm: bool, eps: float = 1e-6) -> Tensor:
+    """One advantage per response [B] from its score: minus the group's mean (group_mean)
+    or the other responses' mean (leave_one_out), or the score itself (none); with
+    `group_norm`, divided by the std of the group's scores (+ eps)."""
+    if baseline == "group_mean" and group_norm:
+        return grpo_advantages(scores, group_ids, eps)
+    if baseline == "leave_one_out":
+        adv = rloo_advantages(scores, group_ids)
+    elif baseline == "group_mean":  # Dr. GRPO: the mean alone
+        adv = (scores.double() - _group_stats(scores, group_ids)[0]).to(scores.dtype)
+    elif baseline == "none":
+        adv = scores.clone()
+    else:
+        raise ValueError(f"unknown baseline {baseline!r}; accepted: group_mean, "
+                         "leave_one_out, none")
+    if not group_norm:
+        return adv
+    return (adv.double() / (_group_stats(scores, group_ids)[1] + eps)).to(scores.dtype)
+
+
+def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int,
+                     penalty: float) -> Tensor:
+    """DAPO's soft overlong punishment [B]: 0 up to max_new_tokens - buffer tokens, then
+    falling linearly to -penalty at max_new_tokens (and -penalty past it)."""
+    excess = lengths.float() - (max_new_tokens - buffer)
+    return -penalty * (excess / buffer).clamp(min=0.0, max=1.0)
 
 
 def gather_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:

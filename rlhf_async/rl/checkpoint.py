@@ -215,7 +215,8 @@ def learner_state(learner: Learner) -> dict[str, Any]:
     run starts from anyway. Optimizer state as the backend gives it (a ZeRO optimizer's
     partitions, one per rank, under DeepSpeed)."""
     state: dict[str, Any] = {"version": learner.version, "kl_coef": learner.kl_coef,
-                             "torch_rng": torch.get_rng_state(), "lora": _lora_key(learner)}
+                             "torch_rng": torch.get_rng_state(), "lora": _lora_key(learner),
+                             "lr_schedule": _schedule_key(learner)}
     for name, backend in learner.backends().items():
         weights = backend.state_dict()
         if name in learner.adapted:
@@ -224,6 +225,14 @@ def learner_state(learner: Learner) -> dict[str, Any]:
         state[name] = weights
         state[f"{name}_opt"] = backend.optimizer_state_dict()
     return state
+
+
+def _schedule_key(learner: Learner) -> dict[str, Any]:
+    """What the learning rate of a step depends on besides the step (`learner.version`,
+    saved too), so that a resume continues the schedule exactly."""
+    t = learner.train
+    return {"kind": t.lr_schedule, "warmup_steps": t.warmup_steps, "steps": t.steps,
+            "lr": t.lr, "critic_lr": t.critic_lr}
 
 
 def _lora_key(learner: Learner) -> dict[str, Any]:
@@ -256,5 +265,9 @@ def restore_learner(learner: Learner, state: dict[str, Any]) -> None:
             raise CheckpointError(f"checkpoint's {name} optimizer state does not fit this "
                                   f"run's train.backend={learner.train.backend}: {e}") from None
     learner.version = int(state["version"])
+    saved = state.get("lr_schedule", _schedule_key(learner))  # older checkpoints: constant
+    if saved != _schedule_key(learner):  # e.g. a longer run: the schedule is this run's
+        log.warning("lr_schedule_changed_on_resume", saved=saved, now=_schedule_key(learner),
+                    next_lrs=learner.lrs())
     learner.kl_coef = float(state.get("kl_coef", learner.algo.kl_coef))  # older checkpoints
     torch.set_rng_state(state["torch_rng"])

@@ -1,5 +1,5 @@
-"""The trainer's role: training copies of actor (+ critic) and one PPO/GRPO/RLOO update per
-global batch (`Learner.train_step`).
+"""The trainer's role: training copies of actor (+ critic) and one update per global batch
+(PPO, or a critic-free `algo.name`: config/presets.py) (`Learner.train_step`).
 
 The other two roles are `modeling.generation.generate` and `rl.scoring.score`; all three
 take and return plain data (`RolloutBatch`), so any of them can sit behind a queue. When
@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_async.config import AlgoConfig, LoraConfig, TrainConfig
+from rlhf_async.config.presets import resolve
 from rlhf_async.engines import TrainingBackend, make_training_backend
 from rlhf_async.engines.lora import add_adapters, merged_weights
 from rlhf_async.modeling.determinism import all_gather_1d, all_reduce_sum, key_seed, keyed_order
@@ -30,6 +31,7 @@ from rlhf_async.modeling.models import (
 from rlhf_async.modeling.precision import FP32, Precision
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl import algorithms as A
+from rlhf_async.rl.guards import require_finite
 
 
 @dataclass
@@ -43,6 +45,17 @@ class Forward:
     values: Tensor | None
 
 
+@dataclass
+class OldPolicy:
+    """The batch's old (pre-update) policy, [B, R] each: its log-probs (None: each loss
+    forward's own, detached, while the policy is still the old one), the critic's values
+    (None without a critic), and the whole batch's loss forward when it already ran."""
+
+    logprobs: Tensor | None
+    values: Tensor | None
+    forward: Forward | None
+
+
 class Learner:
     """Training copies of actor (+ critic for PPO), each owned by a training backend
     (`train.backend`: torch AdamW, or DeepSpeed ZeRO) that holds its optimizer. Master
@@ -53,7 +66,8 @@ class Learner:
     def __init__(self, actor: nn.Module, critic: ScalarHeadModel | None, algo: AlgoConfig,
                  train: TrainConfig, seed: int, temperature: float = 1.0,
                  precision: Precision = FP32, lora: LoraConfig | None = None) -> None:
-        if algo.name == "ppo" and critic is None:
+        self.recipe = resolve(algo)
+        if self.recipe.has_critic and critic is None:
             raise ValueError("PPO needs a critic")
         self.algo, self.train, self.seed, self.temperature = algo, train, seed, temperature
         self.precision = precision
@@ -62,7 +76,7 @@ class Learner:
             precision.prepare("critic", critic)
         self.device = next(actor.parameters()).device
         self.lora = lora if lora is not None else LoraConfig()
-        self.adapted = self._add_adapters(actor, critic if algo.name == "ppo" else None)
+        self.adapted = self._add_adapters(actor, critic if self.recipe.has_critic else None)
         if train.disable_dropout:  # un-keyed noise: a step would depend on the placement
             disable_dropout(actor)
             if critic is not None:
@@ -77,7 +91,7 @@ class Learner:
         self.actor = self.actor_backend.module
         self.critic_backend: TrainingBackend | None = None
         self.critic: ScalarHeadModel | None = None
-        if algo.name == "ppo" and critic is not None:
+        if self.recipe.has_critic and critic is not None:
             self.critic_backend = self._backend(critic, train.critic_lr)
             self.critic = critic
 
@@ -156,7 +170,8 @@ class Learner:
         is still the batch's "old" policy when the loss is computed, so the old log-probs are
         the loss forward's own (detached) and the separate forward pass is skipped."""
         a, t = self.algo, self.train
-        return t.epochs == 1 and t.minibatches == 1 and a.name != "ppo" and a.kl_mode == "loss"
+        return (t.epochs == 1 and t.minibatches == 1 and not self.recipe.has_critic
+                and a.kl_mode == "loss")
 
     def _reuses_forward(self) -> bool:
         """One optimizer step per batch in one micro-batch, and advantages that need the
@@ -167,30 +182,54 @@ class Learner:
         ZeRO engine's forward and backward are its own to order)."""
         a, t = self.algo, self.train
         return (t.epochs == 1 and t.minibatches == 1 and t.grad_accum == 1
-                and t.backend == "torch" and (a.name == "ppo" or a.kl_mode == "reward"))
+                and t.backend == "torch" and (self.recipe.has_critic or a.kl_mode == "reward"))
+
+    def _old_policy(self, b: RolloutBatch) -> OldPolicy:
+        """The batch's old log-probs and values, before any update: from the loss forward
+        itself when it is the only one (`_reuses_forward`), left to each loss forward
+        (`_reuses_logprobs`), else from no-grad forwards of actor and critic."""
+        m = b.loss_mask
+        if self._reuses_forward() and len(b):
+            self.actor.train()
+            fwd = self._forward(b)
+            values = None if fwd.values is None else fwd.values.detach() * m
+            return OldPolicy(fwd.logprobs.detach() * m, values, fwd)
+        if self._reuses_logprobs():  # no critic: not PPO
+            return OldPolicy(None, None, None)
+        args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
+        with torch.no_grad():
+            lp = A.gather_logprobs(self._actor_logits(*args), b.response_ids,
+                                   self.temperature) * m
+            values = None if self.critic_backend is None else self._critic_values(*args) * m
+        return OldPolicy(lp, values, None)
 
     @torch.no_grad()
     def _advantages(self, b: RolloutBatch, old_lp: Tensor | None,
                     values: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """-> advantages [B, R], returns [B, R] (PPO only), per-token KL [B, R] (None
-        without `old_lp`)."""
-        algo, m = self.algo, b.loss_mask
+        without `old_lp`: then the rewards alone decide, `_reuses_logprobs`)."""
+        algo, rc, m = self.algo, self.recipe, b.loss_mask
         assert b.rewards is not None and b.ref_logprobs is not None  # checked by train_step
-        if old_lp is None:  # _reuses_logprobs: rewards alone decide the advantages
-            fn = A.grpo_advantages if algo.name == "grpo" else A.rloo_advantages
-            return fn(b.rewards, b.group_ids)[:, None] * m, None, None
-        kl = A.kl_per_token(old_lp, b.ref_logprobs, algo.kl_estimator) * m
-        kl_r = self.kl_coef if algo.kl_mode == "reward" else 0.0
-        if algo.name == "ppo":
-            r = A.token_rewards(b.rewards, kl, m, kl_r)
-            assert values is not None  # PPO always has a critic
-            adv, ret = A.gae(r, values, m, algo.gamma, algo.lam)
-            if algo.whiten_advantages:
-                adv = A.whiten(adv, m, all_reduce_sum)
-            return adv, ret, kl
-        seq = b.rewards - kl_r * kl.sum(dim=1)  # [B]
-        fn = A.grpo_advantages if algo.name == "grpo" else A.rloo_advantages
-        return fn(seq, b.group_ids)[:, None] * m, None, kl
+        kl = None if old_lp is None else A.kl_per_token(
+            old_lp, b.ref_logprobs, algo.kl_estimator) * m
+        kl_r = self.kl_coef if algo.kl_mode == "reward" and kl is not None else 0.0
+        ret = None
+        if rc.baseline in ("gae", "none"):  # per token: the KL still to come, per token
+            r = A.token_rewards(b.rewards, m.new_zeros(m.shape) if kl is None else kl, m, kl_r)
+            if rc.baseline == "gae":
+                assert values is not None  # PPO always has a critic
+                adv, ret = A.gae(r, values, m, algo.gamma, algo.lam)
+            else:  # REINFORCE++: returns to go, no discount, no critic
+                adv, _ = A.gae(r, m.new_zeros(m.shape), m, 1.0, 1.0)
+        else:
+            seq = b.rewards if kl is None else b.rewards - kl_r * kl.sum(dim=1)  # [B]
+            adv = A.outcome_advantages(seq, b.group_ids, rc.baseline,
+                                       rc.adv_norm == "group")[:, None] * m
+        if rc.adv_norm == "batch":
+            adv = A.whiten(adv, m, all_reduce_sum)
+        require_finite("an advantage", adv, b.step, "a reward or value out of range?",
+                       b.sample_ids)
+        return adv, ret, kl
 
     def _minibatches(self, b: RolloutBatch, epoch: int) -> list[Tensor]:
         """Local row indices of each minibatch; the split is over the GLOBAL batch, keyed by
@@ -216,18 +255,19 @@ class Learner:
         v = None if self.critic_backend is None else self._critic_values(*args)
         return Forward(lp, ent, v)
 
-    def _loss(self, mb: RolloutBatch, fwd: Forward, idx: Tensor, adv: Tensor,
-              ret: Tensor | None, old_lp: Tensor, old_v: Tensor | None, n_tokens: Tensor,
-              fill_old: bool = False) -> tuple[Tensor, Tensor | None, dict]:
-        """-> actor loss, critic loss (already scaled by vf_coef; PPO only), stats, of rows
-        `idx` of the batch (`mb`, their forward `fwd`). With `fill_old`, this forward's
-        detached log-probs are the old ones (written to old_lp)."""
-        algo, lp = self.algo, fwd.logprobs
+    def _loss(self, mb: RolloutBatch, fwd: Forward, adv: Tensor, ret: Tensor | None,
+              old_lp: Tensor, old_v: Tensor | None, n_tokens: Tensor,
+              n_seqs: Tensor) -> tuple[Tensor, Tensor | None, dict]:
+        """-> actor loss, critic loss (already scaled by vf_coef; PPO only), stats, of the
+        rows `mb` (their forward `fwd`, and their rows of advantages, returns, old
+        log-probs and old values)."""
+        algo, rc, lp = self.algo, self.recipe, fwd.logprobs
         m = mb.loss_mask
-        if fill_old:
-            old_lp[idx] = lp.detach() * m
-        pg, st = A.ppo_policy_loss(lp, old_lp[idx], adv[idx], m, algo.clip_eps,
-                                   mb.behaviour_logprobs, algo.is_cap, n_tokens)
+        weights = None if rc.mismatch == "none" else A.importance_weights(
+            old_lp, mb.behaviour_logprobs, rc.mismatch_cap, rc.mismatch, m, rc.ratio_level)
+        pg, st = A.ppo_policy_loss(lp, old_lp, adv, m, rc.clip_low, rc.clip_high,
+                                   weights=weights, ratio_level=rc.ratio_level,
+                                   loss_agg=rc.loss_agg, normaliser=n_tokens, n_seqs=n_seqs)
         ent = A.masked_token_mean(fwd.entropy, m, n_tokens)
         loss = pg - algo.entropy_coef * ent if algo.entropy_coef > 0 else pg
         stats = {"policy_loss": pg.detach(), "entropy": ent.detach(), **st}
@@ -239,9 +279,11 @@ class Learner:
             stats["kl_loss"] = kl_loss.detach()
         if fwd.values is not None:
             assert old_v is not None and ret is not None
-            vl = A.value_loss(fwd.values, old_v[idx], ret[idx], m, algo.value_clip, n_tokens)
+            vl = A.value_loss(fwd.values, old_v, ret, m, algo.value_clip, n_tokens)
             stats["value_loss"] = vl.detach()
+            require_finite("the critic loss", vl, mb.step, "a reward or value out of range?")
             return loss, algo.vf_coef * vl, stats
+        require_finite("the actor loss", loss, mb.step, "train.lr too high?")
         return loss, None, stats
 
     def _stat_names(self) -> list[str]:
@@ -249,25 +291,44 @@ class Learner:
         names += ["kl_loss"] if self.algo.kl_mode == "loss" else []
         return names + (["value_loss"] if self.critic_backend is not None else [])
 
-    def _optimizer_step(self) -> dict[str, float]:
-        return {f"{name}_grad_norm": b.step() for name, b in self.backends().items()}
+    def _optimizer_step(self, step: int) -> dict[str, float]:
+        """One update of each model; a non-finite gradient norm stops the step (the plain
+        engine has not applied it)."""
+        norms = {f"{name}_grad_norm": b.step() for name, b in self.backends().items()}
+        for key, norm in norms.items():
+            require_finite(f"the {key.removesuffix('_grad_norm')} gradient norm", norm, step,
+                           "train.lr too high?")
+        return norms
+
+    def lrs(self) -> dict[str, float]:
+        """The learning rates of the next step (`train.lr_schedule` at step `version`)."""
+        t = self.train
+        f = A.lr_factor(self.version, t.steps, t.warmup_steps, t.lr_schedule)
+        return {"actor_lr": t.lr * f, **({"critic_lr": t.critic_lr * f}
+                                         if self.critic_backend is not None else {})}
 
     def _backward(self, b: RolloutBatch, idx: Tensor, adv: Tensor, ret: Tensor | None,
-                  old_lp: Tensor, old_v: Tensor | None, n_tokens: Tensor,
-                  fill_old: bool = False, fwd: Forward | None = None) -> dict[str, Tensor]:
+                  old: OldPolicy, n_tokens: Tensor,
+                  n_seqs: Tensor) -> tuple[dict[str, Tensor], list[Tensor]]:
         """Gradients of one minibatch, in `train.grad_accum` micro-batches (losses are
         normalised by the minibatch's global token count, so micro-gradients add up).
-        `fwd`: the whole minibatch's forward, already run (one micro-batch)."""
+        -> stats, and each micro-batch's detached log-probs when they are the old ones."""
         micro = [i for i in idx.tensor_split(min(self.train.grad_accum, len(idx))) if len(i)]
         # the forward ran on the whole batch in order: it must be this one micro-batch
-        assert fwd is None or (len(micro) == 1 and torch.equal(
+        assert old.forward is None or (len(micro) == 1 and torch.equal(
             idx, torch.arange(len(b), device=idx.device)))
         stats: dict[str, Tensor] = {}
+        own: list[Tensor] = []
         for j, i in enumerate(micro):
             mb = b.select(i)
+            fwd = old.forward if old.forward is not None else self._forward(mb)
+            if old.logprobs is None:  # the policy is still the old one: ratio 1
+                own.append(fwd.logprobs.detach() * mb.loss_mask)
+            old_lp = own[-1] if old.logprobs is None else old.logprobs[i]
+            old_v = None if old.values is None else old.values[i]
             actor_loss, critic_loss, st = self._loss(
-                mb, fwd if fwd is not None else self._forward(mb), i, adv, ret, old_lp,
-                old_v, n_tokens, fill_old)
+                mb, fwd, adv[i], None if ret is None else ret[i], old_lp, old_v, n_tokens,
+                n_seqs)
             last = j == len(micro) - 1
             # separate graphs (values never depend on the actor): each engine owns its backward
             self.actor_backend.backward(actor_loss, last=last)
@@ -275,54 +336,49 @@ class Learner:
                 self.critic_backend.backward(critic_loss, last=last)
             for k, v in st.items():  # every stat is a share of a minibatch-global mean
                 stats[k] = stats.get(k, v.new_zeros(())) + v
-        return stats
+        return stats, own
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """PPO / GRPO / RLOO update on a scored batch (this rank's shard). Returns global
+        """One update (`algo.name`'s recipe) on a scored batch (this rank's shard): old log-probs ->
+        advantages -> per minibatch (forward, loss, backward, optimizer step). Returns global
         metrics (identical on every rank)."""
         if batch.rewards is None or batch.ref_logprobs is None:
             raise ValueError("train_step needs a scored batch (rewards and ref_logprobs)")
         b, m = batch, batch.loss_mask
-        args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
-        reuse = self._reuses_logprobs()
-        first: Forward | None = None
-        if self._reuses_forward() and len(b):  # the loss forward first; its outputs are old
-            self.actor.train()
-            first = self._forward(b)
-            old_lp = first.logprobs.detach() * m
-            old_v = None if first.values is None else first.values.detach() * m
-        else:
-            with torch.no_grad():
-                old_lp = m.new_zeros(m.shape) if reuse else A.gather_logprobs(
-                    self._actor_logits(*args), b.response_ids, self.temperature) * m
-                old_v = None
-                if self.critic_backend is not None:
-                    old_v = self._critic_values(*args) * m
-        adv, ret, kl = self._advantages(b, None if reuse else old_lp, old_v)
+        lrs = self.lrs()
+        for name, backend in self.backends().items():
+            backend.set_lr(lrs[f"{name}_lr"])
+        old = self._old_policy(b)
+        adv, ret, kl = self._advantages(b, old.logprobs, old.values)
         sums: dict[str, Tensor] = {}
         grad_norms: dict[str, float] = {}
+        own: list[Tensor] = []  # the loss forwards' log-probs, when they are the old ones
         n_updates = 0
         self.actor.train()
         for epoch in range(self.train.epochs):
             for idx in self._minibatches(b, epoch):
-                n_tokens = all_reduce_sum(m[idx].sum()).clamp(min=1.0)
+                counts = all_reduce_sum(torch.stack([m[idx].sum(), m.new_tensor(len(idx))]))
+                n_tokens, n_seqs = counts.clamp(min=1.0).unbind()
                 if len(idx):
-                    stats = self._backward(b, idx, adv, ret, old_lp, old_v, n_tokens, reuse,
-                                           first)
+                    stats, mine = self._backward(b, idx, adv, ret, old, n_tokens, n_seqs)
+                    own += mine
                 else:  # this rank holds none of the minibatch; it still joins the all-reduce
                     stats = {k: m.new_zeros(()) for k in self._stat_names()}
-                grad_norms = self._optimizer_step()
+                grad_norms = self._optimizer_step(b.step)
                 for k, v in stats.items():
                     sums[k] = sums.get(k, m.new_zeros(())) + v.float()
                 n_updates += 1
         self.actor.eval()
         self.version += 1
-        if kl is None:  # old_lp was filled by the loss forward
+        old_lp = old.logprobs
+        if old_lp is None:  # one minibatch of every row, in order: the loss forwards' own
+            old_lp = torch.cat(own) if own else m.new_zeros(m.shape)
+        if kl is None:
             assert b.ref_logprobs is not None  # a scored batch (validated by train_step)
             kl = A.kl_per_token(old_lp, b.ref_logprobs, self.algo.kl_estimator) * m
         out: dict[str, float] = {**self._global_stats(b, kl, adv, sums, n_updates),
-                                 **grad_norms, "version": self.version,
-                                 "kl_coef": self.kl_coef}
+                                 **self._mismatch_stats(b, old_lp), **grad_norms, **lrs,
+                                 "version": self.version, "kl_coef": self.kl_coef}
         if self.algo.kl_target > 0:  # from the global KL: every rank moves it alike
             self.kl_coef = A.adaptive_kl_coef(self.kl_coef, out["kl"], self.algo.kl_target,
                                               self.algo.kl_horizon, floor=self.algo.kl_coef)
@@ -348,6 +404,23 @@ class Learner:
         out["samples"] = float(vec[-1])
         return out
 
+
+    def _mismatch_stats(self, b: RolloutBatch, old_lp: Tensor) -> dict[str, float]:
+        """The gap between the generator's and the trainer's log-probs of this batch: mean
+        and max of pi_old / mu over its tokens (per response with ratio_level = sequence),
+        and the fraction above algo.mismatch_cap (what TIS truncates and MIS drops)."""
+        m = b.loss_mask
+        log_ratio = old_lp - b.behaviour_logprobs
+        if self.recipe.ratio_level == "sequence":
+            log_ratio = A.sequence_mean(log_ratio, m)
+        ratio = torch.exp(log_ratio) * m
+        capped = (ratio > self.recipe.mismatch_cap).float() * m
+        sums = all_reduce_sum(torch.stack([ratio.sum(), capped.sum(), m.sum()]).double())
+        peak = ratio.max().reshape(1) if ratio.numel() else m.new_zeros(1)
+        n = sums[2].clamp(min=1.0)
+        return {"mismatch/ratio_mean": float(sums[0] / n),
+                "mismatch/ratio_max": float(all_gather_1d(peak).max()),
+                "mismatch/capped_frac": float(sums[1] / n)}
 
 def _checkpoint_activations(model: nn.Module) -> None:
     """`train.gradient_checkpointing` for an HF model (non-reentrant: works with frozen

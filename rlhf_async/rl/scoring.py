@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from rlhf_async.modeling.models import ScalarHeadModel, response_logits, sequence_scores
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl import algorithms as A
+from rlhf_async.rl.guards import require_finite
 
 HiddenScore = Callable[[Tensor, Tensor, Tensor], Tensor]  # (prompt_ids, response_ids, mask)
 # one thread runs a rule that waits on the network while the caller runs the forwards
@@ -22,8 +23,11 @@ _RULES = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rule-reward")
 @dataclass(frozen=True)
 class RewardMix:
     """How a sample's reward is made: the reward model's score x `rm_weight`, plus the
-    task's rule score x `rule_weight`; with no reward model, the rule's score alone. The
-    rule's score is reported as the hidden score; with no rule, the reward model's is.
+    task's rule score x `rule_weight`; with no reward model, the rule's score alone; plus
+    DAPO's overlong penalty (`A.overlong_penalty`, 0 = off) on responses ending within
+    `overlong_buffer` tokens of `max_new_tokens`. The rule's score is reported as the
+    hidden score; with no rule, the reward model's is. A NaN or infinite reward or hidden
+    score stops the step (`NonFiniteError`, naming the samples).
     `overlap`: the rule mostly waits (a reward server), so `start` runs it in a thread while
     the caller runs the reference and reward-model forwards."""
 
@@ -31,6 +35,9 @@ class RewardMix:
     rm_weight: float = 1.0
     rule_weight: float = 0.0
     overlap: bool = False
+    overlong_penalty: float = 0.0
+    overlong_buffer: int = 1
+    max_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.rule is None and self.rule_weight:
@@ -48,6 +55,18 @@ class RewardMix:
                 started: Future[Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """(rewards [B], hidden scores [B]) of `batch`, given its reward-model scores (and
         the rule's scores `start` began, if it did)."""
+        rewards, hidden = self._mix(rm_scores, batch, started)
+        for what, t in (("a reward", rewards), ("a hidden score", hidden)):
+            require_finite(what, t, batch.step, "check the reward function / model",
+                           batch.sample_ids)
+        if self.overlong_penalty:  # the policy's tokens: tool output is not its length
+            lengths = batch.loss_mask.sum(dim=1).to(rewards.device)
+            rewards = rewards + A.overlong_penalty(lengths, self.max_new_tokens,
+                                                   self.overlong_buffer, self.overlong_penalty)
+        return rewards, hidden
+
+    def _mix(self, rm_scores: Tensor | None, batch: RolloutBatch,
+             started: Future[Tensor] | None) -> tuple[Tensor, Tensor]:
         hidden = None
         if batch.env_rewards is not None:  # an episode's environment judged it: its rule
             hidden = batch.env_rewards.float()

@@ -13,6 +13,7 @@ from typing import Protocol
 from torch import Tensor
 
 from rlhf_async.config import JobConfig
+from rlhf_async.config.presets import overlong_buffer, resolve
 from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.generation import Decode, SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch
@@ -58,8 +59,12 @@ def make_task(cfg: JobConfig) -> Task:
 def reward_mix(cfg: JobConfig, task: Task) -> RewardMix:
     """How this job makes a sample's reward from its reward model and the task's rule (a
     reward server's requests overlap the scorer's forwards)."""
+    g = cfg.generation
     return RewardMix(task.hidden_scores if task.has_rule else None, cfg.reward_model.weight,
-                     cfg.task.reward_weight, overlap=is_url(cfg.task.reward))
+                     cfg.task.reward_weight, overlap=is_url(cfg.task.reward),
+                     overlong_penalty=resolve(cfg.algo).overlong_penalty,
+                     overlong_buffer=overlong_buffer(cfg.algo, g.max_new_tokens),
+                     max_new_tokens=g.max_new_tokens)
 
 
 def sampling_params(cfg: JobConfig, task: Task) -> SamplingParams:

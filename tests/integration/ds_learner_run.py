@@ -28,8 +28,10 @@ def main(backend: str, zero_stage: int, grad_accum: int, algo: str, ckpt: str) -
                        seed=0)
     ref, rm = frozen_copy(actor), frozen_copy(scalar_model_from_actor(actor, seed=1))
     critic = scalar_model_from_actor(actor, seed=2) if algo == "ppo" else None
+    # a learning rate that changes every step: each engine must take it
     train = TrainConfig(backend=backend, zero_stage=zero_stage, grad_accum=grad_accum,
-                        epochs=2, minibatches=2)
+                        epochs=2, minibatches=2, steps=4, lr_schedule="cosine",
+                        warmup_steps=1)
     learner = Learner(actor, critic, AlgoConfig(name=algo, group_size=2), train, seed=0)
     out = []
 

@@ -60,7 +60,8 @@ def test_ppo_policy_loss_hand_values():
     assert st["clip_frac"].item() == pytest.approx(1.0)
     # truncated IS: weights min(exp(old - mu), 1.5) = [1.5, 0.5]
     mu = t([[math.log(0.5), math.log(2.0)]])
-    loss, _ = A.ppo_policy_loss(lp, old, adv, m, 0.2, behaviour_logprobs=mu, is_cap=1.5)
+    w = A.importance_weights(old, mu, 1.5)
+    loss, _ = A.ppo_policy_loss(lp, old, adv, m, 0.2, weights=w)
     assert loss.item() == pytest.approx((-1.2 * 1.5 + 0.8 * 0.5) / 2, abs=1e-6)
     # global normaliser and masking: padded token contributes nothing
     loss, _ = A.ppo_policy_loss(lp, old, adv, t([[1, 0]]), 0.2, normaliser=4.0)
