@@ -106,21 +106,33 @@ def model_context(cfg: JobConfig) -> tuple[int, str] | None:
 
 def _context_checks(cfg: JobConfig) -> list[str]:
     """The longest prompt plus a full response must fit the model's positions (past them a
-    GPT-2 position embedding raises an IndexError mid-generation)."""
-    found = model_context(cfg)
-    if found is None:
-        return []
-    context, source = found
+    GPT-2 position embedding raises an IndexError mid-generation). With
+    `task.max_prompt_tokens = 0` the text task checks its data's longest prompt when it
+    loads it (`TextTask`)."""
     if cfg.task.name == "text":
+        if not cfg.task.max_prompt_tokens:
+            return []
         prompt, prompt_key = cfg.task.max_prompt_tokens, "task.max_prompt_tokens"
     else:
         prompt, prompt_key = cfg.task.max_len + 2, "task.max_len + 2"
+    problem = context_problem(cfg, prompt, prompt_key)
+    return [] if problem is None else [problem]
+
+
+def context_problem(cfg: JobConfig, prompt: int, prompt_key: str) -> str | None:
+    """The problem when a prompt of `prompt` tokens (from `prompt_key`) plus
+    `generation.max_new_tokens` exceeds the actor's context; None when it fits or the
+    context cannot be read."""
+    found = model_context(cfg)
+    if found is None:
+        return None
+    context, source = found
     new = cfg.generation.max_new_tokens
     if prompt + new <= context:
-        return []
-    return [f"generation.max_new_tokens: a prompt of up to {prompt} tokens ({prompt_key}) "
+        return None
+    return (f"generation.max_new_tokens: a prompt of up to {prompt} tokens ({prompt_key}) "
             f"plus {new} new tokens needs {prompt + new} positions, over the model's context "
-            f"of {context} ({source}); accepted: prompt + max_new_tokens <= {context}"]
+            f"of {context} ({source}); accepted: prompt + max_new_tokens <= {context}")
 
 
 def _stop_string_checks(cfg: JobConfig) -> list[str]:

@@ -87,8 +87,8 @@ class TaskConfig:
                                "reported (hidden_score)", ge=0.0)
     chat_template: bool = opt(True, "text: wrap each prompt in the tokenizer's chat template "
                               "(with the generation prompt)")
-    max_prompt_tokens: int = opt(256, "text: longest prompt accepted (tokens, template "
-                                 "included)", ge=1)
+    max_prompt_tokens: int = opt(0, "text: longest prompt accepted (tokens, template "
+                                 "included); 0 = the longest prompt in task.prompts", ge=0)
     reward_timeout_s: float = opt(60.0, "text: longest one call of task.reward may take "
                                   "(s); past it the run stops with an error", gt=0.0)
 
