@@ -53,6 +53,25 @@ def cross_checks(cfg: JobConfig) -> list[str]:
     if cfg.model.hidden % cfg.model.heads:
         out.append(f"model.hidden: {cfg.model.hidden} must be divisible by model.heads")
     out.extend(_context_checks(cfg))
+    out.extend(_eval_checks(cfg))
+    return out
+
+
+def _eval_checks(cfg: JobConfig) -> list[str]:
+    """`run.eval_every` evaluates on the one process holding a whole actor; `keep_best`
+    needs evaluations to rank."""
+    r, out = cfg.run, []
+    if r.keep_best and not r.eval_every:
+        out.append("run.keep_best: needs run.eval_every > 0 (the policies it ranks are "
+                   "the ones evaluated during the run)")
+    no_rule = cfg.task.name == "text" and not cfg.task.reward
+    if r.best_metric == "hidden_score" and no_rule:
+        out.append("run.best_metric: 'hidden_score' is task.reward's score, and this text "
+                   "task has none; accepted here: reward (or empty)")
+    if r.eval_every and cfg.train.backend == "deepspeed" and cfg.train.zero_stage == 3:
+        out.append("run.eval_every: evaluating during RL samples from one rank's whole "
+                   "actor, which ZeRO-3 shards; set run.eval_every = 0 (the final policy is "
+                   "still evaluated) or train.zero_stage <= 2")
     return out
 
 

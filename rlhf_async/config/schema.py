@@ -44,6 +44,17 @@ class RunConfig:
     keep_checkpoints: int = opt(3, "newest checkpoints kept in RUN_DIR/checkpoints", ge=1)
     report_to: list[str] = opt([], "also report metrics to: tensorboard (RUN_DIR/"  # noqa: RUF009
                                "tensorboard), wandb (WANDB_MODE=offline works offline)")
+    eval_every: int = opt(0, "evaluate on the held-out prompts (run.eval_prompts) every N "
+                          "RL steps: eval_* fields in that step's metrics record; 0 = before "
+                          "and after the run only", ge=0)
+    keep_best: bool = opt(False, "with run.eval_every: keep the best policy so far by "
+                          "run.best_metric in RUN_DIR/best")
+    best_metric: str = opt("", "what run.keep_best ranks by (higher is better); empty = "
+                           "hidden_score where the task has one, else reward",
+                           choices=("", "hidden_score", "reward"))
+    log_samples: int = opt(4, "per step, this many trained samples (prompt, response, "
+                           "reward, advantage, weight version) as text in "
+                           "RUN_DIR/samples.jsonl; 0 = none", ge=0)
 
 
 @dataclass

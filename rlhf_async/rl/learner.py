@@ -72,6 +72,7 @@ class Learner:
             if critic is not None:
                 _checkpoint_activations(critic.trunk)
         self.version = 0
+        self.last_advantages: Tensor | None = None  # [B, R] of the last train_step's shard
         self.kl_coef = algo.kl_coef  # moved by the adaptive controller when kl_target > 0
         self.actor_backend = self._backend(actor, train.lr)
         self.actor = self.actor_backend.module
@@ -299,6 +300,7 @@ class Learner:
                 if self.critic_backend is not None:
                     old_v = self._critic_values(*args) * m
         adv, ret, kl = self._advantages(b, None if reuse else old_lp, old_v)
+        self.last_advantages = adv.detach()  # [B, R] this step's (samples.jsonl shows them)
         sums: dict[str, Tensor] = {}
         grad_norms: dict[str, float] = {}
         n_updates = 0

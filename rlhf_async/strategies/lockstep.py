@@ -42,6 +42,7 @@ from rlhf_async.rl.checkpoint import (
 from rlhf_async.rl.learner import Learner
 from rlhf_async.strategies.base import JobStopped, RankFailed, RunResult
 from rlhf_async.task import Task, make_task, sampling_params
+from rlhf_async.task.evaluation import StepLogs
 from rlhf_async.task.pretrain import Artefacts, load_critic, load_sft
 
 log = get_logger(component="lockstep")
@@ -114,6 +115,7 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
     if start_step:  # every rank restores the same checkpoint
         restore_learner(learner, _checkpoint_state(run_dir, start_step, rank, world, device))
     writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
+    logs = StepLogs(cfg, task, art, run_dir, start_step, device) if rank == 0 else None
     progress = Progress(cfg.train.steps, cfg.run.progress and rank == 0, start_step=start_step)
     params, seed, G = sampling_params(cfg, task), cfg.run.seed, cfg.algo.group_size
     generating = generation_precision(cfg, precision)
@@ -129,6 +131,8 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
         t2 = time.perf_counter()
         metrics = learner.train_step(batch)
         t3 = time.perf_counter()
+        if logs is not None:  # samples.jsonl; the held-out evaluation when due
+            metrics.update(logs.after_step(step, batch, learner))
         saved = _end_step(cfg, learner, run_dir, writer, progress, step, metrics,
                           (t0, t1, t2, t3), strategy)
         if stop is not None and step + 1 < cfg.train.steps and stop.agreed(world):
@@ -137,9 +141,13 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
             progress.close()
             if writer is not None:
                 writer.close()
+            if logs is not None:
+                logs.close()
             learner.close()
             return False
     progress.close()
+    if logs is not None:
+        logs.close()
     _finish(cfg, learner, run_dir, writer)
     return True
 
