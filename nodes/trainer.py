@@ -54,6 +54,8 @@ from rlhf_async.strategies.separation.events import (
 from rlhf_async.strategies.separation.stage import StageClock
 from rlhf_async.strategies.separation.trainer_group import Op, TrainerGroup
 from rlhf_async.strategies.separation.wire import lineage_of, rollout_from_message
+from rlhf_async.task import make_task
+from rlhf_async.task.evaluation import StepLogs
 from rlhf_async.task.pretrain import load_critic, load_sft
 from rlhf_async.weight_sync import GroupSpec, WeightSender, WeightSyncError, make_sender
 from rlhf_async.wire.protocol import Message
@@ -111,6 +113,7 @@ async def _main(node: Node) -> None:
     samples_path = ckpt_dir.parent / "trained_samples.jsonl"
     truncate_jsonl(samples_path, start)  # steps after the checkpoint are trained again
     samples_log = MetricsWriter(samples_path)  # (the coordinator only reads it)
+    logs = StepLogs(cfg, make_task(cfg), job.art, ckpt_dir.parent, start, job.device)
     await emit(node, Loaded(start, learner.version, lineage))
     inp, clock = node.socket("scored"), StageClock()
     batches = BatchAssembler(start)
@@ -131,6 +134,9 @@ async def _main(node: Node) -> None:
                 # stopping: the checkpoint holds these weights; the generators are done
                 sync = await _publish(node, sender, learner, group, lineage) \
                     if not node.stopping else {"weight_sync_s": 0.0, "weight_sync_bytes": 0}
+                # samples.jsonl; the held-out evaluation when due (after the publish: the
+                # generators go on meanwhile)
+                metrics.update(await asyncio.to_thread(logs.after_step, step, full, learner))
             # the trainer's own log of what it trained, written before the checkpoint
             # that includes the step: exactly-once is counted from it
             samples_log.write({"step": step, "sample_ids": full.sample_ids.tolist(),
@@ -156,6 +162,7 @@ async def _main(node: Node) -> None:
         else:
             await asyncio.to_thread(group.lead, Op.STOP)
     samples_log.close()
+    logs.close()
     await node.wait_stop()
     sender.close()
     learner.close()

@@ -38,7 +38,8 @@ def _run(files, tmp_path, name, *overrides):
         f"task.prompts={json.dumps(str(files / 'prompts.jsonl'))}",
         f"task.reward={json.dumps(str(files / 'reward.py') + ':words')}",
         "generation.max_new_tokens=6", "train.steps=4", "train.prompts_per_step=2",
-        "algo.group_size=2", "algo.name=grpo", "train.lr=0.05", "run.plot=false",
+        "algo.group_size=2", "algo.name=grpo", "algo.max_staleness=0", "train.lr=0.05",
+        "run.plot=false",
         "run.progress=false", f"run.output_dir={json.dumps(str(tmp_path))}",
         f"run.name={name}", *overrides])
     summary = job.run(cfg)
@@ -46,12 +47,19 @@ def _run(files, tmp_path, name, *overrides):
 
 
 def _trajectory(metrics):
-    return [(m["reward"], m["kl"], m["policy_loss"]) for m in metrics]
+    return [m[k] for m in metrics for k in ("reward", "kl", "policy_loss")]
 
 
-@pytest.mark.parametrize("strategy", ["flattening"])
-def test_eval_every_keeps_the_best_and_logs_samples(files, tmp_path, strategy):
-    over = [f"placement.strategy={strategy}"]
+@pytest.fixture(scope="module")
+def plain(files, tmp_path_factory):
+    """The trajectory without evaluations (Flattening; at staleness 0 every strategy's)."""
+    return _trajectory(_run(files, tmp_path_factory.mktemp("plain"), "plain")[1])
+
+
+@pytest.mark.parametrize("strategy", ["flattening", "separation"])
+def test_eval_every_keeps_the_best_and_logs_samples(files, tmp_path, plain, strategy):
+    over = [f"placement.strategy={strategy}"] + \
+        (["placement.devices=2"] if strategy == "separation" else [])
     summary, metrics = _run(files, tmp_path, "evals", *over, "run.eval_every=2",
                             "run.keep_best=true", "run.log_samples=3")
     evals = {m["step"]: m for m in metrics if "eval_hidden_score" in m}
@@ -65,8 +73,7 @@ def test_eval_every_keeps_the_best_and_logs_samples(files, tmp_path, strategy):
     assert best["step"] in evals and (tmp_path / "evals" / "best" / "config.json").exists()
     assert evals[1].get("eval_best") == 1.0  # the first evaluation is the best so far
     # evaluating does not move the training trajectory
-    _, plain = _run(files, tmp_path, "plain", *over)
-    assert _trajectory(plain) == _trajectory(metrics)
+    assert _trajectory(metrics) == pytest.approx(plain, rel=1e-4, abs=1e-6)
     lines = read_metrics(tmp_path / "evals" / "samples.jsonl")
     assert [x["step"] for x in lines] == [0, 1, 2, 3]
     for line, m in zip(lines, metrics, strict=True):
