@@ -17,6 +17,9 @@ def cross_checks(cfg: JobConfig) -> list[str]:
         out.append(f"task.min_len: {cfg.task.min_len} exceeds task.max_len {cfg.task.max_len}")
     if cfg.algo.name in ("grpo", "rloo") and cfg.algo.group_size < 2:
         out.append(f"algo.group_size: {cfg.algo.name} needs >= 2 responses per prompt")
+    if cfg.algo.dynamic_sampling and cfg.algo.group_size < 2:
+        out.append("algo.dynamic_sampling: drops groups whose rewards are all equal; it "
+                   "needs algo.group_size >= 2 (a group of one never varies)")
     if cfg.task.name == "text":
         out.extend(_text_task_checks(cfg))
     elif cfg.generation.max_new_tokens < cfg.task.max_len + 1:

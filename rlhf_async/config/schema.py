@@ -179,6 +179,11 @@ class AlgoConfig:
     is_cap: float = opt(0.0, "truncated importance-sampling cap vs behaviour log-probs; 0 = off",
                         ge=0.0)
     max_staleness: int = opt(0, "weight versions generation may run ahead of training", ge=0)
+    dynamic_sampling: bool = opt(False, "grpo/rloo (DAPO): drop groups whose rewards are all "
+                                 "equal and refill the step with new groups (Flattening, "
+                                 "Interleaving)")
+    dynamic_sampling_max_tries: int = opt(3, "refill rounds per step at most (each one "
+                                          "train.prompts_per_step new prompts)", ge=1)
 
 
 @dataclass

@@ -39,6 +39,7 @@ from rlhf_async.rl.checkpoint import (
     restore_learner,
     save_checkpoint,
 )
+from rlhf_async.rl.dynamic_sampling import dynamic_sample, refill_prompts
 from rlhf_async.rl.learner import Learner
 from rlhf_async.strategies.base import JobStopped, RankFailed, RunResult
 from rlhf_async.task import Task, make_task, sampling_params
@@ -129,7 +130,13 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
         t1 = time.perf_counter()
         batch = scorer(batch)
         t2 = time.perf_counter()
-        metrics = learner.train_step(batch)
+        counts: dict[str, float] = {}
+        if cfg.algo.dynamic_sampling:  # groups of equal rewards out, new groups in
+            batch, counts = _refilled(cfg, task, actor, scorer, batch, step, rank, world,
+                                      generating, learner.version)
+            counts["time_refill"] = time.perf_counter() - t2
+            t2 = time.perf_counter()
+        metrics = {**learner.train_step(batch), **counts}
         t3 = time.perf_counter()
         if logs is not None:  # samples.jsonl; the held-out evaluation when due
             metrics.update(logs.after_step(step, batch, learner))
@@ -150,6 +157,27 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
         logs.close()
     _finish(cfg, learner, run_dir, writer)
     return True
+
+
+def _refilled(cfg: JobConfig, task: Task, actor: nn.Module, scorer: Scorer,
+              first: RolloutBatch, step: int, rank: int, world: int, generating: Precision,
+              version: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """algo.dynamic_sampling (`rl/dynamic_sampling.py`): this rank's rows of the step's
+    groups whose rewards vary, refilled round by round (each generated and scored as a
+    step is: every rank takes part in every round)."""
+    G, P = cfg.algo.group_size, cfg.train.prompts_per_step
+    device = first.prompt_ids.device
+    params = sampling_params(cfg, task)
+
+    def refill(round_: int) -> RolloutBatch:
+        prompts = refill_prompts(
+            lambda purpose, key: task.prompt_batch(cfg.run.seed, purpose, key, P, G),
+            cfg.train.steps, step, round_, cfg.algo.dynamic_sampling_max_tries, G)
+        mine = prompts.split(G, world)[rank].to(device)
+        with generating.compute("actor", device):
+            batch = generate(actor, mine, params, cfg.run.seed, step, version)
+        return scorer(batch)
+    return dynamic_sample(first, refill, P, cfg.algo.dynamic_sampling_max_tries)
 
 
 def _checkpoint_state(run_dir: Path, step: int, rank: int, world: int,

@@ -85,3 +85,21 @@ def test_eval_every_keeps_the_best_and_logs_samples(files, tmp_path, plain, stra
             assert r["version"] == m["step"] and isinstance(r["advantage"], float)
         # GRPO, groups of two: a group's advantages are opposite
         assert rows[0]["advantage"] == pytest.approx(-rows[1]["advantage"], abs=1e-5)
+
+
+def test_dynamic_sampling_trains_on_groups_whose_rewards_vary(files, tmp_path):
+    """A 0/1 rule (>= 4 words): groups of equal rewards are dropped and refilled."""
+    (tmp_path / "binary.py").write_text("def long(prompt, response):\n"
+                                        "    return float(len(response.split()) >= 4)\n")
+    _, metrics = _run(files, tmp_path, "dapo", "algo.dynamic_sampling=true",
+                      "algo.dynamic_sampling_max_tries=4", "run.log_samples=4",
+                      f"task.reward={json.dumps(str(tmp_path / 'binary.py') + ':long')}")
+    for m in metrics:
+        assert m["samples"] == 4  # 2 prompts x 2, whatever was dropped
+        kept = m["dynamic_generated_groups"] - m["dynamic_dropped_groups"]
+        assert kept == 2 and m["dynamic_generated_groups"] == 2 * (1 + m["dynamic_refills"])
+    assert sum(m["dynamic_dropped_groups"] for m in metrics) > 0  # the rule made some equal
+    for line, m in zip(read_metrics(tmp_path / "dapo" / "samples.jsonl"), metrics, strict=True):
+        rows = line["samples"]  # all 4 trained samples, in group order
+        varied = sum(rows[2 * g]["reward"] != rows[2 * g + 1]["reward"] for g in range(2))
+        assert varied == 2 - m["dynamic_filled_groups"]
