@@ -60,6 +60,8 @@ from rlhf_async.strategies.training import (
     save_final_policy,
     save_learner_checkpoint,
 )
+from rlhf_async.task import make_task
+from rlhf_async.task.evaluation import StepLogs
 from rlhf_async.weight_sync import WeightSyncError, make_sender
 from rlhf_async.wire.protocol import Message
 
@@ -122,6 +124,9 @@ class Trainer:
         samples_path = ckpt_dir.parent / "trained_samples.jsonl"
         truncate_jsonl(samples_path, start)  # steps after the checkpoint are trained again
         self.samples_log = MetricsWriter(samples_path)  # (the coordinator only reads it)
+        # samples.jsonl and the held-out evaluation when due (run.log_samples, eval_every)
+        self.logs = StepLogs(self.cfg, make_task(self.cfg), job.art, ckpt_dir.parent, start,
+                             job.device)
 
     async def setup(self) -> None:
         """Serve the weight-sync commands, then say `loaded`."""
@@ -161,6 +166,9 @@ class Trainer:
                 _train_step, self.group, self.learner, full, self.job.device))
             # stopping: the checkpoint holds these weights; the generators are done
             sync = await self._publish() if not self.node.stopping else WeightSync()
+            # after the publish: the generators go on meanwhile
+            metrics.update(await asyncio.to_thread(self.logs.after_step, step, full,
+                                                   self.learner))
         # the trainer's own log of what it trained, written before the checkpoint that
         # includes the step: exactly-once is counted from it
         ids = full.sample_ids.tolist()
@@ -203,6 +211,7 @@ class Trainer:
             else:
                 await asyncio.to_thread(self.group.lead, Op.STOP)
         self.samples_log.close()
+        self.logs.close()
         await self.node.wait_stop()
         self.sender.close()
         self.learner.close()

@@ -99,6 +99,16 @@ def format_progress(record: dict[str, Any], total_steps: int) -> str:
     return " | ".join(parts)
 
 
+def format_eval(record: dict[str, Any]) -> str:
+    """The progress line of a step record's held-out evaluation (run.eval_every)."""
+    parts = [f"eval after step {record['step'] + 1}"]
+    for key, label in (("eval_hidden_score", "hidden"), ("eval_reward", "reward"),
+                       ("eval_response_length", "len")):
+        if key in record:
+            parts.append(f"{label} {record[key]:.3f}")
+    return " | ".join(parts) + (" (best so far, kept)" if record.get("eval_best") else "")
+
+
 class Progress:
     """The RL phase's progress (`progress.Phase`): a bar with the step's key metrics on a
     terminal, a plain line every few seconds elsewhere. `start_step` counts as done (a
@@ -111,6 +121,8 @@ class Progress:
 
     def update(self, record: dict[str, Any]) -> None:
         self.phase.update(1, **progress_metrics(record))
+        if "eval_reward" in record:
+            self.phase.note(format_eval(record))
 
     def close(self) -> None:
         self.phase.close()

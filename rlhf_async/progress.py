@@ -65,6 +65,17 @@ class Phase:
         elif time.perf_counter() - self._last_line >= self.every_s or self.done >= self.total:
             self._line()
 
+    def note(self, text: str) -> None:
+        """One line about the phase (an evaluation's result), above a terminal's bar."""
+        if not self.enabled:
+            return
+        line = f"[{self.name}] {text}"
+        if self.bar is not None:
+            self.bar.write(line, file=self.stream)
+        else:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
     def _line(self) -> None:
         self._last_line = now = time.perf_counter()
         elapsed = now - self.t0

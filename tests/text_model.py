@@ -15,8 +15,9 @@ TEMPLATE = ("{% for m in messages %}<user> {{ m['content'] }}{% endfor %}"
             "{% if add_generation_prompt %} <bot>{% endif %}")
 
 
-def make_text_model(out: Path, chat_template: bool = True) -> Path:
-    """Write tokenizer + a 1-layer GPT-2 (seeded) to `out`; returns `out`."""
+def make_text_model(out: Path, chat_template: bool = True, positions: int = 64) -> Path:
+    """Write tokenizer + a 1-layer GPT-2 (seeded, `positions` long) to `out`; returns
+    `out`."""
     vocab = {w: i for i, w in enumerate(SPECIAL + WORDS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -28,7 +29,7 @@ def make_text_model(out: Path, chat_template: bool = True) -> Path:
         fast.chat_template = TEMPLATE
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out)
-    cfg = GPT2Config(vocab_size=len(vocab), n_positions=64, n_embd=32, n_layer=1, n_head=2,
+    cfg = GPT2Config(vocab_size=len(vocab), n_positions=positions, n_embd=32, n_layer=1, n_head=2,
                      pad_token_id=vocab["<pad>"], eos_token_id=vocab["<eos>"],
                      bos_token_id=vocab["<bos>"])
     with torch.random.fork_rng():

@@ -19,6 +19,9 @@ def cross_checks(cfg: JobConfig) -> list[str]:
         out.append(f"task.min_len: {cfg.task.min_len} exceeds task.max_len {cfg.task.max_len}")
     out.extend(_algo_checks(cfg))
     out.extend(_reward_spec_problems(cfg.task.reward))
+    if cfg.algo.dynamic_sampling and cfg.algo.group_size < 2:
+        out.append("algo.dynamic_sampling: drops groups whose rewards are all equal; it "
+                   "needs algo.group_size >= 2 (a group of one never varies)")
     if cfg.task.name == "text":
         out.extend(_text_task_checks(cfg))
     elif cfg.task.name == "sort_digits" and cfg.generation.max_new_tokens < cfg.task.max_len + 1:
@@ -56,6 +59,7 @@ def cross_checks(cfg: JobConfig) -> list[str]:
         out.append(f"model.hidden: {cfg.model.hidden} must be divisible by model.heads")
     out.extend(_context_checks(cfg))
     out.extend(_episode_checks(cfg))
+    out.extend(_eval_checks(cfg))
     return out
 
 
@@ -78,6 +82,24 @@ def _episode_checks(cfg: JobConfig) -> list[str]:
     if has_env(cfg) and cfg.generation.backend != "torch":
         out.append(f"generation.backend: {cfg.generation.backend!r} cannot run multi-turn "
                    "episodes (task.env); accepted: torch")
+    return out
+
+
+def _eval_checks(cfg: JobConfig) -> list[str]:
+    """`run.eval_every` evaluates on the one process holding a whole actor; `keep_best`
+    needs evaluations to rank."""
+    r, out = cfg.run, []
+    if r.keep_best and not r.eval_every:
+        out.append("run.keep_best: needs run.eval_every > 0 (the policies it ranks are "
+                   "the ones evaluated during the run)")
+    no_rule = cfg.task.name == "text" and not cfg.task.reward
+    if r.best_metric == "hidden_score" and no_rule:
+        out.append("run.best_metric: 'hidden_score' is task.reward's score, and this text "
+                   "task has none; accepted here: reward (or empty)")
+    if r.eval_every and cfg.train.backend == "deepspeed" and cfg.train.zero_stage == 3:
+        out.append("run.eval_every: evaluating during RL samples from one rank's whole "
+                   "actor, which ZeRO-3 shards; set run.eval_every = 0 (the final policy is "
+                   "still evaluated) or train.zero_stage <= 2")
     return out
 
 
@@ -131,24 +153,36 @@ def model_context(cfg: JobConfig) -> tuple[int, str] | None:
 
 def _context_checks(cfg: JobConfig) -> list[str]:
     """The longest prompt plus a full response must fit the model's positions (past them a
-    GPT-2 position embedding raises an IndexError mid-generation)."""
-    found = model_context(cfg)
-    if found is None:
-        return []
-    context, source = found
+    GPT-2 position embedding raises an IndexError mid-generation). With
+    `task.max_prompt_tokens = 0` the text task checks its data's longest prompt when it
+    loads it (`TextTask`)."""
     if cfg.task.name == "text":
+        if not cfg.task.max_prompt_tokens:
+            return []
         prompt, prompt_key = cfg.task.max_prompt_tokens, "task.max_prompt_tokens"
     elif cfg.task.name == "calculator":
         prompt, prompt_key = 7, "a calculator prompt"
     else:
         prompt, prompt_key = cfg.task.max_len + 2, "task.max_len + 2"
+    problem = context_problem(cfg, prompt, prompt_key)
+    return [] if problem is None else [problem]
+
+
+def context_problem(cfg: JobConfig, prompt: int, prompt_key: str) -> str | None:
+    """The problem when a prompt of `prompt` tokens (from `prompt_key`) plus the new tokens
+    (`generation.max_new_tokens`, or `max_episode_tokens` for episodes) exceeds the actor's
+    context; None when it fits or the context cannot be read."""
+    found = model_context(cfg)
+    if found is None:
+        return None
+    context, source = found
     key = "generation.max_episode_tokens" if has_env(cfg) else "generation.max_new_tokens"
     new = cfg.generation.max_episode_tokens if has_env(cfg) else cfg.generation.max_new_tokens
     if prompt + new <= context:
-        return []
-    return [f"{key}: a prompt of up to {prompt} tokens ({prompt_key}) plus {new} new tokens "
+        return None
+    return (f"{key}: a prompt of up to {prompt} tokens ({prompt_key}) plus {new} new tokens "
             f"needs {prompt + new} positions, over the model's context of {context} "
-            f"({source}); accepted: prompt + {key.split('.')[1]} <= {context}"]
+            f"({source}); accepted: prompt + {key.split('.')[1]} <= {context}")
 
 
 def _stop_string_checks(cfg: JobConfig) -> list[str]:

@@ -44,6 +44,17 @@ class RunConfig:
     keep_checkpoints: int = opt(3, "newest checkpoints kept in RUN_DIR/checkpoints", ge=1)
     report_to: list[str] = opt([], "also report metrics to: tensorboard (RUN_DIR/"  # noqa: RUF009
                                "tensorboard), wandb (WANDB_MODE=offline works offline)")
+    eval_every: int = opt(0, "evaluate on the held-out prompts (run.eval_prompts) every N "
+                          "RL steps: eval_* fields in that step's metrics record; 0 = before "
+                          "and after the run only", ge=0)
+    keep_best: bool = opt(False, "with run.eval_every: keep the best policy so far by "
+                          "run.best_metric in RUN_DIR/best")
+    best_metric: str = opt("", "what run.keep_best ranks by (higher is better); empty = "
+                           "hidden_score where the task has one, else reward",
+                           choices=("", "hidden_score", "reward"))
+    log_samples: int = opt(4, "per step, this many trained samples (prompt, response, "
+                           "reward, advantage, weight version) as text in "
+                           "RUN_DIR/samples.jsonl; 0 = none", ge=0)
 
 
 @dataclass
@@ -101,8 +112,8 @@ class TaskConfig:
                                "(hidden_score)", ge=0.0)
     chat_template: bool = opt(True, "text: wrap each prompt in the tokenizer's chat template "
                               "(with the generation prompt)")
-    max_prompt_tokens: int = opt(256, "text: longest prompt accepted (tokens, template "
-                                 "included)", ge=1)
+    max_prompt_tokens: int = opt(0, "text: longest prompt accepted (tokens, template "
+                                 "included); 0 = the longest prompt in task.prompts", ge=0)
     reward_timeout_s: float = opt(60.0, "longest one call of task.reward may take (s; a "
                                   "server: each try of one request); past it the run "
                                   "stops with an error", gt=0.0)
@@ -239,6 +250,11 @@ class AlgoConfig:
                         "off; the older name of mismatch = 'tis' with mismatch_cap = is_cap",
                         ge=0.0)
     max_staleness: int = opt(0, "weight versions generation may run ahead of training", ge=0)
+    dynamic_sampling: bool = opt(False, "grpo/rloo (DAPO): drop groups whose rewards are all "
+                                 "equal and refill the step with new groups (Flattening, "
+                                 "Interleaving)")
+    dynamic_sampling_max_tries: int = opt(3, "refill rounds per step at most (each one "
+                                          "train.prompts_per_step new prompts)", ge=1)
 
 
 @dataclass

@@ -35,41 +35,20 @@ from rlhf_async.job.on_ray import run_ranks
 from rlhf_async.job.signals import on_stop_signals
 from rlhf_async.log import get_logger
 from rlhf_async.metrics import truncate_metrics
-from rlhf_async.modeling.episodes import rollout
-from rlhf_async.modeling.models import ScalarHeadModel, sequence_scores
+from rlhf_async.modeling.models import ScalarHeadModel
 from rlhf_async.ops.plotting import plot_metrics
 from rlhf_async.ops.reporting import Reporter
 from rlhf_async.planning.planner import prepare_run
-from rlhf_async.progress import Phase
 from rlhf_async.rl.checkpoint import CheckpointError, list_checkpoints, load_latest
 from rlhf_async.strategies.base import JobStopped, RunResult
 from rlhf_async.strategies.placement import Placement, with_engines
 from rlhf_async.strategies.registry import STRATEGIES
 from rlhf_async.strategies.separation.on_ray import ray_cluster
-from rlhf_async.task import Task, make_task, reward_mix, sampling_params
+from rlhf_async.task import Task, make_task
+from rlhf_async.task.evaluation import evaluate
 from rlhf_async.task.pretrain import Artefacts, load_reward, load_sft, prepare_artefacts
 
 log = get_logger(component="job")
-EVAL_STEP = -1  # key of the evaluation sampling noise; never a training step
-
-
-@torch.no_grad()
-def evaluate(actor: torch.nn.Module, reward_model: ScalarHeadModel | None, task: Task,
-             cfg: JobConfig, label: str = "policy") -> dict[str, float]:
-    """Sampled responses on held-out prompts: hidden score, reward (the reward model's
-    score, or the rule reward when there is no reward model), length."""
-    prompts = task.prompt_batch(cfg.run.seed, "eval", 0, cfg.run.eval_prompts, 1)
-    with Phase(f"eval {label}", len(prompts), enabled=cfg.run.progress, unit="prompt") as bar:
-        # one batch: the evaluation is the same whatever the progress display
-        b = rollout(actor, prompts, sampling_params(cfg, task), cfg.run.seed, EVAL_STEP, 0)
-        args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
-        rm = None if reward_model is None else sequence_scores(reward_model, *args)
-        reward, hidden = reward_mix(cfg, task).combine(rm, b)
-        bar.update(len(b), hidden=float(hidden.mean()), reward=float(reward.mean()))
-    return {"hidden_score": float(hidden.mean()),
-            "reward": float(reward.mean()),
-            "response_length": float(b.loss_mask.sum(1).mean()),  # the policy's tokens
-            "prompts": len(b)}
 
 
 def run_dir_of(cfg: JobConfig) -> Path:

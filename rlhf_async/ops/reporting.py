@@ -3,9 +3,10 @@
 metrics.jsonl stays the record of a run (whichever process writes it: rank 0 of a
 lock-step job, or the Separation coordinator). A `Reporter` in the job's process follows
 that file and hands each new step's numbers to the sinks, so every strategy, a resumed run
-and a multi-host one report alike. When a resume rewrites the file (steps after the
-checkpoint are trained again) the reporter starts over from the new file and skips the
-steps it sent already.
+and a multi-host one report alike; it follows RUN_DIR/samples.jsonl (`task/samples.py`) the
+same way, each step's samples as a text table (TensorBoard) or a `wandb.Table`. When a
+resume rewrites a file (steps after the checkpoint are trained again) the reporter starts
+over from the new file and skips the steps it sent already.
 
     tensorboard  RUN_DIR/tensorboard/ (extra `[tensorboard]`; `tensorboard --logdir runs`)
     wandb        a W&B run named like the run directory, files under RUN_DIR/wandb
@@ -25,8 +26,13 @@ from rlhf_async.log import get_logger
 log = get_logger(component="reporting")
 
 
+SAMPLE_COLUMNS = ("prompt", "response", "reward", "advantage", "version")
+
+
 class Sink(Protocol):
     def log(self, step: int, values: dict[str, float]) -> None: ...
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -40,6 +46,13 @@ class TensorBoardSink:
     def log(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
             self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        head = "| " + " | ".join(SAMPLE_COLUMNS) + " |\n|" + " --- |" * len(SAMPLE_COLUMNS)
+        lines = ["| " + " | ".join(_cell(r.get(c)) for c in SAMPLE_COLUMNS) + " |"
+                 for r in rows]
+        self.writer.add_text("samples", "\n".join([head, *lines]), step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -56,8 +69,24 @@ class WandbSink:
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        import wandb
+
+        table = wandb.Table(columns=["step", *SAMPLE_COLUMNS],
+                            data=[[step, *(r.get(c) for c in SAMPLE_COLUMNS)] for r in rows])
+        # joins the row W&B has open (it refuses a step older than its current one, and a
+        # committed row of its own would move its step past the next metrics record's)
+        self.run.log({"samples": table}, commit=False)
+
     def close(self) -> None:
         self.run.finish()
+
+
+def _cell(value: Any) -> str:
+    """A markdown table cell: numbers short, text with its pipes and newlines escaped."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value).replace("|", "\\|").replace("\n", "<br>")
 
 
 def numbers(record: dict[str, Any]) -> dict[str, float]:
@@ -73,13 +102,45 @@ def numbers(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+class _Tail:
+    """The complete JSON lines appended to a file since the last read (from the start
+    again when the file was replaced: a resume rewrites it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.inode = path, 0, -1
+
+    def records(self) -> list[dict[str, Any]]:
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            return []
+        if stat.st_ino != self.inode or stat.st_size < self.offset:  # a new file
+            self.inode, self.offset = stat.st_ino, 0
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a last line still being written waits
+        self.offset += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                out.append(record)
+        return out
+
+
 class Reporter:
-    """Follows `metrics.jsonl` on a thread and reports each new step to every sink."""
+    """Follows `metrics.jsonl` (and `samples.jsonl`) on a thread and reports each new step
+    to every sink, once."""
 
     def __init__(self, run_dir: Path, sinks: list[Sink], poll_s: float = 0.5) -> None:
         self.path, self.sinks, self.poll_s = run_dir / "metrics.jsonl", sinks, poll_s
         self.sent: set[int] = set()
-        self._offset, self._inode = 0, -1
+        self.sent_samples: set[int] = set()
+        self._metrics, self._samples = _Tail(self.path), _Tail(run_dir / "samples.jsonl")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="metrics-reporter",
                                         daemon=True)
@@ -102,32 +163,21 @@ class Reporter:
 
     def drain(self) -> None:
         """Report every complete line written since the last call."""
-        try:
-            stat = self.path.stat()
-        except FileNotFoundError:
-            return
-        if stat.st_ino != self._inode or stat.st_size < self._offset:  # a new file
-            self._inode, self._offset = stat.st_ino, 0
-        with self.path.open("rb") as f:
-            f.seek(self._offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1  # a last line still being written waits
-        self._offset += end
-        for line in data[:end].splitlines():
+        for record in self._metrics.records():
+            if record["step"] not in self.sent:
+                self.sent.add(record["step"])
+                self._each("log", record["step"], numbers(record))
+        for record in self._samples.records():
+            if record["step"] not in self.sent_samples and record.get("samples"):
+                self.sent_samples.add(record["step"])
+                self._each("log_samples", record["step"], record["samples"])
+
+    def _each(self, method: str, step: int, payload: Any) -> None:
+        for sink in self.sinks:
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            step = record.get("step")
-            if not isinstance(step, int) or step in self.sent:
-                continue
-            self.sent.add(step)
-            values = numbers(record)
-            for sink in self.sinks:
-                try:
-                    sink.log(step, values)
-                except Exception as e:  # a reporting service must not stop training
-                    log.warning("report_failed", sink=type(sink).__name__, error=str(e))
+                getattr(sink, method)(step, payload)
+            except Exception as e:  # a reporting service must not stop training
+                log.warning("report_failed", sink=type(sink).__name__, error=str(e))
 
     def close(self) -> None:
         self._stop.set()

@@ -54,6 +54,7 @@ from rlhf_async.strategies.registry import (
     runner_problems,
 )
 from rlhf_async.task import VOCAB_SIZE
+from rlhf_async.task.text import longest_prompt
 
 log = get_logger(component="planner")
 # measured on the 2-core CI box by `rlhf-async plan --calibrate` (bench config); see
@@ -111,7 +112,8 @@ def shape_of(cfg: JobConfig) -> ModelShape:
 
 
 def workload_of(cfg: JobConfig) -> Workload:
-    prompt_len = cfg.task.max_prompt_tokens if cfg.task.name == "text" else cfg.task.max_len + 2
+    prompt_len = longest_prompt(cfg.model.path, cfg.task) if cfg.task.name == "text" \
+        else cfg.task.max_len + 2
     return Workload(cfg.train.prompts_per_step * cfg.algo.group_size, prompt_len,
                     cfg.generation.max_new_tokens, cfg.train.epochs, cfg.train.minibatches,
                     cfg.algo.name == "ppo", cfg.algo.max_staleness, cfg.train.grad_accum,

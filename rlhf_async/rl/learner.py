@@ -86,6 +86,7 @@ class Learner:
             if critic is not None:
                 _checkpoint_activations(critic.trunk)
         self.version = 0
+        self.last_advantages: Tensor | None = None  # [B, R] of the last train_step's shard
         self.kl_coef = algo.kl_coef  # moved by the adaptive controller when kl_target > 0
         self.actor_backend = self._backend(actor, train.lr)
         self.actor = self.actor_backend.module
@@ -350,6 +351,7 @@ class Learner:
             backend.set_lr(lrs[f"{name}_lr"])
         old = self._old_policy(b)
         adv, ret, kl = self._advantages(b, old.logprobs, old.values)
+        self.last_advantages = adv.detach()  # [B, R] this step's (samples.jsonl shows them)
         sums: dict[str, Tensor] = {}
         grad_norms: dict[str, float] = {}
         own: list[Tensor] = []  # the loss forwards' log-probs, when they are the old ones

@@ -31,7 +31,12 @@ from rlhf_async.metrics import MetricsWriter, Progress
 from rlhf_async.modeling.episodes import rollout
 from rlhf_async.modeling.precision import Precision, check_device
 from rlhf_async.modeling.rollout import RolloutBatch
-from rlhf_async.rl.checkpoint import CheckpointError, load_shared, restore_learner
+from rlhf_async.rl.checkpoint import (
+    CheckpointError,
+    load_shared,
+    restore_learner,
+)
+from rlhf_async.rl.dynamic_sampling import dynamic_sample, refill_prompts
 from rlhf_async.rl.learner import Learner
 from rlhf_async.strategies.base import JobStopped, RankFailed, RunResult
 from rlhf_async.strategies.training import (
@@ -42,6 +47,7 @@ from rlhf_async.strategies.training import (
     step_record,
 )
 from rlhf_async.task import Task, make_task, sampling_params
+from rlhf_async.task.evaluation import StepLogs
 from rlhf_async.task.pretrain import Artefacts
 from rlhf_async.task.remote_reward import RewardServerError
 
@@ -112,6 +118,7 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
     if start_step:  # every rank restores the same checkpoint
         restore_learner(learner, _checkpoint_state(run_dir, start_step, rank, world, device))
     writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
+    logs = StepLogs(cfg, task, art, run_dir, start_step, device) if rank == 0 else None
     progress = Progress(cfg.train.steps, cfg.run.progress and rank == 0, start_step=start_step)
     params, seed, G = sampling_params(cfg, task), cfg.run.seed, cfg.algo.group_size
     generating = generation_precision(cfg, precision)
@@ -130,8 +137,16 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
                 _keep_trained(cfg, learner, run_dir, step, start_step, strategy)
             raise
         t2 = time.perf_counter()
-        metrics = learner.train_step(batch)
+        counts: dict[str, float] = {}
+        if cfg.algo.dynamic_sampling:  # groups of equal rewards out, new groups in
+            batch, counts = _refilled(cfg, task, actor, scorer, batch, step, rank, world,
+                                      generating, learner.version)
+            counts["time_refill"] = time.perf_counter() - t2
+            t2 = time.perf_counter()
+        metrics = {**learner.train_step(batch), **counts}
         t3 = time.perf_counter()
+        if logs is not None:  # samples.jsonl; the held-out evaluation when due
+            metrics.update(logs.after_step(step, batch, learner))
         saved = _end_step(cfg, learner, run_dir, writer, progress, step, metrics,
                           (t0, t1, t2, t3), strategy)
         if stop is not None and step + 1 < cfg.train.steps and stop.agreed(world):
@@ -140,11 +155,36 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
             progress.close()
             if writer is not None:
                 writer.close()
+            if logs is not None:
+                logs.close()
             learner.close()
             return False
     progress.close()
+    if logs is not None:
+        logs.close()
     _finish(cfg, learner, run_dir, writer, strategy)
     return True
+
+
+def _refilled(cfg: JobConfig, task: Task, actor: nn.Module, scorer: Scorer,
+              first: RolloutBatch, step: int, rank: int, world: int, generating: Precision,
+              version: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """algo.dynamic_sampling (`rl/dynamic_sampling.py`): this rank's rows of the step's
+    groups whose rewards vary, refilled round by round (each generated and scored as a
+    step is: every rank takes part in every round)."""
+    G, P = cfg.algo.group_size, cfg.train.prompts_per_step
+    device = first.prompt_ids.device
+    params = sampling_params(cfg, task)
+
+    def refill(round_: int) -> RolloutBatch:
+        prompts = refill_prompts(
+            lambda purpose, key: task.prompt_batch(cfg.run.seed, purpose, key, P, G),
+            cfg.train.steps, step, round_, cfg.algo.dynamic_sampling_max_tries, G)
+        mine = prompts.split(G, world)[rank].to(device)
+        with generating.compute("actor", device):
+            batch = rollout(actor, mine, params, cfg.run.seed, step, version)
+        return scorer(batch)
+    return dynamic_sample(first, refill, P, cfg.algo.dynamic_sampling_max_tries)
 
 
 def _checkpoint_state(run_dir: Path, step: int, rank: int, world: int,

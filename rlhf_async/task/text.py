@@ -19,6 +19,7 @@ reward model scores the policy's own token ids, so it must share the policy's to
 
 from __future__ import annotations
 
+import functools
 import random
 from typing import Any
 
@@ -27,6 +28,7 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_async.config import ConfigError, JobConfig, TaskConfig
+from rlhf_async.config.checks import context_problem
 from rlhf_async.modeling.determinism import key_seed
 from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.rollout import PromptBatch
@@ -75,6 +77,24 @@ def read_prompts(t: TaskConfig) -> tuple[list[Prompt], list[dict[str, Any]]]:
     if problems:
         raise ConfigError(problems[:20])
     return prompts, columns
+
+
+def longest_prompt(model_path: str, t: TaskConfig) -> int:
+    """`task.max_prompt_tokens`, or when it is 0 the longest prompt of `task.prompts` as the
+    stages tokenise it (chat template included): what the planner prices."""
+    if t.max_prompt_tokens:
+        return t.max_prompt_tokens
+    return _longest_in_data(model_path, t.prompts, t.split, t.prompt_key, t.messages_key,
+                            t.chat_template)
+
+
+@functools.lru_cache(maxsize=4)
+def _longest_in_data(model_path: str, prompts: str, split: str, prompt_key: str,
+                     messages_key: str, chat_template: bool) -> int:
+    t = TaskConfig(prompts=prompts, split=split, prompt_key=prompt_key,
+                   messages_key=messages_key, chat_template=chat_template)
+    tok = load_tokenizer(model_path)
+    return max(len(encode_prompt(tok, p, chat_template)) for p in read_prompts(t)[0])
 
 
 def heldout_split(prompts: list[str]) -> tuple[list[int], list[int]]:
@@ -157,7 +177,7 @@ class TextTask:
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.eos_id)  # masks mark the padding
         self.tokens = [encode_prompt(self.tokenizer, p, t.chat_template) for p in self.prompts]
-        self._check_lengths()
+        self._check_lengths(cfg)
         self.prompt_len = max(len(x) for x in self.tokens)
         self.index_of: dict[tuple[int, ...], int] = {}  # tokens -> first prompt index
         for i, toks in enumerate(self.tokens):
@@ -183,14 +203,22 @@ class TextTask:
         text = prompt_text(self.prompts[i]) if i >= 0 else self.decode(tokens)
         return {**(self.columns[i] if i >= 0 else {}), "prompt": text}
 
-    def _check_lengths(self) -> None:
+    def _check_lengths(self, cfg: JobConfig) -> None:
+        """An explicit `task.max_prompt_tokens` refuses longer prompts (the config check
+        fitted it to the context); 0 takes the data's longest, fitted to the context
+        here."""
         limit = self.cfg.max_prompt_tokens
         long = [f"task.prompts: prompt {i} is {len(x)} tokens, over task.max_prompt_tokens = "
-                f"{limit}" for i, x in enumerate(self.tokens) if len(x) > limit]
+                f"{limit}" for i, x in enumerate(self.tokens) if limit and len(x) > limit]
         empty = [f"task.prompts: prompt {i} is no tokens" for i, x in enumerate(self.tokens)
                  if not x]
         if long or empty:
             raise ConfigError((long + empty)[:20])
+        longest = max(len(x) for x in self.tokens)
+        problem = None if limit else context_problem(
+            cfg, longest, "the longest prompt in task.prompts; task.max_prompt_tokens = 0")
+        if problem is not None:
+            raise ConfigError([problem])
 
     # ---- prompts -------------------------------------------------------------------------
     def prompt_indices(self, seed: int, purpose: str, step: int, count: int) -> list[int]:

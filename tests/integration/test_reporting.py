@@ -42,6 +42,10 @@ def test_tensorboard_and_wandb_get_every_step_of_a_run(tmp_path, one_thread, mon
         points = events.Scalars(key)
         assert [p.step for p in points] == [0, 1, 2], key
         assert [p.value for p in points] == pytest.approx([r[key] for r in records]), key
+    texts = events.Tensors("samples/text_summary")  # samples.jsonl, a table a step
+    assert [t.step for t in texts] == [0, 1, 2]
+    assert "| prompt | response | reward | advantage | version |" in \
+        texts[0].tensor_proto.string_val[0].decode()
     if "wandb" in sinks:  # an offline run, read back record by record
         (log,) = (tmp_path / "tb" / "wandb").glob("offline-run-*/run-*.wandb")
         history = [h for h in _wandb_history(log) if "reward" in h]

@@ -108,6 +108,10 @@ def runner_problems(cfg: JobConfig, p: Placement) -> list[str]:
     if ranks > 1 and cfg.train.prompts_per_step % ranks:
         out.append(f"train.prompts_per_step: {cfg.train.prompts_per_step} must divide evenly "
                    f"over the {ranks} trainer ranks (placement.actor)")
+    if cfg.algo.dynamic_sampling:  # the trainer would need the Driver to dispatch refills
+        out.append("algo.dynamic_sampling: runs under Flattening and Interleaving in this "
+                   "build; set placement.strategy = 'flattening' or 'interleaving', or "
+                   "algo.dynamic_sampling = false")
     if cfg.generation.dtype:
         out.append(f"generation.dtype: {cfg.generation.dtype!r} is for Flattening and "
                    "Interleaving, where the actor generates; Separation's generators hold "

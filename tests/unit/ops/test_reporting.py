@@ -15,7 +15,11 @@ from rlhf_async.ops.reporting import Reporter, numbers
 class Sink:
     def __init__(self) -> None:
         self.logged: list[tuple[int, dict]] = []
+        self.samples: list[tuple[int, list]] = []
         self.closed = False
+
+    def log_samples(self, step: int, rows: list) -> None:
+        self.samples.append((step, rows))
 
     def log(self, step: int, values: dict) -> None:
         self.logged.append((step, values))
@@ -49,6 +53,21 @@ def test_new_steps_are_reported_once_across_a_resume_rewrite(tmp_path):
     w.close()
     rep.close()
     assert [s for s, _ in sink.logged] == [0, 1, 2, 3, 4] and sink.closed
+
+
+def test_samples_are_reported_once_per_step(tmp_path):
+    sink = Sink()
+    rep = Reporter(tmp_path, [sink])
+    w = MetricsWriter(tmp_path / "samples.jsonl")
+    rows = [{"prompt": "a", "response": "b", "reward": 1.0}]
+    w.write({"step": 0, "samples": rows})
+    w.write({"step": 1, "samples": []})  # nothing logged this step: nothing reported
+    rep.drain()
+    w.write({"step": 0, "samples": rows})  # a step seen already
+    w.write({"step": 2, "samples": rows})
+    w.close()
+    rep.close()
+    assert sink.samples == [(0, rows), (2, rows)] and sink.logged == []
 
 
 def test_numbers_flatten_and_skip_what_is_not_a_finite_number():

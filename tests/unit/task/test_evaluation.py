@@ -1,0 +1,47 @@
+"""The best policy kept during RL (`run.keep_best`): written whole, swapped for a new best,
+dropped on a resume that trains its step again; the progress line of an evaluation."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from rlhf_async.config import load_config
+from rlhf_async.metrics import Progress
+from rlhf_async.task import make_task
+from rlhf_async.task.evaluation import HeldoutEval, _read_best
+from rlhf_async.task.pretrain import Artefacts
+
+
+def _evals(tmp_path, start_step=0):
+    cfg = load_config(None, ["run.eval_every=2", "run.keep_best=true"])
+    task = make_task(cfg)
+    art = Artefacts(tmp_path / "sft", None, {}, {})  # no reward model to load
+    return HeldoutEval(cfg, task, art, tmp_path, start_step, device=None)
+
+
+def _save(path, meta):
+    path.mkdir(parents=True)
+    (path / "rlhf_async.json").write_text(json.dumps(meta))
+
+
+def test_a_new_best_replaces_the_kept_one_and_a_resume_drops_a_retrained_one(tmp_path):
+    ev = _evals(tmp_path)
+    assert ev.metric == "hidden_score" and ev.best is None
+    assert [ev.due(s) for s in range(4)] == [False, True, False, True]
+    ev._keep(1, 0.25, _save)
+    ev._keep(3, 0.5, _save)
+    assert json.loads((tmp_path / "best" / "rlhf_async.json").read_text())["step"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]  # no temporary left
+    assert _evals(tmp_path, start_step=4).best == 0.5  # a resume after it keeps it
+    assert _evals(tmp_path, start_step=3).best is None  # step 3 is trained again
+    assert not (tmp_path / "best").exists() and _read_best(tmp_path / "best", 9) is None
+
+
+def test_an_evaluation_prints_its_line_under_the_progress_bar():
+    out = io.StringIO()
+    p = Progress(4, stream=out)
+    p.update({"step": 1, "reward": 0.5, "eval_hidden_score": 0.75, "eval_reward": 0.5,
+              "eval_response_length": 6.0, "eval_best": 1.0})
+    assert "[rl] eval after step 2 | hidden 0.750 | reward 0.500 | len 6.000 (best so far, " \
+           "kept)" in out.getvalue()
