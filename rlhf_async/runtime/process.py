@@ -104,7 +104,7 @@ async def serve(spec: NodeSpec) -> int:
     async with Transport(max_bytes=spec.max_message_bytes, keys=keys,
                          insecure=spec.insecure) as transport:
         control = transport.channel(
-            Endpoint("dealer", spec.control, hwm=1000, identity=spec.node_id))
+            Endpoint("dealer", spec.control, hwm=1000, identity=spec.peer_id))
         control.linger_ms = 500  # let the goodbye reach the coordinator
         node = Node(spec, transport, control)
         loop = asyncio.get_running_loop()
