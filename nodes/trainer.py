@@ -86,6 +86,7 @@ async def _main(node: Node) -> None:
         return
     sender = make_sender(weight_sync_backend(cfg), device=job.device,
                          bucket_mb=cfg.weight_sync.bucket_mb)
+    broadcast_s = 2 * cfg.weight_sync.timeout_s  # the watchdog's, past the collective's own
     # the actor must not change while a broadcast reads it, and the trainer ranks must run
     # their collectives in one order: every use of the learner holds this lock
     weights_lock = asyncio.Lock()
@@ -103,7 +104,7 @@ async def _main(node: Node) -> None:
 
     async def republish(_: object) -> dict:  # after a resume or a regrouped broadcast
         async with weights_lock:
-            return await _publish(node, sender, learner, group, lineage, force=True)
+            return await _publish(node, sender, learner, group, lineage, broadcast_s, force=True)
 
     node.on_command(WeightSyncPrepare.kind, prepare)
     node.on_command(WeightSyncConnect.kind, connect)
@@ -126,10 +127,11 @@ async def _main(node: Node) -> None:
         while (full := batches.pop_ready()) is not None:
             step = batches.next_step - 1
             async with weights_lock:
-                metrics = await clock.busy(asyncio.to_thread(_train, group, learner, full,
-                                                             job.device))
+                metrics = await clock.busy(node.watchdog.run(
+                    "train", job.cfg.runtime.step_deadline_s,
+                    asyncio.to_thread(_train, group, learner, full, job.device)))
                 # stopping: the checkpoint holds these weights; the generators are done
-                sync = await _publish(node, sender, learner, group, lineage) \
+                sync = await _publish(node, sender, learner, group, lineage, broadcast_s) \
                     if not node.stopping else {"weight_sync_s": 0.0, "weight_sync_bytes": 0}
             # the trainer's own log of what it trained, written before the checkpoint
             # that includes the step: exactly-once is counted from it
@@ -285,7 +287,7 @@ async def _checkpoint(node: Node, ckpt_dir: Path, step: int, learner: Learner,
 
 
 async def _publish(node: Node, sender: WeightSender, learner: Learner, group: TrainerGroup,
-                   lineage: str, force: bool = False) -> dict:
+                   lineage: str, deadline: float, force: bool = False) -> dict:
     """Broadcast the actor to every generator when a publication is due (or forced)."""
     every = learner.train.publish_every
     if learner.version % every and not force:
@@ -300,7 +302,7 @@ async def _publish(node: Node, sender: WeightSender, learner: Learner, group: Tr
         group.walk_weights(learner, sender.bucket_bytes,
                            lambda groups: sender.send(groups, plan))
     try:  # the send reads the live parameters: callers hold the lock
-        await asyncio.to_thread(send)
+        await node.watchdog.run("weight_broadcast", deadline, asyncio.to_thread(send))
     except WeightSyncError as e:  # a generator died mid-transfer: regrouped and re-sent later
         node.log.warning("publish_failed", version=version, error=str(e))
         await emit(node, WeightSyncFailed(str(e), version))

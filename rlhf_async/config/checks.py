@@ -13,6 +13,10 @@ from rlhf_async.config.schema import JobConfig
 def cross_checks(cfg: JobConfig) -> list[str]:
     """Problems that involve several fields (each field alone already parsed)."""
     out = []
+    name = cfg.run.name
+    if name in (".", "..") or any(c in name for c in "/\\\0"):
+        out.append(f"run.name: {name!r} must name one directory inside run.output_dir (no "
+                   "'/', '\\', '.' or '..')")
     if cfg.task.min_len > cfg.task.max_len:
         out.append(f"task.min_len: {cfg.task.min_len} exceeds task.max_len {cfg.task.max_len}")
     if cfg.algo.name in ("grpo", "rloo") and cfg.algo.group_size < 2:

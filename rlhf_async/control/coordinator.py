@@ -347,6 +347,9 @@ class Coordinator:
             self._transport.counters["control.fenced"] += 1
             self.log.warning("fenced_message", node=msg.source, peer=peer.decode(errors="replace"),
                              kind=msg.kind, incarnation=node.spec.incarnation)
+            with contextlib.suppress(TimeoutError):  # it exits at once (runtime/process.py)
+                await self._router.send(msg.reply("fenced", source="coordinator"), to=peer,
+                                        timeout=0.1)
             return
         node.last_seen = time.monotonic()
         if msg.kind == "heartbeat":

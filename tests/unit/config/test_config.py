@@ -96,3 +96,19 @@ def test_stop_strings_need_the_text_task_the_torch_backend_and_no_empty_one():
     assert "task.name = 'sort_digits' has no text" in probs[1] and "task.name = 'text'" in probs[1]
     assert "set generation.backend = 'torch'" in probs[2]
     assert load_config(None, []).generation.stop_strings == []
+
+
+def test_non_finite_numbers_and_run_names_outside_the_output_dir_are_refused():
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["train.lr=nan", "algo.kl_coef=inf", "runtime.time_to_dead=-inf",
+                           "run.name=.."])
+    assert sorted(ei.value.problems) == [
+        "algo.kl_coef: inf is not a finite number",
+        "run.name: '..' must name one directory inside run.output_dir (no '/', '\\', '.' or "
+        "'..')",
+        "runtime.time_to_dead: -inf is not a finite number",
+        "train.lr: nan is not a finite number"]
+    for name in ("a/b", ".", "../x", "a\\b"):
+        with pytest.raises(ConfigError, match="run.name: "):
+            load_config(None, [f"run.name={name}"])
+    assert load_config(None, ["run.name=my-run.2"]).run.name == "my-run.2"
