@@ -25,6 +25,7 @@ from rlhf_async.metrics import MetricsWriter, truncate_jsonl
 from rlhf_async.modeling.models import save_policy
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl.checkpoint import (
+    CheckpointError,
     disk_full,
     learner_state,
     load_shared,
@@ -62,6 +63,8 @@ from rlhf_async.wire.protocol import Message
 async def main(node: Node) -> None:
     try:
         await _main(node)
+    except CheckpointError as e:  # a checkpoint this run cannot continue from: so it stays
+        await fail(node, str(e))
     except (OSError, RuntimeError) as e:  # a full disk: a restart would only fill it again,
         full = disk_full(e, Path(node.params["checkpoint_dir"]))  # so the run stops with it
         if full is None:
