@@ -128,9 +128,10 @@ def test_a_placement_larger_than_the_cluster_fails_before_anything_starts(tmp_pa
 
 
 def test_the_doctor_checks_every_ray_node_and_the_placement(tmp_path, cache, cluster, capsys):
-    args = ["doctor", *TINY, *APART, f"run.cache_dir={json.dumps(str(cache))}",
+    args = ["doctor", "--timeout", "240",  # a Ray worker's start on a loaded CI machine
+            *TINY, *APART, f"run.cache_dir={json.dumps(str(cache))}",
             f"run.output_dir={json.dumps(str(tmp_path))}", "placement.launcher=ray",
-            f"ray.address={cluster.address}", "--timeout", "240"]  # a loaded CI machine
+            f"ray.address={cluster.address}"]
     assert main(args) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0] == f"ok    ray: {cluster.address}: 4 live node(s), 3 CPU, 0 GPU"
