@@ -70,7 +70,9 @@ async def main(node: Node) -> None:
             async with received:
                 # torch: received here while the current generation step runs; vLLM: its
                 # workers receive in the swap (the engine serves one caller at a time)
-                staged = await asyncio.to_thread(engine.stage, plan)
+                staged = await node.watchdog.run(
+                    "weight_broadcast", 2 * job.cfg.weight_sync.timeout_s,
+                    asyncio.to_thread(engine.stage, plan))
             t1 = time.perf_counter()
             async with swap:
                 version = await asyncio.to_thread(engine.swap, staged)
@@ -98,8 +100,9 @@ async def main(node: Node) -> None:
             continue
         async with swap:  # weights cannot change under a generation step
             version, lineage = held.version, held.lineage
-            batch = await clock.busy(asyncio.to_thread(
-                engine.generate, prompts.to(job.device), seed, cid.step, version))
+            batch = await clock.busy(node.watchdog.run(
+                "generate", job.cfg.runtime.step_deadline_s, asyncio.to_thread(
+                    engine.generate, prompts.to(job.device), seed, cid.step, version)))
         await out.send(rollout_message("rollout", cid, batch.to("cpu"), node.node_id, lineage))
         node.info.update(clock.snapshot(), version=version)
         await node.send_event(Generated(cid.step, cid.chunk, cid.chunks, version, clock.busy_s,

@@ -39,8 +39,9 @@ async def main(node: Node) -> None:
             node.log.warning("bad_rollout", error=str(e))
             continue
         try:
-            scored = await clock.busy(asyncio.to_thread(
-                score, reward_model, reference, batch.to(job.device), T, mix))
+            scored = await clock.busy(node.watchdog.run(
+                "score", job.cfg.runtime.step_deadline_s, asyncio.to_thread(
+                    score, reward_model, reference, batch.to(job.device), T, mix)))
         except RewardFunctionError as e:  # the user's reward: the same on any restart
             await fail(node, "; ".join(e.problems))
             return

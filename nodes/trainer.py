@@ -24,6 +24,7 @@ from rlhf_async.engines.process_group import free_port
 from rlhf_async.metrics import MetricsWriter, truncate_jsonl
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl.checkpoint import (
+    CheckpointError,
     disk_full,
     load_shared,
     restore_learner,
@@ -72,6 +73,8 @@ async def main(node: Node) -> None:
     try:
         await _main(node)
     except NonFiniteError as e:  # the same data trains the same NaN after a restart
+        await fail(node, str(e))
+    except CheckpointError as e:  # a checkpoint this run cannot continue from: so it stays
         await fail(node, str(e))
     except (OSError, RuntimeError) as e:  # a full disk: a restart would only fill it again,
         full = disk_full(e, Path(node.params["checkpoint_dir"]))  # so the run stops with it
@@ -162,8 +165,9 @@ class Trainer:
 
     async def _train(self, step: int, full: RolloutBatch) -> None:
         async with self.lock:
-            metrics = await self.clock.busy(asyncio.to_thread(
-                _train_step, self.group, self.learner, full, self.job.device))
+            metrics = await self.clock.busy(self.node.watchdog.run(
+                "train", self.cfg.runtime.step_deadline_s, asyncio.to_thread(
+                    _train_step, self.group, self.learner, full, self.job.device)))
             # stopping: the checkpoint holds these weights; the generators are done
             sync = await self._publish() if not self.node.stopping else WeightSync()
             # after the publish: the generators go on meanwhile
@@ -236,8 +240,9 @@ class Trainer:
         def send() -> None:  # the ranks gather group by group as the send asks (ZeRO-3)
             self.group.walk_weights(learner, sender.bucket_bytes,
                                     lambda groups: sender.send(groups, plan))
-        try:
-            await asyncio.to_thread(send)
+        try:  # the watchdog's deadline lies past the collective's own timeout
+            await self.node.watchdog.run("weight_broadcast", 2 * self.cfg.weight_sync.timeout_s,
+                                         asyncio.to_thread(send))
         except WeightSyncError as e:  # a generator died mid-transfer: regrouped, re-sent
             self.node.log.warning("publish_failed", version=version, error=str(e))
             await self.node.send_event(WeightSyncFailed(str(e), version))

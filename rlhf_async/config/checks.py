@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from safetensors import SafetensorError, safe_open
+
 from rlhf_async.config.presets import resolve
 from rlhf_async.config.schema import JobConfig
 
@@ -15,6 +17,10 @@ from rlhf_async.config.schema import JobConfig
 def cross_checks(cfg: JobConfig) -> list[str]:
     """Problems that involve several fields (each field alone already parsed)."""
     out = []
+    name = cfg.run.name
+    if name in (".", "..") or any(c in name for c in "/\\\0"):
+        out.append(f"run.name: {name!r} must name one directory inside run.output_dir (no "
+                   "'/', '\\', '.' or '..')")
     if cfg.task.min_len > cfg.task.max_len:
         out.append(f"task.min_len: {cfg.task.min_len} exceeds task.max_len {cfg.task.max_len}")
     out.extend(_algo_checks(cfg))
@@ -31,8 +37,8 @@ def cross_checks(cfg: JobConfig) -> list[str]:
     if samples < cfg.train.minibatches:
         out.append(f"train.minibatches: {cfg.train.minibatches} exceeds the {samples} samples "
                    "per step")
-    if cfg.model.path and not Path(cfg.model.path).is_dir():
-        out.append(f"model.path: {cfg.model.path!r} is not a directory")
+    if cfg.model.path:
+        out.extend(model_dir_problems("model.path", cfg.model.path))
     for key, engine, extra in (("train.backend", cfg.train.backend, "deepspeed"),
                                ("generation.backend", cfg.generation.backend, "vllm")):
         if engine == extra and importlib.util.find_spec(extra) is None:
@@ -278,14 +284,40 @@ def _scalar_model_problems(cfg: JobConfig, key: str, path: str, what: str) -> li
     if cfg.task.name != "text":
         return [f"{key}: the built-in task trains its own reward model (which starts the "
                 f"critic); a trained {what} from a directory needs task.name = 'text'"]
-    if not Path(path).is_dir():
-        return [f"{key}: {path!r} is not a directory"]
-    try:
-        hf = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        return [f"{key}: no readable config.json in {path!r} ({e})"]
+    if problems := model_dir_problems(key, path):
+        return problems
+    if not (Path(path) / "config.json").exists():
+        return [f"{key}: no config.json in {path!r}"]
+    hf = json.loads((Path(path) / "config.json").read_text())
     labels = hf.get("num_labels", len(hf.get("id2label") or {}) or 2)
     if labels != 1:
         return [f"{key}: {path!r} has num_labels = {labels}; a {what} gives one score "
                 "per sequence (AutoModelForSequenceClassification with num_labels = 1)"]
     return []
+
+
+def model_dir_problems(key: str, path: str) -> list[str]:
+    """A Hugging Face model directory a job will load: its config.json a JSON object, each
+    safetensors file whole (its header read, the data it declares present), so a damaged
+    copy is one config error before anything starts, not a traceback in a node."""
+    d = Path(path)
+    if not d.is_dir():
+        return [f"{key}: {path!r} is not a directory"]
+    if not (d / "config.json").exists():  # named when it loads: this may be a hub id's
+        return []
+    try:
+        hf = json.loads((d / "config.json").read_text())
+    except OSError as e:
+        return [f"{key}: config.json in {path!r} cannot be read ({e.strerror})"]
+    except ValueError as e:
+        return [f"{key}: {path!r}: config.json is not JSON ({e})"]
+    if not isinstance(hf, dict):
+        return [f"{key}: {path!r}: config.json is not a JSON object"]
+    out = []
+    for f in sorted(d.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt"):
+                pass
+        except (OSError, SafetensorError) as e:
+            out.append(f"{key}: {f} is damaged (truncated, or not safetensors): {e}")
+    return out

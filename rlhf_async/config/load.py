@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import typing
 from pathlib import Path
@@ -52,6 +53,9 @@ def _check_value(path: str, f: dataclasses.Field, value: Any) -> list[str]:
         out.append(f"{path}: {value!r} is not one of {', '.join(map(repr, m['choices']))}")
     values = value if isinstance(value, list) else [value]
     for v in values:
+        if isinstance(v, float) and not math.isfinite(v):  # nan passes every comparison
+            out.append(f"{path}: {v!r} is not a finite number")
+            continue
         if m.get("ge") is not None and v < m["ge"]:
             out.append(f"{path}: {v!r} is below the minimum {m['ge']}")
         if m.get("gt") is not None and v <= m["gt"]:

@@ -343,8 +343,18 @@ class WeightSyncConfig:
 @dataclass
 class RuntimeConfig:
     time_to_dead: float = opt(10.0, "seconds without a heartbeat before a node is dead", gt=0.0)
-    restart_limit: int = opt(3, "restarts per node before the run stops with a checkpoint",
+    restart_limit: int = opt(3, "consecutive restarts of a node before the run stops with a "
+                             "checkpoint; a node healthy for stable_after_s has its count reset",
                              ge=0)
+    stable_after_s: float = opt(300.0, "seconds a restarted node must stay ready and heard "
+                                "from before its consecutive-failure count starts over (so a "
+                                "long job survives rare deaths; a crash loop still stops it)",
+                                gt=0.0)
+    step_deadline_s: float = opt(1800.0, "seconds one generation, scoring or training step of a "
+                                 "separation node may take; a node past it (a hung kernel) "
+                                 "stops its heartbeats and is restarted like a dead one. A "
+                                 "weight broadcast's deadline is 2 x weight_sync.timeout_s",
+                                 gt=0.0)
     stop_grace_s: float = opt(60.0, "after a stop (SIGTERM, SIGINT, `rlhf-async stop`), "
                               "seconds to finish the step and write the checkpoint; a "
                               "second signal cuts it short", gt=0.0)

@@ -1,5 +1,6 @@
 """Chaos monkey for a running job: SIGKILL its nodes every few trained steps, or in their
-first seconds (start-up: model loading, before the ready handshake or just after it).
+first seconds (start-up: model loading, before the ready handshake or just after it), or
+SIGSTOP them (a frozen node: alive, silent) and time how long until they are replaced.
 
 Used by the chaos test and `bench/chaos.py`; it reads the job's progress from
 RUN_DIR/metrics.jsonl and its nodes from the coordinator's status (RUN_DIR/coordinator.json).
@@ -27,29 +28,78 @@ def _nodes(run_dir: Path) -> dict:
     return status["nodes"]
 
 
+def _ready_after(run_dir: Path, node: str, min_steps: int) -> tuple[int, int] | None:
+    """(steps trained, pid) once `min_steps` steps are trained and `node` is ready; None
+    before (the job not up yet, or the node restarting from an earlier fault)."""
+    metrics = run_dir / "metrics.jsonl"
+    steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+    if steps < min_steps:
+        return None
+    try:
+        status = _nodes(run_dir).get(node, {})
+    except Exception:  # not up yet, or shutting down: try again
+        return None
+    if status.get("state") != "ready" or not status.get("pid"):
+        return None
+    return steps, status["pid"]
+
+
 def kill_nodes(run_dir: str | Path, order: list[str], every_steps: int,
                stop: threading.Event, victims: list[tuple[str, int]]) -> None:
     """Kill `order[i]` once `2 + every_steps * i` steps are trained and it is up; appends
     (node, steps trained) to `victims`. Returns when done or when `stop` is set."""
-    metrics = Path(run_dir) / "metrics.jsonl"
     while len(victims) < len(order) and not stop.is_set():
         time.sleep(0.1)
-        steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
-        if steps < 2 + every_steps * len(victims):
-            continue
-        try:
-            nodes = _nodes(Path(run_dir))
-        except Exception:  # not up yet, or shutting down: try again
-            continue
         victim = order[len(victims)]
-        node = nodes.get(victim, {})
-        if node.get("state") != "ready" or not node.get("pid"):
-            continue  # still restarting from an earlier kill
+        up = _ready_after(Path(run_dir), victim, 2 + every_steps * len(victims))
+        if up is None:
+            continue
         try:
-            os.kill(node["pid"], signal.SIGKILL)
+            os.kill(up[1], signal.SIGKILL)
         except ProcessLookupError:
             continue
-        victims.append((victim, steps))
+        victims.append((victim, up[0]))
+
+
+def freeze_nodes(run_dir: str | Path, order: list[str], every_steps: int,
+                 stop: threading.Event, victims: list[dict]) -> None:
+    """SIGSTOP `order[i]` once `1 + every_steps * i` steps are trained and it is up, wait
+    until a new process of it is ready, then SIGCONT the frozen one (declared dead, it must
+    be gone). Appends per victim: node, steps trained, the frozen pid, `restart_s` (SIGSTOP
+    to the replacement's launch), `ready_s` (to its ready handshake) and `woke` (what the
+    SIGCONT found: "gone", or "running" for a process the coordinator failed to kill)."""
+    while len(victims) < len(order) and not stop.is_set():
+        time.sleep(0.05)
+        up = _ready_after(Path(run_dir), order[len(victims)], 1 + every_steps * len(victims))
+        if up is None:
+            continue
+        t0 = time.monotonic()
+        try:
+            os.kill(up[1], signal.SIGSTOP)
+        except ProcessLookupError:
+            continue
+        victim = {"node": order[len(victims)], "steps": up[0], "pid": up[1]}
+        victims.append(victim)
+        _replaced(Path(run_dir), victim, t0, stop)
+
+
+def _replaced(run_dir: Path, victim: dict, t0: float, stop: threading.Event) -> None:
+    while not stop.is_set() and "ready_s" not in victim:
+        time.sleep(0.05)
+        try:
+            node = _nodes(run_dir).get(victim["node"], {})
+        except Exception:  # the coordinator is busy or gone
+            continue
+        if node.get("pid") not in (None, victim["pid"]):
+            victim.setdefault("restart_s", round(time.monotonic() - t0, 2))
+            if node.get("state") == "ready":
+                victim["ready_s"] = round(time.monotonic() - t0, 2)
+    try:
+        os.kill(victim["pid"], signal.SIGCONT)
+        alive = psutil.Process(victim["pid"]).status() != psutil.STATUS_ZOMBIE
+        victim["woke"] = "running" if alive else "gone"
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        victim["woke"] = "gone"
 
 
 def random_order(nodes: list[str], kills: int, seed: int = 0) -> list[str]:

@@ -5,7 +5,8 @@
         status = await coord.call("gen0", Status())   # a typed command, its typed reply
         async for event in coord.events(): ...       # app events + node_dead / node_restarted
 
-Nodes connect a DEALER (identity = node_id) to the coordinator's ROUTER; the coordinator
+Nodes connect a DEALER (identity = node_id#incarnation, `NodeSpec.peer_id`) to the
+coordinator's ROUTER; the coordinator
 answers each heartbeat, so a node notices a vanished coordinator and exits by itself.
 `RUN_DIR/coordinator.json` names the control endpoint for the CLI's `status` and `stop`.
 The nodes' lives (launch, ready, liveness, restarts) are its `Supervisor`'s (supervisor.py);
@@ -31,7 +32,6 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 
 import structlog
-import zmq
 
 from rlhf_async.control.client import (
     COORDINATOR_FILE,
@@ -76,7 +76,8 @@ class Coordinator:
     def __init__(self, run_dir: str | Path, *, launcher: Launcher | None = None,
                  control: str | None = None, heartbeat_s: float = 0.5,
                  time_to_dead: float = 5.0, ready_timeout: float = 120.0,
-                 restart_limit: int = 0, stop_timeout: float = 5.0,
+                 restart_limit: int = 0, stable_after_s: float = 300.0,
+                 stop_timeout: float = 5.0,
                  keys: str | Path | None = None, insecure: bool = False) -> None:
         self.run_dir = Path(run_dir).resolve()
         # CURVE keys for tcp (ours and the nodes'); made on first need when not given
@@ -90,7 +91,8 @@ class Coordinator:
         self.supervisor = Supervisor(
             self.run_dir, launcher or LocalLauncher(), publish=self._publish,
             stopping=self.stop_requested.is_set, time_to_dead=time_to_dead,
-            ready_timeout=ready_timeout, restart_limit=restart_limit, log=self.log)
+            ready_timeout=ready_timeout, restart_limit=restart_limit, log=self.log,
+            stable_after_s=stable_after_s)
         self._force = asyncio.Event()  # a second signal: no more grace
         self.stop_reason = ""
         self._transport = Transport(log=self.log, keys=self.keyring, insecure=insecure)
@@ -138,7 +140,6 @@ class Coordinator:
         except Exception:
             await self._transport.close()
             raise
-        self._router.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted node reuses its id
         self._transport.spawn(self._control_loop(), name="coordinator-control")
         self._transport.spawn(self.supervisor.watch(self.heartbeat_s / 2),
                               name="coordinator-monitor")
@@ -291,7 +292,7 @@ class Coordinator:
             stop = Message("command", source="coordinator",
                            meta={"name": tag(shutdown), "payload": to_payload(shutdown)})
             with contextlib.suppress(TimeoutError):
-                await self._router.send(stop, to=n.spec.node_id.encode(), timeout=0.1)
+                await self._router.send(stop, to=n.spec.peer_id.encode(), timeout=0.1)
         # a stop request grants the grace (the trainer checkpoints); a failed run's may not
         grace = self.stop_timeout if self.stop_requested.is_set() else min(self.stop_timeout, 5.0)
         await self.supervisor.shut_down(grace, self._force)
@@ -315,7 +316,8 @@ class Coordinator:
         future = asyncio.get_running_loop().create_future()
         self._pending[msg.id] = future
         try:
-            await self._router.send(msg, to=node_id.encode(), timeout=timeout)
+            await self._router.send(msg, to=self.nodes[node_id].spec.peer_id.encode(),
+                                    timeout=timeout)
             reply = await asyncio.wait_for(future, timeout)
         except TimeoutError:
             raise TimeoutError(f"node {node_id!r} did not answer {kind!r} in {timeout}s") from None
@@ -360,8 +362,16 @@ class Coordinator:
             self._transport.spawn(self._answer(peer, msg), name=f"answer-{msg.id}")
             return
         node = self.nodes.get(msg.source)
-        if node is None or peer != msg.source.encode():
+        if node is None or not peer.startswith(f"{msg.source}#".encode()):
             self._transport.counters["control.unknown_peer"] += 1
+            return
+        if peer != node.spec.peer_id.encode():  # an incarnation declared dead: fenced off
+            self._transport.counters["control.fenced"] += 1
+            self.log.warning("fenced_message", node=msg.source, peer=peer.decode(errors="replace"),
+                             kind=msg.kind, incarnation=node.spec.incarnation)
+            with contextlib.suppress(TimeoutError):  # it exits at once (runtime/process.py)
+                await self._router.send(msg.reply("fenced", source="coordinator"), to=peer,
+                                        timeout=0.1)
             return
         node.last_seen = time.monotonic()
         handler = self._from_node.get(msg.kind)

@@ -5,8 +5,18 @@ The coordinator owns one `Supervisor` and feeds it what the control plane hears 
 socket. Each `check` declares a node dead when its process exited with an error, its
 heartbeats stopped for `time_to_dead`, or it was not ready within `ready_timeout`. A dead
 node is killed (a hung one must not linger beside its replacement) and started again while
-it has restarts left (`restart_limit`) and no stop is under way. What it sees it tells the
-coordinator's listeners through `publish`: exited, node_dead, node_restarted.
+it has restarts left and no stop is under way. What it sees it tells the coordinator's
+listeners through `publish`: exited, node_dead, node_restarted.
+
+Restarts are counted the way jupyter_client's restarter counts them: `restart_limit` bounds
+a node's *consecutive* failures, and the count starts over once the node has been ready and
+heard from for `stable_after_s`. A week-long job whose node dies once an hour never runs
+out of restarts; a node that crash-loops does, after `restart_limit` tries.
+
+Each start of a node is a new incarnation (`NodeSpec.incarnation`, 0 for the first); the
+node's control identity carries it (`NodeSpec.peer_id`), so a process declared dead that
+wakes up later (SIGCONT of a frozen node, a partitioned host coming back) is no longer the
+node: the coordinator rejects and counts what it sends.
 """
 
 from __future__ import annotations
@@ -14,11 +24,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from rlhf_async.control.client import NodeDead, NodeEvent, NodeNotReady
+from rlhf_async.control.client import (
+    NodeDead,
+    NodeEvent,
+    NodeExited,
+    NodeNotReady,
+    NodeRestarted,
+)
 from rlhf_async.runtime.launcher import Launcher, NodeProcess
 from rlhf_async.runtime.messages import tag, to_payload
 from rlhf_async.runtime.spec import NodeSpec
@@ -34,7 +50,9 @@ class NodeRecord:
     started: float
     last_seen: float
     state: str = "starting"  # starting | ready | exited | dead
-    restarts: int = 0
+    restarts: int = 0  # every restart of the run, for status and metrics
+    failures: int = 0  # consecutive deaths: what restart_limit bounds
+    healthy_since: float | None = None  # first seen ready (by `check`) since this start
     exit_code: int | None = None
     goodbye: dict[str, Any] | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
@@ -48,23 +66,28 @@ class Supervisor:
     def __init__(self, run_dir: Path, launcher: Launcher, *,
                  publish: Callable[[NodeEvent], None], stopping: Callable[[], bool],
                  time_to_dead: float, ready_timeout: float, restart_limit: int,
-                 log: Any) -> None:
+                 log: Any, stable_after_s: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.run_dir, self.launcher = run_dir, launcher
         self.time_to_dead, self.ready_timeout = time_to_dead, ready_timeout
-        self.restart_limit = restart_limit
+        self.restart_limit, self.stable_after_s = restart_limit, stable_after_s
+        self.clock = clock  # the coordinator stamps `last_seen` with time.monotonic too
         self.nodes: dict[str, NodeRecord] = {}
         self._publish, self._stopping = publish, stopping
         self.log = log
         self._closed = False  # shutting down: no more deaths declared, no restarts
 
-    def start(self, spec: NodeSpec, restarts: int = 0) -> None:
+    def start(self, spec: NodeSpec, restarts: int = 0, failures: int = 0) -> None:
+        spec = replace(spec, incarnation=restarts)
         process = self.launcher.launch(spec, self.run_dir)
-        now = time.monotonic()
-        self.nodes[spec.node_id] = NodeRecord(spec, process, now, now, restarts=restarts)
-        self.log.info("node_launched", node=spec.node_id, role=spec.role, pid=process.pid)
+        now = self.clock()
+        self.nodes[spec.node_id] = NodeRecord(spec, process, now, now, restarts=restarts,
+                                              failures=failures)
+        self.log.info("node_launched", node=spec.node_id, role=spec.role, pid=process.pid,
+                      incarnation=spec.incarnation)
 
     def _will_restart(self, node: NodeRecord) -> bool:
-        return node.restarts < self.restart_limit and not self._stopping()
+        return node.failures < self.restart_limit and not self._stopping()
 
     async def wait_ready(self, node_ids: list[str] | None = None,
                          timeout: float | None = None) -> None:
@@ -102,14 +125,15 @@ class Supervisor:
 
     def check(self) -> None:
         """One liveness pass over every node still starting or ready."""
-        now = time.monotonic()
+        now = self.clock()
         for node in list(self.nodes.values()):
             if node.state in ("dead", "exited"):
                 continue
+            self._note_health(node, now)
             rc = node.process.poll()
             if rc == 0:  # finished or stopped on request: not a failure
                 node.state, node.exit_code = "exited", 0
-                self._publish(NodeEvent(node.spec.node_id, "exited", node.goodbye))
+                self._publish(NodeEvent(node.spec.node_id, tag(NodeExited), node.goodbye))
             elif rc is not None:
                 reason = (node.goodbye or {}).get("reason", "")
                 why = f"exited with code {rc}" + (f" ({reason})" if reason else "")
@@ -118,6 +142,17 @@ class Supervisor:
                 self._dead(node, f"no heartbeat for {now - node.last_seen:.1f}s", None)
             elif node.state == "starting" and now - node.started > self.ready_timeout:
                 self._dead(node, f"not ready after {self.ready_timeout}s", None)
+
+    def _note_health(self, node: NodeRecord, now: float) -> None:
+        """A node ready and heard from for `stable_after_s` has its failures forgiven."""
+        if node.state != "ready" or now - node.last_seen > self.time_to_dead:
+            return
+        if node.healthy_since is None:
+            node.healthy_since = now
+        elif node.failures and now - node.healthy_since >= self.stable_after_s:
+            self.log.info("node_stable", node=node.spec.node_id, failures=node.failures,
+                          stable_s=round(now - node.healthy_since, 1))
+            node.failures = 0
 
     def pid(self, node_id: str) -> int | None:
         """The pid of the node's current process while it runs; None once it is gone."""
@@ -145,8 +180,9 @@ class Supervisor:
         self._publish(NodeEvent(node_id, tag(NodeDead),
                                 to_payload(NodeDead(reason, restart, rc, node.process.pid))))
         if restart:
-            self.start(node.spec, restarts=node.restarts + 1)
-            self._publish(NodeEvent(node_id, "node_restarted", {"restarts": node.restarts + 1}))
+            self.start(node.spec, restarts=node.restarts + 1, failures=node.failures + 1)
+            self._publish(NodeEvent(node_id, tag(NodeRestarted),
+                                    to_payload(NodeRestarted(node.restarts + 1))))
 
     def close(self) -> None:
         """From now on no node is declared dead or restarted: the job is shutting down."""
@@ -172,10 +208,11 @@ class Supervisor:
             await n.process.wait(timeout=grace)
 
     def status(self) -> dict[str, dict[str, Any]]:
-        now = time.monotonic()
+        now = self.clock()
         return {
             i: {"role": n.spec.role, "pid": n.process.pid, "state": n.state,
                 "last_seen_s": round(now - n.last_seen, 2), "restarts": n.restarts,
+                "failures": n.failures, "incarnation": n.spec.incarnation,
                 "exit_code": n.exit_code}
             for i, n in self.nodes.items()
         }

@@ -39,7 +39,12 @@ from rlhf_async.modeling.models import ScalarHeadModel
 from rlhf_async.ops.plotting import plot_metrics
 from rlhf_async.ops.reporting import Reporter
 from rlhf_async.planning.planner import prepare_run
-from rlhf_async.rl.checkpoint import CheckpointError, list_checkpoints, load_latest
+from rlhf_async.rl.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    list_checkpoints,
+    load_latest,
+)
 from rlhf_async.strategies.base import JobStopped, RunResult
 from rlhf_async.strategies.placement import Placement, with_engines
 from rlhf_async.strategies.registry import STRATEGIES
@@ -138,6 +143,17 @@ def _follow_rank(cfg: JobConfig, placement: Placement, rank: int) -> dict:
     return {"run_dir": str(run_dir), "rank": rank}
 
 
+def _check_strategy(ck: Checkpoint | None, strategy: str) -> None:
+    """A Separation trainer's checkpoint and a lock-step rank's hold different state: a run
+    continues under the family of strategy that wrote its checkpoint."""
+    written = None if ck is None else ck.meta.get("strategy")
+    if written is None or (written == "separation") == (strategy == "separation"):
+        return
+    raise CheckpointError(f"{ck.path if ck else ''} was written by placement.strategy = "
+                          f"{written!r}; this run has {strategy!r}, which cannot continue "
+                          f"from it: set placement.strategy back in the run's config.json")
+
+
 def _run_held(cfg: JobConfig, placement: Placement, task: Task, out: IO[str] | None,
               run_dir: Path, resume: bool, own_process: bool,
               share: Share | None = None) -> dict:
@@ -156,6 +172,7 @@ def _run_held(cfg: JobConfig, placement: Placement, task: Task, out: IO[str] | N
             return finished
         ck = load_latest(run_dir / "checkpoints")
         start_step = 0 if ck is None else ck.step
+        _check_strategy(ck, cfg.placement.strategy)
         truncate_metrics(run_dir, start_step)
         if ck is None:  # stopped or killed before its first checkpoint: start it again
             log.warning("no checkpoint: resuming from step 0", run_dir=str(run_dir))

@@ -258,7 +258,13 @@ def restore_learner(learner: Learner, state: dict[str, Any]) -> None:
                 raise CheckpointError(f"checkpoint's {name} lacks adapter weights "
                                       f"{missing[:3]}")
             weights = {**backend.state_dict(), **weights}
-        backend.load_state_dict(weights)
+        try:
+            backend.load_state_dict(weights)
+        except RuntimeError as e:  # shapes or names: the model.* keys changed since
+            first = str(e).strip().splitlines()
+            raise CheckpointError(f"checkpoint's {name} does not fit this run's model (were "
+                                  f"the model.* keys changed since it was written?): "
+                                  f"{' '.join(x.strip() for x in first[:3])}") from None
         try:
             backend.load_optimizer_state_dict(state[f"{name}_opt"])
         except (KeyError, ValueError) as e:

@@ -28,6 +28,7 @@ from rlhf_async.runtime.messages import (
     to_payload,
 )
 from rlhf_async.runtime.spec import NodeSpec
+from rlhf_async.runtime.watchdog import Watchdog
 from rlhf_async.wire.protocol import Message
 from rlhf_async.wire.transport import Channel, Transport
 
@@ -51,6 +52,7 @@ class Node:
         self.counters: Counter[str] = transport.counters
         self.log = structlog.get_logger().bind(role=spec.role, node_id=spec.node_id)
         self.info: dict[str, Any] = {}  # free-form app state reported by the status command
+        self.watchdog = Watchdog()  # deadlines of long operations; overdue: no heartbeats
         self._control = control
         self._stop = asyncio.Event()
         self._resumed = asyncio.Event()

@@ -1,7 +1,9 @@
 """Node process entry: load the spec, open sockets, handshake, run `main(node)`, clean up.
 
 Exit codes: 0 finished or stopped, 1 the node program raised, 2 bad spec or entry point,
-3 the coordinator went silent for `orphan_timeout_s` (no orphans after a coordinator crash).
+3 the coordinator went silent for `orphan_timeout_s` (no orphans after a coordinator crash),
+4 fenced: this process is an incarnation the coordinator declared dead (frozen, or cut off,
+and replaced meanwhile); it exits at once, writing nothing, its replacement does the work.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from rlhf_async.wire.protocol import Message
 from rlhf_async.wire.security import Keyring, SecurityError
 from rlhf_async.wire.transport import Endpoint, Transport
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_SPEC, EXIT_ORPHANED = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_BAD_SPEC, EXIT_ORPHANED, EXIT_FENCED = 0, 1, 2, 3, 4
 NodeMain = Callable[[Node], Awaitable[None]]
 
 
@@ -49,13 +51,17 @@ def resolve_entry(entry: str) -> NodeMain:
 async def _control_loop(node: Node, heard: list[float]) -> None:
     # Every message from the coordinator (heartbeat answers included) proves it is alive.
     async for msg in node._control:
+        if msg.kind == "fenced":  # replaced: no step, checkpoint or goodbye of ours may follow
+            node.log.error("fenced", incarnation=node.spec.incarnation)
+            logging.shutdown()
+            os._exit(EXIT_FENCED)
         heard[0] = time.monotonic()
         if msg.kind == "command":  # handlers run concurrently: a slow one blocks nothing
             node.transport.spawn(node.handle_command(msg), name=f"command-{msg.id}")
 
 
 async def _heartbeat_loop(node: Node, heard: list[float], orphaned: asyncio.Event) -> None:
-    spec = node.spec
+    spec, stalled = node.spec, False
     while True:
         silent = time.monotonic() - heard[0]
         if silent > spec.orphan_timeout_s:
@@ -63,6 +69,13 @@ async def _heartbeat_loop(node: Node, heard: list[float], orphaned: asyncio.Even
             orphaned.set()
             node.request_stop("coordinator lost")
             return
+        if late := node.watchdog.overdue():  # hung (a kernel, a collective): let it be dead
+            if not stalled:
+                node.log.error("operation_overdue", operations={o.what: round(o.late_s, 1)
+                                                                for o in late})
+            stalled = True
+            await asyncio.sleep(spec.heartbeat_s)
+            continue
         beat = Message("heartbeat", source=node.node_id, meta={"paused": node.paused})
         # control queue full: the coordinator is not reading; the check above decides
         with contextlib.suppress(TimeoutError):
@@ -104,7 +117,7 @@ async def serve(spec: NodeSpec) -> int:
     async with Transport(max_bytes=spec.max_message_bytes, keys=keys,
                          insecure=spec.insecure) as transport:
         control = transport.channel(
-            Endpoint("dealer", spec.control, hwm=1000, identity=spec.node_id))
+            Endpoint("dealer", spec.control, hwm=1000, identity=spec.peer_id))
         control.linger_ms = 500  # let the goodbye reach the coordinator
         node = Node(spec, transport, control)
         loop = asyncio.get_running_loop()

@@ -40,6 +40,9 @@ class NodeSpec:
     # the node then authenticates and encrypts. The coordinator fills it in when empty.
     keys: str = ""
     insecure: bool = False  # allow plaintext tcp beyond loopback when there are no keys
+    # which start of the node this process is (0 first, +1 a restart; the supervisor sets
+    # it): a process declared dead is fenced off by it (`peer_id`)
+    incarnation: int = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -64,10 +67,18 @@ class NodeSpec:
         if not isinstance(self.endpoints, dict) or not all(
                 isinstance(v, Endpoint) for v in self.endpoints.values()):
             problems.append("endpoints must map names to Endpoint")
+        if type(self.incarnation) is not int or self.incarnation < 0:
+            problems.append(f"incarnation {self.incarnation!r} must be an int >= 0")
         if type(self.insecure) is not bool:
             problems.append(f"insecure {self.insecure!r} must be true or false")
         if problems:
             raise SpecError(f"node spec {self.node_id!r}: " + "; ".join(problems))
+
+    @property
+    def peer_id(self) -> str:
+        """The node's identity on the coordinator's control socket: its id and incarnation,
+        so what an earlier incarnation sends never passes for the live one's."""
+        return f"{self.node_id}#{self.incarnation}"
 
     def tcp_addresses(self) -> list[str]:
         """Every tcp:// address this node binds or connects to, control included."""

@@ -75,6 +75,9 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.event = mp.get_context("spawn").Event()
+        # every step trained and the policy saved: a stop that came during the final save
+        # found nothing left to stop (the run finished)
+        self.finished = mp.get_context("spawn").Event()
         self.reason = ""
         self.parent = os.getpid()
 
@@ -163,6 +166,8 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
     if logs is not None:
         logs.close()
     _finish(cfg, learner, run_dir, writer, strategy)
+    if stop is not None and rank == 0:
+        stop.finished.set()
     return True
 
 
@@ -330,6 +335,6 @@ def run_ranks(cfg: JobConfig, art: Artefacts, run_dir: Path, start_step: int,
                                  f"{lines[-1] if lines else e}") from None
             finally:
                 _children.clear()
-    if stop.event.is_set():
+    if stop.event.is_set() and not stop.finished.is_set():
         raise JobStopped(stop.reason)
     return RunResult(run_dir / "metrics.jsonl", run_dir / "policy", time.perf_counter() - t0)

@@ -14,6 +14,7 @@ Devices are slot numbers 0..devices-1: GPUs with `device = "cuda"`, CPU cores ot
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
@@ -185,9 +186,9 @@ def validate(p: Placement, roles: Sequence[str]) -> list[str]:
     out += [f"placement: no process hosts the {m} model" for m in ("actor", "reward",
                                                                     "reference")
             if m not in hosted]
-    ids = [q.node_id for q in p.processes]
-    out += [f"placement: node id {i!r} used twice" for i in sorted({i for i in ids
-                                                                     if ids.count(i) > 1})]
+    ids = Counter(q.node_id for q in p.processes)  # linear: placements can be huge
+    out += [f"placement: node id {i!r} used twice" for i in sorted(i for i, n in ids.items()
+                                                                    if n > 1)]
     for q in p.processes:
         bad = [d for d in q.devices if not 0 <= d < p.num_devices]
         if bad or not q.devices:

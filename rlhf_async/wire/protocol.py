@@ -27,7 +27,9 @@ MAX_TENSORS = 4096
 MAX_NDIM = 16
 
 DATA_KINDS = ("prompts", "rollout", "scored_rollout")
-CONTROL_KINDS = ("register", "ready", "heartbeat", "command", "reply", "event", "stop")
+# fenced: coordinator -> a process of an incarnation declared dead (it exits at once)
+CONTROL_KINDS = ("register", "ready", "heartbeat", "command", "reply", "event", "stop",
+                 "fenced")
 _KINDS: set[str] = set(DATA_KINDS + CONTROL_KINDS)
 
 DTYPES: dict[str, torch.dtype] = {

@@ -2,12 +2,14 @@
 process outlives its coordinator (SIGTERM, CLI stop, SIGKILL) or a silent coordinator."""
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import psutil
 import pytest
@@ -15,8 +17,11 @@ import pytest
 from rlhf_async.control.coordinator import Coordinator, call_coordinator, read_coordinator_file
 from rlhf_async.control.demo import address_maker, build_specs
 from rlhf_async.runtime import NodeSpec
+from rlhf_async.runtime.launcher import LocalLauncher
 from rlhf_async.runtime.loop import run_loop
-from rlhf_async.wire.transport import Endpoint
+from rlhf_async.runtime.process import EXIT_FENCED
+from rlhf_async.wire.protocol import Message
+from rlhf_async.wire.transport import Endpoint, Transport
 
 HEARTBEAT, TIME_TO_DEAD = 0.2, 2.0
 
@@ -73,6 +78,80 @@ def test_dead_node_is_restarted_up_to_the_limit(tmp_path, ipc_dir):
                 os.kill(status["pid"], signal.SIGKILL)
                 dead = await _next_event(events, "node_dead", TIME_TO_DEAD + 2)
                 assert dead.payload["will_restart"] is False
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_node_is_restarted_and_its_old_incarnation_is_fenced_off(tmp_path, ipc_dir):
+    """SIGSTOP: no heartbeats, so dead after time_to_dead, SIGKILLed while stopped and
+    started again as incarnation 1. Whatever incarnation 0 would still send (a process that
+    could not be killed: a host cut off, then back) is rejected and counted."""
+    async def main():
+        async with Coordinator(tmp_path / "run", heartbeat_s=HEARTBEAT, time_to_dead=TIME_TO_DEAD,
+                               restart_limit=1) as coord:
+            specs = build_specs(address_maker("ipc", ipc_dir), messages=10**7, floats=4, hwm=8)
+            specs = [NodeSpec.from_dict({**s.to_dict(), "heartbeat_s": HEARTBEAT}) for s in specs]
+            with coord.events() as events:
+                await coord.launch(specs)
+                frozen = coord.nodes["transform0"].process
+                t0 = time.monotonic()
+                os.kill(frozen.pid, signal.SIGSTOP)
+                dead = await _next_event(events, "node_dead", TIME_TO_DEAD + 3)
+                assert "no heartbeat" in dead.payload["reason"] and dead.payload["will_restart"]
+                assert TIME_TO_DEAD - HEARTBEAT <= time.monotonic() - t0 < TIME_TO_DEAD + 3
+                assert await frozen.wait(timeout=5) == -signal.SIGKILL  # killed while stopped
+                await coord.wait_ready(["transform0"], timeout=60)
+                assert coord.status()["nodes"]["transform0"]["incarnation"] == 1
+                async with Transport() as t:
+                    ghost = t.channel(Endpoint("dealer", coord.control, identity="transform0#0"))
+                    await ghost.send(Message("heartbeat", source="transform0"))
+                    await ghost.send(Message("event", source="transform0",
+                                             meta={"name": "ghost", "payload": None}))
+                    deadline = time.monotonic() + 10
+                    while coord.counters.get("control.fenced", 0) < 2:
+                        assert time.monotonic() < deadline, coord.counters
+                        await asyncio.sleep(0.05)
+                    assert (await ghost.recv(timeout=5)).kind == "fenced"  # not "heartbeat"
+                seen = []
+                with contextlib.suppress(TimeoutError):
+                    while True:
+                        seen.append((await events.get(timeout=0.2)).kind)
+                assert "ghost" not in seen
+                status = await coord.command("transform0", "status")  # the live one answers
+                assert status["pid"] == coord.nodes["transform0"].process.pid != frozen.pid
+                # a real process of incarnation 0 (its host back from a partition) is told
+                # it is fenced at its first word and exits at once
+                old = replace(coord.nodes["transform0"].spec, incarnation=0)
+                zombie = LocalLauncher().launch(old, tmp_path / "zombie")
+                assert await zombie.wait(timeout=60) == EXIT_FENCED
+                assert coord.counters["control.fenced"] >= 3
+
+    asyncio.run(main())
+
+
+async def hung_node(node) -> None:
+    """A node program whose collective never returns while its event loop stays free."""
+    await node.watchdog.run("collective", 1.0, asyncio.to_thread(time.sleep, 3600))
+
+
+@pytest.mark.timeout(120)
+def test_an_operation_past_its_deadline_gets_its_node_declared_dead(tmp_path):
+    """The loop runs (it could beat), the work does not progress: the watchdog stops the
+    heartbeats, the coordinator kills the node."""
+    async def main():
+        async with Coordinator(tmp_path / "run", heartbeat_s=HEARTBEAT,
+                               time_to_dead=TIME_TO_DEAD) as coord:
+            spec = NodeSpec("worker", "hung", f"{__name__}:hung_node", heartbeat_s=HEARTBEAT)
+            with coord.events() as events:
+                await coord.launch([spec])
+                t0 = time.monotonic()
+                dead = await _next_event(events, "node_dead", 1.0 + TIME_TO_DEAD + 10)
+                assert "no heartbeat" in dead.payload["reason"]
+                assert time.monotonic() - t0 >= TIME_TO_DEAD - HEARTBEAT
+                assert await coord.nodes["hung"].process.wait(timeout=5) == -signal.SIGKILL
+        log = (tmp_path / "run" / "logs" / "hung.log").read_text()
+        assert '"operation_overdue"' in log and '"collective"' in log
 
     asyncio.run(main())
 

@@ -289,8 +289,8 @@ class Driver:
     async def _node_dead(self, node: str, dead: NodeDead) -> None:
         if not dead.will_restart:
             raise PipelineError(
-                f"node {node} died ({dead.reason}) and runtime.restart_limit = "
-                f"{self.cfg.runtime.restart_limit} restarts are used up; the run stops with a "
+                f"node {node} died ({dead.reason}) after runtime.restart_limit = "
+                f"{self.cfg.runtime.restart_limit} restarts in a row; the run stops with a "
                 f"checkpoint: continue it with `rlhf-async resume {self.run_dir}`")
         self.down.add(node)
         self.counts["restarts"] += 1

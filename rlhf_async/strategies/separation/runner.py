@@ -133,6 +133,7 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
             Coordinator(run_dir, time_to_dead=cfg.runtime.time_to_dead,
                         restart_limit=cfg.runtime.restart_limit,
                         ready_timeout=cfg.runtime.ready_timeout_s,
+                        stable_after_s=cfg.runtime.stable_after_s,
                         stop_timeout=cfg.runtime.stop_grace_s + 5.0) as coord:
         coord.install_signal_handlers()
         prompts = transport.channel(Endpoint("push", prompts_addr, bind=True, hwm=64))

@@ -1,6 +1,9 @@
+import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from rlhf_async.config import ConfigError, JobConfig, load_config
 from rlhf_async.config.reference import render as render_reference
@@ -96,3 +99,40 @@ def test_stop_strings_need_the_text_task_the_torch_backend_and_no_empty_one():
     assert "task.name = 'sort_digits' has no text" in probs[1] and "task.name = 'text'" in probs[1]
     assert "set generation.backend = 'torch'" in probs[2]
     assert load_config(None, []).generation.stop_strings == []
+
+
+def test_non_finite_numbers_and_run_names_outside_the_output_dir_are_refused():
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["train.lr=nan", "algo.kl_coef=inf", "runtime.time_to_dead=-inf",
+                           "run.name=.."])
+    assert sorted(ei.value.problems) == [
+        "algo.kl_coef: inf is not a finite number",
+        "run.name: '..' must name one directory inside run.output_dir (no '/', '\\', '.' or "
+        "'..')",
+        "runtime.time_to_dead: -inf is not a finite number",
+        "train.lr: nan is not a finite number"]
+    for name in ("a/b", ".", "../x", "a\\b"):
+        with pytest.raises(ConfigError, match="run.name: "):
+            load_config(None, [f"run.name={name}"])
+    assert load_config(None, ["run.name=my-run.2"]).run.name == "my-run.2"
+
+
+def test_a_damaged_model_directory_is_a_config_error_not_a_traceback(tmp_path):
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "config.json").write_text('{"model_type": "gpt2"}')
+    save_file({"w": torch.zeros(64, 64)}, str(good / "model.safetensors"))
+    assert load_config(None, [f"model.path={json.dumps(str(good))}"]).model.path == str(good)
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "config.json").write_text('{"model_type": "gpt2"}')
+    data = (good / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    for d, want in ((cut, "model.safetensors is damaged (truncated, or not safetensors)"),
+                    (bad, "config.json is not JSON")):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [f"model.path={json.dumps(str(d))}"])
+        assert len(e.value.problems) == 1 and want in e.value.problems[0], e.value.problems

@@ -98,3 +98,73 @@ def test_restart_kills_only_the_process_the_caller_means(tmp_path):
     assert not sup.restart("w0", "peer died", old)  # its replacement is left alone
     assert sup.nodes["w0"].restarts == 1 and sup.pid("w0") != old
     assert [e.kind for e in events] == ["node_dead", "node_restarted"]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _clocked(tmp_path, restart_limit, stable_after_s):
+    clock, events = FakeClock(), []
+    sup = Supervisor(tmp_path, FakeLauncher(), publish=events.append, stopping=lambda: False,
+                     time_to_dead=5.0, ready_timeout=60.0, restart_limit=restart_limit,
+                     log=structlog.get_logger(), stable_after_s=stable_after_s, clock=clock)
+    sup.start(NodeSpec("worker", "w0", "mod.sub:main"))
+    return sup, events, clock
+
+
+def _live_for(sup, clock, seconds, period=1.0):
+    """The node answers heartbeats for `seconds` while the supervisor checks every `period`."""
+    end = clock.now + seconds
+    while clock.now < end:
+        clock.now += period
+        node = sup.nodes["w0"]
+        if node.state == "starting":
+            node.mark_ready()
+        node.last_seen = clock.now
+        sup.check()
+
+
+def test_a_node_dying_once_an_hour_for_a_week_never_runs_out_of_restarts(tmp_path):
+    sup, events, clock = _clocked(tmp_path, restart_limit=2, stable_after_s=300.0)
+    for _ in range(7 * 24):
+        _live_for(sup, clock, 3600.0, period=60.0)
+        sup.nodes["w0"].process.rc = 1
+        clock.now += 1.0
+        sup.check()
+    kinds = [e.kind for e in events]
+    assert kinds.count("node_dead") == kinds.count("node_restarted") == 7 * 24
+    assert all(e.payload["will_restart"] for e in events if e.kind == "node_dead")
+    node = sup.nodes["w0"]
+    assert node.restarts == 7 * 24 and node.failures == 1 and node.state == "starting"
+    assert node.spec.incarnation == 7 * 24 and sup.status()["w0"]["incarnation"] == 7 * 24
+
+
+def test_a_crash_looping_node_exhausts_its_restarts(tmp_path):
+    sup, events, clock = _clocked(tmp_path, restart_limit=3, stable_after_s=300.0)
+    for _ in range(4):  # ready each time, dead a minute later: never stable
+        _live_for(sup, clock, 60.0)
+        sup.nodes["w0"].process.rc = 1
+        sup.check()
+    dead = [e.payload["will_restart"] for e in events if e.kind == "node_dead"]
+    assert dead == [True, True, True, False] and sup.nodes["w0"].state == "dead"
+    assert len(sup.launcher.launched) == 4
+
+
+def test_a_node_is_stable_only_while_ready_and_heard_from(tmp_path):
+    sup, _, clock = _clocked(tmp_path, restart_limit=3, stable_after_s=30.0)
+    sup.nodes["w0"].process.rc = 1
+    sup.check()  # died while starting: restart 1
+    assert sup.nodes["w0"].failures == 1
+    clock.now += 50.0  # loading its models all that time: not healthy, not forgiven
+    sup.nodes["w0"].last_seen = clock.now
+    sup.check()
+    assert sup.nodes["w0"].failures == 1
+    _live_for(sup, clock, 29.0)
+    assert sup.nodes["w0"].failures == 1  # seen healthy at the first check, 28 s ago
+    _live_for(sup, clock, 2.0)
+    assert sup.nodes["w0"].failures == 0 and sup.nodes["w0"].restarts == 1

@@ -7,6 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rlhf_async.config import AlgoConfig, ModelConfig, TaskConfig, TrainConfig
+from rlhf_async.modeling.models import load_actor
 from rlhf_async.rl import checkpoint
 from rlhf_async.rl.checkpoint import (
     CheckpointError,
@@ -16,6 +18,8 @@ from rlhf_async.rl.checkpoint import (
     save_checkpoint,
     verify,
 )
+from rlhf_async.rl.learner import Learner
+from rlhf_async.task.sort_digits import VOCAB_SIZE, SortDigitsTask
 
 
 def _state(x: float):
@@ -106,3 +110,16 @@ def test_other_write_errors_pass_through_and_a_quota_is_named(tmp_path, monkeypa
     assert quota is not None and str(quota).startswith(f"disk quota exceeded writing "
                                                        f"{tmp_path / 'x'}: ")
     assert checkpoint.disk_full(ValueError("no"), tmp_path) is None
+
+
+def test_a_checkpoint_of_another_model_size_is_one_error_naming_the_model_keys():
+    def learner(hidden: int) -> Learner:
+        actor = load_actor(ModelConfig(hidden=hidden, heads=2, layers=1), VOCAB_SIZE,
+                           SortDigitsTask(TaskConfig()).special, seed=0)
+        return Learner(actor, None, AlgoConfig(name="grpo"), TrainConfig(), seed=0)
+
+    state = checkpoint.learner_state(learner(16))
+    with pytest.raises(CheckpointError, match=r"checkpoint's actor does not fit "
+                       r"this run's model \(were the model\.\* keys changed"):
+        checkpoint.restore_learner(learner(32), state)
+    checkpoint.restore_learner(learner(16), state)  # the same model: restored

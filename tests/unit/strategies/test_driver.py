@@ -223,7 +223,7 @@ def test_malformed_events_are_counted_and_a_used_up_restart_limit_stops(tmp_path
         await settle()
         assert h.driver.counts["bad_events"] == 2 and not h.task.done()  # type: ignore[union-attr]
         await h.send("gen1", NodeDead("exit code 1", will_restart=False))
-        with pytest.raises(PipelineError, match="restart_limit = 2 restarts are used up.*"
+        with pytest.raises(PipelineError, match="restart_limit = 2 restarts in a row.*"
                            "rlhf-async resume"):
             await h.task  # type: ignore[misc]
     asyncio.run(main())

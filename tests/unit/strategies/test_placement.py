@@ -1,3 +1,5 @@
+import time
+
 import pytest
 
 from rlhf_async.config import (
@@ -7,7 +9,13 @@ from rlhf_async.config import (
     PlacementConfig,
     TrainConfig,
 )
-from rlhf_async.strategies.placement import PlacementError, with_engines
+from rlhf_async.strategies.placement import (
+    Placement,
+    PlacementError,
+    ProcessPlacement,
+    validate,
+    with_engines,
+)
 from rlhf_async.strategies.registry import plan_placement, runner_problems
 from rlhf_async.strategies.separation.runner import chunks_per_step
 
@@ -195,3 +203,15 @@ def test_separation_scorers_may_share_the_trainers_devices_generators_may_not():
     with pytest.raises(PlacementError, match="scorers may share the trainer's devices"):
         plan_placement(PlacementConfig(strategy="separation", devices=2, generator=[0, 1]),
                        "grpo")
+
+
+def test_validating_a_huge_placement_takes_linear_time():
+    """placement.devices = 100000 once took minutes in validate (a count per node id)."""
+    n = 50_000
+    procs = tuple(ProcessPlacement(f"rank{i}", "worker", ("actor", "reward", "reference"),
+                                   (i,), "train") for i in range(n))
+    twice = (*procs, procs[7])
+    t0 = time.perf_counter()
+    problems = validate(Placement("flattening", "cpu", n, twice), ["worker"])
+    assert problems == ["placement: node id 'rank7' used twice"]
+    assert time.perf_counter() - t0 < 5.0
