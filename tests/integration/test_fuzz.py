@@ -197,8 +197,7 @@ def test_pull_and_router_survive_and_count_malformed_messages(tmp_path):
     asyncio.run(main())
 
 
-def _fake_coordinator(address: str, node_id: bytes, messages: list[list[bytes]],
-                      result: dict) -> None:
+def _fake_coordinator(address: str, messages: list[list[bytes]], result: dict) -> None:
     """Plays the coordinator for one node: garbage down its DEALER, then asks for status."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -207,8 +206,10 @@ def _fake_coordinator(address: str, node_id: bytes, messages: list[list[bytes]],
     router.setsockopt(zmq.RCVTIMEO, 60_000)
     router.bind(address)
     try:
-        while decode(router.recv_multipart()[1:]).kind != "ready":
+        # the node's identity on the control socket is its incarnation's (`peer_id`)
+        while decode((frames := router.recv_multipart())[1:]).kind != "ready":
             pass
+        node_id = frames[0]
         alive = [bytes(f) for f in encode(Message("heartbeat", source="coordinator"))]
         for i, frames in enumerate(messages):
             router.send_multipart([node_id, *frames])
@@ -234,7 +235,7 @@ def test_node_dealer_control_survives_and_counts_malformed_messages(tmp_path):
                     params={"stall": True}, orphan_timeout_s=60.0)
     result: dict = {}
     thread = threading.Thread(target=_fake_coordinator,
-                              args=(control, b"sink0", messages, result))
+                              args=(control, messages, result))
     thread.start()
     proc = LocalLauncher().launch(spec, tmp_path / "run")
     try:
