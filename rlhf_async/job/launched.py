@@ -22,7 +22,7 @@ import torch.distributed as dist
 from rlhf_async.config import ConfigError, JobConfig
 from rlhf_async.engines.process_group import Launch
 from rlhf_async.strategies.base import RankFailed
-from rlhf_async.task.pretrain import Artefacts, atomic_dir
+from rlhf_async.task.artefacts import Artefacts, atomic_dir
 
 Share = Callable[[Artefacts, int, Path], None]  # (artefacts, start step, run dir) -> all ranks
 

@@ -50,8 +50,8 @@ from rlhf_async.strategies.placement import Placement, with_engines
 from rlhf_async.strategies.registry import STRATEGIES
 from rlhf_async.strategies.separation.on_ray import ray_cluster
 from rlhf_async.task import Task, make_task
+from rlhf_async.task.artefacts import Artefacts, load_reward, load_sft, prepare_artefacts
 from rlhf_async.task.evaluation import evaluate
-from rlhf_async.task.pretrain import Artefacts, load_reward, load_sft, prepare_artefacts
 
 log = get_logger(component="job")
 

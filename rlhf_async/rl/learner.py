@@ -21,7 +21,8 @@ from rlhf_async.config import AlgoConfig, LoraConfig, TrainConfig
 from rlhf_async.config.presets import resolve
 from rlhf_async.engines import TrainingBackend, make_training_backend
 from rlhf_async.engines.lora import add_adapters, merged_weights
-from rlhf_async.modeling.determinism import all_gather_1d, all_reduce_sum, key_seed, keyed_order
+from rlhf_async.modeling.collectives import all_gather_1d, all_reduce_sum
+from rlhf_async.modeling.determinism import key_seed, keyed_order
 from rlhf_async.modeling.models import (
     ScalarHeadModel,
     disable_dropout,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rlhf_async.config import JobConfig, PlacementConfig
 from rlhf_async.strategies.placement import Placement
-from rlhf_async.task.pretrain import Artefacts
+from rlhf_async.task.artefacts import Artefacts
 
 Overrides = dict[str, dict[str, object]]  # model -> {override key: value}
 
