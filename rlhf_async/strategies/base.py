@@ -52,3 +52,9 @@ class Strategy:
     placement_problems: Callable[[PlacementConfig, Placement], list[str]]
     runner_problems: Callable[[JobConfig, Placement], list[str]]
     run: Callable[[JobConfig, Placement, Artefacts, Path, int], RunResult]
+
+    @property
+    def lock_step(self) -> bool:
+        """Every process runs every phase in order (one `worker` role): the strategies a
+        launcher (torchrun, srun, Ray ranks) can start rank by rank."""
+        return self.roles == ("worker",)
