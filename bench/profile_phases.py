@@ -29,7 +29,7 @@ from rlhf_async.planning.planner import prepare_run
 from rlhf_async.rl.learner import Learner
 from rlhf_async.strategies.flattening import full_scorer
 from rlhf_async.task import make_task, sampling_params
-from rlhf_async.task.pretrain import load_critic, load_sft, prepare_artefacts
+from rlhf_async.task.artefacts import load_critic, load_sft, prepare_artefacts
 
 GEN_HEAVY = ["model.hidden=384", "model.layers=6", "model.heads=6",
              "generation.max_new_tokens=49", "generation.min_new_tokens=48", "sft.steps=5",

@@ -46,7 +46,7 @@ from rlhf_async.log import configure_logging
 from rlhf_async.metrics import read_metrics
 from rlhf_async.modeling.models import sequence_scores
 from rlhf_async.task import SortDigitsTask
-from rlhf_async.task.pretrain import load_reward_model, prepare_artefacts
+from rlhf_async.task.artefacts import load_reward_model, prepare_artefacts
 
 SIZES = {"2x64": (2, 64, 4), "4x128": (4, 128, 4), "6x384": (6, 384, 6)}
 OURS = {"flattening": ["placement.strategy=flattening"],

@@ -20,6 +20,7 @@ from nodes.common import NodeContext, load_context, message_errors
 from rlhf_async.config import weight_sync_backend
 from rlhf_async.engines import GenerationBackend, make_generation_backend
 from rlhf_async.runtime import Node
+from rlhf_async.strategies.separation.chunks import prompts_from_message, rollout_message
 from rlhf_async.strategies.separation.events import (
     SFT_LINEAGE,
     Connected,
@@ -32,7 +33,6 @@ from rlhf_async.strategies.separation.events import (
     WeightSyncFailed,
 )
 from rlhf_async.strategies.separation.stage import StageClock
-from rlhf_async.strategies.separation.wire import prompts_from_message, rollout_message
 from rlhf_async.strategies.training import load_actor
 from rlhf_async.weight_sync import WeightSyncError
 

@@ -11,11 +11,15 @@ from rlhf_async.modeling.models import ScalarHeadModel, freeze
 from rlhf_async.rl.guards import NonFiniteError
 from rlhf_async.rl.scoring import score
 from rlhf_async.runtime import Node
+from rlhf_async.strategies.separation.chunks import (
+    lineage_of,
+    rollout_from_message,
+    rollout_message,
+)
 from rlhf_async.strategies.separation.events import Loaded, Scored, fail
 from rlhf_async.strategies.separation.stage import StageClock
-from rlhf_async.strategies.separation.wire import lineage_of, rollout_from_message, rollout_message
 from rlhf_async.task import make_task, reward_mix
-from rlhf_async.task.pretrain import load_reward, load_sft
+from rlhf_async.task.artefacts import load_reward, load_sft
 from rlhf_async.task.reward_fn import RewardFunctionError
 
 

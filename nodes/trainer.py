@@ -34,6 +34,7 @@ from rlhf_async.rl.learner import Learner
 from rlhf_async.rl.staleness import StalenessPolicy
 from rlhf_async.runtime import Node
 from rlhf_async.strategies.separation.assembler import BatchAssembler
+from rlhf_async.strategies.separation.chunks import lineage_of, rollout_from_message
 from rlhf_async.strategies.separation.events import (
     SFT_LINEAGE,
     ChunkDropped,
@@ -55,7 +56,6 @@ from rlhf_async.strategies.separation.events import (
 )
 from rlhf_async.strategies.separation.stage import StageClock
 from rlhf_async.strategies.separation.trainer_group import Op, TrainerGroup
-from rlhf_async.strategies.separation.wire import lineage_of, rollout_from_message
 from rlhf_async.strategies.training import (
     build_learner,
     save_final_policy,

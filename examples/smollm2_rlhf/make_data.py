@@ -25,7 +25,7 @@ from rlhf_async.config import load_config
 from rlhf_async.modeling.generation import generate
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.task import make_task, sampling_params
-from rlhf_async.task.pretrain import load_sft
+from rlhf_async.task.artefacts import load_sft
 from rlhf_async.task.text import TextTask
 
 HERE = Path(__file__).parent

@@ -27,7 +27,9 @@ from rlhf_async.cli.deploy import add_commands as add_deploy_commands
 from rlhf_async.cli.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, UserError
 from rlhf_async.cli.serve_reward import add_command as add_serve_reward
 from rlhf_async.cli.serve_reward import run as serve_reward
+from rlhf_async.config import ConfigError, load_config
 from rlhf_async.log import configure_logging
+from rlhf_async.progress import announce
 
 DEFAULT_RUN_DIR = Path("runs/demo")
 
@@ -148,8 +150,6 @@ def main(argv: list[str] | None = None) -> int:
                 "keys": _cmd_keys, "prepare-smollm2": _cmd_prepare_smollm2,
                 "serve-reward": serve_reward}
     handlers.update(DEPLOY_HANDLERS)
-    from rlhf_async.config import ConfigError
-
     try:
         return handlers[args.command](args)
     except ConfigError as e:
@@ -208,9 +208,6 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     """The RLHF job: CONFIG (TOML, optional) plus dotted overrides."""
-    from rlhf_async.config import load_config
-    from rlhf_async.progress import announce
-
     configure_logging(args.log_level)
     config, overrides = split_config(args)
     # config errors before torch is imported, and a first line while it is (seconds)
@@ -224,9 +221,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_stage(args: argparse.Namespace) -> int:
     """`sft` / `rm`: one supervised stage on the user's data (job/stages.py)."""
-    from rlhf_async.config import load_config
-    from rlhf_async.progress import announce
-
     configure_logging(args.log_level)
     cfg = load_config(*split_config(args), base_dir=args.base_dir)
     announce("start", "loading torch and transformers", enabled=cfg.run.progress)

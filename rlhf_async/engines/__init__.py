@@ -1,7 +1,7 @@
 """Engines behind two small interfaces: training (torch | deepspeed) and generation
 (torch | vllm).
 
-Why a seam here: the role code (`roles.Learner`, the generator node) is the same on a laptop
+Why a seam here: the role code (`rl.learner.Learner`, the generator node) is the same on a laptop
 and on a GPU cluster; only the engine that owns the parameters changes. The GPU engines are
 optional extras and are imported only when chosen, so a CPU install never needs them; when a
 chosen one is missing, `MissingExtraError` names the extra to install (the engine modules

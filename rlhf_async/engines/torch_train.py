@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlhf_async.modeling.determinism import all_reduce_grads
+from rlhf_async.modeling.collectives import all_reduce_grads
 
 FUSED_DEVICES = ("cpu", "cuda")  # where torch has a fused AdamW (others: its loop)
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from rlhf_async.config import ConfigError, JobConfig
 from rlhf_async.engines.process_group import Launch
 from rlhf_async.strategies.base import RankFailed
-from rlhf_async.task.pretrain import Artefacts, atomic_dir
+from rlhf_async.task.artefacts import Artefacts, atomic_dir
 
 Share = Callable[[Artefacts, int, Path], None]  # (artefacts, start step, run dir) -> all ranks
 
@@ -37,8 +37,8 @@ def adopt_world(cfg: JobConfig, launch: Launch) -> JobConfig:
     return dataclasses.replace(cfg, placement=dataclasses.replace(p, devices=launch.world))
 
 
-def lock_step_only(strategy: str, roles: tuple[str, ...]) -> None:
-    if roles != ("worker",):
+def lock_step_only(strategy: str, lock_step: bool) -> None:
+    if not lock_step:
         raise ConfigError([f"placement.strategy: {strategy} starts its own node processes; "
                            "under a launcher (torchrun, srun) run flattening or "
                            "interleaving, or start it with `rlhf-async run` on one machine "

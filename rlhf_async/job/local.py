@@ -15,7 +15,7 @@ import time
 from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO
+from typing import IO, Literal
 
 import torch
 from transformers.utils import logging as hf_logging
@@ -28,7 +28,7 @@ from rlhf_async.config import (
     load_config,
     to_dict,
 )
-from rlhf_async.engines.process_group import env_group, launched
+from rlhf_async.engines.process_group import Launch, env_group, launched
 from rlhf_async.job.launched import Share, adopt_world, follow, leading, lock_step_only
 from rlhf_async.job.lock import hold_run_dir
 from rlhf_async.job.on_ray import run_ranks
@@ -45,13 +45,13 @@ from rlhf_async.rl.checkpoint import (
     list_checkpoints,
     load_latest,
 )
-from rlhf_async.strategies.base import JobStopped, RunResult
+from rlhf_async.strategies.base import JobStopped, RunResult, Strategy
 from rlhf_async.strategies.placement import Placement, with_engines
 from rlhf_async.strategies.registry import STRATEGIES
 from rlhf_async.strategies.separation.on_ray import ray_cluster
 from rlhf_async.task import Task, make_task
+from rlhf_async.task.artefacts import Artefacts, load_reward, load_sft, prepare_artefacts
 from rlhf_async.task.evaluation import evaluate
-from rlhf_async.task.pretrain import Artefacts, load_reward, load_sft, prepare_artefacts
 
 log = get_logger(component="job")
 
@@ -78,30 +78,44 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None,
         torch.set_num_threads(cfg.placement.cpu_threads)
     task = make_task(cfg)  # a bad prompts file or reward function stops the run here
     target = run_dir_of(cfg) if run_dir is None else run_dir
-    lock_step = STRATEGIES[placement.strategy].roles == ("worker",)
-    if launch is None and lock_step and cfg.placement.launcher == "ray":
-        return _ranks_on_ray(cfg, target, run_dir is not None, out)
-    if launch is None:
-        fresh = run_dir is None and not target.exists()
-        try:
-            # one job per run directory, held before anything is written there
-            # (job/lock.py); on Ray, a cluster that cannot hold the placement stops the
-            # job before SFT
-            with hold_run_dir(target) as held, \
-                    ray_cluster(cfg) if cfg.placement.launcher == "ray" else nullcontext():
-                return _run_held(cfg, placement, task, out, held, run_dir is not None,
-                                 own_process)
-        except ConfigError:
-            if fresh:
-                _discard_unstarted(target)
-            raise
-    lock_step_only(placement.strategy, STRATEGIES[placement.strategy].roles)
-    with env_group(collective_backend(cfg.placement.device), launch):
-        if launch.rank == 0:
-            with leading() as share, hold_run_dir(target) as held:
-                return _run_held(cfg, placement, task, out, held, run_dir is not None,
-                                 own_process, share)
-        return _follow_rank(cfg, placement, launch.rank)
+    resume = run_dir is not None
+    mode = launch_mode(cfg, STRATEGIES[placement.strategy], launch)
+    if mode == "ray-ranks":
+        return _ranks_on_ray(cfg, target, resume, out)
+    if mode == "launched-rank":
+        assert launch is not None
+        with env_group(collective_backend(cfg.placement.device), launch):
+            if launch.rank == 0:
+                with leading() as share, hold_run_dir(target) as held:
+                    return _run_held(cfg, placement, task, out, held, resume, own_process, share)
+            return _follow_rank(cfg, placement, launch.rank)
+    fresh = not resume and not target.exists()
+    try:
+        # one job per run directory, held before anything is written there (job/lock.py);
+        # on Ray, a cluster that cannot hold the placement stops the job before SFT
+        with hold_run_dir(target) as held, \
+                ray_cluster(cfg) if cfg.placement.launcher == "ray" else nullcontext():
+            return _run_held(cfg, placement, task, out, held, resume, own_process)
+    except ConfigError:
+        if fresh:
+            _discard_unstarted(target)
+        raise
+
+
+LaunchMode = Literal["here", "ray-ranks", "launched-rank"]
+
+
+def launch_mode(cfg: JobConfig, strategy: Strategy, launch: Launch | None) -> LaunchMode:
+    """How this process runs the job, decided once: `launched-rank`, one rank of a job a
+    launcher (torchrun, srun) started; `ray-ranks`, a lock-step job whose ranks this
+    process starts on Ray; `here`, everything from this process (a lock-step job's ranks,
+    or Separation's node processes, locally or as Ray actors)."""
+    if launch is not None:
+        lock_step_only(strategy.name, strategy.lock_step)
+        return "launched-rank"
+    if strategy.lock_step and cfg.placement.launcher == "ray":
+        return "ray-ranks"
+    return "here"
 
 
 def _ranks_on_ray(cfg: JobConfig, run_dir: Path, resume: bool, out: IO[str] | None) -> dict:

@@ -32,7 +32,7 @@ from rlhf_async.planning.planner import CPU_DEVICE, shape_of, workload_of
 from rlhf_async.strategies import flattening
 from rlhf_async.strategies.registry import plan_placement
 from rlhf_async.task import make_task
-from rlhf_async.task.pretrain import prepare_artefacts
+from rlhf_async.task.artefacts import prepare_artefacts
 
 
 def _matmul_flops(dtype: torch.dtype = torch.float32) -> float:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from rlhf_async.modeling.determinism import all_gather_1d
+from rlhf_async.modeling.collectives import all_gather_1d
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 
 EQUAL = 1e-6  # rewards closer than this count as equal

@@ -21,7 +21,8 @@ from rlhf_async.config import AlgoConfig, LoraConfig, TrainConfig
 from rlhf_async.config.presets import resolve
 from rlhf_async.engines import TrainingBackend, make_training_backend
 from rlhf_async.engines.lora import add_adapters, merged_weights
-from rlhf_async.modeling.determinism import all_gather_1d, all_reduce_sum, key_seed, keyed_order
+from rlhf_async.modeling.collectives import all_gather_1d, all_reduce_sum
+from rlhf_async.modeling.determinism import key_seed, keyed_order
 from rlhf_async.modeling.models import (
     ScalarHeadModel,
     disable_dropout,
@@ -32,6 +33,7 @@ from rlhf_async.modeling.precision import FP32, Precision
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl import algorithms as A
 from rlhf_async.rl.guards import require_finite
+from rlhf_async.rl.step_stats import global_stats, mismatch_stats
 
 
 @dataclass
@@ -378,51 +380,15 @@ class Learner:
         if kl is None:
             assert b.ref_logprobs is not None  # a scored batch (validated by train_step)
             kl = A.kl_per_token(old_lp, b.ref_logprobs, self.algo.kl_estimator) * m
-        out: dict[str, float] = {**self._global_stats(b, kl, adv, sums, n_updates),
-                                 **self._mismatch_stats(b, old_lp), **grad_norms, **lrs,
+        out: dict[str, float] = {**global_stats(b, kl, adv, sums, n_updates),
+                                 **mismatch_stats(b, old_lp, self.recipe.ratio_level,
+                                                 self.recipe.mismatch_cap), **grad_norms, **lrs,
                                  "version": self.version, "kl_coef": self.kl_coef}
         if self.algo.kl_target > 0:  # from the global KL: every rank moves it alike
             self.kl_coef = A.adaptive_kl_coef(self.kl_coef, out["kl"], self.algo.kl_target,
                                               self.algo.kl_horizon, floor=self.algo.kl_coef)
         return out
 
-    def _global_stats(self, b: RolloutBatch, kl: Tensor, adv: Tensor, sums: dict[str, Tensor],
-                      n_updates: int) -> dict[str, float]:
-        """One all-reduce for every metric: per-sample sums + counts, loss partial sums."""
-        m = b.loss_mask
-        assert b.rewards is not None
-        per_sample = {"reward": b.rewards.float(), "kl": kl.sum(dim=1),
-                      "response_length": m.sum(dim=1), "advantage_abs": (adv.abs() * m).sum(1)
-                      / m.sum(1).clamp(min=1)}
-        if b.hidden_scores is not None:
-            per_sample["hidden_score"] = b.hidden_scores.float()
-        vec = torch.stack([v.sum() for v in per_sample.values()] + list(sums.values())
-                          + [m.new_tensor(float(len(b)))])
-        vec = all_reduce_sum(vec.double())
-        count = vec[-1].clamp(min=1.0)
-        out = {k: float(vec[i] / count) for i, k in enumerate(per_sample)}
-        out.update({k: float(vec[len(per_sample) + i] / n_updates)
-                    for i, k in enumerate(sums)})
-        out["samples"] = float(vec[-1])
-        return out
-
-
-    def _mismatch_stats(self, b: RolloutBatch, old_lp: Tensor) -> dict[str, float]:
-        """The gap between the generator's and the trainer's log-probs of this batch: mean
-        and max of pi_old / mu over its tokens (per response with ratio_level = sequence),
-        and the fraction above algo.mismatch_cap (what TIS truncates and MIS drops)."""
-        m = b.loss_mask
-        log_ratio = old_lp - b.behaviour_logprobs
-        if self.recipe.ratio_level == "sequence":
-            log_ratio = A.sequence_mean(log_ratio, m)
-        ratio = torch.exp(log_ratio) * m
-        capped = (ratio > self.recipe.mismatch_cap).float() * m
-        sums = all_reduce_sum(torch.stack([ratio.sum(), capped.sum(), m.sum()]).double())
-        peak = ratio.max().reshape(1) if ratio.numel() else m.new_zeros(1)
-        n = sums[2].clamp(min=1.0)
-        return {"mismatch/ratio_mean": float(sums[0] / n),
-                "mismatch/ratio_max": float(all_gather_1d(peak).max()),
-                "mismatch/capped_frac": float(sums[1] / n)}
 
 def _checkpoint_activations(model: nn.Module) -> None:
     """`train.gradient_checkpointing` for an HF model (non-reentrant: works with frozen

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rlhf_async.config import JobConfig, PlacementConfig
 from rlhf_async.strategies.placement import Placement
-from rlhf_async.task.pretrain import Artefacts
+from rlhf_async.task.artefacts import Artefacts
 
 Overrides = dict[str, dict[str, object]]  # model -> {override key: value}
 
@@ -52,3 +52,9 @@ class Strategy:
     placement_problems: Callable[[PlacementConfig, Placement], list[str]]
     runner_problems: Callable[[JobConfig, Placement], list[str]]
     run: Callable[[JobConfig, Placement, Artefacts, Path, int], RunResult]
+
+    @property
+    def lock_step(self) -> bool:
+        """Every process runs every phase in order (one `worker` role): the strategies a
+        launcher (torchrun, srun, Ray ranks) can start rank by rank."""
+        return self.roles == ("worker",)

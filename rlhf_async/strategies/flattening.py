@@ -28,7 +28,7 @@ from rlhf_async.strategies.placement import (
     model_placement,
 )
 from rlhf_async.task import Task, reward_mix
-from rlhf_async.task.pretrain import Artefacts, load_reward
+from rlhf_async.task.artefacts import Artefacts, load_reward
 
 
 def preset(cfg: PlacementConfig, algo: str, over: Overrides) -> Placement:

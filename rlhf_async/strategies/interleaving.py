@@ -47,7 +47,7 @@ from rlhf_async.strategies.placement import (
     model_placement,
 )
 from rlhf_async.task import Task, reward_mix
-from rlhf_async.task.pretrain import Artefacts, load_reward
+from rlhf_async.task.artefacts import Artefacts, load_reward
 
 GATHERED = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 

@@ -47,8 +47,8 @@ from rlhf_async.strategies.training import (
     step_record,
 )
 from rlhf_async.task import Task, make_task, sampling_params
+from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.task.evaluation import StepLogs
-from rlhf_async.task.pretrain import Artefacts
 from rlhf_async.task.remote_reward import RewardServerError
 
 log = get_logger(component="lockstep")

@@ -17,7 +17,7 @@ from rlhf_async.modeling.models import save_policy
 from rlhf_async.modeling.precision import Precision
 from rlhf_async.rl.checkpoint import learner_state, save_checkpoint
 from rlhf_async.rl.learner import Learner
-from rlhf_async.task.pretrain import Artefacts, load_critic, load_sft
+from rlhf_async.task.artefacts import Artefacts, load_critic, load_sft
 
 
 def load_actor(art: Artefacts, device: torch.device) -> nn.Module:

@@ -32,7 +32,7 @@ from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.progress import Phase
 from rlhf_async.rl.learner import Learner
 from rlhf_async.task import Task, reward_mix, sampling_params
-from rlhf_async.task.pretrain import Artefacts, load_reward
+from rlhf_async.task.artefacts import Artefacts, load_reward
 from rlhf_async.task.samples import SamplesLog
 
 log = get_logger(component="evaluation")

@@ -1,7 +1,7 @@
 """The supervised stages before RL, as loops over batches: SFT (cross-entropy on the
 response tokens only) and the reward model (Bradley-Terry on preference pairs).
 
-The built-in task (`pretrain.py`) feeds them synthetic batches, `rlhf-async sft` / `rm`
+The built-in task (`artefacts.py`) feeds them synthetic batches, `rlhf-async sft` / `rm`
 (`user_data.py`, `job/stages.py`) the user's rows. A batch is prompts left-padded and
 responses right-padded, the layout every model call here reads; a pair batch holds the
 chosen responses first and the rejected ones after, each with its prompt.

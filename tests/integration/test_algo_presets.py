@@ -17,7 +17,7 @@ from rlhf_async import job
 from rlhf_async.config import load_config
 from rlhf_async.metrics import read_metrics
 from rlhf_async.rl import algorithms as A
-from rlhf_async.task.pretrain import stage_key
+from rlhf_async.task.artefacts import stage_key
 from tests.integration.test_text_task import PROMPTS, TRAIN
 from tests.text_model import make_text_model
 

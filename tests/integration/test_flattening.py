@@ -8,7 +8,7 @@ from rlhf_async.metrics import read_metrics
 from rlhf_async.strategies import flattening
 from rlhf_async.strategies.registry import plan_placement
 from rlhf_async.task import SortDigitsTask
-from rlhf_async.task.pretrain import prepare_artefacts
+from rlhf_async.task.artefacts import prepare_artefacts
 
 
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from rlhf_async import job
 from rlhf_async.config import load_config
 from rlhf_async.metrics import read_metrics
-from rlhf_async.task.pretrain import stage_key
+from rlhf_async.task.artefacts import stage_key
 
 pytestmark = [pytest.mark.timeout(300)]
 

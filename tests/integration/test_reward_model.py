@@ -115,7 +115,7 @@ def test_bad_reward_models_are_one_clear_error_each(files, tmp_path):
 
 
 def test_critic_path_starts_ppos_critic_and_defaults_to_the_reward_model(files, tmp_path):
-    from rlhf_async.task.pretrain import load_critic, prepare_artefacts
+    from rlhf_async.task.artefacts import load_critic, prepare_artefacts
 
     make_reward_model(files / "model", tmp_path / "critic")
     with torch.random.fork_rng():  # another seed than the reward model's

@@ -27,6 +27,7 @@ from rlhf_async.metrics import MetricsWriter, Progress, truncate_metrics
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.rl.checkpoint import disk_full
 from rlhf_async.rl.staleness import StalenessPolicy
+from rlhf_async.strategies.separation.chunks import ChunkId, prompts_message
 from rlhf_async.strategies.separation.clients import (
     ControlPlane,
     GeneratorClient,
@@ -54,7 +55,6 @@ from rlhf_async.strategies.separation.events import (
     decode_event,
 )
 from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
-from rlhf_async.strategies.separation.wire import ChunkId, prompts_message
 from rlhf_async.strategies.training import step_record
 from rlhf_async.task import make_task
 from rlhf_async.weight_sync import GroupSpec

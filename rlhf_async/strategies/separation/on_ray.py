@@ -36,7 +36,7 @@ from rlhf_async.strategies.base import RunResult
 from rlhf_async.strategies.placement import Placement
 from rlhf_async.strategies.separation.runner import build_specs, chunks_per_step, drive
 from rlhf_async.strategies.separation.tcp import tcp_specs
-from rlhf_async.task.pretrain import Artefacts
+from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.weight_sync import GroupSpec
 from rlhf_async.wire.transport import Endpoint, Transport
 

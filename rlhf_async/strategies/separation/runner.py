@@ -30,7 +30,7 @@ from rlhf_async.strategies.separation.clients import (
 from rlhf_async.strategies.separation.driver import Driver
 from rlhf_async.strategies.separation.startup import generator_ranks, wait_loaded
 from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
-from rlhf_async.task.pretrain import Artefacts
+from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.weight_sync import GroupSpec
 from rlhf_async.wire.transport import Endpoint, Transport
 

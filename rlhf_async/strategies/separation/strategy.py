@@ -23,7 +23,7 @@ from rlhf_async.strategies.separation.on_ray import run as run_on_ray
 from rlhf_async.strategies.separation.runner import run as run_here
 from rlhf_async.strategies.separation.startup import generator_ranks
 from rlhf_async.strategies.separation.trainer_group import trainer_id
-from rlhf_async.task.pretrain import Artefacts
+from rlhf_async.task.artefacts import Artefacts
 
 
 def _spread(devices: list[int], replicas: int) -> list[tuple[int, ...]]:

@@ -37,9 +37,9 @@ def test_devices_follow_the_world_and_only_lock_step_strategies_run():
     assert adopt_world(four, launch).placement.devices == 4
     with pytest.raises(ConfigError, match="placement.devices: 2, but the launcher started"):
         adopt_world(JobConfig(placement=PlacementConfig(devices=2)), launch)
-    lock_step_only("interleaving", ("worker",))
+    lock_step_only("interleaving", True)
     with pytest.raises(ConfigError, match="separation starts its own node processes"):
-        lock_step_only("separation", ("trainer", "generator", "scorer"))
+        lock_step_only("separation", False)
 
 
 def test_a_malformed_launcher_variable_is_one_line(tmp_path, monkeypatch, capsys):

@@ -1,14 +1,7 @@
 import torch
 
-from rlhf_async.modeling.determinism import (
-    all_gather_1d,
-    all_reduce_grads,
-    all_reduce_sum,
-    key_seed,
-    keyed_order,
-    keyed_uniform,
-    world,
-)
+from rlhf_async.modeling.collectives import all_gather_1d, all_reduce_grads, all_reduce_sum, world
+from rlhf_async.modeling.determinism import key_seed, keyed_order, keyed_uniform
 
 
 def test_key_seed_is_stable_and_distinguishes_parts():

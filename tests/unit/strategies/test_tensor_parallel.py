@@ -19,7 +19,7 @@ from rlhf_async.strategies.separation.clients import (
 from rlhf_async.strategies.separation.events import WeightSyncConnect, WeightSyncPrepare
 from rlhf_async.strategies.separation.runner import build_specs
 from rlhf_async.strategies.separation.startup import generator_ranks
-from rlhf_async.task.pretrain import Artefacts
+from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.weight_sync import GroupSpec
 
 # 8 GPUs: a 2-rank trainer, three generators of 2 GPUs each, scorers sharing them

@@ -18,7 +18,7 @@ from rlhf_async.strategies.placement import (
     engine_problems,
     model_placement,
 )
-from rlhf_async.task.pretrain import Artefacts
+from rlhf_async.task.artefacts import Artefacts
 
 
 def preset(cfg: PlacementConfig, algo: str, over: Overrides) -> Placement:

@@ -9,8 +9,8 @@ import json
 from rlhf_async.config import load_config
 from rlhf_async.metrics import Progress
 from rlhf_async.task import make_task
+from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.task.evaluation import HeldoutEval, _read_best
-from rlhf_async.task.pretrain import Artefacts
 
 
 def _evals(tmp_path, start_step=0):

@@ -63,7 +63,7 @@ def test_preference_labels_follow_hidden_score():
 
 def test_cache_keys_follow_the_config_that_shapes_each_stage():
     from rlhf_async.config import load_config
-    from rlhf_async.task.pretrain import stage_key
+    from rlhf_async.task.artefacts import stage_key
 
     base = load_config(None, [])
     rm_changed = load_config(None, ["reward_model.steps=7"])

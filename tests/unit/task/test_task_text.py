@@ -15,7 +15,7 @@ from rlhf_async.modeling.generation import generate
 from rlhf_async.modeling.models import frozen_copy
 from rlhf_async.rl.scoring import RewardMix, score
 from rlhf_async.task import make_task, sampling_params
-from rlhf_async.task.pretrain import load_sft
+from rlhf_async.task.artefacts import load_sft
 from rlhf_async.task.text import TextTask, heldout_split, split_key
 from tests.text_model import make_text_model
 

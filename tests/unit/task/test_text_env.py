@@ -11,7 +11,7 @@ from rlhf_async.modeling.episodes import rollout
 from rlhf_async.modeling.rollout import ENV
 from rlhf_async.rl.scoring import RewardMix
 from rlhf_async.task import make_task, sampling_params
-from rlhf_async.task.pretrain import load_sft
+from rlhf_async.task.artefacts import load_sft
 from tests.unit.task.test_task_text import cfg_for, files  # noqa: F401  (files: a fixture)
 
 ENV_CODE = '''

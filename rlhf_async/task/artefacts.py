@@ -42,7 +42,7 @@ from rlhf_async.task.supervised import (
     sft_loss,
 )
 
-log = get_logger(component="pretrain")
+log = get_logger(component="artefacts")
 ARTEFACT_VERSION = 2
 # The artefacts depend on this code too: any change to it gives new cache keys.
 _CODE_FILES = (Path(__file__), Path(__file__).with_name("sort_digits.py"),

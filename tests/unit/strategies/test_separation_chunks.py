@@ -3,7 +3,7 @@ import torch
 
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.strategies.separation.assembler import BatchAssembler
-from rlhf_async.strategies.separation.wire import (
+from rlhf_async.strategies.separation.chunks import (
     ChunkFormatError,
     ChunkId,
     prompts_from_message,

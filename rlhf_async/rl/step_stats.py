@@ -1,0 +1,51 @@
+"""One training step's global metrics (`Learner.train_step`): every statistic reduced over
+the ranks in one collective, so N ranks report what one rank holding the batch would."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rlhf_async.modeling.collectives import all_gather_1d, all_reduce_sum
+from rlhf_async.modeling.rollout import RolloutBatch
+from rlhf_async.rl import algorithms as A
+
+
+def global_stats(b: RolloutBatch, kl: Tensor, adv: Tensor, sums: dict[str, Tensor],
+                 n_updates: int) -> dict[str, float]:
+    """One all-reduce for every metric: per-sample sums + counts, loss partial sums."""
+    m = b.loss_mask
+    assert b.rewards is not None
+    per_sample = {"reward": b.rewards.float(), "kl": kl.sum(dim=1),
+                  "response_length": m.sum(dim=1), "advantage_abs": (adv.abs() * m).sum(1)
+                  / m.sum(1).clamp(min=1)}
+    if b.hidden_scores is not None:
+        per_sample["hidden_score"] = b.hidden_scores.float()
+    vec = torch.stack([v.sum() for v in per_sample.values()] + list(sums.values())
+                      + [m.new_tensor(float(len(b)))])
+    vec = all_reduce_sum(vec.double())
+    count = vec[-1].clamp(min=1.0)
+    out = {k: float(vec[i] / count) for i, k in enumerate(per_sample)}
+    out.update({k: float(vec[len(per_sample) + i] / n_updates)
+                for i, k in enumerate(sums)})
+    out["samples"] = float(vec[-1])
+    return out
+
+
+def mismatch_stats(b: RolloutBatch, old_lp: Tensor, ratio_level: str, cap: float,
+                   ) -> dict[str, float]:
+    """The gap between the generator's and the trainer's log-probs of this batch: mean
+    and max of pi_old / mu over its tokens (per response with ratio_level = sequence),
+    and the fraction above `cap` (algo.mismatch_cap) (what TIS truncates and MIS drops)."""
+    m = b.loss_mask
+    log_ratio = old_lp - b.behaviour_logprobs
+    if ratio_level == "sequence":
+        log_ratio = A.sequence_mean(log_ratio, m)
+    ratio = torch.exp(log_ratio) * m
+    capped = (ratio > cap).float() * m
+    sums = all_reduce_sum(torch.stack([ratio.sum(), capped.sum(), m.sum()]).double())
+    peak = ratio.max().reshape(1) if ratio.numel() else m.new_zeros(1)
+    n = sums[2].clamp(min=1.0)
+    return {"mismatch/ratio_mean": float(sums[0] / n),
+            "mismatch/ratio_max": float(all_gather_1d(peak).max()),
+            "mismatch/capped_frac": float(sums[1] / n)}
