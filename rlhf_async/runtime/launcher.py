@@ -3,12 +3,25 @@
 `LocalLauncher` runs nodes on this host, `RayLauncher` (ray_launcher.py) on a Ray cluster.
 The coordinator only uses
 launch / poll / wait / terminate / kill.
+
+A local node starts one of two ways (`runtime.node_start`):
+
+- ``fork`` (the default on Linux): forked from a server process that imported torch,
+  transformers and the node programs once (multiprocessing's forkserver, started on the
+  first launch and kept for the coordinator's life). A node then starts, or restarts after
+  a death, in a fraction of a second instead of the several seconds those imports take
+  per process. The server never runs a torch op, so no thread pool or device is inherited;
+  each node sets its own threads (`NodeSpec.num_threads`) and environment.
+- ``exec``: a fresh interpreter per node (`python -m rlhf_async.runtime --spec ...`), for a
+  node program whose imports must see its own environment, or a platform without fork.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import subprocess
@@ -18,7 +31,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
+from rlhf_async.runtime.process import leave, main
 from rlhf_async.runtime.spec import NodeSpec
+
+NODE_STARTS = ("fork", "exec")
+# what the fork server imports once, before it forks any node
+PRELOAD = ("torch", "transformers", "rlhf_async.runtime.process", "nodes.generator",
+           "nodes.scorer", "nodes.trainer")
 
 
 class NodeProcess(Protocol):
@@ -79,19 +98,109 @@ class LocalProcess:
             self.popen.kill()
 
 
+class ForkedProcess:
+    """A node forked from the fork server (`fork_node`): the same handle as `LocalProcess`;
+    the server reports its exit code (a signal's as -signum, as Popen does)."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess, log_path: Path) -> None:
+        self.process, self.log_path = process, log_path
+        self.pid: int | None = process.pid
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    async def wait(self, timeout: float | None = None) -> int | None:
+        """Exit code, or None if still running after `timeout` seconds."""
+        return await wait_polling(self.poll, timeout, 0.02)
+
+    def terminate(self) -> None:
+        if self.poll() is None:
+            self.process.terminate()
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            self.process.kill()
+
+
+def write_spec(spec: NodeSpec, run_dir: Path) -> Path:
+    """RUN_DIR/specs/NODE.json: what the node process reads first."""
+    (run_dir / "specs").mkdir(parents=True, exist_ok=True)
+    spec_path = run_dir / "specs" / f"{spec.node_id}.json"
+    spec.write(spec_path)
+    return spec_path
+
+
+def node_log(spec: NodeSpec, run_dir: Path) -> Path:
+    """RUN_DIR/logs/NODE.log, the node's stdout and stderr."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    return run_dir / "logs" / f"{spec.node_id}.log"
+
+
+def node_env(spec: NodeSpec, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The node's environment: ours (or `env`), its thread count, its spec's variables."""
+    return {**(os.environ if env is None else env), "OMP_NUM_THREADS": str(spec.num_threads),
+            **spec.env}
+
+
 def start_node(spec: NodeSpec, run_dir: Path, python: str = sys.executable,
                env: Mapping[str, str] | None = None) -> tuple[subprocess.Popen[bytes], Path]:
     """Start `python -m rlhf_async.runtime --spec RUN_DIR/specs/NODE.json` on this host.
 
     stdout/stderr go to RUN_DIR/logs/NODE.log; the node gets its own session so a terminal
-    Ctrl-C reaches only the coordinator, which then stops the nodes in order. Every launcher
-    runs nodes with this (the Ray one inside its actor, on the actor's host).
+    Ctrl-C reaches only the coordinator, which then stops the nodes in order. The Ray
+    launcher runs nodes with this inside its actor, on the actor's host.
     """
-    (run_dir / "specs").mkdir(parents=True, exist_ok=True)
-    spec_path = run_dir / "specs" / f"{spec.node_id}.json"
-    spec.write(spec_path)
+    spec_path = write_spec(spec, run_dir)
     return start_process([python, "-m", "rlhf_async.runtime", "--spec", str(spec_path)],
                          spec, run_dir, env)
+
+
+def fork_node(spec: NodeSpec, run_dir: Path) -> ForkedProcess:
+    """`start_node`, forked from the fork server: the same log, session, environment, working
+    directory and parent-death signal (the server's death: it exits with its coordinator)."""
+    spec_path, log_path = write_spec(spec, run_dir), node_log(spec, run_dir)
+    ctx = _fork_server()
+    process = ctx.Process(target=_forked_node, name=spec.node_id, daemon=True,
+                          args=(str(spec_path), str(log_path), node_env(spec), os.getcwd()))
+    process.start()
+    return ForkedProcess(process, log_path)
+
+
+_server_started_with: tuple[object, ...] | None = None
+
+
+def _fork_server() -> multiprocessing.context.ForkServerContext:
+    """The fork server's context. What an interpreter reads as it starts (PYTHON* and LD_*
+    variables: a sitecustomize on PYTHONPATH, a preloaded library) and `sys.path` are the
+    server's, so a change of them since it started (a second job of one process) starts a
+    new server; every other variable reaches a node when it is forked."""
+    global _server_started_with
+    now = (tuple(sys.path), tuple(sorted((k, v) for k, v in os.environ.items()
+                                         if k.startswith(("PYTHON", "LD_")))))
+    if _server_started_with not in (None, now):  # the next start starts it anew, with `now`
+        multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
+    _server_started_with = now
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def _forked_node(spec_path: str, log_path: str, env: dict[str, str], cwd: str) -> None:
+    """The node, in the forked child: become what `start_node`'s command line would be."""
+    os.setsid()
+    if sys.platform == "linux":
+        _die_with_parent()
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    # daemonic to the coordinator (ended at its exit), a normal process to itself: a node may
+    # start processes of its own (vLLM's workers)
+    multiprocessing.current_process().daemon = False
+    leave(main(["--spec", spec_path]))
 
 
 def start_process(argv: list[str], spec: NodeSpec, run_dir: Path,
@@ -99,10 +208,8 @@ def start_process(argv: list[str], spec: NodeSpec, run_dir: Path,
     """Start `argv` as node `spec` (its env and threads; its log RUN_DIR/logs/NODE.log, its
     own session, dying with its parent): a node program (`start_node`), or a command such as
     one rank of a lock-step job on Ray (`rlhf-async run` with RANK, WORLD_SIZE, ... in env)."""
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    log_path = run_dir / "logs" / f"{spec.node_id}.log"
-    env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": str(spec.num_threads),
-           **spec.env}
+    log_path = node_log(spec, run_dir)
+    env = node_env(spec, env)
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -113,10 +220,18 @@ def start_process(argv: list[str], spec: NodeSpec, run_dir: Path,
 
 
 class LocalLauncher:
-    """Starts each node on this host (`start_node`)."""
+    """Starts each node on this host: as a fresh interpreter (`start_node`), or with
+    `start="fork"` forked from the fork server (`fork_node`; a Separation run's nodes, by
+    `runtime.node_start`), unless `python` is another interpreter or there is no fork."""
 
-    def __init__(self, python: str = sys.executable) -> None:
+    def __init__(self, python: str = sys.executable, start: str = "exec") -> None:
+        if start not in NODE_STARTS:
+            raise ValueError(f"node start {start!r}: accepted: {', '.join(NODE_STARTS)}")
         self.python = python
+        self.fork = start == "fork" and python == sys.executable and \
+            "forkserver" in multiprocessing.get_all_start_methods()
 
-    def launch(self, spec: NodeSpec, run_dir: Path) -> LocalProcess:
+    def launch(self, spec: NodeSpec, run_dir: Path) -> LocalProcess | ForkedProcess:
+        if self.fork:
+            return fork_node(spec, run_dir)
         return LocalProcess(*start_node(spec, run_dir, self.python))

@@ -19,6 +19,7 @@ from rlhf_async.config import JobConfig, to_dict, weight_sync_backend
 from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.runtime import NodeSpec, run_loop
 from rlhf_async.runtime.ipc_dir import make_ipc_dir
+from rlhf_async.runtime.launcher import LocalLauncher
 from rlhf_async.strategies.base import JobStopped, RunResult
 from rlhf_async.strategies.placement import Placement, ProcessPlacement
 from rlhf_async.strategies.separation.clients import (
@@ -130,7 +131,8 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
     spec = GroupSpec(weight_sync_backend(cfg), "127.0.0.1", 0, 1 + len(gens),
                      timeout_s=cfg.weight_sync.timeout_s)
     async with Transport() as transport, \
-            Coordinator(run_dir, time_to_dead=cfg.runtime.time_to_dead,
+            Coordinator(run_dir, launcher=LocalLauncher(start=cfg.runtime.node_start),
+                        time_to_dead=cfg.runtime.time_to_dead,
                         restart_limit=cfg.runtime.restart_limit,
                         ready_timeout=cfg.runtime.ready_timeout_s,
                         stable_after_s=cfg.runtime.stable_after_s,

@@ -1,0 +1,23 @@
+"""A node program for tests/integration/test_node_start.py: writes what its process looks like
+(environment, working directory, threads, session) to the file in its params, then waits
+for the stop."""
+
+import json
+import os
+import sys
+
+import torch
+
+from rlhf_async.runtime import Node
+
+
+async def main(node: Node) -> None:
+    facts = {"pid": os.getpid(), "sid": os.getsid(0), "cwd": os.getcwd(),
+             "threads": torch.get_num_threads(), "probe": os.environ.get("PROBE"),
+             "omp": os.environ.get("OMP_NUM_THREADS"),
+             "site": getattr(sys, "site_mark", None)}
+    out = node.params["out"]
+    with open(f"{out}.tmp", "w") as f:  # whole, or not there: the test polls for it
+        json.dump(facts, f)
+    os.replace(f"{out}.tmp", out)
+    await node.wait_stop()
