@@ -159,7 +159,7 @@ def fork_node(spec: NodeSpec, run_dir: Path) -> ForkedProcess:
     """`start_node`, forked from the fork server: the same log, session, environment, working
     directory and parent-death signal (the server's death: it exits with its coordinator)."""
     spec_path, log_path = write_spec(spec, run_dir), node_log(spec, run_dir)
-    ctx = _fork_server()
+    ctx = fork_server()
     process = ctx.Process(target=_forked_node, name=spec.node_id, daemon=True,
                           args=(str(spec_path), str(log_path), node_env(spec), os.getcwd()))
     process.start()
@@ -169,7 +169,7 @@ def fork_node(spec: NodeSpec, run_dir: Path) -> ForkedProcess:
 _server_started_with: tuple[object, ...] | None = None
 
 
-def _fork_server() -> multiprocessing.context.ForkServerContext:
+def fork_server() -> multiprocessing.context.ForkServerContext:
     """The fork server's context. What an interpreter reads as it starts (PYTHON* and LD_*
     variables: a sitecustomize on PYTHONPATH, a preloaded library) and `sys.path` are the
     server's, so a change of them since it started (a second job of one process) starts a
@@ -185,6 +185,19 @@ def _fork_server() -> multiprocessing.context.ForkServerContext:
     return ctx
 
 
+def can_fork() -> bool:
+    """Whether this platform has the fork server (Linux and macOS do, Windows does not)."""
+    return "forkserver" in multiprocessing.get_all_start_methods()
+
+
+def adopt(env: Mapping[str, str], cwd: str) -> None:
+    """In a process forked from the fork server: take the launching process's environment
+    and working directory (the server has those of its own start)."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+
+
 def _forked_node(spec_path: str, log_path: str, env: dict[str, str], cwd: str) -> None:
     """The node, in the forked child: become what `start_node`'s command line would be."""
     os.setsid()
@@ -194,9 +207,7 @@ def _forked_node(spec_path: str, log_path: str, env: dict[str, str], cwd: str) -
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
+    adopt(env, cwd)
     # daemonic to the coordinator (ended at its exit), a normal process to itself: a node may
     # start processes of its own (vLLM's workers)
     multiprocessing.current_process().daemon = False
@@ -228,8 +239,7 @@ class LocalLauncher:
         if start not in NODE_STARTS:
             raise ValueError(f"node start {start!r}: accepted: {', '.join(NODE_STARTS)}")
         self.python = python
-        self.fork = start == "fork" and python == sys.executable and \
-            "forkserver" in multiprocessing.get_all_start_methods()
+        self.fork = start == "fork" and python == sys.executable and can_fork()
 
     def launch(self, spec: NodeSpec, run_dir: Path) -> LocalProcess | ForkedProcess:
         if self.fork:
