@@ -211,8 +211,9 @@ def _probe(model: nn.Module, vocab: int) -> bool:
                                _outputs(model, ids[:, 3:], pos[:, 3:])], dim=1)
     finally:
         model.train(was)
+    # loose enough for TF32 / reduced-precision matmuls; a leak moves outputs by O(1)
     return together.shape == alone.shape and torch.allclose(together.float(), alone.float(),
-                                                            rtol=1e-3, atol=1e-4)
+                                                            rtol=1e-2, atol=1e-3)
 
 
 def _outputs(model: nn.Module, ids: Tensor, pos: Tensor) -> Tensor:
