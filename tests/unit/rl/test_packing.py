@@ -22,7 +22,7 @@ from rlhf_async.modeling.models import (
 from rlhf_async.modeling.packing import packed_view, packs
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl.learner import Learner
-from rlhf_async.rl.microbatches import plan
+from rlhf_async.rl.microbatches import MicroBatcher, plan
 
 V, PAD = 16, 0
 PROMPTS = [2, 5, 1, 3, 4, 1]  # real prompt tokens per row
@@ -96,6 +96,10 @@ def test_a_model_that_mixes_sequences_does_not_pack():
 
     assert not packs(Leaky())
     assert packs(tiny())
+    budget = TrainConfig(max_tokens_per_microbatch=64)
+    assert not MicroBatcher.for_models(budget, [tiny(), Leaky()]).packed  # both or neither
+    assert MicroBatcher.for_models(budget, [tiny()]).packed
+    assert not MicroBatcher.for_models(TrainConfig(), [tiny()]).packed  # no budget: rows
 
 
 def _grads(learner: Learner) -> dict[str, torch.Tensor]:
