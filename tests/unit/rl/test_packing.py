@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from rlhf_async.config import AlgoConfig, ConfigError, ModelConfig, TrainConfig, load_config
 from rlhf_async.modeling.models import (
@@ -30,8 +31,6 @@ RESPONSES = [1, 11, 3, 6, 2, 9]  # real response tokens per row
 
 
 def tiny(arch: str = "gpt2"):
-    from transformers import AutoModelForCausalLM
-
     cfg = tiny_config(ModelConfig(arch=arch, hidden=32, layers=2, heads=2), V, PAD, 1, 2)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg).float()
