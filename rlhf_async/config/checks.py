@@ -37,6 +37,10 @@ def cross_checks(cfg: JobConfig) -> list[str]:
     if samples < cfg.train.minibatches:
         out.append(f"train.minibatches: {cfg.train.minibatches} exceeds the {samples} samples "
                    "per step")
+    if cfg.train.max_tokens_per_microbatch and cfg.train.grad_accum > 1:
+        out.append(f"train.grad_accum: {cfg.train.grad_accum} micro-batches by rows, and "
+                   f"train.max_tokens_per_microbatch = {cfg.train.max_tokens_per_microbatch} "
+                   "by tokens: set one (grad_accum = 1, or max_tokens_per_microbatch = 0)")
     if cfg.model.path:
         out.extend(model_dir_problems("model.path", cfg.model.path))
     for key, engine, extra in (("train.backend", cfg.train.backend, "deepspeed"),

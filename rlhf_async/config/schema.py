@@ -305,6 +305,12 @@ class TrainConfig:
     zero_stage: int = opt(2, "DeepSpeed ZeRO stage (train.backend = deepspeed)",
                           choices=(1, 2, 3))
     grad_accum: int = opt(1, "micro-batches per minibatch (gradient accumulation)", ge=1)
+    max_tokens_per_microbatch: int = opt(0, "cut each minibatch into micro-batches by this "
+                                         "many tokens (prompt + response; padding counts "
+                                         "where rows are not packed) instead of by rows, "
+                                         "long rows together; rows packed without padding "
+                                         "where the model allows; a row over it trains "
+                                         "alone; 0 = off (train.grad_accum rows)", ge=0)
     disable_dropout: bool = opt(True, "zero every dropout of actor and critic for RL (as TRL "
                                 "and OpenRLHF do): dropout noise is not keyed, so a step "
                                 "would depend on the placement (GPT-2 configs default to "

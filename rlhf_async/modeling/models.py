@@ -87,10 +87,12 @@ class ScalarHeadModel(nn.Module):
             nn.init.normal_(head.weight, std=1.0 / (trunk.config.hidden_size + 1) ** 0.5)
         self.head = head
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor,
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None,
                 position_ids: Tensor) -> Tensor:
+        """-> [B, T]. attention_mask None: no padding (packed rows: modeling/packing.py)."""
+        # no KV cache: nothing reads one, and HF reads packed rows only without it
         out = self.trunk(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids)
+                         position_ids=position_ids, use_cache=False)
         return self.head(out.last_hidden_state).squeeze(-1)  # [B, T]
 
     def save(self, path: str | Path) -> None:

@@ -23,16 +23,13 @@ from rlhf_async.engines import TrainingBackend, make_training_backend
 from rlhf_async.engines.lora import add_adapters, merged_weights
 from rlhf_async.modeling.collectives import all_gather_1d, all_reduce_sum
 from rlhf_async.modeling.determinism import key_seed, keyed_order
-from rlhf_async.modeling.models import (
-    ScalarHeadModel,
-    disable_dropout,
-    response_logits,
-    response_values,
-)
+from rlhf_async.modeling.models import ScalarHeadModel, disable_dropout
+from rlhf_async.modeling.packing import ResponseView
 from rlhf_async.modeling.precision import FP32, Precision
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl import algorithms as A
 from rlhf_async.rl.guards import require_finite
+from rlhf_async.rl.microbatches import MicroBatcher
 from rlhf_async.rl.step_stats import global_stats, mismatch_stats
 
 
@@ -97,6 +94,8 @@ class Learner:
         if self.recipe.has_critic and critic is not None:
             self.critic_backend = self._backend(critic, train.critic_lr)
             self.critic = critic
+        self.micro = MicroBatcher.for_models(train, [self.actor] + (
+            [] if self.critic is None else [self.critic]))
 
     def _add_adapters(self, actor: nn.Module, critic: ScalarHeadModel | None) -> set[str]:
         """LoRA adapters on the actor (and the critic's trunk): the names of the models
@@ -118,15 +117,15 @@ class Learner:
                                      grad_clip=t.grad_clip, zero_stage=t.zero_stage,
                                      grad_accum=t.grad_accum)
 
-    def _actor_logits(self, *args: Tensor) -> Tensor:
+    def _actor_logits(self, view: ResponseView) -> Tensor:
         with self.precision.compute("actor", self.device):
-            return response_logits(self.actor_backend.model, *args).float()
+            return view.logits(self.actor_backend.model).float()
 
-    def _critic_values(self, *args: Tensor) -> Tensor:
+    def _critic_values(self, view: ResponseView) -> Tensor:
         assert self.critic_backend is not None
         critic_fwd: Any = self.critic_backend.model  # the engine wraps a ScalarHeadModel
         with self.precision.compute("critic", self.device):
-            return response_values(critic_fwd, *args).float()
+            return view.values(critic_fwd).float()
 
     def backends(self) -> dict[str, TrainingBackend]:
         out = {"actor": self.actor_backend}
@@ -182,10 +181,12 @@ class Learner:
         the old ones at the loss forward, so it runs first, its detached log-probs and
         values are the old ones the advantages are computed from, and the separate
         no-grad forwards of actor and critic are skipped. The plain-torch engine only (a
-        ZeRO engine's forward and backward are its own to order)."""
+        ZeRO engine's forward and backward are its own to order), without a token budget
+        (whose point is not to run the whole batch at once)."""
         a, t = self.algo, self.train
         return (t.epochs == 1 and t.minibatches == 1 and t.grad_accum == 1
-                and t.backend == "torch" and (self.recipe.has_critic or a.kl_mode == "reward"))
+                and not t.max_tokens_per_microbatch and t.backend == "torch"
+                and (self.recipe.has_critic or a.kl_mode == "reward"))
 
     def _old_policy(self, b: RolloutBatch) -> OldPolicy:
         """The batch's old log-probs and values, before any update: from the loss forward
@@ -199,12 +200,16 @@ class Learner:
             return OldPolicy(fwd.logprobs.detach() * m, values, fwd)
         if self._reuses_logprobs():  # no critic: not PPO
             return OldPolicy(None, None, None)
-        args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
+        lp, values = m.new_zeros(m.shape), None if self.critic_backend is None else \
+            m.new_zeros(m.shape)
         with torch.no_grad():
-            lp = A.gather_logprobs(self._actor_logits(*args), b.response_ids,
-                                   self.temperature) * m
-            values = None if self.critic_backend is None else self._critic_values(*args) * m
-        return OldPolicy(lp, values, None)
+            for i in self.micro.whole(b):  # [B, R] each, filled a micro-batch at a time
+                view = self.micro.view(b.select(i))
+                lp[i] = view.restore(A.gather_logprobs(self._actor_logits(view), view.targets,
+                                                       self.temperature))
+                if values is not None:
+                    values[i] = view.restore(self._critic_values(view))
+        return OldPolicy(lp * m, None if values is None else values * m, None)
 
     @torch.no_grad()
     def _advantages(self, b: RolloutBatch, old_lp: Tensor | None,
@@ -249,14 +254,14 @@ class Learner:
 
     def _forward(self, mb: RolloutBatch) -> Forward:
         """The actor's log-probs and entropy and the critic's values on `mb` (with graphs)."""
-        args = (mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask)
-        logits = self._actor_logits(*args)  # [b, R, V]
-        lp = A.gather_logprobs(logits, mb.response_ids, self.temperature)
+        view = self.micro.view(mb)  # padded, or packed: results restored to [b, R]
+        logits = self._actor_logits(view)  # [b, R', V], or [1, n, V] packed
+        lp = A.gather_logprobs(logits, view.targets, self.temperature)
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.algo.entropy_coef > 0):
             # only a bonus needs its gradient (a softmax backward over the whole vocabulary)
             ent = A.entropy_from_logits(logits / self.temperature)
-        v = None if self.critic_backend is None else self._critic_values(*args)
-        return Forward(lp, ent, v)
+        v = None if self.critic_backend is None else view.restore(self._critic_values(view))
+        return Forward(view.restore(lp), view.restore(ent), v)
 
     def _loss(self, mb: RolloutBatch, fwd: Forward, adv: Tensor, ret: Tensor | None,
               old_lp: Tensor, old_v: Tensor | None, n_tokens: Tensor,
@@ -313,10 +318,10 @@ class Learner:
     def _backward(self, b: RolloutBatch, idx: Tensor, adv: Tensor, ret: Tensor | None,
                   old: OldPolicy, n_tokens: Tensor,
                   n_seqs: Tensor) -> tuple[dict[str, Tensor], list[Tensor]]:
-        """Gradients of one minibatch, in `train.grad_accum` micro-batches (losses are
+        """Gradients of one minibatch, in micro-batches (rl/microbatches.py; losses are
         normalised by the minibatch's global token count, so micro-gradients add up).
-        -> stats, and each micro-batch's detached log-probs when they are the old ones."""
-        micro = [i for i in idx.tensor_split(min(self.train.grad_accum, len(idx))) if len(i)]
+        -> stats, and the detached log-probs of `idx`'s rows when they are the old ones."""
+        micro = self.micro.split(b, idx)
         # the forward ran on the whole batch in order: it must be this one micro-batch
         assert old.forward is None or (len(micro) == 1 and torch.equal(
             idx, torch.arange(len(b), device=idx.device)))
@@ -339,6 +344,8 @@ class Learner:
                 self.critic_backend.backward(critic_loss, last=last)
             for k, v in st.items():  # every stat is a share of a minibatch-global mean
                 stats[k] = stats.get(k, v.new_zeros(())) + v
+        if own:  # back in `idx`'s row order (a token budget sorts rows by length)
+            own = [torch.cat(own)[torch.cat(micro).argsort()]]
         return stats, own
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
