@@ -45,6 +45,7 @@ from rlhf_async.rl.checkpoint import (
     list_checkpoints,
     load_latest,
 )
+from rlhf_async.runtime.launcher import warm_fork_server
 from rlhf_async.strategies.base import JobStopped, RunResult, Strategy
 from rlhf_async.strategies.placement import Placement, with_engines
 from rlhf_async.strategies.registry import STRATEGIES
@@ -89,6 +90,9 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None,
                 with leading() as share, hold_run_dir(target) as held:
                     return _run_held(cfg, placement, task, out, held, resume, own_process, share)
             return _follow_rank(cfg, placement, launch.rank)
+    if not STRATEGIES[placement.strategy].lock_step and cfg.placement.launcher == "local" \
+            and cfg.runtime.node_start == "fork":
+        warm_fork_server()  # importing while SFT and the reward model train
     fresh = not resume and not target.exists()
     try:
         # one job per run directory, held before anything is written there (job/lock.py);

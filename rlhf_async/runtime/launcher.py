@@ -185,6 +185,14 @@ def fork_server() -> multiprocessing.context.ForkServerContext:
     return ctx
 
 
+def warm_fork_server() -> None:
+    """Start the fork server now: it imports in the background while the job prepares (SFT,
+    reward model), and the nodes launched later find it ready."""
+    if can_fork():
+        fork_server()
+        multiprocessing.forkserver.ensure_running()
+
+
 def can_fork() -> bool:
     """Whether this platform has the fork server (Linux and macOS do, Windows does not)."""
     return "forkserver" in multiprocessing.get_all_start_methods()

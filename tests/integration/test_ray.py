@@ -5,7 +5,8 @@ scorer each on a node of its own, the same trajectory as the local launch at max
 generator's, then the scorer's, then the trainer's Ray node mid-run restarts each on a spare
 node and every prompt is still trained exactly once; a binding node moves the queue it binds
 to the spare's address, and its peer follows; `rlhf-async doctor` checks every node and the
-placement; the daemon runs a job that uses Ray. Skipped without the [ray] extra."""
+placement; the daemon runs a job that uses Ray (the Separation comparison's). Skipped without
+the [ray] extra."""
 
 from __future__ import annotations
 
@@ -66,17 +67,39 @@ def _cfg(tmp_path, cache, name, *overrides):
                               f"run.name={name}", *overrides])
 
 
-def test_separation_on_three_ray_nodes_matches_the_local_launch(tmp_path, cache, cluster):
+def test_separation_on_three_ray_nodes_through_the_daemon_matches_the_local_launch(
+        tmp_path, cache, cluster):
+    """`rlhf-async submit ... placement.launcher=ray`: the daemon's job places its nodes on
+    the cluster, as `rlhf-async run` would, and trains the local launch's trajectory."""
     job.run(_cfg(tmp_path, cache, "local", *APART))
-    job.run(_cfg(tmp_path, cache, "ray", *APART, "placement.launcher=ray",
-                 f"ray.address={cluster.address}"))
-    assert not ray.is_initialized()  # the job closed the connection it made
-    local, on_ray = (read_metrics(tmp_path / n / "metrics.jsonl") for n in ("local", "ray"))
+    state = tmp_path / "state"
+    cli = [sys.executable, "-m", "rlhf_async"]
+    with open(tmp_path / "daemon.log", "wb") as log:
+        daemon = subprocess.Popen([*cli, "serve", "--state-dir", str(state)],
+                                  stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        submit = [*cli, "submit", *TINY, *APART, f"run.cache_dir={json.dumps(str(cache))}",
+                  "placement.launcher=ray", f"ray.address={cluster.address}",
+                  "--state-dir", str(state)]
+        deadline = time.monotonic() + 30  # until the daemon answers
+        while (done := subprocess.run(submit, capture_output=True, text=True)).returncode:
+            assert time.monotonic() < deadline, done.stderr
+            time.sleep(0.5)
+        assert done.stdout.startswith("job 1 queued")
+        deadline = time.monotonic() + 180
+        while (jobs := call_daemon(state, {"op": "jobs"}))[0]["state"] in ("queued", "running"):
+            assert time.monotonic() < deadline, jobs
+            time.sleep(1)
+        assert jobs[0]["state"] == "finished", jobs
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    run_dir = Path(jobs[0]["run_dir"])  # the daemon's: STATE/runs/job-1
+    local, on_ray = (read_metrics(d / "metrics.jsonl") for d in (tmp_path / "local", run_dir))
     assert len(local) == len(on_ray) == 3
     for a, b in zip(local, on_ray, strict=True):
         for k in ("policy_loss", "value_loss", "reward", "kl", "entropy", "response_length"):
             assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-7), (a["step"], k)
-    run_dir = tmp_path / "ray"
     ran = [json.loads(line) for line in (run_dir / "ray_nodes.jsonl").read_text().splitlines()]
     where = {r["node"]: r["ray_node"] for r in ran}
     assert sorted(where) == ["gen0", "scorer0", "trainer"]
@@ -147,37 +170,6 @@ def test_the_doctor_checks_every_ray_node_and_the_placement(tmp_path, cache, clu
     assert "FAIL  placement: 5 bundle(s) of {'CPU': 1.0} placed PACK: missing 2 CPU" in out
     assert out.strip().endswith("5 of 6 checks passed; 1 failed")
     assert not ray.is_initialized()
-
-
-def test_the_daemon_runs_a_job_that_uses_ray(tmp_path, cache, cluster):
-    """`rlhf-async submit ... placement.launcher=ray`: the daemon's job places its nodes
-    on the cluster, as `rlhf-async run` would."""
-    state = tmp_path / "state"
-    cli = [sys.executable, "-m", "rlhf_async"]
-    with open(tmp_path / "daemon.log", "wb") as log:
-        daemon = subprocess.Popen([*cli, "serve", "--state-dir", str(state)],
-                                  stdout=subprocess.DEVNULL, stderr=log)
-    try:
-        submit = [*cli, "submit", *TINY, *APART, f"run.cache_dir={json.dumps(str(cache))}",
-                  "placement.launcher=ray", f"ray.address={cluster.address}",
-                  "--state-dir", str(state)]
-        deadline = time.monotonic() + 30  # until the daemon answers
-        while (done := subprocess.run(submit, capture_output=True, text=True)).returncode:
-            assert time.monotonic() < deadline, done.stderr
-            time.sleep(0.5)
-        assert done.stdout.startswith("job 1 queued")
-        deadline = time.monotonic() + 180
-        while (jobs := call_daemon(state, {"op": "jobs"}))[0]["state"] in ("queued", "running"):
-            assert time.monotonic() < deadline, jobs
-            time.sleep(1)
-        assert jobs[0]["state"] == "finished", jobs
-        run_dir = Path(jobs[0]["run_dir"])
-        ran = [json.loads(x) for x in (run_dir / "ray_nodes.jsonl").read_text().splitlines()]
-        assert len({r["ray_node"] for r in ran}) == 3 and len(read_metrics(
-            run_dir / "metrics.jsonl")) == 3
-    finally:
-        daemon.terminate()
-        daemon.wait(30)
 
 
 def _remove_nodes_of(cluster, order: list[str], run_dir: Path, stop: threading.Event,
