@@ -8,6 +8,12 @@ entry, as Gumbel-max needs) keeps the noise tiny for 100k-token vocabularies.
 A response ends at EOS, at a stop id, or at the token that completes a stop string. Stop
 strings are matched on each row's own decoded tokens (a short trailing window of them, not
 the whole response), so they keep that independence of the batch.
+
+Partial rollouts (`between`): a generator may copy newly published weights into the module
+between two decode steps. The rows go on from their KV cache as it is, although its prefix
+was computed by the older weights (as in PipelineRL and AReaL; recomputing it would cost a
+prefill). Each token records the version that sampled it and keeps the log-prob it was
+sampled with, which is what the trainer's per-token IS correction divides by.
 """
 
 from __future__ import annotations
