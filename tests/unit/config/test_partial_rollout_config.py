@@ -1,6 +1,7 @@
 import pytest
 
 from rlhf_async.config import ConfigError, load_config
+from rlhf_async.planning.planner import prepare_run
 
 
 def test_partial_rollout_loads_from_a_cli_override():
@@ -27,3 +28,11 @@ def test_partial_rollout_with_vllm_says_that_backend_does_not_support_it():
                            "generation.backend=vllm"])
     lines = [p for p in ei.value.problems if p.startswith("generation.partial_rollout:")]
     assert len(lines) == 1 and "not supported with generation.backend = 'vllm'" in lines[0]
+
+
+def test_auto_choosing_a_lock_step_strategy_refuses_partial_rollouts():
+    cfg = load_config(None, ["placement.strategy=auto", "generation.partial_rollout=true"])
+    with pytest.raises(ConfigError) as ei:
+        prepare_run(cfg)  # one CPU device: auto chooses flattening
+    assert any(p.startswith("generation.partial_rollout: placement.strategy = auto chose")
+               for p in ei.value.problems), ei.value.problems
