@@ -232,7 +232,8 @@ def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: Sa
         tokens[at, t] = tok
         resp_mask[at, t] = fed
         logprobs[at, t] = torch.where(live, logp.gather(1, tok[:, None]).squeeze(1), 0.0)
-        versions[at, t] = torch.where(live, version, -1)
+        if between is not None:  # else all one version, filled in after the loop
+            versions[at, t] = torch.where(live, version, -1)
         live = live & ~torch.isin(tok, stop_ids)
         if params.stop_strings and decode is not None and t >= params.min_new_tokens:
             live = live & ~_string_stopped(tokens, t, rows, live, params.stop_strings, decode)
@@ -250,6 +251,8 @@ def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: Sa
         logits = decoder.step(tok, next_pos, mask[:, : P + t + 1])
         next_pos = next_pos + 1
     actor.train(was_training)
+    if between is None:
+        versions = torch.where(resp_mask.bool(), version, -1)
     return Generated(tokens, resp_mask, logprobs, versions)
 
 
