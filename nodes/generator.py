@@ -1,17 +1,18 @@
 """Generator node: the shadow actor. Pulls prompt chunks, samples responses, pushes rollouts.
 
 Weights arrive by broadcast from the trainer: a background task receives them while this
-loop keeps generating, and they are swapped in between two generation steps, never during
-one. Every rollout carries the weight version that produced it and the lineage (trainer
-incarnation) of those weights; the coordinator learns the new version only after the swap
-(the `weights_applied` event).
+loop keeps generating, and they are swapped in between two chunks, never during one; with
+`generation.partial_rollout` (torch engine) between two decode steps of the running chunk
+instead (`strategies/separation/inflight.py`): its rows go on under the new weights, each
+token recording its version. Every rollout carries the weight version that produced it (its
+oldest token's) and the lineage (trainer incarnation) of those weights; the coordinator
+learns the new version only after the swap (the `weights_applied` event).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,10 +20,10 @@ import torch
 from nodes.common import NodeContext, load_context, message_errors
 from rlhf_async.config import weight_sync_backend
 from rlhf_async.engines import GenerationBackend, make_generation_backend
+from rlhf_async.engines.torch_gen import TorchGenerationBackend
 from rlhf_async.runtime import Node
 from rlhf_async.strategies.separation.chunks import prompts_from_message, rollout_message
 from rlhf_async.strategies.separation.events import (
-    SFT_LINEAGE,
     Connected,
     Generated,
     Loaded,
@@ -32,25 +33,23 @@ from rlhf_async.strategies.separation.events import (
     WeightSyncConnect,
     WeightSyncFailed,
 )
+from rlhf_async.strategies.separation.inflight import InflightWeights
 from rlhf_async.strategies.separation.stage import StageClock
 from rlhf_async.strategies.training import load_actor
 from rlhf_async.weight_sync import WeightSyncError
-
-
-@dataclass
-class Held:
-    """The weights generation uses now: their version and lineage (trainer incarnation)."""
-
-    version: int = 0  # the SFT policy
-    lineage: str = SFT_LINEAGE
 
 
 async def main(node: Node) -> None:
     job = load_context(node)
     # version 0 = the SFT policy; loaded off the loop so heartbeats go on
     engine = await asyncio.to_thread(_engine, job, int(node.params.get("tensor_parallel", 1)))
-    held = Held()
-    swap = asyncio.Lock()  # held by generation and by the weight swap: one at a time
+    # version 0 = the SFT policy, of lineage SFT; updates queue here until copied in
+    held = InflightWeights(engine.swap)
+    # partial rollouts: the running chunk takes queued updates between its decode steps
+    partial = engine if job.cfg.generation.partial_rollout else None
+    if partial is not None and not isinstance(partial, TorchGenerationBackend):
+        raise ValueError("generation.partial_rollout needs generation.backend = 'torch'")
+    swap = asyncio.Lock()  # held by a chunk's generation and by an idle swap: one at a time
     received = asyncio.Lock()  # one update in flight: the receiver's staging is reused
 
     async def connect(cmd: WeightSyncConnect) -> Connected:
@@ -74,14 +73,21 @@ async def main(node: Node) -> None:
                     "weight_broadcast", 2 * job.cfg.weight_sync.timeout_s,
                     asyncio.to_thread(engine.stage, plan))
             t1 = time.perf_counter()
-            async with swap:
-                version = await asyncio.to_thread(engine.swap, staged)
-                held.version, held.lineage = version, lineage
+            applied = held.offer(staged, lineage)
+            # copied in by the running chunk's next decode step (partial rollouts), else
+            # once no chunk runs
+            node.transport.spawn(_apply_idle(), name="weights-swap")
+            version = await asyncio.wrap_future(applied)
         except WeightSyncError as e:  # the group broke (a peer died): regrouped and re-sent
             await node.send_event(WeightSyncFailed(str(e)))
             return
         await node.send_event(WeightsApplied(version, lineage, t1 - t0,
                                              time.perf_counter() - t1), weight_version=version)
+
+    async def _apply_idle() -> None:
+        async with swap:
+            if held.pending:  # else a chunk's decode step took it
+                await asyncio.to_thread(held.apply_pending)
 
     node.handle(WeightSyncConnect, connect)
     node.handle(UpdateWeights, update)
@@ -98,13 +104,25 @@ async def main(node: Node) -> None:
             node.counters["rejected.chunk"] += 1
             node.log.warning("bad_prompt_chunk", error=str(e))
             continue
-        async with swap:  # weights cannot change under a generation step
-            version, lineage = held.version, held.lineage
-            batch = await clock.busy(node.watchdog.run(
-                "generate", job.cfg.runtime.step_deadline_s, asyncio.to_thread(
-                    engine.generate, prompts.to(job.device), seed, cid.step, version)))
-        await out.send(rollout_message("rollout", cid, batch.to("cpu"), node.node_id, lineage))
-        node.info.update(clock.snapshot(), version=version)
+        async with swap:  # weights change under a chunk only through `held.between`
+            if held.pending:  # published while no chunk ran: in before this one starts
+                await asyncio.to_thread(held.apply_pending)
+            start, span = held.begin()
+            try:
+                args = (prompts.to(job.device), seed, cid.step, start)
+                work = asyncio.to_thread(engine.generate, *args) if partial is None else \
+                    asyncio.to_thread(partial.generate, *args, held.between)
+                batch = await clock.busy(node.watchdog.run(
+                    "generate", job.cfg.runtime.step_deadline_s, work))
+            finally:
+                held.end()
+        if span.swaps:
+            node.counters["partial.interrupted_chunks"] += 1
+            node.counters["partial.swaps"] += span.swaps
+        version = batch.version  # the oldest token's
+        await out.send(rollout_message("rollout", cid, batch.to("cpu"), node.node_id,
+                                       span.lineage()))
+        node.info.update(clock.snapshot(), version=held.version)
         await node.send_event(Generated(cid.step, cid.chunk, cid.chunks, version, clock.busy_s,
                                         clock.idle_s), step=cid.step, weight_version=version)
 

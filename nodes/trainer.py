@@ -32,6 +32,7 @@ from rlhf_async.rl.checkpoint import (
 from rlhf_async.rl.guards import NonFiniteError
 from rlhf_async.rl.learner import Learner
 from rlhf_async.rl.staleness import StalenessPolicy
+from rlhf_async.rl.token_versions import token_version_metrics
 from rlhf_async.runtime import Node
 from rlhf_async.strategies.separation.assembler import BatchAssembler
 from rlhf_async.strategies.separation.chunks import lineage_of, rollout_from_message
@@ -173,6 +174,7 @@ class Trainer:
             # after the publish: the generators go on meanwhile
             metrics.update(await asyncio.to_thread(self.logs.after_step, step, full,
                                                    self.learner))
+        metrics.update(token_version_metrics(full, self.policy.sync_version(step)))
         # the trainer's own log of what it trained, written before the checkpoint that
         # includes the step: exactly-once is counted from it
         ids = full.sample_ids.tolist()

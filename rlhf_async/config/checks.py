@@ -69,6 +69,7 @@ def cross_checks(cfg: JobConfig) -> list[str]:
         out.append(f"model.hidden: {cfg.model.hidden} must be divisible by model.heads")
     out.extend(_context_checks(cfg))
     out.extend(_episode_checks(cfg))
+    out.extend(_partial_rollout_checks(cfg))
     out.extend(_eval_checks(cfg))
     return out
 
@@ -92,6 +93,29 @@ def _episode_checks(cfg: JobConfig) -> list[str]:
     if has_env(cfg) and cfg.generation.backend != "torch":
         out.append(f"generation.backend: {cfg.generation.backend!r} cannot run multi-turn "
                    "episodes (task.env); accepted: torch")
+    return out
+
+
+def _partial_rollout_checks(cfg: JobConfig) -> list[str]:
+    """`generation.partial_rollout`: Separation's generators on the torch engine (our
+    decode loop takes the weights between two steps) with single-turn responses."""
+    if not cfg.generation.partial_rollout:
+        return []
+    out = []
+    strategy = cfg.placement.strategy
+    if strategy not in ("separation", "auto"):
+        out.append(f"generation.partial_rollout: only the separation strategy's generators "
+                   f"take weights during a generation; placement.strategy = {strategy!r} "
+                   "generates and trains in turn (accepted: separation, or auto resolving "
+                   "to it)")
+    if cfg.generation.backend != "torch":
+        out.append(f"generation.partial_rollout: not supported with generation.backend = "
+                   f"{cfg.generation.backend!r} (its engine swaps weights only between "
+                   "whole generate calls); accepted: torch")
+    if has_env(cfg):
+        out.append("generation.partial_rollout: not supported with multi-turn episodes "
+                   "(task.env / task.name = 'calculator'): each turn is its own generation; "
+                   "set generation.partial_rollout = false")
     return out
 
 

@@ -281,6 +281,12 @@ class GenerationConfig:
                      "CPU narrow models generate faster in fp32 while they train in bf16 "
                      "(bench/README.md). Separation's generators use placement.dtype "
                      "shadow_actor=...", choices=("", "fp32", "bf16"))
+    partial_rollout: bool = opt(False, "separation, torch engine: a generator swaps in a "
+                                "newly published weight version between two decode steps "
+                                "of its running chunk (in-flight update) instead of after "
+                                "it; each token records its version (token_versions), the "
+                                "rollout's version is its oldest token's, and "
+                                "algo.max_staleness bounds that one")
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The plain-torch generation engine (CPU default): our keyed sampler over an HF module;
-weight updates are received beside generation and copied in between two steps."""
+weight updates are received beside generation and copied in between two generate calls,
+or, with partial rollouts, between two decode steps of one (the `between` hook)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_async.modeling.episodes import rollout
-from rlhf_async.modeling.generation import SamplingParams
+from rlhf_async.modeling.generation import Between, SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.weight_sync import GroupSpec, load_into_module, make_receiver
 
@@ -23,9 +24,11 @@ class TorchGenerationBackend:
         self.actor, self.params = actor, params
         self.receiver = make_receiver(sync_backend, device=device)
 
-    def generate(self, prompts: PromptBatch, seed: int, step: int, version: int) -> RolloutBatch:
-
-        return rollout(self.actor, prompts, self.params, seed, step, version)
+    def generate(self, prompts: PromptBatch, seed: int, step: int, version: int,
+                 between: Between | None = None) -> RolloutBatch:
+        """A chunk's rollout; `between` (partial rollouts): swaps staged weights in between
+        two decode steps (see `modeling.generation.sample`)."""
+        return rollout(self.actor, prompts, self.params, seed, step, version, between)
 
     def connect(self, spec: GroupSpec, rank: int) -> None:
         self.receiver.connect(spec, rank)

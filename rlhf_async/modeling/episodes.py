@@ -34,6 +34,7 @@ from rlhf_async.log import get_logger
 from rlhf_async.modeling.determinism import key_seed
 from rlhf_async.modeling.environment import Env, EpisodeSpec
 from rlhf_async.modeling.generation import (
+    Between,
     SamplingParams,
     completes_stop_string,
     generate,
@@ -247,9 +248,13 @@ def _batch(prompts: PromptBatch, eps: list[_Episode], width: int, pad_id: int, v
 
 
 def rollout(actor: nn.Module, prompts: PromptBatch, params: SamplingParams, seed: int,
-            step: int, version: int) -> RolloutBatch:
+            step: int, version: int, between: Between | None = None) -> RolloutBatch:
     """What every strategy calls to roll out a batch: one response per row, or with
-    `params.episode` one multi-turn episode per row."""
+    `params.episode` one multi-turn episode per row. `between`: partial rollouts (weights
+    swapped between decode steps, `generation.sample`), single-turn only."""
     if params.episode is None:
-        return generate(actor, prompts, params, seed, step, version)
+        return generate(actor, prompts, params, seed, step, version, between)
+    if between is not None:
+        raise ValueError("partial rollouts (weights swapped mid-generation) are not "
+                         "supported with multi-turn episodes")
     return run_episodes(actor, prompts, params, params.episode, seed, step, version)

@@ -8,6 +8,12 @@ entry, as Gumbel-max needs) keeps the noise tiny for 100k-token vocabularies.
 A response ends at EOS, at a stop id, or at the token that completes a stop string. Stop
 strings are matched on each row's own decoded tokens (a short trailing window of them, not
 the whole response), so they keep that independence of the batch.
+
+Partial rollouts (`between`): a generator may copy newly published weights into the module
+between two decode steps. The rows go on from their KV cache as it is, although its prefix
+was computed by the older weights (as in PipelineRL and AReaL; recomputing it would cost a
+prefill). Each token records the version that sampled it and keeps the log-prob it was
+sampled with, which is what the trainer's per-token IS correction divides by.
 """
 
 from __future__ import annotations
@@ -28,6 +34,11 @@ from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.modeling.shared_prompts import prompt_groups
 
 Decode = Callable[[list[int]], str]  # token ids -> text (a task's tokenizer)
+# Partial rollouts: called on the sampling thread between two decode steps; applies any
+# weights staged meanwhile (in place, into the same module) and returns the version the
+# module holds now. The KV cache of the tokens so far stays as it is: it came from the
+# older weights (as in PipelineRL and AReaL), only the tokens after the swap see the new.
+Between = Callable[[], int]
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,7 @@ class Generated:
     response_ids: Tensor  # [B, R] right-padded with pad_id after EOS
     response_mask: Tensor  # [B, R] 1 for real tokens (EOS included)
     logprobs: Tensor  # [B, R] log pi_behaviour(token); 0 on padding
+    token_versions: Tensor  # [B, R] long: weight version that sampled each token; -1 on pad
 
 
 def sampling_uniforms(seed: int, step: int, sample_ids: list[int], max_new_tokens: int) -> Tensor:
@@ -133,6 +145,12 @@ class _Decoder:
         self.kw = cache_keyword(actor)
         self.droppable = hasattr(cache, "batch_select_indices")
 
+    def reload(self, steps: int) -> None:
+        """The module's weights changed in place (a partial rollout's swap): remake the
+        fast step, whose packed weight copies (CPU) were taken from the old ones."""
+        if self.fast is not None:
+            self.fast = decode_step(self.actor, steps)
+
     def drop(self, keep: Tensor) -> None:
         """Keep only rows `keep` [b'] of the cache."""
         self.cache.batch_select_indices(keep)
@@ -169,12 +187,18 @@ def _prefill(actor: nn.Module, prompt_ids: Tensor, mask: Tensor, pos: Tensor,
 
 @torch.no_grad()
 def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams,
-           uniforms: Tensor) -> Generated:
+           uniforms: Tensor, version: int = 0, between: Between | None = None) -> Generated:
     """Sample responses for left-padded prompts [B, P] using precomputed uniforms [B, R].
 
     The model steps over the rows still decoding (`rows`): a finished row leaves its batch
     and KV cache (one index copy) instead of stepping on with a masked pad token. With a
-    cache that cannot drop rows (older transformers) it stays with `live` false."""
+    cache that cannot drop rows (older transformers) it stays with `live` false.
+
+    `version`: the weights' version at the start. `between` (partial rollouts): called
+    before every decode step, it may swap new weights into `actor`; the rows go on from
+    their KV cache under them, and each token's version and behaviour log-prob are those
+    of the weights that sampled it. The uniforms are keyed per (sample, position), so a
+    swap that brings identical weights changes no token."""
     decode = params.decode
     if params.stop_strings and decode is None:
         raise ValueError("SamplingParams.stop_strings needs SamplingParams.decode (token ids "
@@ -194,6 +218,7 @@ def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: Sa
     tokens = torch.full((B, R), params.pad_id, dtype=torch.long, device=device)
     resp_mask = torch.zeros((B, R), dtype=torch.long, device=device)
     logprobs = torch.zeros((B, R), dtype=torch.float32, device=device)
+    versions = torch.full((B, R), -1, dtype=torch.long, device=device)
     rows = torch.arange(B, device=device)  # [b] the model batch's rows of the full batch
     whole = True  # rows is still every row in order: columns are written as slices
     live = torch.ones(B, dtype=torch.bool, device=device)  # [b] rows still in a response
@@ -207,6 +232,8 @@ def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: Sa
         tokens[at, t] = tok
         resp_mask[at, t] = fed
         logprobs[at, t] = torch.where(live, logp.gather(1, tok[:, None]).squeeze(1), 0.0)
+        if between is not None:  # else all one version, filled in after the loop
+            versions[at, t] = torch.where(live, version, -1)
         live = live & ~torch.isin(tok, stop_ids)
         if params.stop_strings and decode is not None and t >= params.min_new_tokens:
             live = live & ~_string_stopped(tokens, t, rows, live, params.stop_strings, decode)
@@ -218,18 +245,29 @@ def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: Sa
             decoder.drop(keep)
             rows, mask, tok, next_pos = rows[keep], mask[keep], tok[keep], next_pos[keep]
             live, whole = live[keep], False
+        if between is not None and (now := between()) != version:
+            version = now
+            decoder.reload(R - 1)  # the call's length: the same packing choice as before
         logits = decoder.step(tok, next_pos, mask[:, : P + t + 1])
         next_pos = next_pos + 1
     actor.train(was_training)
-    return Generated(tokens, resp_mask, logprobs)
+    if between is None:
+        versions = torch.where(resp_mask.bool(), version, -1)
+    return Generated(tokens, resp_mask, logprobs, versions)
 
 
 def generate(actor: nn.Module, prompts: PromptBatch, params: SamplingParams, seed: int,
-             step: int, version: int) -> RolloutBatch:
-    """Sample one response per row; noise keyed by (seed, step, sample id)."""
+             step: int, version: int, between: Between | None = None) -> RolloutBatch:
+    """Sample one response per row; noise keyed by (seed, step, sample id). With `between`
+    (partial rollouts, see `sample`) the batch carries `token_versions` and its `version`
+    is its oldest token's."""
     ids = [int(s) for s in prompts.sample_ids]
     u = sampling_uniforms(seed, step, ids, params.max_new_tokens)
-    g = sample(actor, prompts.prompt_ids, prompts.prompt_mask, params, u)
+    g = sample(actor, prompts.prompt_ids, prompts.prompt_mask, params, u, version, between)
+    if between is not None:
+        real = g.token_versions >= 0
+        version = int(g.token_versions[real].min()) if bool(real.any()) else version
     return RolloutBatch(prompts.prompt_ids, prompts.prompt_mask, g.response_ids,
                         g.response_mask, g.logprobs, prompts.sample_ids, prompts.group_ids,
-                        version=version, step=step)
+                        version=version, step=step,
+                        token_versions=None if between is None else g.token_versions)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 REQUIRED = ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
             "behaviour_logprobs", "sample_ids", "group_ids")
-OPTIONAL = ("rewards", "ref_logprobs", "hidden_scores", "env_rewards")
+OPTIONAL = ("rewards", "ref_logprobs", "hidden_scores", "env_rewards", "token_versions")
 # response_mask values: a token the policy sampled (trained on), an environment's token of a
 # multi-turn episode (context the policy reads, never trained on), padding
 POLICY, ENV, PAD = 1, 2, 0
@@ -85,6 +85,9 @@ class RolloutBatch:
     ref_logprobs: Tensor | None = None  # [B, R] float32 reference log-probs (scorer)
     hidden_scores: Tensor | None = None  # [B] float32 task's true score (reported only)
     env_rewards: Tensor | None = None  # [B] float32 an episode's environment rewards, summed
+    # [B, R] long: the weight version that sampled each token, -1 on padding (partial
+    # rollouts: a generation that took new weights mid-way; `version` is then the oldest)
+    token_versions: Tensor | None = None
 
     @property
     def loss_mask(self) -> Tensor:
@@ -141,7 +144,7 @@ class RolloutBatch:
         want = {"prompt_ids": (B, P), "prompt_mask": (B, P), "response_ids": (B, R),
                 "response_mask": (B, R), "behaviour_logprobs": (B, R), "sample_ids": (B,),
                 "group_ids": (B,), "rewards": (B,), "ref_logprobs": (B, R),
-                "hidden_scores": (B,), "env_rewards": (B,)}
+                "hidden_scores": (B,), "env_rewards": (B,), "token_versions": (B, R)}
         problems = []
         for name, shape in want.items():
             t = getattr(self, name)
@@ -149,12 +152,27 @@ class RolloutBatch:
                 continue
             if tuple(t.shape) != shape:
                 problems.append(f"{name}: shape {tuple(t.shape)}, expected {shape}")
-            integer = name.endswith(("_ids", "_mask"))
+            integer = name.endswith(("_ids", "_mask", "_versions"))
             if integer != (not t.is_floating_point()):
                 kind = "integer" if integer else "float"
                 problems.append(f"{name}: dtype {t.dtype} is not {kind}")
+        problems += self._token_version_problems()
         if problems:
             raise RolloutFormatError("; ".join(problems))
+
+    def _token_version_problems(self) -> list[str]:
+        """token_versions: >= 0 on every real token, -1 on padding, none older than
+        `version` (what staleness admits on: the oldest token's, or older after a concat)."""
+        tv = self.token_versions
+        if tv is None or tv.is_floating_point() or tv.shape != self.response_ids.shape:
+            return []  # no tensor, or its dtype/shape problem is reported already
+        real = self.response_mask != PAD
+        if bool((tv[real] < 0).any()) or bool((tv[~real] != -1).any()):
+            return ["token_versions: must be >= 0 on real tokens and -1 on padding"]
+        if bool(real.any()) and int(tv[real].min()) < self.version:
+            return [f"token_versions: a token of version {int(tv[real].min())} is older "
+                    f"than the batch's version {self.version}"]
+        return []
 
     def select(self, index: Tensor) -> RolloutBatch:
         """Rows `index` (a long tensor) of every tensor field."""

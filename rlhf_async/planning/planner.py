@@ -192,9 +192,15 @@ def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
     """Before anything starts: `auto` resolved to a strategy (logged with its reason), and
     the placement checked as a plan (memory included) and for what this build's runner
     executes, every problem in one PlacementError."""
-    if cfg.placement.strategy == AUTO:
+    auto = cfg.placement.strategy == AUTO
+    if auto:
         cfg = resolve_auto(cfg)
     placement, _, problems = _plan(cfg)
+    if auto and cfg.generation.partial_rollout and cfg.placement.strategy != "separation":
+        problems.append(f"generation.partial_rollout: placement.strategy = auto chose "
+                        f"{cfg.placement.strategy!r}, whose generation does not overlap "
+                        "training; set placement.strategy = separation (or "
+                        "generation.partial_rollout = false)")
     if placement is not None:
         problems += [p for p in runner_problems(cfg, placement) if p not in problems]
     if problems or placement is None:

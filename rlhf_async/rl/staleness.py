@@ -17,6 +17,12 @@ Definitions (steps and versions count from 0):
 * ``max_staleness = k``: a batch may be generated with any version in
   ``[floor(s / N) - k, floor(s / N)]``. ``k = 0`` is synchronous on-policy RLHF.
 
+With partial rollouts (``generation.partial_rollout``) a generator takes new weights between
+two decode steps of a chunk, so one response's tokens may come from several versions; the
+rollout's version is its OLDEST token's, and that is what is admitted here: ``max_staleness``
+bounds the oldest token (newer tokens are within it by construction). At ``k = 0`` no
+version can arrive mid-chunk (the next one needs this very batch trained), so nothing changes.
+
 A rollout that claims a version newer than ``floor(s / N)`` cannot come from a correct
 pipeline (that version does not exist yet when batch ``s`` is trained); it is rejected and
 counted separately instead of crashing the trainer.

@@ -1,0 +1,38 @@
+import pytest
+
+from rlhf_async.config import ConfigError, load_config
+from rlhf_async.planning.planner import prepare_run
+
+
+def test_partial_rollout_loads_from_a_cli_override():
+    cfg = load_config(None, ["placement.strategy=separation", "generation.partial_rollout=true"])
+    assert cfg.generation.partial_rollout is True
+    assert load_config(None, []).generation.partial_rollout is False
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    (["placement.strategy=flattening"], "placement.strategy = 'flattening'"),
+    (["placement.strategy=interleaving"], "placement.strategy = 'interleaving'"),
+    (["placement.strategy=separation", "task.name=calculator"], "multi-turn episodes"),
+])
+def test_partial_rollout_outside_separations_torch_engine_is_one_clear_error(overrides, needle):
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["generation.partial_rollout=true", *overrides])
+    lines = [p for p in ei.value.problems if p.startswith("generation.partial_rollout:")]
+    assert len(lines) == 1 and needle in lines[0], ei.value.problems
+
+
+def test_partial_rollout_with_vllm_says_that_backend_does_not_support_it():
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["generation.partial_rollout=true", "placement.strategy=separation",
+                           "generation.backend=vllm"])
+    lines = [p for p in ei.value.problems if p.startswith("generation.partial_rollout:")]
+    assert len(lines) == 1 and "not supported with generation.backend = 'vllm'" in lines[0]
+
+
+def test_auto_choosing_a_lock_step_strategy_refuses_partial_rollouts():
+    cfg = load_config(None, ["placement.strategy=auto", "generation.partial_rollout=true"])
+    with pytest.raises(ConfigError) as ei:
+        prepare_run(cfg)  # one CPU device: auto chooses flattening
+    assert any(p.startswith("generation.partial_rollout: placement.strategy = auto chose")
+               for p in ei.value.problems), ei.value.problems
