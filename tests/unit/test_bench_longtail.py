@@ -1,0 +1,45 @@
+"""bench.longtail's rows and idle share; bench.trl_compare's time-to-quality report."""
+
+import pytest
+
+from bench import longtail, trl_compare
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_row_whose_key_is_not_in_the_schema_is_reported_missing():
+    assert longtail.has_key("task", "long_fraction") and longtail.has_key("algo", "max_staleness")
+    assert not longtail.has_key("generation", "no_such_key")
+    assert longtail.missing_keys("flattening (sync)") == []
+    assert longtail.missing_keys("separation k=1") == []
+    want = [] if longtail.has_key("generation", "partial_rollout") \
+        else ["generation.partial_rollout"]
+    assert longtail.missing_keys("separation k=1 partial") == want
+
+
+def test_generator_idle_share_of_both_kinds_of_utilisation():
+    assert longtail.generator_idle({"generate": 0.25, "score": 0.25, "train": 0.5}) == 0.75
+    assert longtail.generator_idle({"gen": 0.4, "scorer": 0.3, "trainer": 0.9}) == \
+        pytest.approx(0.6)
+    with pytest.raises(KeyError, match="no generator"):
+        longtail.generator_idle({"trainer": 0.9})
+
+
+def _row(step_s, hidden, wall):
+    s = trl_compare.summarise(step_s, [8] * len(step_s), [40] * len(step_s), hidden,
+                              warmup=0, target=0.5)
+    return {**s, "rl_wall_s": wall}
+
+
+def test_time_to_quality_adds_the_time_outside_steps_and_compares_with_trls_soonest():
+    rows = {"trl 1t": {**_row([1.0] * 4, [0.5] * 4, 4.5), "setup_s": 0.25},  # 3 s + 0.5 + 0.25 s
+            "trl 2t": _row([2.0] * 4, [0.5] * 4, 8.0),  # at 6 s
+            "flattening": _row([0.5] * 4, [0.4, 0.5, 0.6, 0.7], 3.75),  # at 1.5 s + 1.75 s
+            "separation k=1": _row([0.5] * 4, [0.1] * 4, 3.0)}  # never
+    q = trl_compare.time_to_quality(rows, 0.5)
+    assert q["trl 1t"]["wall_s"] == pytest.approx(3.75) and q["trl 1t"]["vs_trl"] is None
+    assert q["flattening"]["steps_s"] == 1.5 and q["flattening"]["overhead_s"] == 1.75
+    assert q["flattening"]["vs_trl"] == pytest.approx(3.25 / 3.75)
+    assert q["separation k=1"]["wall_s"] is None and q["separation k=1"]["vs_trl"] is None
+    rows.pop("trl 1t"), rows.pop("trl 2t")
+    assert trl_compare.time_to_quality(rows, 0.5)["flattening"]["vs_trl"] is None
