@@ -106,7 +106,7 @@ def tail_scores(cfg: JobConfig, policy_dir: Path) -> dict[str, float]:
 
 
 def run_row(name: str, base: list[str], warmup: int, max_tokens: int) -> dict:
-    over = [o.format(max_tokens=max_tokens) for o in ROWS[name][0]]
+    over = row_overrides(name, max_tokens)
     tag = name.replace(" ", "").replace("=", "").replace("(", "").replace(")", "")
     cfg = load_config(None, [*base, *over, f"run.name={tag}-{time.time_ns()}"])
     load_before = os.getloadavg()
@@ -179,17 +179,26 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    configure_logging("warning")
-    cores = os.cpu_count() or 1
+def base_overrides(args: argparse.Namespace, cores: int) -> list[str]:
+    """What every row shares: the long-tail task, the model, the GRPO job, the batch."""
     layers, hidden, heads = SIZES[args.size]
-    base = [f"model.layers={layers}", f"model.hidden={hidden}", f"model.heads={heads}", *TAIL,
+    return [f"model.layers={layers}", f"model.hidden={hidden}", f"model.heads={heads}", *TAIL,
             "algo.name=grpo", f"algo.group_size={args.group}", "train.epochs=1",
             "train.minibatches=1", f"train.steps={args.steps}",
             f"train.prompts_per_step={args.prompts}", f"placement.devices={cores}",
             "run.plot=false", f"run.eval_prompts={args.eval_prompts}", "run.checkpoint_every=0",
             "run.output_dir=runs/bench-longtail", *args.overrides]
+
+
+def row_overrides(name: str, max_tokens: int) -> list[str]:
+    return [o.format(max_tokens=max_tokens) for o in ROWS[name][0]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    configure_logging("warning")
+    cores = os.cpu_count() or 1
+    base = base_overrides(args, cores)
     load_config(None, base)  # bad overrides fail here, before any run starts
     names = [n for n in ROWS if not args.only or n in args.only]
     load_start = os.getloadavg()

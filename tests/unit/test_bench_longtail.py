@@ -3,6 +3,7 @@
 import pytest
 
 from bench import longtail, trl_compare
+from rlhf_async.config import load_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -15,6 +16,18 @@ def test_a_row_whose_key_is_not_in_the_schema_is_reported_missing():
     want = [] if longtail.has_key("generation", "partial_rollout") \
         else ["generation.partial_rollout"]
     assert longtail.missing_keys("separation k=1 partial") == want
+
+
+def test_every_row_this_tree_can_run_is_a_valid_config_of_the_long_tail_task():
+    args = longtail.parse([])
+    base = longtail.base_overrides(args, cores=2)
+    runnable = [n for n in longtail.ROWS if not longtail.missing_keys(n)]
+    assert {"flattening (sync)", "separation k=1"} <= set(runnable)
+    for name in runnable:
+        cfg = load_config(None, [*base, *longtail.row_overrides(name, 1024)])
+        assert cfg.task.long_fraction == 0.1 and cfg.train.steps == 60
+        assert cfg.placement.strategy == name.split()[0]
+    assert longtail.parse(["--quick"]).rounds == 1
 
 
 def test_generator_idle_share_of_both_kinds_of_utilisation():
@@ -40,6 +53,10 @@ def test_time_to_quality_adds_the_time_outside_steps_and_compares_with_trls_soon
     assert q["trl 1t"]["wall_s"] == pytest.approx(3.75) and q["trl 1t"]["vs_trl"] is None
     assert q["flattening"]["steps_s"] == 1.5 and q["flattening"]["overhead_s"] == 1.75
     assert q["flattening"]["vs_trl"] == pytest.approx(3.25 / 3.75)
+    assert q["flattening"]["vs_trl_steps"] == pytest.approx(1.5 / 3.0)
+    # a wider window waits for more batches: (0.5, 0.6, 0.7) first reaches 0.6 at 2 s
+    assert trl_compare.time_to_quality(rows, 0.6, window=3)["flattening"]["steps_s"] == 2.0
+    assert trl_compare.time_to_quality(rows, 0.5, window=4)["flattening"]["steps_s"] == 2.0
     assert q["separation k=1"]["wall_s"] is None and q["separation k=1"]["vs_trl"] is None
     rows.pop("trl 1t"), rows.pop("trl 2t")
     assert trl_compare.time_to_quality(rows, 0.5)["flattening"]["vs_trl"] is None
