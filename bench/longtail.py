@@ -17,7 +17,9 @@ Rows whose config key does not exist in this tree (`generation.partial_rollout`,
 run. Reported per row: samples/s and completion tokens/s over the steady steps, the
 generator's idle share (Separation: 1 - the generator nodes' busy / wall; Flattening: the
 share of a step its processes are not generating), the held-out hidden score after SFT and
-after RL, and the load average before and after. With --rounds N the rows take turns N
+after RL (and split into short and long prompts), the responses that partial rollouts cut
+across weight versions (`partial/interrupted_rows` of the step records, "-" where a row's
+records do not count them), and the load average before and after. With --rounds N the rows take turns N
 times (the order reversed every other round, so background load hits them alike) and each
 row reports its median round by samples/s, with every round's rate beside it. Writes
 bench/results/longtail.json.
@@ -64,7 +66,7 @@ ROWS: dict[str, tuple[list[str], list[tuple[str, str]]]] = {
 
 # what each round of a row keeps beside its median round
 ROUND_KEYS = ("samples_per_s", "tokens_per_s", "generator_idle", "final_hidden_score",
-              "hidden_long", "loadavg_before", "loadavg_after")
+              "hidden_long", "interrupted_rows", "loadavg_before", "loadavg_after")
 
 
 def has_key(section: str, key: str) -> bool:
@@ -105,6 +107,13 @@ def tail_scores(cfg: JobConfig, policy_dir: Path) -> dict[str, float]:
             "response_length_long": float(b.response_mask[long].sum(1).float().mean())}
 
 
+def interrupted_rows(records: list[dict]) -> float | None:
+    """Responses whose tokens came from more than one weight version (what partial rollouts
+    do: `partial/interrupted_rows` in a step record); None where no record counts them."""
+    counts = [r["partial/interrupted_rows"] for r in records if "partial/interrupted_rows" in r]
+    return sum(counts) if counts else None
+
+
 def run_row(name: str, base: list[str], warmup: int, max_tokens: int) -> dict:
     over = row_overrides(name, max_tokens)
     tag = name.replace(" ", "").replace("=", "").replace("(", "").replace(")", "")
@@ -119,6 +128,7 @@ def run_row(name: str, base: list[str], warmup: int, max_tokens: int) -> dict:
     return {**st, "tokens_per_s": tokens / st["wall_s"],
             "generator_idle": generator_idle(st["utilisation"]),
             "trained_samples": sum(r["samples"] for r in recs),
+            "interrupted_rows": interrupted_rows(recs),
             "response_length": tokens / sum(r["samples"] for r in recs[warmup:]),
             "sft_hidden_score": s["sft_hidden_score"],
             "final_hidden_score": s["final_hidden_score"], "rl_wall_s": s["rl_seconds"],
@@ -132,7 +142,7 @@ def print_table(results: dict[str, dict]) -> None:
     sep = results.get("separation k=1", {}).get("samples_per_s")
     print(f"\n{'row':24s} {'samples/s':>9s} {'tokens/s':>9s} {'vs flat':>7s} {'vs k=1':>7s} "
           f"{'gen idle':>8s} {'len':>5s} {'samples':>7s} {'hidden SFT->RL':>15s} "
-          f"{'short':>6s} {'long':>6s} {'load':>10s}")
+          f"{'short':>6s} {'long':>6s} {'interr.':>7s} {'load':>10s}")
     for name, r in results.items():
         if "unavailable" in r:
             print(f"{name:24s} not available: {r['unavailable']}")
@@ -140,11 +150,12 @@ def print_table(results: dict[str, dict]) -> None:
         vf = f"{r['samples_per_s'] / flat:.2f}x" if flat else "-"
         vk = f"{r['samples_per_s'] / sep:.2f}x" if sep else "-"
         load = f"{r['loadavg_before'][0]:.1f}->{r['loadavg_after'][0]:.1f}"
+        cut = "-" if r["interrupted_rows"] is None else f"{r['interrupted_rows']:.0f}"
         print(f"{name:24s} {r['samples_per_s']:9.1f} {r['tokens_per_s']:9.0f} {vf:>7s} {vk:>7s} "
               f"{r['generator_idle']:8.2f} {r['response_length']:5.1f} "
               f"{r['trained_samples']:7.0f} {r['sft_hidden_score']:6.3f} -> "
               f"{r['final_hidden_score']:.3f} {r['hidden_short']:6.3f} {r['hidden_long']:6.3f} "
-              f"{load:>10s}")
+              f"{cut:>7s} {load:>10s}")
     for name, r in results.items():
         if len(r.get("rounds", [])) > 1:
             rates = " / ".join(f"{x['samples_per_s']:.0f}" for x in r["rounds"])

@@ -30,6 +30,12 @@ def test_every_row_this_tree_can_run_is_a_valid_config_of_the_long_tail_task():
     assert longtail.parse(["--quick"]).rounds == 1
 
 
+def test_interrupted_rows_are_counted_only_where_the_records_count_them():
+    assert longtail.interrupted_rows([{"samples": 8}, {"samples": 8}]) is None
+    recs = [{"partial/interrupted_rows": 3.0}, {"samples": 8}, {"partial/interrupted_rows": 0.0}]
+    assert longtail.interrupted_rows(recs) == 3.0
+
+
 def test_generator_idle_share_of_both_kinds_of_utilisation():
     assert longtail.generator_idle({"generate": 0.25, "score": 0.25, "train": 0.5}) == 0.75
     assert longtail.generator_idle({"gen": 0.4, "scorer": 0.3, "trainer": 0.9}) == \
