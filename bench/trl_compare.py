@@ -171,9 +171,10 @@ def our_rows(args: argparse.Namespace) -> list[str]:
 
 
 def train_grpo(model_path: str, tokenizer_path: str, data: Any, reward: Any, threads: int,
-               **settings: Any) -> tuple[list[float], float]:
+               **settings: Any) -> tuple[list[float], float, float]:
     """TRL's GRPOTrainer on `data` with the settings both comparisons share plus `settings`
-    (batch, generations, lengths, lr, beta, ...). -> per-step seconds, train() seconds."""
+    (batch, generations, lengths, lr, beta, ...). -> per-step seconds, train() seconds,
+    seconds to build the trainer before it (loading the policy and its reference)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -187,6 +188,7 @@ def train_grpo(model_path: str, tokenizer_path: str, data: Any, reward: Any, thr
             stamps.append(time.perf_counter())
 
     torch.set_num_threads(threads)
+    t_setup = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         gcfg = GRPOConfig(
             output_dir=tmp, use_cpu=True, gradient_accumulation_steps=1,
@@ -202,7 +204,7 @@ def train_grpo(model_path: str, tokenizer_path: str, data: Any, reward: Any, thr
         t0 = time.perf_counter()
         trainer.train()
         total = time.perf_counter() - t0
-    return [b - a for a, b in itertools.pairwise(stamps)], total
+    return [b - a for a, b in itertools.pairwise(stamps)], total, t0 - t_setup
 
 
 def run_trl(cfg: JobConfig, args: argparse.Namespace, threads: int, target: float,
@@ -219,7 +221,7 @@ def run_trl(cfg: JobConfig, args: argparse.Namespace, threads: int, target: floa
     fixed = {"generation_kwargs": {"min_new_tokens": width - 1}} if args.new_tokens else {}
     with tempfile.TemporaryDirectory() as tok:
         save_tokenizer(Path(tok))
-        step_s, total = train_grpo(
+        step_s, total, setup = train_grpo(
             str(art.sft_dir), tok, data, reward, threads,
             per_device_train_batch_size=args.prompts * args.group, num_generations=args.group,
             max_completion_length=width, temperature=1.0, top_k=0, **fixed,
@@ -229,7 +231,7 @@ def run_trl(cfg: JobConfig, args: argparse.Namespace, threads: int, target: floa
     n = min(len(step_s), len(reward.hidden))
     out = summarise(step_s[:n], [args.prompts * args.group] * n, reward.tokens[:n],
                     reward.hidden[:n], args.warmup, target)
-    out["rl_wall_s"] = total
+    out["rl_wall_s"], out["setup_s"] = total, setup
     return out
 
 
@@ -246,6 +248,58 @@ def print_table(size: str, rows: dict[str, dict], target: float) -> None:
         print(f"{name:28s} {r['completions_per_s']:8.1f} {r['tokens_per_s']:8.0f} {vs:>7s} "
               f"{r['rl_wall_s']:9.1f} {tt:>11s} {r['first_hidden']:8.3f} -> "
               f"{r['last_hidden']:.3f}")
+
+
+def time_to_quality(rows: dict[str, dict], target: float, window: int = 3) -> dict[str, dict]:
+    """Per system, the wall time until the rolling mean over `window` batches of the hidden
+    score (the batches' true score, of fresh prompts, before the policy trains on them; one
+    batch of 64 is noisy, +-0.03) first reaches `target`: over the
+    steps (`steps_s`), and with all of the RL phase's time outside its steps added
+    (`wall_s`: node start and model loading for ours; for TRL building the trainer, which
+    loads the policy and the reference, and `train()`'s own setup; shutdown too on both
+    sides, so an upper bound). `vs_trl`: that wall time over TRL's soonest row (fp32 or bf16),
+    < 1 = ours sooner (`vs_trl_steps`: the same over the steps alone); None where a side never
+    reached the target."""
+    out: dict[str, dict] = {}
+    for name, r in rows.items():
+        steps = time_to_target(r["times"], r["hidden"], target, window)
+        overhead = max(r["rl_wall_s"] - sum(r["step_s"]), 0.0) + r.get("setup_s", 0.0)
+        out[name] = {"steps_s": steps, "overhead_s": overhead,
+                     "wall_s": None if steps is None else steps + overhead}
+    for key, ratio in (("wall_s", "vs_trl"), ("steps_s", "vs_trl_steps")):
+        trl = [q[key] for n, q in out.items() if n.startswith("trl") and q[key] is not None]
+        best = min(trl) if trl else None
+        for name, q in out.items():
+            ours = not name.startswith("trl") and q[key] is not None
+            q[ratio] = q[key] / best if ours and best else None
+    return out
+
+
+def print_time_to_quality(label: str, ttq: dict[str, dict], target: float, steps: int,
+                          window: int) -> None:
+    print(f"\n[{label}] time to a rolling hidden score of {target} ({window} batches), "
+          f"{steps} steps")
+    print(f"{'system':28s} {'steps s':>8s} {'+ outside steps s':>17s} {'wall s':>7s} "
+          f"{'ours/TRL steps':>14s} {'ours/TRL wall':>13s}")
+    for name, q in ttq.items():
+        if q["wall_s"] is None:
+            print(f"{name:28s} {'not reached':>8s} {q['overhead_s']:17.1f}")
+            continue
+        vs, vs_steps = (("-" if v is None else f"{v:.2f}x")
+                        for v in (q["vs_trl"], q["vs_trl_steps"]))
+        print(f"{name:28s} {q['steps_s']:8.1f} {q['overhead_s']:17.1f} {q['wall_s']:7.1f} "
+              f"{vs_steps:>14s} {vs:>13s}")
+
+
+def report(path: Path, target: float, window: int) -> int:
+    """The time-to-quality tables of a results file, at another target or window."""
+    saved = json.loads(path.read_text())
+    for label, rows in saved["results"].items():
+        print_time_to_quality(label, time_to_quality(rows, target, window), target,
+                              saved["args"]["steps"], window)
+    start, end = saved.get("loadavg_start") or ["?"], saved["loadavg"]
+    print(f"\n(measured at 1-min load average {start[0]:.3} -> {end[0]:.3})")
+    return 0
 
 
 def plot_curves(rows: dict[str, dict], path: Path, title: str) -> Path:
@@ -272,6 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--beta", type=float, default=0.05, help="KL coefficient (both sides)")
     ap.add_argument("--target", type=float, default=0.55, help="hidden score to reach")
+    ap.add_argument("--window", type=int, default=3,
+                    help="time to quality: batches in the rolling mean of the hidden score")
+    ap.add_argument("--report", default=None, metavar="JSON",
+                    help="run nothing: the time-to-quality report of a results file written "
+                    "by this script, at --target and --window")
     ap.add_argument("--new-tokens", type=int, default=0,
                     help="generation-heavy rows: this many new tokens per completion on both "
                     "sides, EOS only as the last (0: the task's own length, EOS ends one)")
@@ -289,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/trl_compare.json")
     ap.add_argument("overrides", nargs="*", help="config overrides for our side and the SFT/RM")
     args = ap.parse_args(argv)
+    if args.report:
+        return report(Path(args.report), args.target, args.window)
     try:
         import trl
     except ImportError:
@@ -297,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.size, args.steps = ["2x64"], min(args.steps, 12)
     configure_logging("warning")
+    load_start = os.getloadavg()
     results: dict = {}
+    ttq: dict[str, dict] = {}
     for size in args.size:
         base = shared_overrides(args, size)
         cfg = load_config(None, base)
@@ -314,15 +377,20 @@ def main(argv: list[str] | None = None) -> int:
                 rows[name] = run_ours(name, base, args.warmup, args.target)
         label = f"{size} {args.new_tokens} tokens" if args.new_tokens else size
         print_table(label, rows, args.target)
-        plot_curves(rows, Path(args.out).with_name(f"trl_compare_{label.replace(' ', '_')}.png"),
+        ttq[label] = time_to_quality(rows, args.target, args.window)
+        print_time_to_quality(label, ttq[label], args.target, args.steps, args.window)
+        out = Path(args.out)  # trl_compare.json -> trl_compare_<size>.png
+        plot_curves(rows, out.with_name(f"{out.stem}_{label.replace(' ', '_')}.png"),
                     f"GRPO: TRL vs ours, {label} GPT-2, target {args.target}")
         results[label] = rows
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
-    out.write_text(json.dumps({"args": vars(args), "loadavg": load, "results": results},
-                              indent=2))
-    print(f"\nload average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; wrote {out}")
+    out.write_text(json.dumps({"args": vars(args), "loadavg_start": load_start,
+                               "loadavg": load, "results": results,
+                               "time_to_quality": ttq}, indent=2))
+    print(f"\nload average {load_start[0]:.1f} at start, {load[0]:.1f} {load[1]:.1f} "
+          f"{load[2]:.1f} at end; wrote {out}")
     return 0
 
 

@@ -74,7 +74,7 @@ def run_trl(cfg: JobConfig, args: argparse.Namespace, threads: int, bf16: bool) 
     data = Dataset.from_list(rows * (1 + cfg.train.prompts_per_step * args.steps // len(rows)))
     reward = RuleReward(task)
     g, t, algo = cfg.generation, cfg.train, cfg.algo
-    step_s, total = train_grpo(
+    step_s, total, _ = train_grpo(
         cfg.model.path, cfg.model.path, data, reward, threads,
         per_device_train_batch_size=t.prompts_per_step * algo.group_size,
         num_generations=algo.group_size, max_completion_length=g.max_new_tokens,

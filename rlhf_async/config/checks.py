@@ -23,6 +23,7 @@ def cross_checks(cfg: JobConfig) -> list[str]:
                    "'/', '\\', '.' or '..')")
     if cfg.task.min_len > cfg.task.max_len:
         out.append(f"task.min_len: {cfg.task.min_len} exceeds task.max_len {cfg.task.max_len}")
+    out.extend(_length_tail_checks(cfg))
     out.extend(_algo_checks(cfg))
     out.extend(_reward_spec_problems(cfg.task.reward))
     if cfg.algo.dynamic_sampling and cfg.algo.group_size < 2:
@@ -72,6 +73,21 @@ def cross_checks(cfg: JobConfig) -> list[str]:
     out.extend(_partial_rollout_checks(cfg))
     out.extend(_eval_checks(cfg))
     return out
+
+
+def _length_tail_checks(cfg: JobConfig) -> list[str]:
+    """task.long_fraction splits sort_digits' prompt lengths at task.short_len."""
+    t = cfg.task
+    if t.long_fraction == 0:
+        return []
+    if t.name != "sort_digits":
+        return [f"task.long_fraction: shapes the prompt lengths of sort_digits only; "
+                f"task.name is {t.name!r} (accepted here: 0)"]
+    if not t.min_len <= t.short_len < t.max_len:
+        return [f"task.short_len: {t.short_len} must lie in [task.min_len, task.max_len) = "
+                f"[{t.min_len}, {t.max_len}) when task.long_fraction > 0 (short prompts are "
+                "min_len..short_len digits, long ones short_len+1..max_len)"]
+    return []
 
 
 def has_env(cfg: JobConfig) -> bool:

@@ -88,6 +88,13 @@ class TaskConfig:
     min_len: int = opt(3, "shortest prompt (digits; sort_digits)", ge=2)
     max_len: int = opt(6, "longest prompt (digits; sort_digits)", ge=2)
     num_digits: int = opt(10, "digit alphabet size (sort_digits)", ge=2, le=10)
+    long_fraction: float = opt(0.0, "sort_digits: share of prompts drawn from a long tail "
+                               "(their length uniform in (task.short_len, task.max_len], the "
+                               "others' in [task.min_len, task.short_len]; the answer is as "
+                               "long as its prompt); 0 = every length uniform in "
+                               "[task.min_len, task.max_len]", ge=0.0, le=1.0)
+    short_len: int = opt(0, "sort_digits with task.long_fraction > 0: the longest short "
+                         "prompt (digits), task.min_len <= short_len < task.max_len", ge=0)
     prompts: str = opt("", "text: your prompts: a .jsonl/.json/.parquet/.arrow/.csv file, a "
                        ".txt file (one per line), a directory (save_to_disk, or data files) "
                        "or a dataset id in the local HF cache; ~1 in 8 held out for "

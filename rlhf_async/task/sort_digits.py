@@ -59,9 +59,20 @@ class SortDigitsTask:
     def _is_heldout(self, digits: list[int]) -> bool:
         return key_seed(0, "heldout", *digits) % 8 == 0
 
+    def _length(self, rng: random.Random) -> int:
+        """A prompt's length: uniform in [min_len, max_len], or with `long_fraction` a
+        long tail: that share uniform in (short_len, max_len], the rest in [min_len,
+        short_len] (e.g. 90% of 3-4 digits and 10% of up to 8x as many)."""
+        c = self.cfg
+        if c.long_fraction == 0:  # the stream of the uniform draw stays as it always was
+            return rng.randint(c.min_len, c.max_len)
+        if rng.random() < c.long_fraction:
+            return rng.randint(c.short_len + 1, c.max_len)
+        return rng.randint(c.min_len, c.short_len)
+
     def _draw(self, rng: random.Random, heldout: bool) -> list[int]:
         while True:
-            n = rng.randint(self.cfg.min_len, self.cfg.max_len)
+            n = self._length(rng)
             digits = [rng.randrange(self.cfg.num_digits) for _ in range(n)]
             if self._is_heldout(digits) == heldout:
                 return digits
