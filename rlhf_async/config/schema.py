@@ -380,10 +380,11 @@ class RuntimeConfig:
     ready_timeout_s: float = opt(120.0, "seconds a node process may take to start and load "
                                  "its models (separation), and a multi-rank trainer's "
                                  "ranks to form their group", gt=0.0)
-    node_start: str = opt("fork", "how a node process starts on this host (separation): "
-                          "fork = forked from a server that imported torch and the node "
-                          "programs once (starts and restarts in well under a second); "
-                          "exec = a fresh interpreter per node", choices=("fork", "exec"))
+    node_start: str = opt("fork", "how node processes (separation) and rank processes "
+                          "(flattening, interleaving) start on this host: fork = forked from "
+                          "a server that imported torch and the node programs once (starts "
+                          "and restarts in well under a second); exec = a fresh interpreter "
+                          "each", choices=("fork", "exec"))
 
 
 @dataclass

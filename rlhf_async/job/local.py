@@ -90,8 +90,10 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None,
                 with leading() as share, hold_run_dir(target) as held:
                     return _run_held(cfg, placement, task, out, held, resume, own_process, share)
             return _follow_rank(cfg, placement, launch.rank)
-    if not STRATEGIES[placement.strategy].lock_step and cfg.placement.launcher == "local" \
-            and cfg.runtime.node_start == "fork":
+    lock_step = STRATEGIES[placement.strategy].lock_step
+    nodes_here = not lock_step and cfg.placement.launcher == "local"
+    ranks_here = lock_step and cfg.placement.devices > 1  # (ranks on Ray returned above)
+    if cfg.runtime.node_start == "fork" and (nodes_here or ranks_here):
         warm_fork_server()  # importing while SFT and the reward model train
     fresh = not resume and not target.exists()
     try:

@@ -38,6 +38,7 @@ from rlhf_async.rl.checkpoint import (
 )
 from rlhf_async.rl.dynamic_sampling import dynamic_sample, refill_prompts
 from rlhf_async.rl.learner import Learner
+from rlhf_async.runtime.launcher import adopt, can_fork, fork_server
 from rlhf_async.strategies.base import JobStopped, RankFailed, RunResult
 from rlhf_async.strategies.training import (
     build_learner,
@@ -80,13 +81,16 @@ class StopRequest:
         self.finished = mp.get_context("spawn").Event()
         self.reason = ""
         self.parent = os.getpid()
+        # a rank's parent process at its start: the job's process (spawned), or the fork
+        # server, which exits with the job's process (runtime.node_start = fork)
+        self.rank_parent = self.parent
 
     def set(self, reason: str) -> None:
         self.reason = self.reason or reason
         self.event.set()
 
     def agreed(self, world: int) -> bool:
-        if os.getppid() != self.parent and os.getpid() != self.parent:
+        if os.getpid() != self.parent and os.getppid() != self.rank_parent:
             os._exit(1)  # the job's process is gone (SIGKILL): nothing to report to
         if world == 1:
             return self.event.is_set()
@@ -247,7 +251,11 @@ def _finish(cfg: JobConfig, learner: Learner, run_dir: Path, writer: MetricsWrit
 
 def _worker(rank: int, world: int, port: int, cfg: JobConfig, art: Artefacts, run_dir: Path,
             start_step: int, make_scorer: ScorerFactory, strategy: str,
-            precision: Precision, stop: StopRequest) -> None:
+            precision: Precision, stop: StopRequest, env: dict[str, str] | None = None,
+            cwd: str = "") -> None:
+    stop.rank_parent = os.getppid()
+    if env is not None:  # forked from the fork server: the job's environment, not the server's
+        adopt(env, cwd)
     # the job's process handles SIGINT/SIGTERM (they reach the whole process group) and
     # tells every rank through `stop`, so all ranks stop after the same step
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -318,10 +326,18 @@ def run_ranks(cfg: JobConfig, art: Artefacts, run_dir: Path, start_step: int,
             rank_loop(cfg, art, run_dir, rank, world, start_step, make_scorer, strategy,
                       precision, stop)
         else:
+            # forked from the fork server (runtime.node_start = fork): no rank pays the
+            # torch and transformers imports again
+            fork = cfg.runtime.node_start == "fork" and can_fork()
+            if fork:
+                fork_server()
             ctx = mp.start_processes(_worker, args=(world, free_port(), cfg, art, run_dir,
                                                     start_step, make_scorer, strategy,
-                                                    precision, stop),
-                                     nprocs=world, join=False, start_method="spawn")
+                                                    precision, stop,
+                                                    dict(os.environ) if fork else None,
+                                                    os.getcwd()),
+                                     nprocs=world, join=False,
+                                     start_method="forkserver" if fork else "spawn")
             _children[:] = ctx.processes
             try:
                 while not ctx.join(timeout=0.5):
