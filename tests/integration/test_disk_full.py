@@ -38,6 +38,9 @@ def test_a_full_disk_stops_separation_with_one_error_and_no_restarts(tmp_path, m
         p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p))
     monkeypatch.setenv("RLHF_TEST_DISK_FULL", str(tmp_path / "saves"))
     cfg = load_config(None, [
+        # a fresh interpreter per node (the sitecustomize runs in each), which also keeps
+        # the exec start of Separation's nodes tested
+        "runtime.node_start=exec",
         "placement.strategy=separation", "placement.devices=2", "sft.steps=2",
         "reward_model.steps=2", "train.steps=4", "run.checkpoint_every=1",
         "run.eval_prompts=4", "run.progress=false", "run.plot=false", "run.name=full",
