@@ -26,7 +26,7 @@ from bench import trl_compare
 from bench.bench_pipeline import steady
 from bench.plots import plot_runs
 from rlhf_async import job
-from rlhf_async.config import load_config
+from rlhf_async.config import JobConfig, load_config
 from rlhf_async.log import configure_logging
 from rlhf_async.metrics import read_metrics
 
@@ -59,19 +59,26 @@ def series(records: list[dict]) -> dict[str, list[float]]:
     return out
 
 
-def run_variant(name: str, base: list[str], warmup: int) -> dict:
-    tag = name.replace(" ", "").replace("=", "")
-    cfg = load_config(None, base + VARIANTS[name] + [f"run.name={tag}-{time.time_ns()}"])
+def measured_run(cfg: JobConfig, warmup: int, bench: str = "bench") -> tuple[dict, list[dict]]:
+    """Run one job and measure its steady steps (after `warmup`): (the measures, the
+    job's metrics records), shared by this benchmark and bench/longtail.py."""
     s = job.run(cfg)
     recs = read_metrics(Path(s["run_dir"]) / "metrics.jsonl")
     if len(recs) <= warmup:
-        raise SystemExit(f"bench: --steps must exceed --warmup ({warmup})")
+        raise SystemExit(f"{bench}: --steps must exceed --warmup ({warmup})")
     st = steady(recs, warmup)
     tokens = sum(r["samples"] * r["response_length"] for r in recs[warmup:])
     return {**st, "tokens_per_s": tokens / st["wall_s"], "series": series(recs),
             "run_dir": s["run_dir"], "rl_wall_s": s["rl_seconds"],
             "sft_hidden_score": s["sft_hidden_score"],
-            "final_hidden_score": s["final_hidden_score"]}
+            "final_hidden_score": s["final_hidden_score"],
+            "response_length": tokens / sum(r["samples"] for r in recs[warmup:])}, recs
+
+
+def run_variant(name: str, base: list[str], warmup: int) -> dict:
+    tag = name.replace(" ", "").replace("=", "")
+    cfg = load_config(None, base + VARIANTS[name] + [f"run.name={tag}-{time.time_ns()}"])
+    return measured_run(cfg, warmup)[0]
 
 
 def print_table(results: dict[str, dict]) -> None:

@@ -37,13 +37,10 @@ from pathlib import Path
 
 import torch
 
-from bench.__main__ import series
-from bench.bench_pipeline import steady
+from bench.__main__ import measured_run
 from bench.trl_compare import SIZES
-from rlhf_async import job
 from rlhf_async.config import JobConfig, load_config
 from rlhf_async.log import configure_logging
-from rlhf_async.metrics import read_metrics
 from rlhf_async.modeling.episodes import rollout
 from rlhf_async.task import SortDigitsTask, sampling_params
 from rlhf_async.task.artefacts import load_sft, prepare_artefacts
@@ -119,22 +116,12 @@ def run_row(name: str, base: list[str], warmup: int, max_tokens: int) -> dict:
     tag = name.replace(" ", "").replace("=", "").replace("(", "").replace(")", "")
     cfg = load_config(None, [*base, *over, f"run.name={tag}-{time.time_ns()}"])
     load_before = os.getloadavg()
-    s = job.run(cfg)
-    recs = read_metrics(Path(s["run_dir"]) / "metrics.jsonl")
-    if len(recs) <= warmup:
-        raise SystemExit(f"longtail: --steps must exceed --warmup ({warmup})")
-    st = steady(recs, warmup)
-    tokens = sum(r["samples"] * r["response_length"] for r in recs[warmup:])
-    return {**st, "tokens_per_s": tokens / st["wall_s"],
-            "generator_idle": generator_idle(st["utilisation"]),
+    out, recs = measured_run(cfg, warmup, "longtail")
+    return {**out, "generator_idle": generator_idle(out["utilisation"]),
             "trained_samples": sum(r["samples"] for r in recs),
             "interrupted_rows": interrupted_rows(recs),
-            "response_length": tokens / sum(r["samples"] for r in recs[warmup:]),
-            "sft_hidden_score": s["sft_hidden_score"],
-            "final_hidden_score": s["final_hidden_score"], "rl_wall_s": s["rl_seconds"],
             "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-            **tail_scores(cfg, Path(s["run_dir"]) / "policy"),
-            "series": series(recs), "run_dir": s["run_dir"]}
+            **tail_scores(cfg, Path(out["run_dir"]) / "policy")}
 
 
 def print_table(results: dict[str, dict]) -> None:
