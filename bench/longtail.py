@@ -46,9 +46,17 @@ from rlhf_async.task import SortDigitsTask, sampling_params
 from rlhf_async.task.artefacts import load_sft, prepare_artefacts
 from rlhf_async.task.evaluation import EVAL_STEP
 
-# 90% of prompts 3-4 digits, 10% 5-32: answers of 4-5 tokens and a tail up to 33 (EOS included)
-TAIL = ["task.min_len=3", "task.short_len=4", "task.max_len=32", "task.long_fraction=0.1",
-        "generation.max_new_tokens=36", "model.max_positions=80"]
+TAILS = {
+    # 90% of prompts 3-4 digits, 10% 5-32: answers of 4-5 tokens, a tail up to 33 (EOS in)
+    "short": ["task.min_len=3", "task.short_len=4", "task.max_len=32",
+              "task.long_fraction=0.1", "generation.max_new_tokens=36",
+              "model.max_positions=80"],
+    # 90% 3-6 digits, 10% 7-96: a tail up to 97 tokens, ~20x the short answers; a chunk's
+    # generation is its longest answer's 97 decode steps, so the generator bounds the step
+    "long": ["task.min_len=3", "task.short_len=6", "task.max_len=96",
+             "task.long_fraction=0.1", "generation.max_new_tokens=100",
+             "model.max_positions=208"],
+}
 SEP1 = ["placement.strategy=separation", "algo.max_staleness=1"]
 # row -> (overrides, the config keys it needs: (section, key))
 ROWS: dict[str, tuple[list[str], list[tuple[str, str]]]] = {
@@ -58,6 +66,11 @@ ROWS: dict[str, tuple[list[str], list[tuple[str, str]]]] = {
                                [("generation", "partial_rollout")]),
     "separation k=1 packed": ([*SEP1, "train.max_tokens_per_microbatch={max_tokens}"],
                               [("train", "max_tokens_per_microbatch")]),
+    # everything issue 35 adds: in-flight weights, continuous batching, packed training
+    "separation k=1 continuous": ([*SEP1, "generation.partial_rollout=true",
+                                   "generation.continuous_batching=true",
+                                   "train.max_tokens_per_microbatch={max_tokens}"],
+                                  [("generation", "continuous_batching")]),
 }
 
 
@@ -162,6 +175,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the rates")
     ap.add_argument("--size", default="2x64", choices=list(SIZES),
                     help="layers x width of the tiny GPT-2")
+    ap.add_argument("--tail", default="short", choices=list(TAILS),
+                    help="the length distribution: short (answers 4-5 tokens, tail to 33) or "
+                    "long (3-7 tokens, tail to 97: generation-bound)")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
     ap.add_argument("--group", type=int, default=4, help="responses per prompt")
     ap.add_argument("--max-tokens", type=int, default=1024,
@@ -180,7 +196,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def base_overrides(args: argparse.Namespace, cores: int) -> list[str]:
     """What every row shares: the long-tail task, the model, the GRPO job, the batch."""
     layers, hidden, heads = SIZES[args.size]
-    return [f"model.layers={layers}", f"model.hidden={hidden}", f"model.heads={heads}", *TAIL,
+    return [f"model.layers={layers}", f"model.hidden={hidden}", f"model.heads={heads}", *TAILS[args.tail],
             "algo.name=grpo", f"algo.group_size={args.group}", "train.epochs=1",
             "train.minibatches=1", f"train.steps={args.steps}",
             f"train.prompts_per_step={args.prompts}", f"placement.devices={cores}",

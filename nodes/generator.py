@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import torch
@@ -21,8 +22,14 @@ from nodes.common import NodeContext, load_context, message_errors
 from rlhf_async.config import weight_sync_backend
 from rlhf_async.engines import GenerationBackend, make_generation_backend
 from rlhf_async.engines.torch_gen import TorchGenerationBackend
+from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.runtime import Node
-from rlhf_async.strategies.separation.chunks import prompts_from_message, rollout_message
+from rlhf_async.strategies.separation.chunks import (
+    ChunkId,
+    prompts_from_message,
+    rollout_message,
+)
+from rlhf_async.strategies.separation.continuous import ContinuousGeneration
 from rlhf_async.strategies.separation.events import (
     Connected,
     Generated,
@@ -33,7 +40,7 @@ from rlhf_async.strategies.separation.events import (
     WeightSyncConnect,
     WeightSyncFailed,
 )
-from rlhf_async.strategies.separation.inflight import InflightWeights
+from rlhf_async.strategies.separation.inflight import InflightWeights, Span
 from rlhf_async.strategies.separation.stage import StageClock
 from rlhf_async.strategies.training import load_actor
 from rlhf_async.weight_sync import WeightSyncError
@@ -49,6 +56,11 @@ async def main(node: Node) -> None:
     partial = engine if job.cfg.generation.partial_rollout else None
     if partial is not None and not isinstance(partial, TorchGenerationBackend):
         raise ValueError("generation.partial_rollout needs generation.backend = 'torch'")
+    seed = job.cfg.run.seed
+    # continuous batching: one sampling thread over the rows of every chunk it holds
+    runner = ContinuousGeneration(partial.actor, partial.params, held,
+                                  job.cfg.generation.batch_slots, seed) \
+        if partial is not None and job.cfg.generation.continuous_batching else None
     swap = asyncio.Lock()  # held by a chunk's generation and by an idle swap: one at a time
     received = asyncio.Lock()  # one update in flight: the receiver's staging is reused
 
@@ -85,25 +97,47 @@ async def main(node: Node) -> None:
                                              time.perf_counter() - t1), weight_version=version)
 
     async def _apply_idle() -> None:
+        if runner is not None:  # continuous batching: its sampling thread copies it in
+            runner.wake()
+            return
         async with swap:
             if held.pending:  # else a chunk's decode step took it
                 await asyncio.to_thread(held.apply_pending)
 
+    async def ship(cid: ChunkId, batch: RolloutBatch, span: Span) -> None:
+        """Send a chunk's rollout on and tell the coordinator."""
+        if span.swaps:
+            node.counters["partial.interrupted_chunks"] += 1
+            node.counters["partial.swaps"] += span.swaps
+        version = batch.version  # the oldest token's
+        await out.send(rollout_message("rollout", cid, batch.to("cpu"), node.node_id,
+                                       span.lineage()))
+        node.info.update(clock.snapshot(), version=held.version)
+        await node.send_event(Generated(cid.step, cid.chunk, cid.chunks, version, clock.busy_s,
+                                        clock.idle_s), step=cid.step, weight_version=version)
+
+    async def chunks() -> AsyncIterator[tuple[ChunkId, PromptBatch]]:
+        """The prompt chunks the coordinator sends, while the node runs."""
+        while not node.stopping:
+            await node.wait_resumed()
+            msg = await clock.idle(inp.recv())
+            try:
+                got = prompts_from_message(msg)
+            except message_errors() as e:
+                node.counters["rejected.chunk"] += 1
+                node.log.warning("bad_prompt_chunk", error=str(e))
+                continue
+            yield got
+
     node.handle(WeightSyncConnect, connect)
     node.handle(UpdateWeights, update)
-    await node.send_event(Loaded())
-    seed = job.cfg.run.seed
     inp, out, clock = node.socket("prompts"), node.socket("rollouts"), StageClock()
     torch.set_grad_enabled(False)
-    while not node.stopping:
-        await node.wait_resumed()
-        msg = await clock.idle(inp.recv())
-        try:
-            cid, prompts = prompts_from_message(msg)
-        except message_errors() as e:
-            node.counters["rejected.chunk"] += 1
-            node.log.warning("bad_prompt_chunk", error=str(e))
-            continue
+    await node.send_event(Loaded())
+    if runner is not None:
+        await _continuous(node, job, runner, chunks(), ship, clock)
+        return
+    async for cid, prompts in chunks():
         async with swap:  # weights change under a chunk only through `held.between`
             if held.pending:  # published while no chunk ran: in before this one starts
                 await asyncio.to_thread(held.apply_pending)
@@ -115,16 +149,45 @@ async def main(node: Node) -> None:
                 batch = await clock.busy(node.watchdog.run(
                     "generate", job.cfg.runtime.step_deadline_s, work))
             finally:
-                held.end()
-        if span.swaps:
-            node.counters["partial.interrupted_chunks"] += 1
-            node.counters["partial.swaps"] += span.swaps
-        version = batch.version  # the oldest token's
-        await out.send(rollout_message("rollout", cid, batch.to("cpu"), node.node_id,
-                                       span.lineage()))
-        node.info.update(clock.snapshot(), version=held.version)
-        await node.send_event(Generated(cid.step, cid.chunk, cid.chunks, version, clock.busy_s,
-                                        clock.idle_s), step=cid.step, weight_version=version)
+                held.end(span)
+        await ship(cid, batch, span)
+
+
+async def _continuous(node: Node, job: NodeContext, runner: ContinuousGeneration,
+                      chunks: AsyncIterator[tuple[ChunkId, PromptBatch]],
+                      ship: Callable[[ChunkId, RolloutBatch, Span], Awaitable[None]],
+                      clock: StageClock) -> None:
+    """Continuous batching: chunks go to the sampling thread as they arrive and out as they
+    end, each under the step deadline from its arrival."""
+    deadline = job.cfg.runtime.step_deadline_s
+    open_: dict[ChunkId, int] = {}  # chunk -> its watchdog token
+    start = time.perf_counter()
+
+    async def receive() -> None:
+        async for cid, prompts in chunks:
+            open_[cid] = node.watchdog.begin("generate", deadline)
+            runner.submit(cid, prompts.to(job.device))
+
+    async def send() -> None:
+        while True:
+            cid, batch, span = await runner.finished()
+            node.watchdog.end(open_.pop(cid, -1))
+            clock.busy_s, clock.items = runner.busy_s, clock.items + 1
+            clock.idle_s = time.perf_counter() - start - runner.busy_s
+            await ship(cid, batch, span)
+
+    worker = asyncio.ensure_future(asyncio.to_thread(runner.run))
+    tasks = [asyncio.ensure_future(receive()), asyncio.ensure_future(send())]
+    try:
+        await asyncio.wait([worker, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for t in (worker, *tasks):
+            if t.done():
+                t.result()  # raise what ended it (the sampling thread's error)
+    finally:
+        runner.close()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(worker, return_exceptions=True)
 
 
 def _engine(job: NodeContext, tensor_parallel: int) -> GenerationBackend:

@@ -116,7 +116,10 @@ def _partial_rollout_checks(cfg: JobConfig) -> list[str]:
     """`generation.partial_rollout`: Separation's generators on the torch engine (our
     decode loop takes the weights between two steps) with single-turn responses."""
     if not cfg.generation.partial_rollout:
-        return []
+        return ["generation.continuous_batching: needs generation.partial_rollout = true "
+                "(rows of the next chunk decode beside the running chunk's, so new weights "
+                "come in between two decode steps)"] if cfg.generation.continuous_batching \
+            else []
     out = []
     strategy = cfg.placement.strategy
     if strategy not in ("separation", "auto"):

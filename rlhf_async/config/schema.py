@@ -294,6 +294,13 @@ class GenerationConfig:
                                 "it; each token records its version (token_versions), the "
                                 "rollout's version is its oldest token's, and "
                                 "algo.max_staleness bounds that one")
+    continuous_batching: bool = opt(False, "with partial_rollout: a generator keeps up to "
+                                    "batch_slots rows decoding; a finished row's slot "
+                                    "takes the next waiting prompt (of this chunk or a "
+                                    "later one) at once, and a chunk goes out as soon as "
+                                    "its last row ends (long-tailed lengths)")
+    batch_slots: int = opt(0, "continuous_batching: rows a generator decodes at once; 0 = "
+                           "the rows of one chunk", ge=0)
 
 
 @dataclass

@@ -74,17 +74,21 @@ def sampling_uniforms(seed: int, step: int, sample_ids: list[int], max_new_token
     return keyed_uniform(seed, ("sample", step), sample_ids, (max_new_tokens,))
 
 
-def _scaled_logprobs(logits: Tensor, params: SamplingParams, t: int = 0,
-                     barred: Tensor | None = None) -> Tensor:
-    """Log-probs the behaviour policy samples token `t` of a response from: temperature,
-    then top-k, then the nucleus (top-p), with the stop tokens barred before
-    `min_new_tokens` (`barred`: their ids in the vocabulary, when the caller made them)."""
+def scaled_logprobs(logits: Tensor, params: SamplingParams, early: Tensor | bool = False,
+                    barred: Tensor | None = None) -> Tensor:
+    """Log-probs [b, V] the behaviour policy samples a response's next token from:
+    temperature, then top-k, then the nucleus (top-p), with the stop tokens barred where
+    the token comes before `min_new_tokens` (`early`: for every row, or per row [b] bool;
+    `barred`: the stop tokens' ids in the vocabulary, when the caller made them)."""
     scaled = logits.float() / params.temperature
-    if t < params.min_new_tokens:
+    if early is not False and (early is True or bool(early.any())):
         if barred is None:
             barred = torch.tensor([s for s in params.stops if s < scaled.shape[-1]],
                                   dtype=torch.long, device=scaled.device)
-        scaled.index_fill_(-1, barred, float("-inf"))
+        if early is True:
+            scaled.index_fill_(-1, barred, float("-inf"))
+        else:
+            scaled[early.nonzero()[:, :1], barred[None, :]] = float("-inf")
     if params.top_k and params.top_k < scaled.shape[-1]:
         kth = scaled.topk(params.top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -106,7 +110,7 @@ def completes_stop_string(ids: list[int], strings: tuple[str, ...], decode: Deco
     return any(text.find(s, max(0, new - len(s) + 1)) >= 0 for s in strings)
 
 
-def _stop_window(strings: tuple[str, ...]) -> int:
+def stop_window(strings: tuple[str, ...]) -> int:
     """Trailing tokens to decode: a token adds at least one UTF-8 byte of text (but a
     special token the decoder skips), so a stop string the newest token completes lies
     within its byte length in tokens; two more of context so that the window's first
@@ -118,7 +122,7 @@ def _string_stopped(tokens: Tensor, t: int, rows: Tensor, live: Tensor,
                     strings: tuple[str, ...], decode: Decode) -> Tensor:
     """[b] bool: the live ones of `rows` (rows of tokens [B, R]) whose token t completes one
     of `strings`, each judged on the trailing window of its own tokens."""
-    start = max(0, t + 1 - _stop_window(strings))
+    start = max(0, t + 1 - stop_window(strings))
     windows = tokens[rows[live], start: t + 1].tolist()
     stopped = torch.zeros_like(live)
     stopped[live] = torch.tensor([completes_stop_string(ids, strings, decode)
@@ -126,7 +130,7 @@ def _string_stopped(tokens: Tensor, t: int, rows: Tensor, live: Tensor,
     return stopped
 
 
-def _inverse_cdf(logp: Tensor, u: Tensor) -> Tensor:
+def inverse_cdf(logp: Tensor, u: Tensor) -> Tensor:
     """[b] token ids: where each row's uniform u [b] falls in its CDF, from logp [b, V]."""
     cdf = logp.double().exp().cumsum(dim=-1)  # [b, V]
     # Scale u by the row's total so rounding in the sum can never select past the end.
@@ -165,24 +169,30 @@ class _Decoder:
         return out.logits[:, -1]
 
 
-def _prefill(actor: nn.Module, prompt_ids: Tensor, mask: Tensor, pos: Tensor,
-             R: int) -> tuple[_Decoder, Tensor]:
-    """Run the prompts [B, P] (mask [B, P], pos [B, P]) once: (the decoder, logits [B, V]
-    of each row's first response token). A prompt that repeats (a group's) is prefilled
-    once and its cache rows copied."""
-    P = prompt_ids.shape[1]
-    kw, ours = cache_keyword(actor), preallocated_cache(actor, P + R)
+def prefill(actor: nn.Module, prompt_ids: Tensor, mask: Tensor, pos: Tensor,
+            capacity: int) -> tuple[Any, Tensor, bool]:
+    """Run the prompts [B, P] (mask [B, P], pos [B, P]) once: (their KV cache, logits
+    [B, V] of each row's first response token, whether that cache is our preallocated one
+    of `capacity` positions rather than the model's own). A prompt that repeats (a
+    group's) is prefilled once and its cache rows copied."""
+    kw, ours = cache_keyword(actor), preallocated_cache(actor, capacity)
     groups = None if ours is None else prompt_groups(actor, prompt_ids, mask)
     fill = slice(None) if groups is None else groups.first
     out = actor(input_ids=prompt_ids[fill], attention_mask=mask[fill], position_ids=pos[fill],
                 use_cache=True, **keep_logits(actor, 1), **({} if ours is None else {kw: ours}))
     cache: Any = output_cache(out)  # ours, or the model's own (a Cache, or tuples)
-    fast = decode_step(actor, R - 1) if ours is not None and cache is ours else None
     logits = out.logits[:, -1]  # [B, V] ([U, V] when shared)
     if groups is not None:
         cache.batch_select_indices(groups.inverse)
         logits = logits[groups.inverse]
-    return _Decoder(actor, cache, fast), logits
+    return cache, logits, ours is not None and cache is ours
+
+
+def _prefill(actor: nn.Module, prompt_ids: Tensor, mask: Tensor, pos: Tensor,
+             R: int) -> tuple[_Decoder, Tensor]:
+    """`prefill` for a call of R new tokens: (the decoder, first logits [B, V])."""
+    cache, logits, ours = prefill(actor, prompt_ids, mask, pos, prompt_ids.shape[1] + R)
+    return _Decoder(actor, cache, decode_step(actor, R - 1) if ours else None), logits
 
 
 @torch.no_grad()
@@ -225,9 +235,9 @@ def sample(actor: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, params: Sa
     stop_ids = torch.tensor(params.stops, dtype=torch.long, device=device)
     barred = stop_ids[stop_ids < logits.shape[-1]]
     for t in range(R):
-        logp = _scaled_logprobs(logits, params, t, barred)  # [b, V]
+        logp = scaled_logprobs(logits, params, t < params.min_new_tokens, barred)  # [b, V]
         at = slice(None) if whole else rows
-        tok = torch.where(live, _inverse_cdf(logp, uniforms[at, t]), params.pad_id)  # [b]
+        tok = torch.where(live, inverse_cdf(logp, uniforms[at, t]), params.pad_id)  # [b]
         fed = live.long()  # [b] 1 = a response token, 0 = a finished row's pad
         tokens[at, t] = tok
         resp_mask[at, t] = fed
@@ -264,10 +274,17 @@ def generate(actor: nn.Module, prompts: PromptBatch, params: SamplingParams, see
     ids = [int(s) for s in prompts.sample_ids]
     u = sampling_uniforms(seed, step, ids, params.max_new_tokens)
     g = sample(actor, prompts.prompt_ids, prompts.prompt_mask, params, u, version, between)
-    if between is not None:
-        real = g.token_versions >= 0
-        version = int(g.token_versions[real].min()) if bool(real.any()) else version
+    return rollout_batch(prompts, g, step, version, partial=between is not None)
+
+
+def rollout_batch(prompts: PromptBatch, g: Generated, step: int, version: int,
+                  partial: bool) -> RolloutBatch:
+    """The rollout of `prompts` sampled as `g`, from weights of `version`; with `partial`
+    (partial rollouts) it carries `token_versions` and its `version` is its oldest
+    token's."""
+    versions = g.token_versions if partial else None
+    if versions is not None and bool((real := versions >= 0).any()):
+        version = int(versions[real].min())
     return RolloutBatch(prompts.prompt_ids, prompts.prompt_mask, g.response_ids,
                         g.response_mask, g.logprobs, prompts.sample_ids, prompts.group_ids,
-                        version=version, step=step,
-                        token_versions=None if between is None else g.token_versions)
+                        version=version, step=step, token_versions=versions)

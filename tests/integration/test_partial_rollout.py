@@ -1,7 +1,8 @@
 """Separation with partial rollouts (generation.partial_rollout): weights swapped between two
-decode steps of a running chunk. One small run, its generator SIGKILLed mid-run: every
-prompt is trained exactly once, chunks that took new weights mid-way are trained, and no
-token is older than algo.max_staleness allows."""
+decode steps of a running chunk, chunk by chunk and with continuous batching (the next
+chunk's rows decoding beside the running one's). One small run each, its generator
+SIGKILLed mid-run: every prompt is trained exactly once, chunks that took new weights
+mid-way are trained, and no token is older than algo.max_staleness allows."""
 
 from __future__ import annotations
 
@@ -30,9 +31,12 @@ PARTIAL = ["model.hidden=32", "model.layers=1", "model.heads=2", "model.max_posi
 SAMPLES = 4 * 2  # prompts_per_step x group_size
 
 
-def test_partial_rollouts_with_a_killed_generator_train_each_prompt_once(tmp_path, cache):
+@pytest.mark.parametrize("continuous", [False, True], ids=["chunks", "continuous"])
+def test_partial_rollouts_with_a_killed_generator_train_each_prompt_once(tmp_path, cache,
+                                                                         continuous):
     steps = 6
     cfg = load_config(None, [*PARTIAL, f"run.cache_dir={json.dumps(str(cache))}",
+                             f"generation.continuous_batching={str(continuous).lower()}",
                              f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=partial",
                              f"train.steps={steps}"])
     victims: list = []

@@ -61,7 +61,7 @@ class InflightWeights:
         self._mu = threading.Lock()  # one copier at a time; guards everything below
         self._pending: list[tuple[Any, str, Future[int]]] = []
         self.version, self.lineage = version, lineage
-        self._span: Span | None = None  # the running chunk's, between begin and end
+        self._spans: list[Span] = []  # the running chunks', between begin and end
 
     def offer(self, staged: Any, lineage: str) -> Future[int]:
         """Queue a staged update; the future gives its version once it is in."""
@@ -83,21 +83,23 @@ class InflightWeights:
                     fut.set_exception(e)
                     continue
                 self.version, self.lineage = version, lineage
-                if self._span is not None:
-                    self._span.held.append((version, lineage))
+                for span in self._spans:
+                    span.held.append((version, lineage))
                 fut.set_result(version)
             return self.version
 
     def begin(self) -> tuple[int, Span]:
         """A chunk starts (on the node's loop, before its sampling thread): the version it
-        starts with and the span its updates are recorded in."""
+        starts with and the span its updates are recorded in. With continuous batching
+        several chunks are open at once."""
         with self._mu:
-            self._span = Span([(self.version, self.lineage)])
-            return self.version, self._span
+            span = Span([(self.version, self.lineage)])
+            self._spans.append(span)
+            return self.version, span
 
-    def end(self) -> None:
+    def end(self, span: Span) -> None:
         with self._mu:
-            self._span = None
+            self._spans = [s for s in self._spans if s is not span]
 
     @property
     def pending(self) -> bool:

@@ -36,3 +36,15 @@ def test_auto_choosing_a_lock_step_strategy_refuses_partial_rollouts():
         prepare_run(cfg)  # one CPU device: auto chooses flattening
     assert any(p.startswith("generation.partial_rollout: placement.strategy = auto chose")
                for p in ei.value.problems), ei.value.problems
+
+
+def test_continuous_batching_loads_and_needs_partial_rollouts():
+    cfg = load_config(None, ["placement.strategy=separation", "generation.partial_rollout=true",
+                             "generation.continuous_batching=true", "generation.batch_slots=48"])
+    assert cfg.generation.continuous_batching and cfg.generation.batch_slots == 48
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["placement.strategy=separation", "generation.continuous_batching=true"])
+    assert any(p.startswith("generation.continuous_batching: needs generation.partial_rollout")
+               for p in ei.value.problems), ei.value.problems
+    with pytest.raises(ConfigError, match="generation.batch_slots"):
+        load_config(None, ["generation.batch_slots=-1"])

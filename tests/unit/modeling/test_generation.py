@@ -88,14 +88,14 @@ def test_top_k_restricts_choices():
 
 
 def test_top_p_keeps_the_smallest_set_that_reaches_it():
-    from rlhf_async.modeling.generation import _scaled_logprobs
+    from rlhf_async.modeling.generation import scaled_logprobs
 
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
-    keep = _scaled_logprobs(logits, SamplingParams(4, EOS, PAD, top_p=0.7)).exp()
+    keep = scaled_logprobs(logits, SamplingParams(4, EOS, PAD, top_p=0.7)).exp()
     torch.testing.assert_close(keep, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
-    one = _scaled_logprobs(logits, SamplingParams(4, EOS, PAD, top_p=0.4)).exp()
+    one = scaled_logprobs(logits, SamplingParams(4, EOS, PAD, top_p=0.4)).exp()
     torch.testing.assert_close(one, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))  # the first stays
-    full = _scaled_logprobs(logits, SamplingParams(4, EOS, PAD)).exp()
+    full = scaled_logprobs(logits, SamplingParams(4, EOS, PAD)).exp()
     torch.testing.assert_close(full, logits.exp())
 
 

@@ -15,12 +15,28 @@ def test_updates_go_in_at_the_next_step_in_order_and_the_span_records_them():
     assert held.pending and not first.done()
     assert held.between() == 2 and copied == [1, 2]  # both, oldest first
     assert first.result() == 1 and second.result() == 2
-    held.end()
+    held.end(span)
     assert span.held == [(0, SFT_LINEAGE), (1, "A"), (2, "A")] and span.swaps == 2
     assert span.lineage() == "A"  # version 0 is the SFT policy of every lineage
     held.offer(3, "A")
     held.apply_pending()  # between chunks: recorded in no span
     assert span.swaps == 2 and (held.version, held.lineage) == (3, "A")
+
+
+def test_open_spans_each_record_the_updates_taken_while_they_are_open():
+    held = InflightWeights(lambda staged: staged)
+    _, first = held.begin()
+    held.offer(1, "A")
+    held.between()
+    _, second = held.begin()  # continuous batching: a later chunk joins the batch
+    held.offer(2, "A")
+    held.between()
+    held.end(first)
+    held.offer(3, "A")
+    held.between()
+    held.end(second)
+    assert [v for v, _ in first.held] == [0, 1, 2]
+    assert [v for v, _ in second.held] == [1, 2, 3]
 
 
 def test_a_failed_copy_fails_its_update_and_keeps_the_weights():

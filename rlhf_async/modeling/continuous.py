@@ -1,0 +1,360 @@
+"""Continuous batching: a finished row's slot takes the next waiting prompt at once.
+
+`generation.sample` decodes one batch until its longest response ends. With a long tail of
+lengths most rows end early and the batch runs on narrow for the few long ones, while a
+decode step's cost on a CPU is mostly fixed (bench/README.md: 0.74 ms a step for 4 rows,
+2.0 ms for 64, at 2x64). A `ContinuousBatch` keeps up to `slots` rows decoding: prompts of
+later chunks enter as earlier rows end, and a chunk is handed back as soon as its last row
+ends (`step`).
+
+Layout. The rows share one KV cache whose columns are time: every decode step writes column
+L for every row. A row admitted at column L has its prompt's keys and values written
+right-aligned into [L - P, L) of its slot and the columns before them masked; it keeps its
+own positions (rotary and learned position embeddings are applied before the cache), so
+where it sits changes nothing. A finished row's slot is free until the next admission;
+free slots leave the batch when it is at most half full and no prompt waits. When the
+columns run out, each row's valid columns are gathered right-aligned into the first ones
+(`_compact`), so every row attends over no more than the longest prompt plus response
+and a few columns of slack.
+
+Sampling is `sample`'s: keyed uniforms per (sample, position), so a row's tokens do not
+depend on which rows share its batch or when it entered, and each token records the
+weight version that sampled it (weights change between two `step`s, as partial rollouts
+take them). Needs our preallocated cache and functional decode step (GPT-2, Llama, Qwen2,
+Mistral with plain parameters).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rlhf_async.modeling.decode_step import PACK_MIN_STEPS, DecodeStep, decode_step
+from rlhf_async.modeling.generation import (
+    Generated,
+    SamplingParams,
+    completes_stop_string,
+    inverse_cdf,
+    prefill,
+    scaled_logprobs,
+    stop_window,
+)
+from rlhf_async.modeling.kv_cache import preallocated_cache
+from rlhf_async.modeling.rollout import PromptBatch
+
+
+@dataclass
+class _Chunk:
+    """A caller's batch of prompts: admitted row by row, handed back whole."""
+
+    key: Any
+    prompts: PromptBatch
+    uniforms: Tensor  # [B, R] float64
+    out: Generated
+    admitted: int = 0
+    finished: int = 0
+
+
+class ContinuousBatch:
+    """Rows of many chunks decoding in one batch of at most `slots` rows (see the module).
+    Not thread-safe: one thread calls `add` and `step`."""
+
+    # per slot (row of the batch), made by `_start`
+    row: Tensor  # [b] the row's index in its chunk
+    t: Tensor  # [b] tokens it has sampled
+    pos: Tensor  # [b, 1] the position of its next input
+    u: Tensor  # [b, R] float64 its uniforms
+    logits: Tensor  # [b, V] its next token's
+    tokens: Tensor  # [b, R] its response so far, pad after
+    logprobs: Tensor  # [b, R]
+    versions: Tensor  # [b, R]
+    mask: Tensor  # [b, C] 1 on the cache columns it attends to
+    barred: Tensor  # the stop ids in the vocabulary (min_new_tokens)
+    L: int  # cache columns in use
+    C: int  # cache columns allocated
+
+    def __init__(self, actor: nn.Module, params: SamplingParams, slots: int) -> None:
+        if slots < 1:
+            raise ValueError(f"continuous batching needs at least 1 slot, got {slots}")
+        if params.episode is not None:
+            raise ValueError("continuous batching samples single responses; multi-turn "
+                             "episodes (task.env) run their own loop")
+        if preallocated_cache(actor, 1) is None or decode_step(actor) is None:
+            raise ValueError(f"continuous batching needs a GPT-2, Llama, Qwen2 or Mistral "
+                             f"model with plain parameters (got {type(actor).__name__}): "
+                             "set generation.continuous_batching = false")
+        if params.stop_strings and params.decode is None:
+            raise ValueError("SamplingParams.stop_strings needs SamplingParams.decode")
+        self.actor, self.params, self.slots = actor, params, slots
+        actor.eval()  # a generator's module: it samples, never trains (toggling costs ms)
+        self.R = params.max_new_tokens
+        # free slots before a prefill: one is a whole model call (2-3 ms at 2x64 on a CPU,
+        # a decode step's worth) however few rows it admits
+        self.admit_min = max(1, slots // 4)
+        # columns past the longest row before a compaction: every row attends over all the
+        # columns, so few; each compaction is a copy of the cache
+        self.slack = max(16, self.R // 4)
+        self.waiting: deque[_Chunk] = deque()
+        self.fast = _fast_step(actor)
+        self.stops = torch.tensor(params.stops, dtype=torch.long)
+        self._empty()
+
+    # --- what the caller sees -------------------------------------------------------------
+
+    def add(self, key: Any, prompts: PromptBatch, uniforms: Tensor) -> None:
+        """Queue a chunk's prompts [B, P] (left-padded) with their uniforms [B, R]."""
+        B, R = len(prompts), self.R
+        dev = prompts.prompt_ids.device
+        out = Generated(torch.full((B, R), self.params.pad_id, dtype=torch.long, device=dev),
+                        torch.zeros((B, R), dtype=torch.long, device=dev),
+                        torch.zeros((B, R), dtype=torch.float32, device=dev),
+                        torch.full((B, R), -1, dtype=torch.long, device=dev))
+        self.waiting.append(_Chunk(key, prompts, uniforms.to(dev), out))
+
+    @property
+    def rows(self) -> int:
+        """Rows decoding now."""
+        return sum(c is not None for c in self.owner)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a row decodes or a prompt waits."""
+        return bool(self.waiting) or self.rows > 0
+
+    def reload(self) -> None:
+        """The module's weights changed in place: remake the decode step (packed copies)."""
+        self.fast = _fast_step(self.actor)
+
+    @torch.no_grad()
+    def step(self, version: int) -> list[tuple[Any, Generated]]:
+        """Admit waiting prompts into free slots, sample one token for every row (from
+        weights of `version`), and feed the tokens of the rows still going. Returns the
+        chunks whose last row ended, with their responses."""
+        self._admit()
+        occ = torch.tensor([c is not None for c in self.owner], dtype=torch.bool)
+        if not bool(occ.any()):
+            return []
+        return self._step(occ, version)
+
+    # --- one decode step ------------------------------------------------------------------
+
+    def _step(self, occ: Tensor, version: int) -> list[tuple[Any, Generated]]:
+        p = self.params
+        idx = occ.nonzero().flatten().to(self.t.device)  # [n] the occupied slots
+        t = self.t[idx]  # [n] tokens each has so far
+        logp = scaled_logprobs(self.logits[idx], p, t < p.min_new_tokens, self.barred)
+        tok = inverse_cdf(logp, self.u[idx, t])  # [n]
+        self.tokens[idx, t] = tok
+        self.logprobs[idx, t] = logp.gather(1, tok[:, None]).squeeze(1)
+        self.versions[idx, t] = version
+        self.t[idx] = t = t + 1
+        done = torch.isin(tok, self.stops) | (t >= self.R)
+        if p.stop_strings and p.decode is not None:
+            for i in (~done & (t > p.min_new_tokens)).nonzero().flatten().tolist():
+                s, n = int(idx[i]), int(t[i])
+                ids = self.tokens[s, max(0, n - stop_window(p.stop_strings)): n].tolist()
+                done[i] = completes_stop_string(ids, p.stop_strings, p.decode)
+        handed = self._finish(idx[done].tolist())
+        live = self._occupied()
+        if not bool(live.any()):
+            if not self.waiting:
+                self._empty()  # nothing left: the next chunk starts a fresh cache
+            return handed
+        if not self.waiting and 2 * int(live.sum()) <= len(self.owner):
+            live = self._shrink(live)
+        if self.L == self.C:
+            self._compact()
+        # each slot feeds its newest token (a free one a pad, whose logits no one reads)
+        newest = self.tokens.gather(1, (self.t - 1).clamp(min=0)[:, None]).squeeze(1)
+        feed = torch.where(live, newest, p.pad_id)  # [b]
+        L = self.L
+        self.mask[:, L] = 1  # every row, free ones too, attends at least to this column
+        self.logits = self.fast(feed, self.pos, self.mask[:, : L + 1], self.cache)
+        self.L = L + 1
+        self.mask[~live, L] = 0
+        self.pos += live[:, None].long()
+        return handed
+
+    def _occupied(self) -> Tensor:
+        """[b] bool: the slots holding a row."""
+        return torch.tensor([c is not None for c in self.owner], dtype=torch.bool,
+                            device=self.t.device)
+
+    def _finish(self, slots: list[int]) -> list[tuple[Any, Generated]]:
+        """Copy the ended rows into their chunks and free their slots; the chunks whose
+        last row that was."""
+        handed = []
+        for s in slots:
+            chunk, r, n = self.owner[s], int(self.row[s]), int(self.t[s])
+            assert chunk is not None
+            out = chunk.out
+            out.response_ids[r] = self.tokens[s]
+            out.response_mask[r, :n] = 1
+            out.logprobs[r] = self.logprobs[s]
+            out.token_versions[r] = self.versions[s]
+            self.owner[s] = None
+            self.mask[s] = 0
+            chunk.finished += 1
+            if chunk.finished == len(chunk.prompts):
+                handed.append((chunk.key, out))
+        return handed
+
+    # --- admission ------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Prefill waiting prompts into the free slots (and new ones, up to `slots`)."""
+        free = [s for s, c in enumerate(self.owner) if c is None]
+        room = len(free) + self.slots - len(self.owner)
+        if room < self.admit_min and len(free) < len(self.owner):
+            return  # a prefill is a model call: wait until it fills enough slots to pay
+        take: list[tuple[_Chunk, int]] = []
+        while self.waiting and len(take) < room:
+            c = self.waiting[0]
+            k = min(len(c.prompts) - c.admitted, room - len(take))
+            take += [(c, r) for r in range(c.admitted, c.admitted + k)]
+            c.admitted += k
+            if c.admitted == len(c.prompts):
+                self.waiting.popleft()
+        if not take:
+            return
+        ids, m = self._prompts(take)  # [k, P]
+        pos = (m.cumsum(dim=1) - 1).clamp(min=0)
+        new, logits, ours = prefill(self.actor, ids, m, pos, ids.shape[1])
+        if not ours:
+            raise RuntimeError("continuous batching: the model returned its own KV cache")
+        P = ids.shape[1]
+        if self.cache is None:
+            self._start(new.layers[0].keys, logits, P)
+        elif P > self.L:
+            self._compact(min_length=P)
+        slots = free[: len(take)] + self._grow(len(take) - len(free))
+        s, L = torch.tensor(slots, device=self.t.device), self.L
+        for main, layer in zip(self.cache.layers, new.layers, strict=True):
+            main.key_buffer[s, :, L - P: L] = layer.keys
+            main.value_buffer[s, :, L - P: L] = layer.values
+        self.mask[s] = 0
+        self.mask[s, L - P: L] = m
+        self.pos[s] = pos[:, -1:] + 1
+        self.t[s] = 0
+        self.u[s] = torch.stack([c.uniforms[r] for c, r in take])
+        self.logits[s] = logits
+        self.tokens[s], self.logprobs[s], self.versions[s] = self.params.pad_id, 0.0, -1
+        for slot, (c, r) in zip(slots, take, strict=True):
+            self.owner[slot] = c
+            self.row[slot] = r
+
+    def _prompts(self, take: list[tuple[_Chunk, int]]) -> tuple[Tensor, Tensor]:
+        """The prompts of rows `take` as one left-padded batch [k, P] (ids, mask), without
+        the columns that are padding in every row."""
+        W = max(c.prompts.prompt_ids.shape[1] for c, _ in take)
+        pad = torch.nn.functional.pad
+        ids = torch.stack([pad(c.prompts.prompt_ids[r], (W - c.prompts.prompt_ids.shape[1], 0),
+                               value=self.params.pad_id) for c, r in take])
+        m = torch.stack([pad(c.prompts.prompt_mask[r], (W - c.prompts.prompt_mask.shape[1], 0))
+                         for c, r in take]).long()
+        first = int((m.sum(dim=0) > 0).nonzero()[0]) if bool(m.any()) else W - 1
+        return ids[:, first:], m[:, first:]
+
+    # --- the cache's rows and columns -----------------------------------------------------
+
+    def _empty(self) -> None:
+        """No rows, no cache."""
+        self.cache: Any = None
+        self.owner: list[_Chunk | None] = []
+        self.L = self.C = 0
+
+    def _start(self, keys: Tensor, logits: Tensor, P: int) -> None:
+        """A cache with no rows yet, its columns for prompts of P tokens and responses."""
+        dev = keys.device
+        _, H, _, D = keys.shape
+        self.L, self.C = P, P + self.R + self.slack
+        self.cache = preallocated_cache(self.actor, self.C)
+        for layer in self.cache.layers:
+            layer.device, layer.is_initialized = dev, True
+            _set(layer, keys.new_zeros((0, H, self.C, D)), keys.new_zeros((0, H, self.C, D)),
+                 self.L)
+        R, V = self.R, logits.shape[-1]
+        self.row = torch.zeros(0, dtype=torch.long, device=dev)
+        self.t = torch.zeros(0, dtype=torch.long, device=dev)
+        self.pos = torch.zeros((0, 1), dtype=torch.long, device=dev)
+        self.u = torch.zeros((0, R), dtype=torch.float64, device=dev)
+        self.logits = logits.new_zeros((0, V))
+        self.tokens = torch.zeros((0, R), dtype=torch.long, device=dev)
+        self.logprobs = torch.zeros((0, R), dtype=torch.float32, device=dev)
+        self.versions = torch.zeros((0, R), dtype=torch.long, device=dev)
+        self.mask = torch.zeros((0, self.C), dtype=torch.long, device=dev)
+        self.stops = self.stops.to(dev)
+        self.barred = self.stops[self.stops < V]
+
+    _ROWS = ("row", "t", "pos", "u", "logits", "tokens", "logprobs", "versions", "mask")
+
+    def _grow(self, n: int) -> list[int]:
+        """Add n free slots; their indices."""
+        if n <= 0:
+            return []
+        b = len(self.owner)
+        for name in self._ROWS:
+            x = getattr(self, name)
+            setattr(self, name, torch.cat([x, x.new_zeros((n, *x.shape[1:]))]))
+        for layer in self.cache.layers:
+            k, v = layer.key_buffer, layer.value_buffer
+            _set(layer, torch.cat([k, k.new_zeros((n, *k.shape[1:]))]),
+                 torch.cat([v, v.new_zeros((n, *v.shape[1:]))]), self.L)
+        self.owner += [None] * n
+        return list(range(b, b + n))
+
+    def _shrink(self, live: Tensor) -> Tensor:
+        """Drop the free slots (one index copy of the cache); the new `live` (all true)."""
+        keep = live.nonzero().flatten()
+        for name in self._ROWS:
+            setattr(self, name, getattr(self, name)[keep])
+        for layer in self.cache.layers:
+            _set(layer, layer.key_buffer[keep], layer.value_buffer[keep], self.L)
+        self.owner = [self.owner[i] for i in keep.tolist()]
+        return live[keep]
+
+    def _compact(self, min_length: int = 0) -> None:
+        """Gather every row's valid columns right-aligned into the first ones (at least
+        `min_length` of them), with `slack` more after them."""
+        b, L = len(self.owner), self.L
+        valid = self.mask[:, :L] != 0  # [b, L]
+        L2 = max(min_length, int(valid.sum(dim=1).max()) if b else 0)
+        C2 = max(self.C, L2 + self.slack)
+        # each row's columns, the masked ones first, the valid ones after them in order
+        order = torch.sort(valid.int(), dim=1, stable=True).indices  # [b, L]
+        if L2 <= L:
+            src, keep = order[:, L - L2:], valid.gather(1, order[:, L - L2:])
+        else:  # more columns than now: new masked ones in front
+            src = torch.cat([order.new_zeros((b, L2 - L)), order], dim=1)
+            keep = torch.cat([valid.new_zeros((b, L2 - L)), valid.gather(1, order)], dim=1)
+        for layer in self.cache.layers:
+            bufs = []
+            for buf in (layer.key_buffer, layer.value_buffer):
+                _, H, _, D = buf.shape
+                new = buf.new_zeros((b, H, C2, D))
+                new[:, :, :L2] = buf[:, :, :L].gather(2, src[:, None, :, None].expand(
+                    b, H, L2, D))
+                bufs.append(new)
+            _set(layer, bufs[0], bufs[1], L2)
+        self.mask = self.mask.new_zeros((b, C2))
+        self.mask[:, :L2] = keep.long()
+        self.L, self.C = L2, C2
+
+
+def _fast_step(actor: nn.Module) -> DecodeStep:
+    """The functional decode step, long-lived: its weights packed once (checked to exist
+    when the batch is made)."""
+    step = decode_step(actor, PACK_MIN_STEPS)
+    if step is None:
+        raise RuntimeError("continuous batching: the model has no functional decode step")
+    return step
+
+
+def _set(layer: Any, keys: Tensor, values: Tensor, length: int) -> None:
+    """A cache layer over buffers [b, H, C, D], of which the first `length` columns filled."""
+    layer.key_buffer, layer.value_buffer, layer.capacity = keys, values, keys.shape[2]
+    layer.keys, layer.values = keys[:, :, :length], values[:, :, :length]
