@@ -61,6 +61,9 @@ SEP1 = ["placement.strategy=separation", "algo.max_staleness=1"]
 # row -> (overrides, the config keys it needs: (section, key))
 ROWS: dict[str, tuple[list[str], list[tuple[str, str]]]] = {
     "flattening (sync)": (["placement.strategy=flattening"], []),
+    "flattening packed": (["placement.strategy=flattening",
+                           "train.max_tokens_per_microbatch={max_tokens}"],
+                          [("train", "max_tokens_per_microbatch")]),
     "separation k=1": (SEP1, []),
     "separation k=1 partial": ([*SEP1, "generation.partial_rollout=true"],
                                [("generation", "partial_rollout")]),

@@ -28,6 +28,7 @@ async def main(node: Node) -> None:
     reward_model, reference = await asyncio.to_thread(_models, job)  # heartbeats go on
     task = make_task(job.cfg)
     T, mix = job.cfg.generation.temperature, reward_mix(job.cfg, task)
+    packed = job.cfg.train.max_tokens_per_microbatch > 0  # the trainer packs: so do we
     inp, out = node.socket("rollouts"), node.socket("scored")
     clock = StageClock()
     torch.set_grad_enabled(False)
@@ -45,7 +46,7 @@ async def main(node: Node) -> None:
         try:
             scored = await clock.busy(node.watchdog.run(
                 "score", job.cfg.runtime.step_deadline_s, asyncio.to_thread(
-                    score, reward_model, reference, batch.to(job.device), T, mix)))
+                    score, reward_model, reference, batch.to(job.device), T, mix, packed)))
         except RewardFunctionError as e:  # the user's reward: the same on any restart
             await fail(node, "; ".join(e.problems))
             return

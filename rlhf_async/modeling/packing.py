@@ -105,7 +105,8 @@ class PackedView:
     input_ids and position_ids [k, C] (a row's unused tail is one more sequence, never
     read); `keep` [k, C] bool: the positions whose output predicts (or values the state
     before) a response token, `targets` [1, n] those tokens in row-major order of `keep`;
-    `rows`, `cols` [n]: where each sits in the micro-batch's [b, R]."""
+    `rows`, `cols` [n]: where each sits in the micro-batch's [b, R]; `last`: (packed row,
+    column) [b] each, of every sequence's last real token (a reward model's score)."""
 
     input_ids: Tensor
     position_ids: Tensor
@@ -114,6 +115,7 @@ class PackedView:
     rows: Tensor
     cols: Tensor
     shape: tuple[int, int]
+    last: tuple[Tensor, Tensor]
 
     def logits(self, actor: nn.Module) -> Tensor:  # [1, n, V]
         kw = {"input_ids": self.input_ids, "position_ids": self.position_ids,
@@ -165,8 +167,10 @@ def packed_view(mb: RolloutBatch) -> PackedView:
     keep[before] = True
     order = (before[0] * C + before[1]).argsort()  # `keep`'s row-major order
     rows, rcols = (t[order] for t in resp.nonzero(as_tuple=True))
+    last = (torch.tensor(slot, device=real.device),
+             torch.tensor(start, device=real.device) + lengths - 1)
     return PackedView(input_ids, position_ids, keep, mb.response_ids[rows, rcols][None],
-                      rows, rcols, (len(mb), mb.response_ids.shape[1]))
+                      rows, rcols, (len(mb), mb.response_ids.shape[1]), last)
 
 
 def _first_fit(lengths: list[int], capacity: int) -> tuple[list[int], list[int], list[int]]:

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_async.modeling.models import ScalarHeadModel, response_logits, sequence_scores
+from rlhf_async.modeling.packing import packed_view, packs
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl import algorithms as A
 from rlhf_async.rl.guards import require_finite
@@ -88,13 +89,25 @@ class RewardMix:
 
 @torch.no_grad()
 def score(reward_model: ScalarHeadModel | None, reference: nn.Module, batch: RolloutBatch,
-          temperature: float, mix: RewardMix) -> RolloutBatch:
-    """Add rewards [B], reference log-probs [B, R] and hidden scores [B] (see RewardMix)."""
+          temperature: float, mix: RewardMix, packed: bool = False) -> RolloutBatch:
+    """Add rewards [B], reference log-probs [B, R] and hidden scores [B] (see RewardMix).
+    `packed` (with `train.max_tokens_per_microbatch`): the forwards run on the rows' real
+    tokens packed end to end (`modeling/packing.py`) where both models keep packed
+    sequences apart, not on rows padded to the longest: the same numbers to float
+    rounding, without the padding's compute on a long tail of lengths."""
     started = mix.start(batch)  # a reward server's answer comes while the forwards run
-    args = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
-    logits = response_logits(reference, *args)
-    ref_lp = A.gather_logprobs(logits, batch.response_ids, temperature) * batch.loss_mask
-    rm = None if reward_model is None else sequence_scores(reward_model, *args)
+    models = [reference] if reward_model is None else [reference, reward_model]
+    if packed and all(packs(m) for m in models):
+        view = packed_view(batch)
+        ref_lp = view.restore(A.gather_logprobs(view.logits(reference), view.targets,
+                                                temperature)) * batch.loss_mask
+        rm = None if reward_model is None else \
+            reward_model(view.input_ids, None, view.position_ids)[view.last]
+    else:
+        args = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+        logits = response_logits(reference, *args)
+        ref_lp = A.gather_logprobs(logits, batch.response_ids, temperature) * batch.loss_mask
+        rm = None if reward_model is None else sequence_scores(reward_model, *args)
     rewards, hidden = mix.combine(rm, batch, started)
     return batch.replace(rewards=rewards.to(ref_lp.device), ref_logprobs=ref_lp,
                          hidden_scores=hidden.to(ref_lp.device))

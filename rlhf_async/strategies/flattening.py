@@ -65,7 +65,8 @@ def full_scorer(cfg: JobConfig, art: Artefacts, task: Task, actor: nn.Module, ra
     mix = reward_mix(cfg, task)
 
     def scorer(batch: RolloutBatch) -> RolloutBatch:
-        return score(reward_model, reference, batch, cfg.generation.temperature, mix)
+        return score(reward_model, reference, batch, cfg.generation.temperature, mix,
+                     packed=cfg.train.max_tokens_per_microbatch > 0)
     return scorer
 
 

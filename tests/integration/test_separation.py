@@ -32,10 +32,14 @@ def _weights(tmp_path, name):
     return load_file(str(tmp_path / name / "policy" / "model.safetensors"))
 
 
-# one trainer process; then a 2-rank trainer with 2 generators and 2 scorers
+# one trainer process; then a 2-rank trainer with 2 generators and 2 scorers, whose
+# generators take weights between decode steps and batch continuously (at max_staleness 0
+# no update comes during a chunk and a row's tokens do not depend on its batch: the same
+# trajectory)
 LAYOUTS = {"ppo": ["placement.devices=2"],
            "grpo": ["placement.devices=6", "placement.actor=[0,1]", "placement.generators=2",
-                    "placement.scorers=2"]}
+                    "placement.scorers=2", "generation.partial_rollout=true",
+                    "generation.continuous_batching=true", "generation.batch_slots=3"]}
 
 
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])

@@ -169,3 +169,19 @@ def test_budget_and_row_grad_accum_together_are_rejected():
         load_config(None, ["train.max_tokens_per_microbatch=512", "train.grad_accum=2"])
     assert load_config(None, ["train.max_tokens_per_microbatch=512"]) \
         .train.max_tokens_per_microbatch == 512
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_packed_scoring_gives_the_padded_rewards_and_reference_logprobs(arch):
+    from rlhf_async.rl.scoring import RewardMix, score
+
+    reference = tiny(arch).eval()
+    rm = scalar_model_from_actor(reference, seed=5).eval()
+    mix = RewardMix(rule=None)
+    b = batch()
+    padded = score(rm, reference, b, 0.8, mix)
+    packed = score(rm, reference, b, 0.8, mix, packed=True)
+    torch.testing.assert_close(packed.rewards, padded.rewards, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(packed.ref_logprobs, padded.ref_logprobs, rtol=1e-4, atol=1e-5)
+    assert (packed.ref_logprobs[~b.loss_mask.bool()] == 0).all()
+    assert len(set(padded.rewards.tolist())) == len(b)  # each row read at its own last token
