@@ -58,6 +58,9 @@ TAILS = {
              "model.max_positions=208"],
 }
 SEP1 = ["placement.strategy=separation", "algo.max_staleness=1"]
+SEP2 = ["placement.strategy=separation", "algo.max_staleness=2"]
+CONTINUOUS = ["generation.partial_rollout=true", "generation.continuous_batching=true",
+              "train.max_tokens_per_microbatch={max_tokens}"]
 # row -> (overrides, the config keys it needs: (section, key))
 ROWS: dict[str, tuple[list[str], list[tuple[str, str]]]] = {
     "flattening (sync)": (["placement.strategy=flattening"], []),
@@ -70,9 +73,12 @@ ROWS: dict[str, tuple[list[str], list[tuple[str, str]]]] = {
     "separation k=1 packed": ([*SEP1, "train.max_tokens_per_microbatch={max_tokens}"],
                               [("train", "max_tokens_per_microbatch")]),
     # everything issue 35 adds: in-flight weights, continuous batching, packed training
-    "separation k=1 continuous": ([*SEP1, "generation.partial_rollout=true",
-                                   "generation.continuous_batching=true",
-                                   "train.max_tokens_per_microbatch={max_tokens}"],
+    "separation k=1 continuous": ([*SEP1, *CONTINUOUS],
+                                  [("generation", "continuous_batching")]),
+    # a chunk more in flight: what continuous batching can fill its slots from
+    "separation k=2 packed": ([*SEP2, "train.max_tokens_per_microbatch={max_tokens}"],
+                              [("train", "max_tokens_per_microbatch")]),
+    "separation k=2 continuous": ([*SEP2, *CONTINUOUS],
                                   [("generation", "continuous_batching")]),
 }
 
