@@ -120,7 +120,9 @@ async def main(node: Node) -> None:
         """The prompt chunks the coordinator sends, while the node runs."""
         while not node.stopping:
             await node.wait_resumed()
-            msg = await clock.idle(inp.recv())
+            msg = await clock.idle(node.unless_stopped(inp.recv()))
+            if msg is None:  # stopped while waiting
+                return
             try:
                 got = prompts_from_message(msg)
             except message_errors() as e:

@@ -35,7 +35,9 @@ async def main(node: Node) -> None:
     await node.send_event(Loaded())
     while not node.stopping:
         await node.wait_resumed()
-        msg = await clock.idle(inp.recv())
+        msg = await clock.idle(node.unless_stopped(inp.recv()))
+        if msg is None:  # stopped while waiting
+            break
         try:
             cid, batch = rollout_from_message(msg, "rollout")
             lineage = lineage_of(msg)

@@ -35,6 +35,7 @@ from rlhf_async.wire.transport import Channel, Transport
 # An untyped command handler (`on_command`) gets the payload, returns a msgpack-able reply.
 Handler = Callable[[Any], Any | Awaitable[Any]]
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 class Node:
@@ -90,6 +91,25 @@ class Node:
 
     async def wait_stop(self) -> None:
         await self._stop.wait()
+
+    async def unless_stopped(self, waiting: Awaitable[T]) -> T | None:
+        """`waiting` (a loop's wait for its next input), or None once a stop is requested
+        first, `waiting` then cancelled: an idle node ends at a stop at once, not after its
+        stop grace (a second per node at every run's end)."""
+        work = asyncio.ensure_future(waiting)
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            raise
+        finally:
+            stop.cancel()
+        if work.done():  # the input came first (or with the stop): it is handled
+            return work.result()
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        return None
 
     def request_stop(self, reason: str = "requested") -> Stopping:
         if not self._stop.is_set():
