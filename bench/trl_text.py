@@ -28,8 +28,11 @@ from bench.trl_compare import (
     our_rows,
     plot_curves,
     print_table,
+    print_time_to_quality,
+    ready_fork_server,
     run_ours,
     summarise,
+    time_to_quality,
     train_grpo,
     trl_rows,
 )
@@ -95,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--target", type=float, default=1.0, help="mean rule reward to reach")
+    ap.add_argument("--window", type=int, default=3,
+                    help="time to quality: batches in the rolling mean of the reward")
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--trl-threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}))
     ap.add_argument("--trl-bf16", action="store_true",
@@ -123,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    ready_fork_server()  # our nodes' imports paid before any clock, as TRL's are
     rows: dict[str, dict] = {}
     for name, threads, bf16 in trl_rows(args) if not args.only or "trl" in args.only else []:
         print(f"{name} ...", file=sys.stderr)
@@ -130,11 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in [n for n in our_rows(args) if not args.only or n in args.only]:
         print(f"{name} ...", file=sys.stderr)
         rows[name] = run_ours(name, base, args.warmup, args.target, args.config)
-    print_table(Path(cfg.model.path).name, rows, args.target)
+    label = Path(cfg.model.path).name
+    print_table(label, rows, args.target)
+    ttq = time_to_quality(rows, args.target, args.window)
+    print_time_to_quality(label, ttq, args.target, args.steps, args.window)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "loadavg": os.getloadavg(),
-                               "results": rows}, indent=1))
+                               "results": rows, "time_to_quality": ttq}, indent=1))
     plot_curves(rows, out.with_suffix(".png"), f"GRPO: TRL vs ours, {Path(cfg.model.path).name}")
     print(f"wrote {out}", file=sys.stderr)
     return 0
