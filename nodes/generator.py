@@ -162,18 +162,22 @@ async def _continuous(node: Node, job: NodeContext, runner: ContinuousGeneration
     """Continuous batching: chunks go to the sampling thread as they arrive and out as they
     end, each under the step deadline from its arrival."""
     deadline = job.cfg.runtime.step_deadline_s
-    open_: dict[ChunkId, int] = {}  # chunk -> its watchdog token
+    # chunk -> the watchdog tokens of its copies in flight (the coordinator may send a
+    # chunk again while it still decodes here: each copy goes out once it ends)
+    open_: dict[ChunkId, list[int]] = {}
     start = time.perf_counter()
 
     async def receive() -> None:
         async for cid, prompts in chunks:
-            open_[cid] = node.watchdog.begin("generate", deadline)
+            open_.setdefault(cid, []).append(node.watchdog.begin("generate", deadline))
             runner.submit(cid, prompts.to(job.device))
 
     async def send() -> None:
         while True:
             cid, batch, span = await runner.finished()
-            node.watchdog.end(open_.pop(cid, -1))
+            tokens = open_.get(cid, [])
+            if tokens:
+                node.watchdog.end(tokens.pop(0))
             clock.busy_s, clock.items = runner.busy_s, clock.items + 1
             clock.idle_s = time.perf_counter() - start - runner.busy_s
             await ship(cid, batch, span)

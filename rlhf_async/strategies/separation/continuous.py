@@ -15,6 +15,7 @@ lineages and sent again (as in `inflight.py`).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import queue
 import time
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ _WAKE, _STOP = "wake", "stop"
 
 @dataclass
 class _Submitted:
+    key: int  # the submission's own: a chunk sent again may arrive while it still decodes
     cid: ChunkId
     prompts: PromptBatch
     span: Span
@@ -49,6 +51,7 @@ class ContinuousGeneration:
         self._done: asyncio.Queue[tuple[ChunkId, RolloutBatch, Span] | BaseException] = \
             asyncio.Queue()
         self._loop = asyncio.get_running_loop()
+        self._keys = itertools.count()
         self.busy_s = 0.0  # the thread's time in decode steps (utilisation)
         self.rows = 0  # rows decoding after the last step
 
@@ -56,7 +59,7 @@ class ContinuousGeneration:
 
     def submit(self, cid: ChunkId, prompts: PromptBatch) -> None:
         _, span = self.held.begin()
-        self._feed.put(_Submitted(cid, prompts, span))
+        self._feed.put(_Submitted(next(self._keys), cid, prompts, span))
 
     def wake(self) -> None:
         """An update is staged: copy it in at once even if no row decodes."""
@@ -85,7 +88,7 @@ class ContinuousGeneration:
 
     def _run(self) -> None:
         batch: ContinuousBatch | None = None
-        open_: dict[ChunkId, _Submitted] = {}
+        open_: dict[int, _Submitted] = {}
         version = self.held.version
         while True:
             for item in self._take(block=batch is None or not batch.busy):
@@ -96,9 +99,9 @@ class ContinuousGeneration:
                         batch = ContinuousBatch(self.actor, self.params,
                                                 self.slots or len(item.prompts))
                     ids = [int(s) for s in item.prompts.sample_ids]
-                    batch.add(item.cid, item.prompts, sampling_uniforms(
+                    batch.add(item.key, item.prompts, sampling_uniforms(
                         self.seed, item.cid.step, ids, self.params.max_new_tokens))
-                    open_[item.cid] = item
+                    open_[item.key] = item
             if (now := self.held.between()) != version:
                 version = now
                 if batch is not None:
@@ -109,11 +112,12 @@ class ContinuousGeneration:
             handed = batch.step(version)
             self.busy_s += time.perf_counter() - t0
             self.rows = batch.rows
-            for cid, g in handed:
-                sub = open_.pop(cid)
+            for key, g in handed:
+                sub = open_.pop(key)
                 self.held.end(sub.span)
-                out = rollout_batch(sub.prompts, g, cid.step, version, partial=True)
-                self._loop.call_soon_threadsafe(self._done.put_nowait, (cid, out, sub.span))
+                out = rollout_batch(sub.prompts, g, sub.cid.step, version, partial=True)
+                self._loop.call_soon_threadsafe(self._done.put_nowait,
+                                                (sub.cid, out, sub.span))
 
     def _take(self, block: bool) -> list[Any]:
         """What the loop sent since the last step (waiting for something when `block`)."""
