@@ -73,7 +73,8 @@ def shared_overrides(args: argparse.Namespace, size: str) -> list[str]:
     layers, hidden, heads = SIZES[size]
     return [f"model.layers={layers}", f"model.hidden={hidden}", f"model.heads={heads}",
             "algo.name=grpo", f"algo.group_size={args.group}", f"algo.kl_coef={args.beta}",
-            "algo.kl_mode=loss", "algo.kl_estimator=k3", "train.epochs=1",
+            # TRL's beta is fixed: no adaptive KL controller on our side either
+            "algo.kl_target=0", "algo.kl_mode=loss", "algo.kl_estimator=k3", "train.epochs=1",
             "train.minibatches=1", f"train.lr={args.lr}", f"train.steps={args.steps}",
             f"train.prompts_per_step={args.prompts}", "run.plot=false",
             "run.eval_prompts=64", "run.output_dir=runs/bench-trl", "run.checkpoint_every=0",

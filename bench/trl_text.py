@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides for both sides")
     args = ap.parse_args(argv)
     configure_logging("warning")
-    base = [f"train.steps={args.steps}", "run.plot=false", "run.eval_prompts=4",
+    # TRL's beta is fixed: no adaptive KL controller on our side either (algo.kl_target)
+    base = [f"train.steps={args.steps}", "algo.kl_target=0", "run.plot=false",
+            "run.eval_prompts=4",
             "run.output_dir=runs/bench-trl-text", "run.checkpoint_every=0",
             f"placement.devices={args.cores}", *args.overrides]
     try:
