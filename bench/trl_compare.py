@@ -45,7 +45,7 @@ from rlhf_async.config import JobConfig, load_config
 from rlhf_async.log import configure_logging
 from rlhf_async.metrics import read_metrics
 from rlhf_async.modeling.models import sequence_scores
-from rlhf_async.runtime.launcher import can_fork, fork_server
+from rlhf_async.runtime.launcher import ready_fork_server
 from rlhf_async.task import SortDigitsTask
 from rlhf_async.task.artefacts import load_reward_model, prepare_artefacts
 
@@ -123,15 +123,6 @@ def run_ours(name: str, base: list[str], warmup: int, target: float,
                     [r["hidden_score"] for r in recs], warmup, target)
     out["rl_wall_s"] = s["rl_seconds"]
     return out
-
-
-def ready_fork_server() -> None:
-    """The fork server's imports done (`runtime.node_start = fork`): its first child is
-    forked once they are."""
-    if can_fork():
-        child = fork_server().Process(target=int)
-        child.start()
-        child.join()
 
 
 def save_tokenizer(path: Path) -> None:
@@ -369,9 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.size, args.steps = ["2x64"], min(args.steps, 12)
     configure_logging("warning")
-    # our node processes fork from a server that imports torch and transformers once; it
-    # imports now, before any clock starts, as TRL's imports in this process did: else the
-    # first of our rows pays that import inside its RL time and the rows after it do not
+    # our nodes' imports (the fork server's) paid before any clock, as TRL's in this process
     ready_fork_server()
     load_start = os.getloadavg()
     results: dict = {}

@@ -29,7 +29,6 @@ from bench.trl_compare import (
     plot_curves,
     print_table,
     print_time_to_quality,
-    ready_fork_server,
     run_ours,
     summarise,
     time_to_quality,
@@ -38,6 +37,7 @@ from bench.trl_compare import (
 )
 from rlhf_async.config import ConfigError, JobConfig, load_config
 from rlhf_async.log import configure_logging
+from rlhf_async.runtime.launcher import ready_fork_server
 from rlhf_async.task import make_task
 from rlhf_async.task.text import TextTask
 

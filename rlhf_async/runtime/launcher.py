@@ -193,6 +193,15 @@ def warm_fork_server() -> None:
         multiprocessing.forkserver.ensure_running()
 
 
+def ready_fork_server() -> None:
+    """`warm_fork_server`, and wait until its imports are done (its first child is forked
+    once they are): for a benchmark whose clock must not hold them."""
+    if can_fork():
+        child = fork_server().Process(target=int)
+        child.start()
+        child.join()
+
+
 def can_fork() -> bool:
     """Whether this platform has the fork server (Linux and macOS do, Windows does not)."""
     return "forkserver" in multiprocessing.get_all_start_methods()
