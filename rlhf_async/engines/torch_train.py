@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from rlhf_async.modeling.collectives import all_reduce_grads
+from rlhf_async.modeling.collectives import GradBuffer
 
 FUSED_DEVICES = ("cpu", "cuda")  # where torch has a fused AdamW (others: its loop)
 
@@ -29,17 +29,19 @@ class TorchTrainBackend:
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay,
                                            fused=fused or None)
         self.grad_clip = grad_clip
+        self.grads = GradBuffer(self.params)  # summed over ranks in place, kept across steps
 
     def backward(self, loss: Tensor, *, last: bool = True) -> None:
         loss.backward()  # micro-batch gradients accumulate in .grad until step()
 
     def step(self) -> float:
-        all_reduce_grads(self.params)
+        self.grads.all_reduce()
         clip = self.grad_clip or float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
         if math.isfinite(norm):  # a NaN/inf gradient is never applied (the caller stops)
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if not self.grads.zero():  # one process: the gradients are freed
+            self.optimizer.zero_grad(set_to_none=True)
         return norm
 
     def set_lr(self, lr: float) -> None:
