@@ -21,14 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
 from rlhf_async.config import load_config
 from rlhf_async.job import run
 from rlhf_async.metrics import read_metrics
+from rlhf_async.ops.plotting import pyplot
 
 SMOOTH = 5  # steps in the moving average of the training curve
 COLLAPSE = 0.10  # final more than this below the run's own peak
@@ -81,6 +77,7 @@ def table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
     algos = list(dict.fromkeys(r["algo"] for r in rows))
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(algos), figsize=(6 * len(algos), 4), squeeze=False)
     for ax, algo in zip(axes[0], algos, strict=True):
         for r in (r for r in rows if r["algo"] == algo):

@@ -4,11 +4,9 @@ strategy (or system) as one line, x = wall-clock seconds of the RL phase."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from rlhf_async.ops.plotting import pyplot
 
 # (series key in a result's "series", panel title)
 PANELS = (("samples_per_s", "samples / s"), ("tokens_per_s", "completion tokens / s"),
@@ -24,6 +22,7 @@ def plot_runs(results: dict[str, dict], out_path: str | Path, title: str = "") -
               if any(k in r.get("series", {}) for r in results.values())]
     cols = 4
     rows = max(1, (len(panels) + 1 + cols - 1) // cols)
+    plt = pyplot()
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
     flat = list(axes.flat)
     color = {name: f"C{i}" for i, name in enumerate(results)}  # one colour per run everywhere
@@ -52,7 +51,7 @@ def plot_runs(results: dict[str, dict], out_path: str | Path, title: str = "") -
     return out
 
 
-def _utilisation(ax: plt.Axes, results: dict[str, dict]) -> None:
+def _utilisation(ax: Any, results: dict[str, dict]) -> None:
     """Grouped bars: per-stage busy fraction of each strategy (steady steps)."""
     stages = sorted({s for r in results.values() for s in r.get("utilisation", {})})
     width = 0.8 / max(1, len(results))
