@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import tempfile
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,6 +28,7 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
 )
+from transformers.utils import logging as hf_logging
 
 from rlhf_async.config import ConfigError, ModelConfig
 from rlhf_async.modeling.rollout import attention_mask
@@ -308,6 +310,31 @@ def save_policy(actor: PreTrainedModel, path: str | Path, extra: dict | None = N
     actor.save_pretrained(path, safe_serialization=True, state_dict=weights)
     if extra:
         (path / "rlhf_async.json").write_text(json.dumps(extra, indent=2))
+
+
+def warm_loading() -> None:
+    """Pay once what a process's first `from_pretrained` costs beyond reading the files
+    (~0.3 s under transformers 5: it compiles its checkpoint-conversion patterns; and the
+    GPT-2 module's import), on a four-parameter-wide GPT-2 in a temporary directory: the
+    fork server does this, and every node and rank forked from it loads its models at once.
+    One thread, so that no OpenMP pool exists in a process that will fork."""
+    threads, bar = torch.get_num_threads(), hf_logging.is_progress_bar_enabled()
+    torch.set_num_threads(1)
+    hf_logging.disable_progress_bar()  # "Loading weights" of a model nobody asked for
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = GPT2Config(vocab_size=4, n_positions=4, n_embd=4, n_layer=1, n_head=1,
+                             bos_token_id=0, eos_token_id=0, pad_token_id=0)
+            model = AutoModelForCausalLM.from_config(cfg)
+            cfg.save_pretrained(tmp)
+            # not save_pretrained: it imports accelerate and DeepSpeed where they are installed
+            save_file({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"},
+                      str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+            AutoModelForCausalLM.from_pretrained(tmp, local_files_only=True)
+    finally:
+        torch.set_num_threads(threads)
+        if bar:
+            hf_logging.enable_progress_bar()
 
 
 def load_model_config(path: str | Path) -> PretrainedConfig:

@@ -35,9 +35,10 @@ from rlhf_async.runtime.process import leave, main
 from rlhf_async.runtime.spec import NodeSpec
 
 NODE_STARTS = ("fork", "exec")
-# what the fork server imports once, before it forks any node
+# what the fork server imports once, before it forks any node (runtime.warm: and a first
+# model load)
 PRELOAD = ("torch", "transformers", "rlhf_async.runtime.process", "nodes.generator",
-           "nodes.scorer", "nodes.trainer")
+           "nodes.scorer", "nodes.trainer", "rlhf_async.runtime.warm")
 
 
 class NodeProcess(Protocol):

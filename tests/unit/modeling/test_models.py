@@ -10,6 +10,7 @@ from rlhf_async.modeling.models import (
     response_values,
     scalar_model_from_actor,
     sequence_scores,
+    warm_loading,
 )
 
 SPECIAL = (0, 1, 3)
@@ -105,3 +106,13 @@ def test_dropout_is_off_for_rl_unless_asked_for():
                                       n_head=2))
     Learner(kept, None, AlgoConfig(name="grpo"), TrainConfig(disable_dropout=False), seed=0)
     assert {m.p for m in kept.modules() if isinstance(m, nn.Dropout)} == {0.1}
+
+
+def test_warming_the_loader_leaves_threads_and_progress_bars_as_they_were():
+    from transformers.utils import logging as hf_logging
+
+    threads = torch.get_num_threads()
+    bar = hf_logging.is_progress_bar_enabled()
+    warm_loading()  # what the fork server does before it forks (runtime/warm.py)
+    assert torch.get_num_threads() == threads
+    assert hf_logging.is_progress_bar_enabled() == bar
