@@ -166,3 +166,16 @@ def test_soak_keeps_its_raw_samples_out_of_the_summary(tmp_path):
     summary = json.loads(args.out.read_text())
     assert summary["summary"] == {"flat": True, "rows": {}} and "samples" not in summary
     assert json.loads(args.samples_out.read_text())["samples"] == samples
+
+
+def test_eval_seeds_writes_curves_apart_from_the_rows(tmp_path):
+    from bench.eval_seeds import write_results
+
+    row = {"algo": "ppo", "seed": 3, "sft": 0.4, "final": 0.7, "curve": [0.4, 0.5],
+           "kl_curve": [0.1, 0.2]}
+    out, curves = tmp_path / "results" / "e.json", tmp_path / "runs" / "e_curves.json"
+    write_results([row], out, curves, {"load": [1.0, 1.0]})
+    assert json.loads(out.read_text()) == {
+        "load": [1.0, 1.0], "rows": [{"algo": "ppo", "seed": 3, "sft": 0.4, "final": 0.7}]}
+    assert json.loads(curves.read_text())["rows"] == [
+        {"algo": "ppo", "seed": 3, "curve": [0.4, 0.5], "kl_curve": [0.1, 0.2]}]
