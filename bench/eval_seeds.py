@@ -15,13 +15,14 @@ runs/eval_seeds_curves.json (`--curves-out`) and a PNG of every seed's hidden-sc
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, too
+from bench.output import traces_path, write_json
 from rlhf_async.config import load_config
 from rlhf_async.job import run
 from rlhf_async.metrics import read_metrics
@@ -58,9 +59,8 @@ def write_results(rows: list[dict], out: Path, curves_out: Path, head: dict) -> 
     `curves_out`, beside the runs: they would be most of a committed summary's size."""
     summary = [{k: v for k, v in r.items() if k not in CURVES} for r in rows]
     curves = [{"algo": r["algo"], "seed": r["seed"], **{k: r[k] for k in CURVES}} for r in rows]
-    for path, body in ((out, {**head, "rows": summary}), (curves_out, {**head, "rows": curves})):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(body, indent=1))
+    write_json(out, {**head, "rows": summary})
+    write_json(curves_out, {**head, "rows": curves})
 
 
 def table(rows: list[dict]) -> str:
@@ -129,7 +129,7 @@ def main() -> int:
     print(f"load average at start {load0[0]:.1f}, at end {load1[0]:.1f}; "
           f"{time.perf_counter() - t0:.0f}s for {len(rows)} runs")
     out = Path(args.out)
-    curves_out = Path(args.curves_out or f"runs/{out.stem}_curves.json")
+    curves_out = traces_path(out, args.curves_out, "curves")
     write_results(rows, out, curves_out,
                   {"overrides": args.overrides, "load": [load0[0], load1[0]]})
     plot(rows, out.with_suffix(".png"), "default recipe" + (

@@ -36,6 +36,7 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.output import traces_path, write_json
 from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.control.demo import address_maker, build_specs
 from rlhf_async.log import configure_logging
@@ -199,10 +200,8 @@ def write_results(args: argparse.Namespace, summary: dict, samples: list[dict]) 
     env = {"python": platform.python_version(), "cpus": os.cpu_count(),
            "load_avg": os.getloadavg()}
     head = {"args": {k: str(v) for k, v in vars(args).items()}, "env": env}
-    for path, body in ((args.out, {**head, "summary": summary}),
-                       (args.samples_out, {**head, "samples": samples})):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(body, indent=1))
+    write_json(args.out, {**head, "summary": summary})
+    write_json(args.samples_out, {**head, "samples": samples})
 
 
 def main() -> int:
@@ -226,7 +225,7 @@ def main() -> int:
                    help="separation: further config overrides")
     args = p.parse_args()
     args.out = args.out or Path(f"bench/results/soak_{args.pipeline}.json")
-    args.samples_out = args.samples_out or Path(f"runs/soak_{args.pipeline}_samples.json")
+    args.samples_out = traces_path(args.out, args.samples_out, "samples")
     if args.minutes * 60 < args.warmup_s + 120:
         p.error(f"--minutes must leave a first and a last minute after --warmup-s "
                 f"({args.warmup_s:.0f}s): at least {(args.warmup_s + 120) / 60:.1f}")
