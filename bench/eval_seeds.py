@@ -7,20 +7,22 @@ is the default `rlhf-async run` job with `algo.name` and `run.seed` set, as a us
 Per run: SFT and final hidden score on the held-out prompts, the peak of the training
 curve's hidden score (5-step moving average, on the training prompts), the final KL to the
 reference, the reward model's accuracy. A run "collapsed" when its final hidden score is
-more than 0.10 below its own peak. Prints the table and the load average, writes
-bench/results/eval_seeds.json and a PNG of every seed's hidden-score curve.
+more than 0.10 below its own peak. Prints the table and the load average, writes the rows
+to bench/results/eval_seeds.json (`--out`), every run's per-step curves to
+runs/eval_seeds_curves.json (`--curves-out`) and a PNG of every seed's hidden-score curve.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, too
+from bench.output import traces_path, write_json
 from rlhf_async.config import load_config
 from rlhf_async.job import run
 from rlhf_async.metrics import read_metrics
@@ -47,6 +49,18 @@ def one_run(algo: str, seed: int, stamp: str, overrides: list[str]) -> dict:
             "final_kl": statistics.mean(kl[-SMOOTH:]), "rm_accuracy": s["rm_accuracy"],
             "rl_seconds": s["rl_seconds"], "wall_seconds": s["wall_seconds"],
             "curve": curve, "kl_curve": kl}
+
+
+CURVES = ("curve", "kl_curve")
+
+
+def write_results(rows: list[dict], out: Path, curves_out: Path, head: dict) -> None:
+    """Each run's summary row to `out`; its per-step curves (two floats a step) to
+    `curves_out`, beside the runs: they would be most of a committed summary's size."""
+    summary = [{k: v for k, v in r.items() if k not in CURVES} for r in rows]
+    curves = [{"algo": r["algo"], "seed": r["seed"], **{k: r[k] for k in CURVES}} for r in rows]
+    write_json(out, {**head, "rows": summary})
+    write_json(curves_out, {**head, "rows": curves})
 
 
 def table(rows: list[dict]) -> str:
@@ -97,6 +111,7 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=list(range(8)))
     ap.add_argument("--algos", nargs="+", default=["ppo", "grpo"])
     ap.add_argument("--out", default="bench/results/eval_seeds.json")
+    ap.add_argument("--curves-out", help="default: runs/<--out's name>_curves.json")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.steps=50")
     args = ap.parse_args()
     stamp, load0, t0 = time.strftime("%Y%m%d-%H%M%S"), os.getloadavg(), time.perf_counter()
@@ -114,9 +129,9 @@ def main() -> int:
     print(f"load average at start {load0[0]:.1f}, at end {load1[0]:.1f}; "
           f"{time.perf_counter() - t0:.0f}s for {len(rows)} runs")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"overrides": args.overrides, "load": [load0[0], load1[0]],
-                               "rows": rows}, indent=1))
+    curves_out = traces_path(out, args.curves_out, "curves")
+    write_results(rows, out, curves_out,
+                  {"overrides": args.overrides, "load": [load0[0], load1[0]]})
     plot(rows, out.with_suffix(".png"), "default recipe" + (
         f" + {' '.join(args.overrides)}" if args.overrides else ""))
     return 0

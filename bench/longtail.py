@@ -22,22 +22,24 @@ across weight versions (`partial/interrupted_rows` of the step records, "-" wher
 records do not count them), and the load average before and after. With --rounds N the rows take turns N
 times (the order reversed every other round, so background load hits them alike) and each
 row reports its median round by samples/s, with every round's rate beside it. Writes
-bench/results/longtail.json.
+bench/results/longtail.json (`--out`) and each row's per-step series to
+runs/longtail_series.json (`--series-out`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from bench.__main__ import measured_run
+from bench.output import traces_path, write_json
 from bench.trl_compare import SIZES
 from rlhf_async.config import JobConfig, load_config
 from rlhf_async.log import configure_logging
@@ -195,11 +197,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="held-out prompts (~10%% of them long)")
     ap.add_argument("--only", nargs="*", default=None, choices=list(ROWS))
     ap.add_argument("--out", default="bench/results/longtail.json")
+    ap.add_argument("--series-out", help="each row's per-step series; default "
+                    "runs/<--out's name>_series.json")
     ap.add_argument("overrides", nargs="*", help="config overrides for every row")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.prompts, args.eval_prompts, args.rounds = min(args.steps, 10), 8, 64, 1
     return args
+
+
+def write_results(out: Path, series_out: Path, results: dict[str, dict],
+                  head: dict[str, Any]) -> None:
+    """Each row's numbers to `out`, its per-step series (most of the bytes) to `series_out`."""
+    rows = {n: {k: v for k, v in r.items() if k != "series"} for n, r in results.items()}
+    write_json(out, {**head, "results": rows}, indent=2)
+    write_json(series_out, {**head, "series": {n: r.get("series", {}) for n, r in results.items()}})
 
 
 def base_overrides(args: argparse.Namespace, cores: int) -> list[str]:
@@ -255,12 +267,12 @@ def main(argv: list[str] | None = None) -> int:
           "held-out prompts)")
     load = os.getloadavg()
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "cores": cores, "overrides": base,
-                               "loadavg_start": load_start, "loadavg_end": load,
-                               "sft": sft, "results": results}, indent=2))
+    series_out = traces_path(out, args.series_out, "series")
+    write_results(out, series_out, results, {
+        "args": vars(args), "cores": cores, "overrides": base, "loadavg_start": load_start,
+        "loadavg_end": load, "sft": sft})
     print(f"load average {load_start[0]:.1f} at start, {load[0]:.1f} {load[1]:.1f} "
-          f"{load[2]:.1f} at end; wrote {out}")
+          f"{load[2]:.1f} at end; wrote {out} and {series_out}")
     return 0
 
 

@@ -12,8 +12,8 @@ at the end; queue depth is then the driver's chunks in flight, `queue/*` of metr
 It samples the RSS of every node process and the queue
 depth (messages sent by the sources and not yet received by the sink: everything sitting in
 the socket queues) every `--sample-s` seconds, and compares the mean of the last minute with
-the mean of the first minute after `--warmup-s`. Writes JSON (every sample plus the summary)
-and prints a table. Exit code 1 when a node died or anything grew by more than `--max-growth`.
+the mean of the first minute after `--warmup-s`. Writes the summary to `--out` (under
+bench/results/) and every sample to `--samples-out` (under runs/), and prints a table. Exit code 1 when a node died or anything grew by more than `--max-growth`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.output import traces_path, write_json
 from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.control.demo import address_maker, build_specs
 from rlhf_async.log import configure_logging
@@ -193,6 +194,16 @@ def _flat(row: dict[str, float], max_growth: float) -> bool:
     return small or abs(row["growth"]) < max_growth
 
 
+def write_results(args: argparse.Namespace, summary: dict, samples: list[dict]) -> None:
+    """The summary to `args.out`, every sample to `args.samples_out`: the samples run to
+    megabytes an hour, so they stay beside the runs, not with the committed summaries."""
+    env = {"python": platform.python_version(), "cpus": os.cpu_count(),
+           "load_avg": os.getloadavg()}
+    head = {"args": {k: str(v) for k, v in vars(args).items()}, "env": env}
+    write_json(args.out, {**head, "summary": summary})
+    write_json(args.samples_out, {**head, "samples": samples})
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=10.0)
@@ -207,11 +218,14 @@ def main() -> int:
     p.add_argument("--pipeline", choices=("demo", "separation"), default="demo")
     p.add_argument("--devices", type=int, default=3, help="separation: CPU slots")
     p.add_argument("--steps", type=int, default=100_000, help="separation: more than fit")
-    p.add_argument("--out", type=Path)
+    p.add_argument("--out", type=Path, help="the summary (default bench/results/soak_PIPELINE.json)")
+    p.add_argument("--samples-out", type=Path,
+                   help="every sample, raw (default runs/soak_PIPELINE_samples.json)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="separation: further config overrides")
     args = p.parse_args()
     args.out = args.out or Path(f"bench/results/soak_{args.pipeline}.json")
+    args.samples_out = traces_path(args.out, args.samples_out, "samples")
     if args.minutes * 60 < args.warmup_s + 120:
         p.error(f"--minutes must leave a first and a last minute after --warmup-s "
                 f"({args.warmup_s:.0f}s): at least {(args.warmup_s + 120) / 60:.1f}")
@@ -240,12 +254,8 @@ def main() -> int:
     print(f"{unit} first min {summary['msgs_per_s_first']:.2f}, last min "
           f"{summary['msgs_per_s_last']:.2f}; dead nodes: {summary['dead'] or 'none'}; "
           f"flat (|growth| < {args.max_growth:.0%}): {summary['flat']}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    env = {"python": platform.python_version(), "cpus": os.cpu_count(),
-           "load_avg": os.getloadavg()}
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                    "env": env, "summary": summary,
-                                    "samples": run["samples"]}, indent=1))
+    write_results(args, summary, run["samples"])
+    print(f"wrote {args.out} (summary) and {args.samples_out} (samples)")
     return 0 if summary["flat"] else 1
 
 

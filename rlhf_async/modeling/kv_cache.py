@@ -1,7 +1,7 @@
 """A KV cache allocated once per generation call, for our sampling loop.
 
 HF's DynamicCache grows every layer's keys and values by `torch.cat` at each new token,
-copying the whole cache each time (quadratic in the response length; 11-29% of the
+copying the whole cache each time (quadratic in the response length; 11% of the
 generate phase in bench/README.md). `preallocated_cache` gives the model a DynamicCache
 whose layers write each new position into buffers sized for the whole prompt + response
 once, and hand attention a view of the filled part: the same keys and values, the same

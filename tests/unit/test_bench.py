@@ -1,4 +1,6 @@
-"""bench helpers: time-to-target, steady throughput, time series, plots, TRL tokenizer."""
+"""bench helpers: time-to-target, steady throughput, time series, plots, TRL tokenizer, soak output."""
+
+import json
 
 import pytest
 import torch
@@ -150,3 +152,30 @@ def test_bench_decode_times_both_paths_on_the_same_samples():
     r = decode_compare("llama 4x128", rounds=1, rows=4, new_tokens=5)
     assert r["tokens_equal"] and r["logprob_max_diff"] < 1e-5
     assert r["hf_ms"] > 0 and r["step_ms"] > 0
+
+
+def test_soak_keeps_its_raw_samples_out_of_the_summary(tmp_path):
+    import argparse
+
+    from bench.soak import write_results
+
+    args = argparse.Namespace(out=tmp_path / "results" / "soak_demo.json",
+                              samples_out=tmp_path / "runs" / "soak_demo_samples.json")
+    samples = [{"t": float(i), "rss": {"sink0": 1 << 20}, "received": i} for i in range(3)]
+    write_results(args, {"flat": True, "rows": {}}, samples)
+    summary = json.loads(args.out.read_text())
+    assert summary["summary"] == {"flat": True, "rows": {}} and "samples" not in summary
+    assert json.loads(args.samples_out.read_text())["samples"] == samples
+
+
+def test_eval_seeds_writes_curves_apart_from_the_rows(tmp_path):
+    from bench.eval_seeds import write_results
+
+    row = {"algo": "ppo", "seed": 3, "sft": 0.4, "final": 0.7, "curve": [0.4, 0.5],
+           "kl_curve": [0.1, 0.2]}
+    out, curves = tmp_path / "results" / "e.json", tmp_path / "runs" / "e_curves.json"
+    write_results([row], out, curves, {"load": [1.0, 1.0]})
+    assert json.loads(out.read_text()) == {
+        "load": [1.0, 1.0], "rows": [{"algo": "ppo", "seed": 3, "sft": 0.4, "final": 0.7}]}
+    assert json.loads(curves.read_text())["rows"] == [
+        {"algo": "ppo", "seed": 3, "curve": [0.4, 0.5], "kl_curve": [0.1, 0.2]}]

@@ -66,3 +66,15 @@ def test_time_to_quality_adds_the_time_outside_steps_and_compares_with_trls_soon
     assert q["separation k=1"]["wall_s"] is None and q["separation k=1"]["vs_trl"] is None
     rows.pop("trl 1t"), rows.pop("trl 2t")
     assert trl_compare.time_to_quality(rows, 0.5)["flattening"]["vs_trl"] is None
+
+
+def test_longtail_writes_each_rows_series_apart_from_its_numbers(tmp_path):
+    import json
+
+    results = {"separation k=1": {"samples_per_s": 633.0, "series": {"t": [0.5, 1.0]}}}
+    out, series = tmp_path / "results" / "longtail.json", tmp_path / "runs" / "s.json"
+    longtail.write_results(out, series, results, {"cores": 2})
+    assert json.loads(out.read_text()) == {
+        "cores": 2, "results": {"separation k=1": {"samples_per_s": 633.0}}}
+    assert json.loads(series.read_text())["series"] == {"separation k=1": {"t": [0.5, 1.0]}}
+    assert results["separation k=1"]["series"] == {"t": [0.5, 1.0]}  # the caller's left whole
