@@ -52,6 +52,9 @@ class Strategy:
     placement_problems: Callable[[PlacementConfig, Placement], list[str]]
     runner_problems: Callable[[JobConfig, Placement], list[str]]
     run: Callable[[JobConfig, Placement, Artefacts, Path, int], RunResult]
+    # modules the fork server imports once before it forks this strategy's processes (its
+    # node programs, named by the strategy: runtime/ knows none)
+    fork_preload: tuple[str, ...] = ()
 
     @property
     def lock_step(self) -> bool:

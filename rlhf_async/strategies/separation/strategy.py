@@ -20,10 +20,15 @@ from rlhf_async.strategies.placement import (
     ranges,
 )
 from rlhf_async.strategies.separation.on_ray import run as run_on_ray
+from rlhf_async.strategies.separation.runner import NODE_MODULES
 from rlhf_async.strategies.separation.runner import run as run_here
 from rlhf_async.strategies.separation.startup import generator_ranks
-from rlhf_async.strategies.separation.trainer_group import trainer_id
 from rlhf_async.task.artefacts import Artefacts
+
+
+def trainer_id(rank: int) -> str:
+    """Node id of trainer rank `rank`: "trainer" for rank 0, then trainer1, trainer2, ..."""
+    return "trainer" if rank == 0 else f"trainer{rank}"
 
 
 def _spread(devices: list[int], replicas: int) -> list[tuple[int, ...]]:
@@ -146,4 +151,5 @@ STRATEGY = Strategy(
     name="separation",
     summary="trainer apart from generators (shadow actors) and scorers; weights broadcast",
     roles=("trainer", "generator", "scorer"), preset=preset,
-    placement_problems=placement_problems, runner_problems=runner_problems, run=run)
+    placement_problems=placement_problems, runner_problems=runner_problems, run=run,
+    fork_preload=NODE_MODULES)
