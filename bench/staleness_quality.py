@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--is-cap", type=float, default=0.0, help="algo.is_cap for k > 0 runs")
+    ap.add_argument("--is-cap", type=float, default=0.0,
+                    help="truncated importance sampling (algo.mismatch = tis) with this cap "
+                         "for k > 0 runs")
     ap.add_argument("--out", default="bench/results/staleness_quality.json")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                     "run.plot=false", "run.output_dir=runs/bench-staleness",
                     f"run.name=k{k}-s{seed}-{int(time.time())}", *args.overrides]
             if k > 0 and args.is_cap:
-                over.append(f"algo.is_cap={args.is_cap}")
+                over += ["algo.mismatch=tis", f"algo.mismatch_cap={args.is_cap}"]
             s = job.run(load_config(None, over))
             rows.append({"seed": seed, "k": k, "sft": s["sft_hidden_score"],
                          "final": s["final_hidden_score"], "rl_seconds": s["rl_seconds"],

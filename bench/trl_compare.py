@@ -46,6 +46,7 @@ from rlhf_async.log import configure_logging
 from rlhf_async.metrics import read_metrics
 from rlhf_async.modeling.models import sequence_scores
 from rlhf_async.runtime.launcher import ready_fork_server
+from rlhf_async.strategies.registry import STRATEGIES
 from rlhf_async.task import SortDigitsTask
 from rlhf_async.task.artefacts import load_reward_model, prepare_artefacts
 
@@ -361,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         args.size, args.steps = ["2x64"], min(args.steps, 12)
     configure_logging("warning")
     # our nodes' imports (the fork server's) paid before any clock, as TRL's in this process
-    ready_fork_server()
+    ready_fork_server(STRATEGIES["separation"].fork_preload)
     load_start = os.getloadavg()
     results: dict = {}
     ttq: dict[str, dict] = {}

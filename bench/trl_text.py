@@ -38,6 +38,7 @@ from bench.trl_compare import (
 from rlhf_async.config import ConfigError, JobConfig, load_config
 from rlhf_async.log import configure_logging
 from rlhf_async.runtime.launcher import ready_fork_server
+from rlhf_async.strategies.registry import STRATEGIES
 from rlhf_async.task import make_task
 from rlhf_async.task.text import TextTask
 
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    ready_fork_server()  # our nodes' imports paid before any clock, as TRL's are
+    # our nodes' imports paid before any clock, as TRL's are
+    ready_fork_server(STRATEGIES["separation"].fork_preload)
     rows: dict[str, dict] = {}
     for name, threads, bf16 in trl_rows(args) if not args.only or "trl" in args.only else []:
         print(f"{name} ...", file=sys.stderr)

@@ -11,6 +11,7 @@ from rlhf_async.config import ConfigError, load_config
 from rlhf_async.planning.costmodel import ASSUMPTIONS, DEVICES, LLAMA
 from rlhf_async.planning.planner import format_prediction, machine, plan_job, predictions, simulate
 from rlhf_async.strategies.placement import Placement, with_engines
+from rlhf_async.strategies.registry import STRATEGIES
 
 
 def _int_list(text: str, key: str) -> list[int]:
@@ -56,10 +57,11 @@ def run_plan(args: argparse.Namespace, config: str | None, overrides: list[str])
 
 
 def _split(p: Placement) -> str:
-    """Separation's stage sizes, as `auto` would balance them."""
-    if p.strategy != "separation":
+    """The stage sizes of a strategy with stages (Separation's), as `auto` balances them."""
+    strategy = STRATEGIES[p.strategy]
+    if strategy.lock_step:
         return ""
-    sizes = {r: len(p.by_role(r)) for r in ("trainer", "generator", "scorer")}
+    sizes = {r: len(p.by_role(r)) for r in strategy.roles}
     return " (" + ", ".join(f"{r} x{k}" for r, k in sizes.items()) + ")"
 
 
@@ -80,14 +82,22 @@ def _simulate(args: argparse.Namespace) -> int:
 def format_simulation(rows: list[dict], gpu: str) -> str:
     """Markdown table, one row per (model, GPUs): each strategy's predicted step time and
     peak memory per GPU (OOM: no layout fits; refused: no layout this build's runners
-    execute), Separation's speed-up over Flattening and its best layout."""
+    execute), the speed-up of each over the first (Flattening), and the best layout of
+    each strategy with stages (Separation's)."""
     dev = DEVICES[gpu]
     out = [f"Predicted PPO step time on {dev.name} (actor, critic, reward, reference)",
            "", "Assumptions:"] + [f"- {a}" for a in ASSUMPTIONS] + [""]
-    names = ["flattening", "interleaving", "separation k=0", "separation k=1"]
-    out.append("| model | GPUs | " + " | ".join(f"{n} s (GiB)" for n in names)
-               + " | sep k=0 vs flat | sep k=1 vs flat | separation layout (k=0) |")
-    out.append("| --- | ---: | " + " | ".join("---:" for _ in names) + " | ---: | ---: | --- |")
+    names = list(dict.fromkeys(r["strategy"] for r in rows))
+    short = {r["strategy"]: (STRATEGIES[r["name"]].short or r["name"]) +
+             ("" if STRATEGIES[r["name"]].lock_step else f" k={r['k']}") for r in rows}
+    first, rivals = names[0], names[1:]
+    staged = list(dict.fromkeys(r["strategy"] for r in rows
+                                if not STRATEGIES[r["name"]].lock_step and r["k"] == 0))
+    out.append("| model | GPUs | " + " | ".join(f"{n} s (GiB)" for n in names) + " | "
+               + " | ".join(f"{short[n]} vs {short[first]}" for n in rivals) + " | "
+               + " | ".join(f"{n.removesuffix(' k=0')} layout (k=0)" for n in staged) + " |")
+    out.append("| --- | ---: | " + " | ".join("---:" for _ in names + rivals) + " | "
+               + " | ".join("---" for _ in staged) + " |")
     by = {(r["model"], r["gpus"], r["strategy"]): r for r in rows}
     for model, n in dict.fromkeys((r["model"], r["gpus"]) for r in rows):
         cells, step = [], {}
@@ -96,9 +106,8 @@ def format_simulation(rows: list[dict], gpu: str) -> str:
             step[name] = r["step_s"] if r["feasible"] else None
             cells.append(f"{r['step_s']:.1f} ({r['memory_gib']:.0f})" if r["feasible"]
                          else f"OOM ({r['memory_gib']:.0f})" if r["runnable"] else "refused")
-        flat = step["flattening"]
-        vs = [f"{flat / step[k]:.1f}x" if flat and step[k] else "-"
-              for k in ("separation k=0", "separation k=1")]
-        out.append(f"| {model} | {n} | " + " | ".join(cells) + f" | {vs[0]} | {vs[1]} | "
-                   f"{by[(model, n, 'separation k=0')]['layout']} |")
+        base = step[first]
+        cells += [f"{base / step[k]:.1f}x" if base and step[k] else "-" for k in rivals]
+        cells += [by[(model, n, k)]["layout"] for k in staged]
+        out.append(f"| {model} | {n} | " + " | ".join(cells) + " |")
     return "\n".join(out)

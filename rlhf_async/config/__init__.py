@@ -1,10 +1,10 @@
 """Typed job configuration: the dataclasses (`schema`), loading with every problem in one
 error (`load`), cross-field checks (`checks`), the generated reference file (`reference`)."""
 
+from rlhf_async.config.fields import ConfigError
 from rlhf_async.config.load import config_from_dict, load_config, parse_override
+from rlhf_async.config.presets import AlgoConfig
 from rlhf_async.config.schema import (
-    AlgoConfig,
-    ConfigError,
     CriticConfig,
     GenerationConfig,
     JobConfig,

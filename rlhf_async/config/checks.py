@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from safetensors import SafetensorError, safe_open
 
-from rlhf_async.config.presets import resolve
+from rlhf_async.config.presets import resolve, with_critic
 from rlhf_async.config.schema import JobConfig
 
 
@@ -317,9 +317,9 @@ def _scalar_model_checks(cfg: JobConfig) -> list[str]:
     """A reward model or critic from a directory: the text task's, a sequence classifier
     with one label (its tokenizer and head are checked when the text task loads)."""
     out = []
-    if cfg.critic.path and cfg.algo.name != "ppo":
+    if cfg.critic.path and not resolve(cfg.algo).has_critic:
         out.append(f"critic.path: {cfg.algo.name} trains no critic; it is for algo.name = "
-                   "'ppo'")
+                   f"{' or '.join(map(repr, with_critic()))}")
     for key, path, what in (("reward_model.path", cfg.reward_model.path, "reward model"),
                             ("critic.path", cfg.critic.path, "critic")):
         if path:

@@ -12,8 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_async.config.checks import cross_checks
+from rlhf_async.config.fields import ConfigError
 from rlhf_async.config.hub import DATA_KEYS, MODEL_KEYS, resolve_hub_id
-from rlhf_async.config.schema import TASK_DEFAULTS, ConfigError, JobConfig
+from rlhf_async.config.schema import TASK_DEFAULTS, JobConfig
+from rlhf_async.log import get_logger
+
+log = get_logger(component="config")
 
 
 def _section_types(cls: type) -> dict[str, Any]:
@@ -125,7 +129,12 @@ PATH_KEYS = (("model", "path"), ("reward_model", "path"), ("critic", "path"),
 # keys that were removed, with what replaces them
 REMOVED = {"placement.hosts_file": "multi-host runs place their nodes on a Ray cluster: "
                                    "placement.launcher = 'ray' (deploy/README.md)",
-           "placement.host": "on a Ray cluster the placement group places each device"}
+           "placement.host": "on a Ray cluster the placement group places each device",
+           "placement.backend": "each engine is chosen once for the job: train.backend "
+                                "(actor and critic: torch | deepspeed) and generation.backend "
+                                "(the generators: torch | vllm)"}
+# older names still read, with a warning naming what replaces them
+DEPRECATED = {"algo.is_cap": "algo.mismatch = 'tis' with algo.mismatch_cap = the cap"}
 
 
 def _resolve_hub_ids(cfg: JobConfig, base_dir: Path | None, problems: list[str]) -> None:
@@ -187,6 +196,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         else:
             node[keys[-1]] = value
     _task_defaults(data)
+    _warn_deprecated(data)
     cfg = _build(JobConfig, data, "", problems)
     _resolve_hub_ids(cfg, None if base_dir is None else Path(base_dir), problems)
     if base_dir is not None:
@@ -195,6 +205,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def _warn_deprecated(data: dict[str, Any]) -> None:
+    """One warning per older key the file or the overrides turn on (`DEPRECATED`; the
+    reference file's 0 leaves it off)."""
+    for path, instead in DEPRECATED.items():
+        section, _, key = path.partition(".")
+        given = data.get(section)
+        if isinstance(given, dict) and given.get(key):
+            log.warning("deprecated config key", key=path, value=given[key], use=instead)
 
 
 def _task_defaults(data: dict[str, Any]) -> None:

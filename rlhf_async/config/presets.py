@@ -1,8 +1,10 @@
-"""`algo.name` presets: each algorithm is a set of values for orthogonal knobs that a user
-can also set alone (`algo.loss_agg`, `algo.adv_norm`, ...). A knob left at its "preset's"
+"""The algorithm: its knobs (`AlgoConfig`, the `[algo]` section) and the `algo.name` presets.
+Each algorithm is a set of values for orthogonal knobs that a user can also set alone
+(`algo.loss_agg`, `algo.adv_norm`, ...). A knob left at its "preset's"
 value ('' for a choice, 0 for a clip, -1 for the overlong penalty) takes the preset's; an
 explicit value wins. `resolve` turns an `AlgoConfig` into the concrete `Recipe` the learner
-and the reward mix read, so the preset table lives here only.
+and the reward mix read, so the preset table lives here only; what the rest of the
+library asks of an algorithm it asks of the `Recipe` (`has_critic`, `needs_groups`).
 
 The advantage's baseline is the preset's alone (it is what names an algorithm):
 gae (PPO's critic), group_mean (GRPO and its descendants), leave_one_out (RLOO), none
@@ -15,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf_async.config.schema import AlgoConfig
+from rlhf_async.config.fields import opt
 
 BASELINES = ("gae", "group_mean", "leave_one_out", "none")
 DAPO_OVERLONG_FRACTION = 0.2  # DAPO's buffer: 4096 of 20480 tokens
@@ -106,7 +108,7 @@ PRESETS: dict[str, Callable[[AlgoConfig], dict[str, Any]]] = {
 def resolve(a: AlgoConfig) -> Recipe:
     """The concrete knobs of `a`: its explicit values, else its preset's, else the plain
     ones (token-level ratio, token-mean loss, the symmetric `clip_eps`, no penalty).
-    `algo.is_cap` (the older name) is TIS with that cap."""
+    `algo.is_cap` (deprecated: the loader warns) is TIS with that cap."""
     p = PRESETS[a.name](a)
     mismatch, cap = a.mismatch, a.mismatch_cap
     if mismatch == "none" and a.is_cap > 0:
@@ -122,9 +124,82 @@ def resolve(a: AlgoConfig) -> Recipe:
         mismatch=mismatch, mismatch_cap=cap)
 
 
+def with_critic() -> list[str]:
+    """The presets whose algorithm trains a critic."""
+    return [name for name in PRESETS if resolve(AlgoConfig(name=name)).has_critic]
+
+
 def overlong_buffer(a: AlgoConfig, max_new_tokens: int) -> int:
     """Tokens before `max_new_tokens` over which the overlong penalty ramps up:
     `algo.overlong_buffer`, or 0 = DAPO's fifth of the limit (at least 1)."""
     if a.overlong_buffer:
         return a.overlong_buffer
     return max(1, int(DAPO_OVERLONG_FRACTION * max_new_tokens))
+
+
+# the knobs, after PRESETS: `algo.name` accepts the presets' names
+@dataclass
+class AlgoConfig:
+    name: str = opt("ppo", "RL algorithm: a preset of the knobs below that are left at "
+                    "their preset's value (config/presets.py; each cites its paper)",
+                    choices=tuple(PRESETS))
+    kl_coef: float = opt(0.05, "weight of the KL penalty to the reference (with kl_target > "
+                         "0: its floor)", ge=0.0)
+    kl_target: float = opt(5.0, "adaptive KL controller: raise the KL weight while the KL to "
+                           "the reference per sample (nats) is above this; 0 = fixed kl_coef",
+                           ge=0.0)
+    kl_horizon: float = opt(1.0, "adaptive KL controller: steps over which the weight moves "
+                            "by at most 20%", gt=0.0)
+    kl_estimator: str = opt("k1", "per-token KL estimator", choices=("k1", "k3"))
+    kl_mode: str = opt("reward", "where the KL penalty goes", choices=("reward", "loss"))
+    clip_eps: float = opt(0.2, "PPO ratio clip", gt=0.0)
+    clip_eps_low: float = opt(0.0, "ratio clip below 1 (ratio >= 1 - clip_eps_low); 0 = the "
+                              "preset's (dapo 0.2, gspo 3e-4), else clip_eps", ge=0.0, le=1.0)
+    clip_eps_high: float = opt(0.0, "ratio clip above 1 (clip-higher: ratio <= 1 + "
+                               "clip_eps_high); 0 = the preset's (dapo 0.28, gspo 4e-4), else "
+                               "clip_eps", ge=0.0)
+    loss_agg: str = opt("", "how per-token policy losses make the loss: token_mean (over "
+                        "every token of the batch), seq_mean_token_sum (each response's sum, "
+                        "averaged over responses: no length normalisation), "
+                        "seq_mean_token_mean (each response's mean, averaged over "
+                        "responses); '' = the preset's (token_mean; gspo seq_mean_token_mean, "
+                        "dr_grpo seq_mean_token_sum)",
+                        choices=("", "token_mean", "seq_mean_token_sum", "seq_mean_token_mean"))
+    ratio_level: str = opt("", "importance ratio per token, or per sequence (GSPO: exp of "
+                           "the response's mean log ratio); '' = the preset's (gspo "
+                           "sequence, else token)", choices=("", "token", "sequence"))
+    adv_norm: str = opt("", "advantage normalisation: group (over the std of the prompt's "
+                        "responses), batch (z-score over every token of the global batch), "
+                        "none; '' = the preset's (ppo batch unless whiten_advantages = false, "
+                        "grpo/dapo/gspo group, rloo/dr_grpo none, reinforce_pp batch)",
+                        choices=("", "group", "batch", "none"))
+    overlong_penalty: float = opt(-1.0, "DAPO's soft overlong penalty: a response ending in "
+                                  "the last overlong_buffer tokens before "
+                                  "generation.max_new_tokens loses up to this much reward, "
+                                  "linearly (all of it at the limit); 0 = off; -1 = the "
+                                  "preset's (dapo 1, else off)", ge=-1.0)
+    overlong_buffer: int = opt(0, "tokens before max_new_tokens over which the overlong "
+                               "penalty ramps; 0 = a fifth of max_new_tokens (DAPO's), at "
+                               "least 1", ge=0)
+    mismatch: str = opt("none", "correct the gap between the generator's (behaviour) and "
+                        "the trainer's log-probs of the same policy (vLLM, bf16; stale "
+                        "rollouts): tis = weight each token's loss by min(ratio, "
+                        "mismatch_cap), mis = drop tokens (sequences, with ratio_level = "
+                        "sequence) whose ratio is above mismatch_cap", choices=("none", "tis",
+                                                                                "mis"))
+    mismatch_cap: float = opt(2.0, "the cap of algo.mismatch", gt=0.0)
+    value_clip: float = opt(0.2, "PPO value clip", gt=0.0)
+    vf_coef: float = opt(0.5, "value-loss weight (ppo)", ge=0.0)
+    entropy_coef: float = opt(0.0, "entropy bonus weight", ge=0.0)
+    gamma: float = opt(1.0, "discount (ppo GAE)", ge=0.0, le=1.0)
+    lam: float = opt(0.95, "GAE lambda (ppo)", ge=0.0, le=1.0)
+    whiten_advantages: bool = opt(True, "whiten advantages over the global batch (ppo)")
+    group_size: int = opt(4, "responses sampled per prompt (grpo/rloo need >= 2)", ge=1)
+    is_cap: float = opt(0.0, "deprecated (a warning at load): the older name of mismatch = "
+                        "'tis' with mismatch_cap = is_cap; 0 = off", ge=0.0)
+    max_staleness: int = opt(0, "weight versions generation may run ahead of training", ge=0)
+    dynamic_sampling: bool = opt(False, "grpo/rloo (DAPO): drop groups whose rewards are all "
+                                 "equal and refill the step with new groups (Flattening, "
+                                 "Interleaving)")
+    dynamic_sampling_max_tries: int = opt(3, "refill rounds per step at most (each one "
+                                          "train.prompts_per_step new prompts)", ge=1)

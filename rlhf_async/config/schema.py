@@ -2,7 +2,9 @@
 
 Every problem (unknown key, wrong type, bad value) is collected and raised together in one
 `ConfigError` (`load.py`). The reference file `configs/reference.toml` is rendered from these
-classes (`reference.py`), so the two cannot drift.
+classes (`reference.py`), so the two cannot drift. The `[algo]` section lives with its
+presets (`presets.py`); what every section is made of, `opt` and `ConfigError`, in
+`fields.py`.
 """
 
 from __future__ import annotations
@@ -11,23 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """Invalid configuration; `problems` lists every issue as 'key.path: what is wrong'."""
-
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
-
-
-def opt(default: Any, help: str, *, choices: tuple[Any, ...] | None = None,
-        ge: float | None = None, gt: float | None = None, le: float | None = None) -> Any:
-    """A config field with its help text and accepted values (used by validation and docs)."""
-    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
+from rlhf_async.config.fields import opt
+from rlhf_async.config.presets import AlgoConfig
 
 
 @dataclass
@@ -197,74 +184,6 @@ class CriticConfig:
 
 
 @dataclass
-class AlgoConfig:
-    name: str = opt("ppo", "RL algorithm: a preset of the knobs below that are left at "
-                    "their preset's value (config/presets.py; each cites its paper)",
-                    choices=("ppo", "grpo", "rloo", "dapo", "gspo", "dr_grpo", "reinforce_pp"))
-    kl_coef: float = opt(0.05, "weight of the KL penalty to the reference (with kl_target > "
-                         "0: its floor)", ge=0.0)
-    kl_target: float = opt(5.0, "adaptive KL controller: raise the KL weight while the KL to "
-                           "the reference per sample (nats) is above this; 0 = fixed kl_coef",
-                           ge=0.0)
-    kl_horizon: float = opt(1.0, "adaptive KL controller: steps over which the weight moves "
-                            "by at most 20%", gt=0.0)
-    kl_estimator: str = opt("k1", "per-token KL estimator", choices=("k1", "k3"))
-    kl_mode: str = opt("reward", "where the KL penalty goes", choices=("reward", "loss"))
-    clip_eps: float = opt(0.2, "PPO ratio clip", gt=0.0)
-    clip_eps_low: float = opt(0.0, "ratio clip below 1 (ratio >= 1 - clip_eps_low); 0 = the "
-                              "preset's (dapo 0.2, gspo 3e-4), else clip_eps", ge=0.0, le=1.0)
-    clip_eps_high: float = opt(0.0, "ratio clip above 1 (clip-higher: ratio <= 1 + "
-                               "clip_eps_high); 0 = the preset's (dapo 0.28, gspo 4e-4), else "
-                               "clip_eps", ge=0.0)
-    loss_agg: str = opt("", "how per-token policy losses make the loss: token_mean (over "
-                        "every token of the batch), seq_mean_token_sum (each response's sum, "
-                        "averaged over responses: no length normalisation), "
-                        "seq_mean_token_mean (each response's mean, averaged over "
-                        "responses); '' = the preset's (token_mean; gspo seq_mean_token_mean, "
-                        "dr_grpo seq_mean_token_sum)",
-                        choices=("", "token_mean", "seq_mean_token_sum", "seq_mean_token_mean"))
-    ratio_level: str = opt("", "importance ratio per token, or per sequence (GSPO: exp of "
-                           "the response's mean log ratio); '' = the preset's (gspo "
-                           "sequence, else token)", choices=("", "token", "sequence"))
-    adv_norm: str = opt("", "advantage normalisation: group (over the std of the prompt's "
-                        "responses), batch (z-score over every token of the global batch), "
-                        "none; '' = the preset's (ppo batch unless whiten_advantages = false, "
-                        "grpo/dapo/gspo group, rloo/dr_grpo none, reinforce_pp batch)",
-                        choices=("", "group", "batch", "none"))
-    overlong_penalty: float = opt(-1.0, "DAPO's soft overlong penalty: a response ending in "
-                                  "the last overlong_buffer tokens before "
-                                  "generation.max_new_tokens loses up to this much reward, "
-                                  "linearly (all of it at the limit); 0 = off; -1 = the "
-                                  "preset's (dapo 1, else off)", ge=-1.0)
-    overlong_buffer: int = opt(0, "tokens before max_new_tokens over which the overlong "
-                               "penalty ramps; 0 = a fifth of max_new_tokens (DAPO's), at "
-                               "least 1", ge=0)
-    mismatch: str = opt("none", "correct the gap between the generator's (behaviour) and "
-                        "the trainer's log-probs of the same policy (vLLM, bf16; stale "
-                        "rollouts): tis = weight each token's loss by min(ratio, "
-                        "mismatch_cap), mis = drop tokens (sequences, with ratio_level = "
-                        "sequence) whose ratio is above mismatch_cap", choices=("none", "tis",
-                                                                                "mis"))
-    mismatch_cap: float = opt(2.0, "the cap of algo.mismatch", gt=0.0)
-    value_clip: float = opt(0.2, "PPO value clip", gt=0.0)
-    vf_coef: float = opt(0.5, "value-loss weight (ppo)", ge=0.0)
-    entropy_coef: float = opt(0.0, "entropy bonus weight", ge=0.0)
-    gamma: float = opt(1.0, "discount (ppo GAE)", ge=0.0, le=1.0)
-    lam: float = opt(0.95, "GAE lambda (ppo)", ge=0.0, le=1.0)
-    whiten_advantages: bool = opt(True, "whiten advantages over the global batch (ppo)")
-    group_size: int = opt(4, "responses sampled per prompt (grpo/rloo need >= 2)", ge=1)
-    is_cap: float = opt(0.0, "truncated importance-sampling cap vs behaviour log-probs; 0 = "
-                        "off; the older name of mismatch = 'tis' with mismatch_cap = is_cap",
-                        ge=0.0)
-    max_staleness: int = opt(0, "weight versions generation may run ahead of training", ge=0)
-    dynamic_sampling: bool = opt(False, "grpo/rloo (DAPO): drop groups whose rewards are all "
-                                 "equal and refill the step with new groups (Flattening, "
-                                 "Interleaving)")
-    dynamic_sampling_max_tries: int = opt(3, "refill rounds per step at most (each one "
-                                          "train.prompts_per_step new prompts)", ge=1)
-
-
-@dataclass
 class GenerationConfig:
     max_new_tokens: int = opt(8, "response length limit (tokens, EOS included); with an "
                               "environment, of each policy turn", ge=1)
@@ -413,8 +332,6 @@ class PlacementConfig:
                        "0 = one per device of the scorer group", ge=0)
     replicas: list[str] = opt([], "per-model data-parallel replicas, e.g. ['reward=2']")  # noqa: RUF009
     tensor_parallel: list[str] = opt([], "per-model tensor-parallel size, e.g. ['actor=2']")  # noqa: RUF009
-    backend: list[str] = opt([], "per-model runtime backend, e.g. ['shadow_actor=vllm'] "  # noqa: RUF009
-                             "(torch | hf | deepspeed | vllm)")
     dtype: list[str] = opt([], "per-model dtype, e.g. ['reference=bf16'] (fp32 | bf16 | fp16)")  # noqa: RUF009
     memory_gb: float = opt(0.0, "per-device memory budget for validation (GiB); 0 = the "
                            "device's own", ge=0.0)

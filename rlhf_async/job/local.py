@@ -46,10 +46,10 @@ from rlhf_async.rl.checkpoint import (
     load_latest,
 )
 from rlhf_async.runtime.launcher import warm_fork_server
+from rlhf_async.runtime.ray_cluster import ray_cluster
 from rlhf_async.strategies.base import JobStopped, RunResult, Strategy
 from rlhf_async.strategies.placement import Placement, with_engines
 from rlhf_async.strategies.registry import STRATEGIES
-from rlhf_async.strategies.separation.on_ray import ray_cluster
 from rlhf_async.task import Task, make_task
 from rlhf_async.task.artefacts import Artefacts, load_reward, load_sft, prepare_artefacts
 from rlhf_async.task.evaluation import evaluate
@@ -90,11 +90,12 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None,
                 with leading() as share, hold_run_dir(target) as held:
                     return _run_held(cfg, placement, task, out, held, resume, own_process, share)
             return _follow_rank(cfg, placement, launch.rank)
-    lock_step = STRATEGIES[placement.strategy].lock_step
-    nodes_here = not lock_step and cfg.placement.launcher == "local"
-    ranks_here = lock_step and cfg.placement.devices > 1  # (ranks on Ray returned above)
+    strategy = STRATEGIES[placement.strategy]
+    nodes_here = not strategy.lock_step and cfg.placement.launcher == "local"
+    ranks_here = strategy.lock_step and cfg.placement.devices > 1  # (on Ray: returned above)
     if cfg.runtime.node_start == "fork" and (nodes_here or ranks_here):
-        warm_fork_server()  # importing while SFT and the reward model train
+        # importing while SFT and the reward model train
+        warm_fork_server(strategy.fork_preload if nodes_here else ())
     fresh = not resume and not target.exists()
     try:
         # one job per run directory, held before anything is written there (job/lock.py);

@@ -30,11 +30,10 @@ from rlhf_async.config import JobConfig, to_dict
 from rlhf_async.job.lock import check_free
 from rlhf_async.job.signals import on_stop_signals
 from rlhf_async.log import get_logger
-from rlhf_async.runtime.ray_cluster import DeviceGroup, reserve
+from rlhf_async.runtime.ray_cluster import DeviceGroup, ray_cluster, reserve
 from rlhf_async.runtime.ray_launcher import LOST, RayLauncher, RayProcess
 from rlhf_async.runtime.spec import NodeSpec
 from rlhf_async.strategies.base import RankFailed
-from rlhf_async.strategies.separation.on_ray import ray_cluster
 
 log = get_logger(component="ray")
 STOP_WAIT_S = 10.0  # after one rank failed, how long the others get to exit on their own

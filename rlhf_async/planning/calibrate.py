@@ -28,7 +28,7 @@ from rlhf_async.config import JobConfig
 from rlhf_async.engines.process_group import exit_rank, free_port, rank_group
 from rlhf_async.metrics import read_metrics
 from rlhf_async.planning.costmodel import Calibration, ModelShape, Workload, train_collectives
-from rlhf_async.planning.planner import CPU_DEVICE, shape_of, workload_of
+from rlhf_async.planning.machine import CPU_DEVICE, shape_of, workload_of
 from rlhf_async.strategies import flattening
 from rlhf_async.strategies.registry import plan_placement
 from rlhf_async.task import make_task

@@ -3,9 +3,9 @@
 Each phase's time on a device is a roofline term (FLOPs / effective FLOP/s, or bytes /
 effective memory bandwidth for decoding, whichever is larger) plus a fixed cost per layer
 pass (kernel launches, Python), plus collectives (bytes / effective link bandwidth plus a
-latency each). Phases a strategy runs in lock-step add up; models on disjoint devices run
-concurrently (phase time = the busiest device); Separation with max_staleness > 0 overlaps
-generation with training (step time = the busiest pipeline stage).
+latency each). Models on disjoint devices run concurrently (phase time = the busiest
+device); how the phases make one step is the strategy's (`Strategy.pricing`: in turn for
+the lock-step strategies, overlapped stages for Separation; strategies/pricing.py).
 
 What makes Flattening slow at scale is modelled explicitly: when the training states do
 not fit one device unsharded, the training copies (actor, critic) are ZeRO-3 sharded over
@@ -26,7 +26,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from rlhf_async.strategies.placement import INFER, TRAIN, ModelPlacement, Placement
+from rlhf_async.strategies.placement import TRAIN, ModelPlacement, Placement
+from rlhf_async.strategies.pricing import StepCosts
+from rlhf_async.strategies.registry import STRATEGIES
 
 GiB = 1024**3
 ASSUMPTIONS = [
@@ -336,6 +338,13 @@ def _sync_time(p: Placement, shape: ModelShape, dev: DeviceSpec, cal: Calibratio
     return dtype_bytes(gen.dtype) * shape.params / _bw(group, dev, cal) + cal.collective_s
 
 
+def _exchange_time(p: Placement, w: Workload, dev: DeviceSpec, cal: Calibration) -> float:
+    """An all-gather of a step's rollouts (token ids, masks, log-probs) and an all-reduce
+    of their scores over every device."""
+    return 2 * cal.collective_s + 16.0 * w.samples * (w.prompt_len + 3 * w.gen_len) / _bw(
+        tuple(range(p.num_devices)), dev, cal)
+
+
 def predict(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
             cal: Calibration) -> Prediction:
     """Predicted step time (and its phases) and per-device memory of a placement."""
@@ -351,33 +360,12 @@ def predict(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
     gen = _gen_time(p, shape, w, dev, cal, mem, zero3, notes)
     score = _score_times(p, shape, w, dev, cal)
     train = _train_times(p, shape, w, dev, cal, zero3)
-    phases = {"generate": gen or math.inf, "score": max(score.values()),
-              "train": max(train.values()), "sync": 0.0}
-    step, slow = cal.step_s, cal.parallel_slowdown
-    if p.strategy == "separation":
-        phases["sync"] = _sync_time(p, shape, dev, cal)
-        gen_devs = set(p.model("shadow_actor").devices)  # type: ignore[union-attr]
-        score_devs = {d for m in p.models if m.runtime == INFER and m.model != "shadow_actor"
-                      for d in m.devices}
-        train_devs = p.model("actor").devices  # type: ignore[union-attr]
-        beside = bool(score_devs & set(train_devs))  # scorers time-share the trainer's
-        if beside:  # their time counts on the trainer's side below
-            infer = phases["generate"]
-        elif gen_devs & score_devs:  # generators and scorers take turns
-            infer = phases["generate"] + phases["score"]
-        else:
-            infer = slow * max(phases["generate"], phases["score"])
-        train_side = phases["train"] * (slow if len(train_devs) > 1 else 1.0) + \
-            phases["sync"] + (phases["score"] if beside else 0.0)
-        step += cal.pipeline_step_s + (infer + train_side if w.max_staleness == 0
-                                       else slow * max(infer, train_side))
-    else:
-        if p.strategy == "interleaving":  # all-gather rollouts, all-reduce the scores
-            phases["score"] += 2 * cal.collective_s + 16.0 * w.samples * (
-                w.prompt_len + 3 * w.gen_len) / _bw(tuple(range(p.num_devices)), dev, cal)
-        if p.num_devices > 1:
-            phases = {k: v * slow for k, v in phases.items()}
-        step += phases["generate"] + phases["score"] + phases["train"]
+    costs = StepCosts(generate=gen or math.inf, score=max(score.values()),
+                      train=max(train.values()), sync=_sync_time(p, shape, dev, cal),
+                      exchange=_exchange_time(p, w, dev, cal), slowdown=cal.parallel_slowdown,
+                      pipeline_s=cal.pipeline_step_s, max_staleness=w.max_staleness)
+    step, phases = STRATEGIES[p.strategy].pricing.step(p, costs)  # in turn, or overlapped
+    step += cal.step_s
     if zero3:
         notes.insert(0, "ZeRO-3 sharding of the training copies (actor, critic)")
     feasible = gen is not None and max(peak.values()) <= _budget(dev)

@@ -1,4 +1,5 @@
-"""The planner: `auto` placement, memory validation, simulation and calibration.
+"""The planner: `auto` placement, memory validation, simulation and calibration (what it
+prices with: `machine.py`; the prices: `costmodel.py` and each strategy's `Pricing`).
 
     prepare_run(cfg)             -> (JobConfig, Placement): auto resolved, checked for running
     plan_job(cfg)                -> Placement (auto resolved, predicted memory checked)
@@ -10,15 +11,10 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import json
-from pathlib import Path
-
-import psutil
+from collections.abc import Callable
 
 from rlhf_async.config import (
     AlgoConfig,
-    ConfigError,
     GenerationConfig,
     JobConfig,
     PlacementConfig,
@@ -26,7 +22,6 @@ from rlhf_async.config import (
 )
 from rlhf_async.config.reference import overrides
 from rlhf_async.log import get_logger
-from rlhf_async.planning.balance import balanced, pinned, split
 from rlhf_async.planning.costmodel import (
     DEVICES,
     LLAMA,
@@ -39,6 +34,7 @@ from rlhf_async.planning.costmodel import (
     kv_cache_room,
     predict,
 )
+from rlhf_async.planning.machine import machine, shape_of, workload_of
 from rlhf_async.strategies.placement import (
     Placement,
     PlacementError,
@@ -53,81 +49,16 @@ from rlhf_async.strategies.registry import (
     runnable_placement,
     runner_problems,
 )
-from rlhf_async.task import VOCAB_SIZE
-from rlhf_async.task.text import longest_prompt
 
 log = get_logger(component="planner")
-# measured on the 2-core CI box by `rlhf-async plan --calibrate` (bench config); see
-# bench/README.md. A calibration JSON named by placement.calibration replaces it.
-CPU_CALIBRATION = Calibration(
-    source="built-in: measured on the 2-core CI box (bench config, 2026-11-29)",
-    gen_call_s=6.4e-4, score_call_s=6.3e-3, train_call_s=1.8e-3, gen_eff=0.23,
-    score_eff=0.32, train_eff=0.34, bw_eff=1.0, link_eff=1.0, collective_s=2.8e-4)
-CPU_DEVICE = DeviceSpec("cpu-core", 5.0e10, 8 * GiB, 1.3e10, 1.3e9, 1.3e9, 64)
-
-
-def load_calibration(path: str) -> tuple[Calibration, DeviceSpec | None]:
-    """A calibration JSON written by `calibrate`; ConfigError naming what is wrong."""
-    try:
-        data = json.loads(Path(path).read_text())
-        cal = Calibration(**data["calibration"])
-        device = DeviceSpec(**data["device"]) if "device" in data else None
-    except FileNotFoundError:
-        raise ConfigError([f"placement.calibration: {path!r} not found"]) from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError([(f"placement.calibration: {path!r} is not a calibration JSON "
-                           f"from `rlhf-async plan --calibrate` ({e})")]) from None
-    return cal, device
-
-
-def machine(cfg: JobConfig) -> tuple[DeviceSpec, Calibration]:
-    """Device spec and calibration the planner uses for this config."""
-    cal, device = CPU_CALIBRATION, None
-    if cfg.placement.calibration:
-        cal, device = load_calibration(cfg.placement.calibration)
-    if cfg.placement.device == "cuda":
-        dev = DEVICES[cfg.placement.gpu]
-        cal = cal if cfg.placement.calibration else Calibration()
-    else:
-        dev = device or dataclasses.replace(
-            CPU_DEVICE, memory=psutil.virtual_memory().total / max(1, cfg.placement.devices))
-    if cfg.placement.memory_gb:
-        dev = dataclasses.replace(dev, memory=cfg.placement.memory_gb * GiB / 0.9)
-    return dev, cal
-
-
-def shape_of(cfg: JobConfig) -> ModelShape:
-    """The actor's shape: the user's HF config, else the built-in tiny model's."""
-    if cfg.model.path:
-        hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
-        h = int(hf.get("hidden_size", hf.get("n_embd", 0)))
-        layers = int(hf.get("num_hidden_layers", hf.get("n_layer", 0)))
-        vocab = int(hf.get("vocab_size", 0))
-        inter = int(hf.get("intermediate_size", 4 * h))
-        params = layers * (4 * h * h + 3 * h * inter) + 2 * vocab * h
-        return ModelShape(Path(cfg.model.path).name, float(params), layers, h, vocab)
-    h, layers, vocab = cfg.model.hidden, cfg.model.layers, VOCAB_SIZE
-    params = 12 * layers * h * h + (vocab + cfg.model.max_positions) * h
-    return ModelShape("built-in", float(params), layers, h, vocab)
-
-
-def workload_of(cfg: JobConfig) -> Workload:
-    prompt_len = longest_prompt(cfg.model.path, cfg.task) if cfg.task.name == "text" \
-        else cfg.task.max_len + 2
-    return Workload(cfg.train.prompts_per_step * cfg.algo.group_size, prompt_len,
-                    cfg.generation.max_new_tokens, cfg.train.epochs, cfg.train.minibatches,
-                    cfg.algo.name == "ppo", cfg.algo.max_staleness, cfg.train.grad_accum,
-                    cfg.train.gradient_checkpointing)
-
-
 Candidate = tuple[PlacementConfig, Placement | None, Prediction | None, str]
 
 
 def predictions(cfg: JobConfig) -> dict[str, Candidate]:
     """Every candidate strategy's placement config, placement and prediction (or why it
     cannot be placed, as a plan or by this build's runners: `auto` never picks what `run`
-    would refuse). Separation's stage sizes are balanced (`planning.balance`) unless the
-    user pinned them."""
+    would refuse): the fastest of the layouts the strategy compares (`Pricing.layouts`:
+    Separation's stage sizes, unless the user pinned them), else its preset."""
     dev, cal = machine(cfg)
     shape, work = shape_of(cfg), workload_of(cfg)
 
@@ -136,11 +67,10 @@ def predictions(cfg: JobConfig) -> dict[str, Candidate]:
         return pred.step_s, pred.feasible
 
     out: dict[str, Candidate] = {}
-    for name in STRATEGIES:
+    for name, strategy in STRATEGIES.items():
         job = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement,
                                                                      strategy=name))
-        found = balanced(job, price) if name == "separation" and not pinned(job.placement) \
-            else None
+        found = fastest(job, strategy.pricing.layouts(job.placement), price)
         if found is not None:
             job, p = found
         else:
@@ -151,6 +81,24 @@ def predictions(cfg: JobConfig) -> dict[str, Candidate]:
                 continue
         out[name] = (job.placement, p, predict(p, shape, work, dev, cal), "")
     return out
+
+
+def fastest(cfg: JobConfig, layouts: list[PlacementConfig],
+            price: Callable[[Placement], tuple[float, bool]]) -> tuple[JobConfig, Placement] | None:
+    """The job with the layout whose predicted step (`price`: seconds and whether it fits
+    in memory) is the shortest among those `run` accepts; None when none runs. Ties keep
+    the earlier layout (Separation's: the fewest trainer ranks, less gradient traffic)."""
+    best: tuple[float, JobConfig, Placement] | None = None
+    for pc in layouts:
+        job = dataclasses.replace(cfg, placement=pc)
+        try:
+            p = runnable_placement(job)
+        except PlacementError:
+            continue
+        step, fits = price(p)
+        if fits and (best is None or step < best[0] * (1 - 1e-9)):
+            best = (step, job, p)
+    return None if best is None else (best[1], best[2])
 
 
 def _choose(cfg: JobConfig) -> tuple[PlacementConfig, Placement, str]:
@@ -181,7 +129,7 @@ def choose(cfg: JobConfig) -> tuple[Placement, str]:
 
 def resolve_auto(cfg: JobConfig) -> JobConfig:
     """cfg with `placement.strategy = auto` replaced by the planner's choice (logged): the
-    strategy and, for a balanced Separation, the stage sizes it chose, so the saved config
+    strategy and the layout it chose (Separation's stage sizes), so the saved config
     (and a resume) runs the same layout."""
     pc, placement, reason = _choose(cfg)
     log.info("auto placement", strategy=placement.strategy, reason=reason)
@@ -196,10 +144,11 @@ def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
     if auto:
         cfg = resolve_auto(cfg)
     placement, _, problems = _plan(cfg)
-    if auto and cfg.generation.partial_rollout and cfg.placement.strategy != "separation":
+    if auto and cfg.generation.partial_rollout and STRATEGIES[cfg.placement.strategy].lock_step:
+        overlapping = " or ".join(n for n, s in STRATEGIES.items() if not s.lock_step)
         problems.append(f"generation.partial_rollout: placement.strategy = auto chose "
                         f"{cfg.placement.strategy!r}, whose generation does not overlap "
-                        "training; set placement.strategy = separation (or "
+                        f"training; set placement.strategy = {overlapping} (or "
                         "generation.partial_rollout = false)")
     if placement is not None:
         problems += [p for p in runner_problems(cfg, placement) if p not in problems]
@@ -292,18 +241,12 @@ def sim_job(placement: PlacementConfig, work: Workload) -> JobConfig:
 
 
 def _sim_candidates(n: int) -> dict[str, list[PlacementConfig]]:
-    """Flattening and Interleaving presets, and Separation over a grid of device splits
-    and generator / scorer tensor-parallel sizes."""
-    base = PlacementConfig(device="cuda", devices=n)
-    out = {s: [dataclasses.replace(base, strategy=s)] for s in ("flattening", "interleaving")}
-    seps = []
-    for train_frac, score_frac in itertools.product((0.25, 0.5, 0.75), (0.125, 0.25, 0.5)):
-        nt, ns = max(1, int(n * train_frac)), max(1, int(n * score_frac))
-        for tp, ts in itertools.product((1, 2, 4, 8), (1, 2, 4, 8)):
-            pc = split(base, nt, ns, tp, ts)
-            if pc is not None:
-                seps.append(pc)
-    out["separation"] = seps
+    """Each strategy's layouts on n GPUs: its grid (`Pricing.grid`: Separation's device
+    splits and tensor-parallel sizes), else its preset."""
+    out = {}
+    for name, strategy in STRATEGIES.items():
+        base = PlacementConfig(strategy=name, device="cuda", devices=n)
+        out[name] = strategy.pricing.grid(base) or [base]
     return out
 
 
@@ -337,10 +280,12 @@ def simulate(gpu: str, models: list[str], sizes: list[int], work: Workload = SIM
         for n in sizes:
             for k, w in works.items():
                 for strategy, (runnable, refused) in options[(n, k)].items():
-                    if k and strategy != "separation":
+                    lock_step = STRATEGIES[strategy].lock_step
+                    if k and lock_step:
                         continue  # lock-step strategies do not overlap: k changes nothing
-                    label = f"separation k={k}" if strategy == "separation" else strategy
+                    label = strategy if lock_step else f"{strategy} k={k}"
                     rows.append({"model": name, "gpus": n, "strategy": label,
+                                 "name": strategy, "k": k,
                                  **_best(runnable, refused, LLAMA[name], w, dev, cal)})
     return rows
 
@@ -384,7 +329,8 @@ def priced_job(job: JobConfig, pred: Prediction, accum: int) -> JobConfig:
 
 
 def _layout(p: Placement) -> str:
-    if p.strategy != "separation":
+    """The stage sizes of a strategy whose stages have sizes (not a lock-step one)."""
+    if STRATEGIES[p.strategy].lock_step:
         return ""
     parts = []
     for m in p.models:

@@ -7,8 +7,9 @@ launch / poll / wait / terminate / kill.
 A local node starts one of two ways (`runtime.node_start`):
 
 - ``fork`` (the default on Linux): forked from a server process that imported torch,
-  transformers and the node programs once (multiprocessing's forkserver, started on the
-  first launch and kept for the coordinator's life). A node then starts, or restarts after
+  transformers and the node programs its launcher was handed (`preload`) once
+  (multiprocessing's forkserver, started on the first launch and kept for the
+  coordinator's life). A node then starts, or restarts after
   a death, in a fraction of a second instead of the several seconds those imports take
   per process. The server never runs a torch op, so no thread pool or device is inherited;
   each node sets its own threads (`NodeSpec.num_threads`) and environment.
@@ -27,7 +28,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -36,9 +37,8 @@ from rlhf_async.runtime.spec import NodeSpec
 
 NODE_STARTS = ("fork", "exec")
 # what the fork server imports once, before it forks any node (runtime.warm: and a first
-# model load)
-PRELOAD = ("torch", "transformers", "rlhf_async.runtime.process", "nodes.generator",
-           "nodes.scorer", "nodes.trainer", "rlhf_async.runtime.warm")
+# model load); a strategy adds its node programs (`Strategy.fork_preload`)
+PRELOAD = ("torch", "transformers", "rlhf_async.runtime.process", "rlhf_async.runtime.warm")
 
 
 class NodeProcess(Protocol):
@@ -156,11 +156,12 @@ def start_node(spec: NodeSpec, run_dir: Path, python: str = sys.executable,
                          spec, run_dir, env)
 
 
-def fork_node(spec: NodeSpec, run_dir: Path) -> ForkedProcess:
-    """`start_node`, forked from the fork server: the same log, session, environment, working
-    directory and parent-death signal (the server's death: it exits with its coordinator)."""
+def fork_node(spec: NodeSpec, run_dir: Path, preload: Sequence[str] = ()) -> ForkedProcess:
+    """`start_node`, forked from the fork server (that imported `preload` too): the same log,
+    session, environment, working directory and parent-death signal (the server's death: it
+    exits with its coordinator)."""
     spec_path, log_path = write_spec(spec, run_dir), node_log(spec, run_dir)
-    ctx = fork_server()
+    ctx = fork_server(preload)
     process = ctx.Process(target=_forked_node, name=spec.node_id, daemon=True,
                           args=(str(spec_path), str(log_path), node_env(spec), os.getcwd()))
     process.start()
@@ -168,37 +169,42 @@ def fork_node(spec: NodeSpec, run_dir: Path) -> ForkedProcess:
 
 
 _server_started_with: tuple[object, ...] | None = None
+_server_preload: tuple[str, ...] = ()
 
 
-def fork_server() -> multiprocessing.context.ForkServerContext:
-    """The fork server's context. What an interpreter reads as it starts (PYTHON* and LD_*
-    variables: a sitecustomize on PYTHONPATH, a preloaded library) and `sys.path` are the
-    server's, so a change of them since it started (a second job of one process) starts a
-    new server; every other variable reaches a node when it is forked."""
-    global _server_started_with
+def fork_server(preload: Sequence[str] = ()) -> multiprocessing.context.ForkServerContext:
+    """The fork server's context, its server importing `PRELOAD` and `preload` (a strategy's
+    node programs). What an interpreter reads as it starts (PYTHON* and LD_* variables: a
+    sitecustomize on PYTHONPATH, a preloaded library) and `sys.path` are the server's, so a
+    change of them since it started (a second job of one process), or a module to preload
+    that it did not, starts a new server; every other variable reaches a node when it is
+    forked."""
+    global _server_started_with, _server_preload
+    missing = tuple(m for m in preload if m not in _server_preload)
     now = (tuple(sys.path), tuple(sorted((k, v) for k, v in os.environ.items()
                                          if k.startswith(("PYTHON", "LD_")))))
-    if _server_started_with not in (None, now):  # the next start starts it anew, with `now`
+    if _server_started_with is not None and (_server_started_with != now or missing):
         multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
-    _server_started_with = now
+    _server_started_with, _server_preload = now, _server_preload + missing
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
+    ctx.set_forkserver_preload([*PRELOAD, *_server_preload])
     return ctx
 
 
-def warm_fork_server() -> None:
-    """Start the fork server now: it imports in the background while the job prepares (SFT,
-    reward model), and the nodes launched later find it ready."""
+def warm_fork_server(preload: Sequence[str] = ()) -> None:
+    """Start the fork server now, importing `preload` too: it imports in the background
+    while the job prepares (SFT, reward model), and the nodes launched later find it
+    ready."""
     if can_fork():
-        fork_server()
+        fork_server(preload)
         multiprocessing.forkserver.ensure_running()
 
 
-def ready_fork_server() -> None:
+def ready_fork_server(preload: Sequence[str] = ()) -> None:
     """`warm_fork_server`, and wait until its imports are done (its first child is forked
     once they are): for a benchmark whose clock must not hold them."""
     if can_fork():
-        child = fork_server().Process(target=int)
+        child = fork_server(preload).Process(target=int)
         child.start()
         child.join()
 
@@ -251,15 +257,17 @@ def start_process(argv: list[str], spec: NodeSpec, run_dir: Path,
 class LocalLauncher:
     """Starts each node on this host: as a fresh interpreter (`start_node`), or with
     `start="fork"` forked from the fork server (`fork_node`; a Separation run's nodes, by
-    `runtime.node_start`), unless `python` is another interpreter or there is no fork."""
+    `runtime.node_start`), unless `python` is another interpreter or there is no fork.
+    `preload`: the modules of the node programs it will fork (the server imports them once)."""
 
-    def __init__(self, python: str = sys.executable, start: str = "exec") -> None:
+    def __init__(self, python: str = sys.executable, start: str = "exec",
+                 preload: Sequence[str] = ()) -> None:
         if start not in NODE_STARTS:
             raise ValueError(f"node start {start!r}: accepted: {', '.join(NODE_STARTS)}")
-        self.python = python
+        self.python, self.preload = python, tuple(preload)
         self.fork = start == "fork" and python == sys.executable and can_fork()
 
     def launch(self, spec: NodeSpec, run_dir: Path) -> LocalProcess | ForkedProcess:
         if self.fork:
-            return fork_node(spec, run_dir)
+            return fork_node(spec, run_dir, self.preload)
         return LocalProcess(*start_node(spec, run_dir, self.python))

@@ -10,7 +10,9 @@ cluster can hold the bundles at all is checked against its nodes before the grou
 (`missing`), and the wait for the group's resources is bounded: either way the job stops
 before any node starts, with one `RayPlacementError` naming what is missing.
 
-`ray` is the optional extra `[ray]`; callers check it (`require_extra`) before using this.
+`ray` is the optional extra `[ray]`: without it, `ray_session` is one RayPlacementError
+naming the extra. `ray_cluster` is the three together for a job's config, shared by
+Separation's nodes and the lock-step strategies' ranks on Ray.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf_async.config import JobConfig
 from rlhf_async.log import get_logger
 
 try:
@@ -54,6 +57,9 @@ def ray_session(address: str, cpus: int = 1) -> Iterator[None]:
     """Connected to Ray in this block: to `address` (auto, HOST:PORT, ray://...), or to a
     Ray started here (`local`, with at least `cpus` logical CPUs). A process already
     connected stays so, and keeps its connection afterwards; one made here is closed."""
+    if ray is None:
+        raise RayPlacementError("the Ray launcher needs the 'ray' package, which is not "
+                                "installed: pip install 'rlhf-async[ray]'")
     if ray.is_initialized():
         yield
         return
@@ -133,6 +139,18 @@ def check_fits(bundles: list[Bundle], strategy: str) -> None:
     if what is not None:
         raise RayPlacementError(f"the Ray cluster cannot hold this job's placement group "
                                 f"({_what(bundles, strategy)}): {what}")
+
+
+@contextlib.contextmanager
+def ray_cluster(cfg: JobConfig) -> Iterator[list[Bundle]]:
+    """Connected to `ray.address` in this block, having checked that the cluster can hold
+    the job's bundles (one per device); yields them. Before anything starts, so a cluster
+    too small stops the job with one RayPlacementError naming what is missing."""
+    p = cfg.placement
+    bundles = device_bundles(p.device, p.devices, p.cpu_threads)
+    with ray_session(cfg.ray.address, cpus=p.devices * p.cpu_threads):
+        check_fits(bundles, cfg.ray.placement_strategy)
+        yield bundles
 
 
 @contextlib.contextmanager

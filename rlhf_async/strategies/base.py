@@ -1,10 +1,13 @@
 """What a placement strategy is: a preset placement, the checks it adds, and the runner that
 executes it. A strategy is a plain value; `registry.py` maps `placement.strategy` to one.
 
-    preset(placement_cfg, algo, overrides) -> Placement    where each model and process goes
+    preset(placement_cfg, recipe, overrides) -> Placement  where each model and process goes
     placement_problems(placement_cfg, placement) -> [str]  what makes the plan itself invalid
     runner_problems(job_cfg, placement) -> [str]           what this build cannot execute
     run(job_cfg, placement, artefacts, run_dir, start_step) -> RunResult
+    pricing: Pricing                                       how `plan` and `auto` price it
+
+What a strategy knows of the algorithm is its `Recipe` (`recipe.has_critic`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf_async.config import JobConfig, PlacementConfig
+from rlhf_async.config.presets import Recipe
 from rlhf_async.strategies.placement import Placement
+from rlhf_async.strategies.pricing import Pricing
 from rlhf_async.task.artefacts import Artefacts
 
 Overrides = dict[str, dict[str, object]]  # model -> {override key: value}
@@ -48,10 +53,15 @@ class Strategy:
     name: str
     summary: str  # one line for `rlhf-async plan` and the docs
     roles: tuple[str, ...]  # process roles every placement of it has
-    preset: Callable[[PlacementConfig, str, Overrides], Placement]
+    preset: Callable[[PlacementConfig, Recipe, Overrides], Placement]
     placement_problems: Callable[[PlacementConfig, Placement], list[str]]
     runner_problems: Callable[[JobConfig, Placement], list[str]]
     run: Callable[[JobConfig, Placement, Artefacts, Path, int], RunResult]
+    pricing: Pricing
+    short: str = ""  # its name in table headings ('' = the name)
+    # modules the fork server imports once before it forks this strategy's processes (its
+    # node programs, named by the strategy: runtime/ knows none)
+    fork_preload: tuple[str, ...] = ()
 
     @property
     def lock_step(self) -> bool:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from rlhf_async.config import JobConfig, PlacementConfig
+from rlhf_async.config.presets import Recipe
 from rlhf_async.modeling.models import freeze, frozen_copy
 from rlhf_async.modeling.precision import Precision
 from rlhf_async.modeling.rollout import RolloutBatch
@@ -27,12 +28,13 @@ from rlhf_async.strategies.placement import (
     engine_problems,
     model_placement,
 )
+from rlhf_async.strategies.pricing import Pricing, in_turn
 from rlhf_async.task import Task, reward_mix
 from rlhf_async.task.artefacts import Artefacts, load_reward
 
 
-def preset(cfg: PlacementConfig, algo: str, over: Overrides) -> Placement:
-    names = ("actor", "critic", "reward", "reference") if algo == "ppo" else \
+def preset(cfg: PlacementConfig, recipe: Recipe, over: Overrides) -> Placement:
+    names = ("actor", "critic", "reward", "reference") if recipe.has_critic else \
         ("actor", "reward", "reference")
     every = list(range(cfg.devices))
     procs = tuple(ProcessPlacement(f"worker{d}", "worker", names, (d,), TRAIN)
@@ -77,7 +79,7 @@ def run(cfg: JobConfig, placement: Placement, art: Artefacts, run_dir: Path,
 
 
 STRATEGY = Strategy(
-    name="flattening",
+    name="flattening", short="flat",
     summary="every model on every device; generate -> score -> train in lock-step",
     roles=("worker",), preset=preset, placement_problems=placement_problems,
-    runner_problems=runner_problems, run=run)
+    runner_problems=runner_problems, run=run, pricing=Pricing(step=in_turn))

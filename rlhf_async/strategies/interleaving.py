@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from rlhf_async.config import JobConfig, PlacementConfig
+from rlhf_async.config.presets import Recipe
 from rlhf_async.modeling.models import (
     ScalarHeadModel,
     freeze,
@@ -46,6 +47,7 @@ from rlhf_async.strategies.placement import (
     engine_problems,
     model_placement,
 )
+from rlhf_async.strategies.pricing import Pricing, StepCosts, in_turn
 from rlhf_async.task import Task, reward_mix
 from rlhf_async.task.artefacts import Artefacts, load_reward
 
@@ -154,14 +156,14 @@ def _halves(n: int) -> tuple[list[int], list[int]]:
     return list(range(cut)), list(range(cut, n)) or [0]
 
 
-def preset(cfg: PlacementConfig, algo: str, over: Overrides) -> Placement:
+def preset(cfg: PlacementConfig, recipe: Recipe, over: Overrides) -> Placement:
     """Actor (+ critic) on every device; reference and reward on exclusive device groups,
     so they score concurrently; a worker without a copy hands its rows to an owner."""
     n = cfg.devices
     ref_default, rw_default = _halves(n)
     groups = {"actor": cfg.actor or list(range(n)), "critic": cfg.critic or list(range(n)),
               "reference": cfg.reference or ref_default, "reward": cfg.reward or rw_default}
-    if algo != "ppo":
+    if not recipe.has_critic:
         del groups["critic"]
     models = tuple(model_placement(cfg, m, sorted(devs),
                                    TRAIN if m in ("actor", "critic") else INFER, over)
@@ -204,8 +206,14 @@ def run(cfg: JobConfig, placement: Placement, art: Artefacts, run_dir: Path,
                      "interleaving", placement.precision())
 
 
+def price(p: Placement, costs: StepCosts) -> tuple[float, dict[str, float]]:
+    """In turn, with every rank's rollouts gathered for the owners and their scores
+    reduced back between scoring and training."""
+    return in_turn(p, costs, exchange=True)
+
+
 STRATEGY = Strategy(
-    name="interleaving",
+    name="interleaving", short="inter",
     summary="actor (+ critic) everywhere; reward and reference on exclusive device groups",
     roles=("worker",), preset=preset, placement_problems=placement_problems,
-    runner_problems=runner_problems, run=run)
+    runner_problems=runner_problems, run=run, pricing=Pricing(step=price))

@@ -1,9 +1,9 @@
 """Placement as plain data: which node process runs which models on which devices.
 
-A strategy's preset (in the strategy's module) is a function from (placement config,
-algorithm, per-model overrides) to a `Placement`; its runner applies one. Every preset goes
-through the same mechanism here: default device groups per model, then the per-model
-overrides of the config (devices, replicas, tensor parallelism, backend, dtype), then the
+A strategy's preset (in the strategy's module) is a function from (placement config, the
+algorithm's recipe, per-model overrides) to a `Placement`; its runner applies one. Every
+preset goes through the same mechanism here: default device groups per model, then the
+per-model overrides of the config (devices, replicas, tensor parallelism, dtype), then the
 processes that host them. A `Placement`
 prints as a table, round-trips through dicts and is validated as a whole (every problem in
 one `PlacementError`) before any process starts.
@@ -24,8 +24,7 @@ from rlhf_async.modeling.precision import Precision, dtype_problems
 TRAIN, INFER = "train", "infer"
 MODELS = ("actor", "critic", "reward", "reference", "shadow_actor")
 DTYPES = ("fp32", "bf16", "fp16")
-BACKENDS = ("torch", "hf", "deepspeed", "vllm")
-OVERRIDES = ("replicas", "tensor_parallel", "backend", "dtype")
+OVERRIDES = ("replicas", "tensor_parallel", "dtype")
 
 
 class PlacementError(ConfigError):
@@ -50,7 +49,8 @@ class ModelPlacement:
     replicas: int  # data-parallel copies (each on len(devices) // replicas devices)
     tensor_parallel: int
     runtime: str  # train | infer
-    backend: str  # torch | hf | deepspeed | vllm
+    backend: str  # its engine: train.backend (torch | deepspeed) for training copies,
+    # generation.backend (torch | vllm) for the shadow actor, torch for the rest
     dtype: str  # fp32 | bf16 | fp16
 
 
@@ -134,9 +134,7 @@ def _override_value(key: str, raw: str) -> tuple[object, str]:
     if key in ("replicas", "tensor_parallel"):
         ok = raw.isdigit() and int(raw) >= 1
         return (int(raw), "") if ok else (None, f"{raw!r} is not an integer >= 1")
-    accepted = DTYPES if key == "dtype" else BACKENDS
-    return (raw, "") if raw in accepted else (None, (f"{raw!r} is not one of "
-                                                    f"{', '.join(accepted)}"))
+    return (raw, "") if raw in DTYPES else (None, f"{raw!r} is not one of {', '.join(DTYPES)}")
 
 
 def override_int(over: dict[str, dict[str, object]], model: str, key: str,
@@ -152,10 +150,9 @@ def model_placement(cfg: PlacementConfig, name: str, devices: list[int] | tuple[
     tp = override_int(over, name, "tensor_parallel", 1)
     default_reps = replicas if replicas is not None else max(1, len(devices) // tp)
     default_dtype = "bf16" if cfg.device == "cuda" else "fp32"
-    default_backend = "torch"
+    # the engine is the job's (`with_engines`), not the placement's
     return ModelPlacement(name, tuple(devices), override_int(over, name, "replicas", default_reps),
-                          tp, runtime, str(o.get("backend", default_backend)),
-                          str(o.get("dtype", default_dtype)))
+                          tp, runtime, "torch", str(o.get("dtype", default_dtype)))
 
 
 # ---- checks every strategy shares ----------------------------------------------------
@@ -212,21 +209,18 @@ def _model_problems(p: Placement) -> list[str]:
 
 
 def with_engines(p: Placement, train: str, generate: str) -> Placement:
-    """Models left at the default backend show the engines the job configures
-    (`train.backend` for training copies, `generation.backend` for the shadow actor)."""
+    """The placement with each model's engine, the one the job configures: `train.backend`
+    for training copies, `generation.backend` for the shadow actor, torch for the rest."""
     def engine(m: ModelPlacement) -> str:
-        if m.backend != "torch":
-            return m.backend
         return train if m.runtime == TRAIN else generate if m.model == "shadow_actor" else "torch"
     return replace(p, models=tuple(replace(m, backend=engine(m)) for m in p.models))
 
 
 def engine_problems(p: Placement, one_replica_per_device: bool = True) -> list[str]:
     """What this build's runners cannot execute (the plan itself may be valid): tensor
-    parallelism, a per-model engine other than the one the job configures for all training
-    copies (`train.backend`) or generators (`generation.backend`; run `with_engines`
-    first), a dtype the device cannot run (modeling/precision.py), and (when the runner
-    keeps one copy per device) replica counts that differ from that."""
+    parallelism other than vLLM generators' (run `with_engines` first), a dtype the device
+    cannot run (modeling/precision.py), and (when the runner keeps one copy per device)
+    replica counts that differ from that."""
     out = []
     for m in p.models:
         if m.tensor_parallel > 1 and (m.model, m.backend) != ("shadow_actor", "vllm"):
@@ -234,16 +228,6 @@ def engine_problems(p: Placement, one_replica_per_device: bool = True) -> list[s
                       "'vllm')") if m.model == "shadow_actor" else ""
             out.append(f"placement.tensor_parallel: {m.model}={m.tensor_parallel} is not run "
                        f"by this build's runners (they keep whole copies{engine}); use 1")
-        need = {TRAIN: ("torch", "hf", "deepspeed")}.get(m.runtime, ("torch", "hf"))
-        if m.model == "shadow_actor":
-            need = ("torch", "hf", "vllm")
-        if m.backend not in need:
-            out.append(f"placement.backend: {m.model}={m.backend} cannot run it; accepted "
-                       f"here: {', '.join(need)}")
-        trained = [x.backend for x in p.models if x.runtime == TRAIN]
-        if m.runtime == TRAIN and len(set(trained)) > 1:
-            out.append(f"placement.backend: {m.model}={m.backend}; actor and critic train "
-                       "with one engine (train.backend)")
         out += dtype_problems(p.device_kind, m.model, m.dtype)
         default_reps = len(m.devices) // m.tensor_parallel
         if one_replica_per_device and m.replicas != default_reps:

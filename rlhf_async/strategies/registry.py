@@ -7,7 +7,8 @@ it to one of these before anything runs.
 
 from __future__ import annotations
 
-from rlhf_async.config import JobConfig, PlacementConfig
+from rlhf_async.config import AlgoConfig, JobConfig, PlacementConfig
+from rlhf_async.config.presets import resolve
 from rlhf_async.strategies import flattening, interleaving
 from rlhf_async.strategies.base import Strategy
 from rlhf_async.strategies.placement import (
@@ -36,7 +37,8 @@ def get(name: str) -> Strategy:
 
 
 def build_placement(cfg: PlacementConfig, algo: str) -> tuple[Placement | None, list[str]]:
-    """The placement (None when the config cannot be placed at all) and every problem of
+    """The placement for algorithm `algo` (`algo.name`: the preset's recipe says whether
+    it trains a critic), None when the config cannot be placed at all, and every problem of
     the plan itself (not of what this build's runners execute: see `runner_problems`)."""
     over, problems = parse_overrides(cfg)
     problems += config_problems(cfg)
@@ -47,7 +49,7 @@ def build_placement(cfg: PlacementConfig, algo: str) -> tuple[Placement | None, 
                         f"{how}; accepted: {accepted}")
         return None, problems
     strategy = STRATEGIES[cfg.strategy]
-    placement = strategy.preset(cfg, algo, over)
+    placement = strategy.preset(cfg, resolve(AlgoConfig(name=algo)), over)
     problems += validate(placement, strategy.roles)
     problems += strategy.placement_problems(cfg, placement)
     return placement, problems
@@ -63,14 +65,10 @@ def plan_placement(cfg: PlacementConfig, algo: str) -> Placement:
 
 def runner_problems(cfg: JobConfig, placement: Placement) -> list[str]:
     """What this build's runner for the placement's strategy cannot execute, all of it:
-    per-model engines against `train.backend` / `generation.backend`, then the strategy's
-    own limits (which see the placement with the job's engines filled in)."""
+    a generation engine that needs generator processes, then the strategy's own limits
+    (which see the placement with the job's engines filled in)."""
     engines = with_engines(placement, cfg.train.backend, cfg.generation.backend)
     problems = []
-    actor = engines.model("actor")
-    if actor is not None and actor.backend != cfg.train.backend:
-        problems.append(f"placement.backend: the actor's engine is set by train.backend "
-                        f"({cfg.train.backend!r}), not per model")
     if cfg.generation.backend != "torch" and engines.model("shadow_actor") is None:
         problems.append(f"generation.backend: {cfg.generation.backend} runs in generator "
                         f"processes (a shadow actor, as in separation); placement.strategy "

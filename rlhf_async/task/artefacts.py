@@ -22,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rlhf_async.config import JobConfig
+from rlhf_async.config.presets import resolve
 from rlhf_async.log import get_logger
 from rlhf_async.modeling.models import (
     ScalarHeadModel,
@@ -223,7 +224,7 @@ def load_critic(cfg: JobConfig, art: Artefacts) -> ScalarHeadModel | None:
     """PPO's initial critic: `critic.path` when given, else the reward model (InstructGPT;
     the DeepSpeed-Chat / OpenRLHF convention), or for a rule-reward task the policy's own
     trunk with a fresh scalar head; None for critic-free algorithms."""
-    if cfg.algo.name != "ppo":
+    if not resolve(cfg.algo).has_critic:
         return None
     if cfg.critic.path:
         return load_scalar_model(cfg.critic.path, "critic.path").eval()

@@ -10,7 +10,7 @@ steps). Scored by the reward model (`load_reward`) and the task's rule as traini
 
 Where it runs during RL: on the process that holds a whole actor and the run's artefacts:
 rank 0 of the lock-step loop (`strategies/lockstep.py`), trainer rank 0 under Separation
-(`nodes/trainer.py`). It loads its own reward model there (one more copy on that device).
+(`nodes/trainer/main.py`). It loads its own reward model there (one more copy on that device).
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ import deepspeed
 import torch
 import torch.multiprocessing as mp
 
+from nodes.trainer.group import Op, TrainerGroup
 from rlhf_async.config import AlgoConfig, ModelConfig, TrainConfig
 from rlhf_async.engines.process_group import exit_rank, free_port
 from rlhf_async.modeling.models import load_actor
 from rlhf_async.rl.learner import Learner
-from rlhf_async.strategies.separation.trainer_group import Op, TrainerGroup
 from rlhf_async.task.sort_digits import EOS, PAD, VOCAB_SIZE
 from rlhf_async.weight_sync import (
     GroupSpec,

@@ -11,7 +11,7 @@ import pytest
 from rlhf_async import job
 from rlhf_async.config import ConfigError, load_config
 from rlhf_async.metrics import read_metrics
-from rlhf_async.planning.planner import workload_of
+from rlhf_async.planning.machine import workload_of
 from rlhf_async.task import make_task
 from tests.text_model import make_text_model
 

@@ -2,7 +2,7 @@
 
 The Driver, the start-up and the trainer ranks' keeper ask nodes for things only through
 these: a `TrainerClient` or `GeneratorClient` turns a method call into one typed command
-(events.py) and returns its typed reply. `ControlPlane` is what they need of the
+(protocol.py) and returns its typed reply. `ControlPlane` is what they need of the
 coordinator; the real `Coordinator` satisfies it, and so do the tests' fakes, which mypy
 checks against it.
 """
@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 from rlhf_async.log import get_logger
 from rlhf_async.runtime.messages import Command, Stop
-from rlhf_async.strategies.separation.events import (
+from rlhf_async.strategies.separation.protocol import (
     Connected,
     Joined,
     Receiving,

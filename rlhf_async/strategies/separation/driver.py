@@ -27,7 +27,6 @@ from rlhf_async.metrics import MetricsWriter, Progress, truncate_metrics
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.rl.checkpoint import disk_full
 from rlhf_async.rl.staleness import StalenessPolicy
-from rlhf_async.strategies.separation.chunks import ChunkId, prompts_message
 from rlhf_async.strategies.separation.clients import (
     ControlPlane,
     GeneratorClient,
@@ -35,9 +34,10 @@ from rlhf_async.strategies.separation.clients import (
     TrainerClient,
     connect_weight_sync,
 )
-from rlhf_async.strategies.separation.events import (
+from rlhf_async.strategies.separation.protocol import (
     SFT_LINEAGE,
     ChunkDropped,
+    ChunkId,
     Done,
     Event,
     EventError,
@@ -53,6 +53,7 @@ from rlhf_async.strategies.separation.events import (
     WeightsApplied,
     WeightSyncFailed,
     decode_event,
+    prompts_message,
 )
 from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
 from rlhf_async.strategies.training import step_record

@@ -13,22 +13,17 @@ on a filesystem every Ray node sees (on one machine they are).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 from rlhf_async.config import JobConfig, weight_sync_backend
 from rlhf_async.control.coordinator import Coordinator
-from rlhf_async.engines.extras import require_extra
 from rlhf_async.runtime import run_loop
 from rlhf_async.runtime.ray_cluster import (
     DeviceGroup,
-    check_fits,
-    device_bundles,
     ray,
-    ray_session,
+    ray_cluster,
     reserve,
 )
 from rlhf_async.runtime.ray_launcher import RayLauncher, device_index
@@ -39,19 +34,6 @@ from rlhf_async.strategies.separation.tcp import tcp_specs
 from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.weight_sync import GroupSpec
 from rlhf_async.wire.transport import Endpoint, Transport
-
-
-@contextlib.contextmanager
-def ray_cluster(cfg: JobConfig) -> Iterator[list[dict[str, float]]]:
-    """Connected to `ray.address` in this block, having checked that the cluster can hold
-    the job's bundles (one per device); yields them. Before anything starts, so a cluster
-    too small stops the job with one RayPlacementError naming what is missing."""
-    require_extra("placement.launcher=ray", "ray", "ray")
-    p = cfg.placement
-    bundles = device_bundles(p.device, p.devices, p.cpu_threads)
-    with ray_session(cfg.ray.address, cpus=p.devices * p.cpu_threads):
-        check_fits(bundles, cfg.ray.placement_strategy)
-        yield bundles
 
 
 def run(cfg: JobConfig, placement: Placement, art: Artefacts, run_dir: Path,

@@ -35,8 +35,11 @@ from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.weight_sync import GroupSpec
 from rlhf_async.wire.transport import Endpoint, Transport
 
-ENTRIES = {"trainer": "nodes.trainer:main", "generator": "nodes.generator:main",
-           "scorer": "nodes.scorer:main"}
+# the node programs (the top-level `nodes/` package, which the library never imports): what
+# each role runs, and what the fork server imports before it forks them
+ENTRIES = {"trainer": "nodes.trainer.main:main", "generator": "nodes.generator.main:main",
+           "scorer": "nodes.scorer.main:main"}
+NODE_MODULES = tuple(entry.partition(":")[0] for entry in ENTRIES.values())
 
 
 def _device(cfg: JobConfig, proc: ProcessPlacement) -> str:
@@ -131,7 +134,8 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
     spec = GroupSpec(weight_sync_backend(cfg), "127.0.0.1", 0, 1 + len(gens),
                      timeout_s=cfg.weight_sync.timeout_s)
     async with Transport() as transport, \
-            Coordinator(run_dir, launcher=LocalLauncher(start=cfg.runtime.node_start),
+            Coordinator(run_dir, launcher=LocalLauncher(start=cfg.runtime.node_start,
+                                                    preload=NODE_MODULES),
                         time_to_dead=cfg.runtime.time_to_dead,
                         restart_limit=cfg.runtime.restart_limit,
                         ready_timeout=cfg.runtime.ready_timeout_s,

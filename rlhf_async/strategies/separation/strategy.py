@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlhf_async.config import JobConfig, PlacementConfig
+from rlhf_async.config.presets import Recipe
 from rlhf_async.strategies.base import Overrides, RunResult, Strategy
 from rlhf_async.strategies.placement import (
     INFER,
@@ -19,11 +20,18 @@ from rlhf_async.strategies.placement import (
     override_int,
     ranges,
 )
+from rlhf_async.strategies.pricing import Pricing
+from rlhf_async.strategies.separation import pricing
 from rlhf_async.strategies.separation.on_ray import run as run_on_ray
+from rlhf_async.strategies.separation.runner import NODE_MODULES
 from rlhf_async.strategies.separation.runner import run as run_here
 from rlhf_async.strategies.separation.startup import generator_ranks
-from rlhf_async.strategies.separation.trainer_group import trainer_id
 from rlhf_async.task.artefacts import Artefacts
+
+
+def trainer_id(rank: int) -> str:
+    """Node id of trainer rank `rank`: "trainer" for rank 0, then trainer1, trainer2, ..."""
+    return "trainer" if rank == 0 else f"trainer{rank}"
 
 
 def _spread(devices: list[int], replicas: int) -> list[tuple[int, ...]]:
@@ -33,7 +41,7 @@ def _spread(devices: list[int], replicas: int) -> list[tuple[int, ...]]:
     return [(devices[i % len(devices)],) for i in range(replicas)]
 
 
-def preset(cfg: PlacementConfig, algo: str, over: Overrides) -> Placement:
+def preset(cfg: PlacementConfig, recipe: Recipe, over: Overrides) -> Placement:
     """Trainer (actor + critic) apart from the inference side: shadow actors and scorers.
 
     Defaults: the trainer on device 0 (or one rank per device of placement.actor),
@@ -48,7 +56,7 @@ def preset(cfg: PlacementConfig, algo: str, over: Overrides) -> Placement:
     rest = [d for d in range(n) if d not in trainer] or [0]
     generator = cfg.generator or rest
     scorer = cfg.reward or cfg.reference or generator
-    train_models = ("actor", "critic") if algo == "ppo" else ("actor",)
+    train_models = ("actor", "critic") if recipe.has_critic else ("actor",)
     gens = override_int(over, "shadow_actor", "replicas",
                         cfg.generators or _per_device(generator, over, "shadow_actor"))
     scorers = cfg.scorers or _per_device(scorer, over, "reward")
@@ -143,7 +151,9 @@ def run(cfg: JobConfig, placement: Placement, art: Artefacts, run_dir: Path,
 
 
 STRATEGY = Strategy(
-    name="separation",
+    name="separation", short="sep",
     summary="trainer apart from generators (shadow actors) and scorers; weights broadcast",
     roles=("trainer", "generator", "scorer"), preset=preset,
-    placement_problems=placement_problems, runner_problems=runner_problems, run=run)
+    placement_problems=placement_problems, runner_problems=runner_problems, run=run,
+    pricing=Pricing(step=pricing.price, layouts=pricing.layouts, grid=pricing.grid),
+    fork_preload=NODE_MODULES)

@@ -1,5 +1,5 @@
 """The coordinator's side of a multi-rank Separation trainer: its ranks kept one group
-(the node side is trainer_group.py)."""
+(the node side is nodes/trainer/group.py)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ async def connect_trainer_group(plane: ControlPlane, ranks: list[str], addr: str
 
 
 class TrainerRanks:
-    """The ranks of a multi-rank trainer, kept one group (strategies/separation/
-    trainer_group.py). The group is its members' processes: one that dies breaks it, so
+    """The ranks of a multi-rank trainer, kept one group (their side:
+    nodes/trainer/group.py). The group is its members' processes: one that dies breaks it, so
     `died` restarts the members still running, and a new group is formed from the new
     processes once all are up, in the background (`form`). A death while a group forms
     (ranks may be waiting in its rendezvous) restarts every rank and forms it afresh.

@@ -1,11 +1,14 @@
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from structlog.testing import capture_logs
 
-from rlhf_async.config import ConfigError, JobConfig, load_config
+from rlhf_async.config import AlgoConfig, ConfigError, JobConfig, load_config
+from rlhf_async.config.presets import PRESETS, resolve, with_critic
 from rlhf_async.config.reference import render as render_reference
 
 REPO = Path(__file__).resolve().parents[3]
@@ -136,3 +139,32 @@ def test_a_damaged_model_directory_is_a_config_error_not_a_traceback(tmp_path):
         with pytest.raises(ConfigError) as e:
             load_config(None, [f"model.path={json.dumps(str(d))}"])
         assert len(e.value.problems) == 1 and want in e.value.problems[0], e.value.problems
+
+
+def test_a_removed_key_names_its_replacement_and_an_older_name_warns():
+    with pytest.raises(ConfigError) as e:  # the engines are train.backend and generation.backend
+        load_config(None, ['placement.backend=["actor=deepspeed"]', "train.backend=deepspeed"])
+    assert e.value.problems == [
+        "placement.backend: removed; each engine is chosen once for the job: train.backend "
+        "(actor and critic: torch | deepspeed) and generation.backend (the generators: "
+        "torch | vllm)"]
+    with capture_logs() as logs:
+        cfg = load_config(None, ["algo.name=grpo", "algo.is_cap=3"])
+    recipe = resolve(cfg.algo)  # still read: TIS with that cap
+    assert (recipe.mismatch, recipe.mismatch_cap) == ("tis", 3.0)
+    assert [(x["event"], x["key"], x["value"]) for x in logs] == [
+        ("deprecated config key", "algo.is_cap", 3)]
+    assert "algo.mismatch = 'tis'" in logs[0]["use"]
+    with capture_logs() as logs:  # the new names, or the reference file's is_cap = 0: silent
+        load_config(None, ["algo.mismatch=tis", "algo.mismatch_cap=3", "algo.is_cap=0"])
+    assert logs == []
+
+
+def test_algo_name_accepts_exactly_the_presets():
+    assert fields(AlgoConfig)[0].metadata["choices"] == tuple(PRESETS)
+    with pytest.raises(ConfigError, match=r"algo.name: 'ppo2' is not one of 'ppo', 'grpo'"):
+        load_config(None, ["algo.name=ppo2"])
+    assert with_critic() == ["ppo"]  # what `critic.path` is for
+    with pytest.raises(ConfigError, match="critic.path: rloo trains no critic; it is for "
+                       "algo.name = 'ppo'"):
+        load_config(None, ["algo.name=rloo", "critic.path=/nowhere"])

@@ -4,7 +4,6 @@ what the user pinned, and the run executes exactly the split the plan printed.""
 import dataclasses
 
 from rlhf_async.config import PlacementConfig, load_config
-from rlhf_async.planning.balance import split, splits
 from rlhf_async.planning.costmodel import predict
 from rlhf_async.planning.planner import (
     choose,
@@ -15,6 +14,7 @@ from rlhf_async.planning.planner import (
     workload_of,
 )
 from rlhf_async.strategies.registry import runnable_placement
+from rlhf_async.strategies.separation.pricing import split, splits
 
 AUTO = ["placement.strategy=auto", "placement.device=cuda", "placement.devices=16",
         "algo.max_staleness=1", "algo.group_size=1"]

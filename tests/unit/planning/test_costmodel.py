@@ -23,10 +23,10 @@ from rlhf_async.planning.costmodel import (
     memory_plan,
     predict,
 )
+from rlhf_async.planning.machine import load_calibration
 from rlhf_async.planning.planner import (
     SIM_WORK,
     choose,
-    load_calibration,
     plan_job,
     priced_job,
     resolve_auto,

@@ -10,7 +10,7 @@ from rlhf_async.runtime.spec import NodeSpec
 
 def node() -> Node:
     transport = SimpleNamespace(counters=Counter(), channel=lambda ep: None)
-    return Node(NodeSpec("scorer", "scorer0", "nodes.scorer:main"), transport, None)
+    return Node(NodeSpec("scorer", "scorer0", "nodes.scorer.main:main"), transport, None)
 
 
 def test_a_stop_ends_the_wait_and_cancels_it():

@@ -8,7 +8,7 @@ from rlhf_async.wire.transport import Endpoint
 
 
 def test_a_node_binds_on_its_new_host_and_only_what_it_bound_elsewhere_moves():
-    spec = NodeSpec("scorer", "scorer0", "nodes.scorer:main", endpoints={
+    spec = NodeSpec("scorer", "scorer0", "nodes.scorer.main:main", endpoints={
         "rollouts": Endpoint("pull", "tcp://10.0.0.2:5000", bind=True),
         "here": Endpoint("pull", "tcp://127.0.0.1:5001", bind=True),
         "scored": Endpoint("push", "tcp://10.0.0.1:6000")})

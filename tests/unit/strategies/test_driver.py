@@ -17,7 +17,7 @@ from rlhf_async.rl.checkpoint import DiskFullError
 from rlhf_async.runtime.messages import Command, Msg, decode_reply, tag, to_payload
 from rlhf_async.strategies.separation.clients import ControlPlane
 from rlhf_async.strategies.separation.driver import ChunkState, Driver, PipelineError
-from rlhf_async.strategies.separation.events import (
+from rlhf_async.strategies.separation.protocol import (
     ChunkDropped,
     Done,
     Failed,

@@ -16,7 +16,7 @@ from rlhf_async.runtime.messages import (
     tag,
     to_payload,
 )
-from rlhf_async.strategies.separation import events as E
+from rlhf_async.strategies.separation import protocol as E
 from rlhf_async.weight_sync import GroupSpec
 
 SPEC = GroupSpec("gloo", "127.0.0.1", 29500, 3, peers=("trainer", "gen0", "gen1"))

@@ -5,8 +5,10 @@ import json
 
 import pytest
 
+from rlhf_async.cli import main
 from rlhf_async.config import load_config
 from rlhf_async.job import run
+from rlhf_async.planning.planner import choose, predictions, prepare_run
 from rlhf_async.strategies import registry
 from rlhf_async.strategies.placement import PlacementError
 from tests.unit.strategies import toy_strategy
@@ -37,3 +39,39 @@ def test_a_toy_strategy_is_one_module_and_one_registry_line(tmp_path, monkeypatc
     assert [json.loads(x)["step"] for x in lines] == [0, 1]
     assert (tmp_path / "toy" / "placement.txt").read_text().startswith("strategy solo on 1")
     assert (tmp_path / "toy" / "policy" / "model.safetensors").exists()
+
+
+def test_the_toy_strategy_is_planned_and_priced_by_auto_from_its_module(monkeypatch, capsys):
+    monkeypatch.setitem(registry.STRATEGIES, "solo", toy_strategy.STRATEGY)  # the same line
+    one = load_config(None, ["placement.strategy=auto"])
+    preds = predictions(one)
+    # on one device solo and flattening hold the same four models on device 0 and both run
+    # the phases in turn: the same price
+    _, solo, priced, why = preds["solo"]
+    assert solo is not None and priced is not None and why == ""
+    assert priced.step_s == preds["flattening"][2].step_s
+    assert priced.phases == preds["flattening"][2].phases
+    assert "solo" in choose(one)[1]
+    two = load_config(None, ["placement.strategy=auto", "placement.devices=2"])
+    assert "solo not possible (placement.devices: solo uses one device, got 2)" in \
+        choose(two)[1]
+    # `plan` prints its placement and prediction; `plan --simulate` gives it a column
+    assert main(["plan", "placement.strategy=solo"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("strategy solo on 1") and "predicted step" in out
+    assert "  solo: " in out
+    assert main(["plan", "--simulate", "--models", "7B", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "| solo s (GiB) |" in out and "solo vs flat" in out and "refused" in out
+    # with nothing else registered, auto resolves to it and `run` would get its placement
+    registered = dict(registry.STRATEGIES)
+    registry.STRATEGIES.clear()
+    registry.STRATEGIES["solo"] = toy_strategy.STRATEGY
+    try:
+        placement, reason = choose(one)
+        assert placement.strategy == "solo" and reason.endswith("solo is the fastest feasible")
+        cfg, placement = prepare_run(one)
+        assert cfg.placement.strategy == placement.strategy == "solo"
+    finally:  # in their order: the first is what `plan --simulate` compares the others to
+        registry.STRATEGIES.clear()
+        registry.STRATEGIES.update(registered)

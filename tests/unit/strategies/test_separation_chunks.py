@@ -1,9 +1,9 @@
 import pytest
 import torch
 
+from nodes.trainer.assembler import BatchAssembler
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
-from rlhf_async.strategies.separation.assembler import BatchAssembler
-from rlhf_async.strategies.separation.chunks import (
+from rlhf_async.strategies.separation.protocol import (
     ChunkFormatError,
     ChunkId,
     prompts_from_message,

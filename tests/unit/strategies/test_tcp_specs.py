@@ -8,12 +8,12 @@ from rlhf_async.strategies.separation.tcp import tcp_specs
 from rlhf_async.wire.transport import Endpoint
 
 SPECS = [
-    NodeSpec("trainer", "trainer", "nodes.trainer:main",
+    NodeSpec("trainer", "trainer", "nodes.trainer.main:main",
              {"scored": Endpoint("pull", "ipc:///s/scored", bind=True)}, device="cpu:0"),
-    NodeSpec("scorer", "scorer0", "nodes.scorer:main",
+    NodeSpec("scorer", "scorer0", "nodes.scorer.main:main",
              {"rollouts": Endpoint("pull", "ipc:///s/scorer0", bind=True),
               "scored": Endpoint("push", "ipc:///s/scored")}, device="cpu:2"),
-    NodeSpec("generator", "gen0", "nodes.generator:main",
+    NodeSpec("generator", "gen0", "nodes.generator.main:main",
              {"prompts": Endpoint("pull", "ipc:///s/prompts"),
               "rollouts": Endpoint("push", "ipc:///s/scorer0")}, device="cpu:1"),
 ]

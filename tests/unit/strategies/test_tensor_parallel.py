@@ -16,7 +16,7 @@ from rlhf_async.strategies.separation.clients import (
     TrainerClient,
     connect_weight_sync,
 )
-from rlhf_async.strategies.separation.events import WeightSyncConnect, WeightSyncPrepare
+from rlhf_async.strategies.separation.protocol import WeightSyncConnect, WeightSyncPrepare
 from rlhf_async.strategies.separation.runner import build_specs
 from rlhf_async.strategies.separation.startup import generator_ranks
 from rlhf_async.task.artefacts import Artefacts

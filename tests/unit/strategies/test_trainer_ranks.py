@@ -10,11 +10,11 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
+from nodes.trainer.group import Op, TrainerGroup
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.runtime.messages import Command, decode_reply
 from rlhf_async.strategies.separation.clients import ControlPlane, PipelineError
-from rlhf_async.strategies.separation.events import TrainGroupConnect, TrainGroupPrepare
-from rlhf_async.strategies.separation.trainer_group import Op, TrainerGroup
+from rlhf_async.strategies.separation.protocol import TrainGroupConnect, TrainGroupPrepare
 from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
 
 R = TypeVar("R")

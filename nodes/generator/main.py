@@ -3,7 +3,7 @@
 Weights arrive by broadcast from the trainer: a background task receives them while this
 loop keeps generating, and they are swapped in between two chunks, never during one; with
 `generation.partial_rollout` (torch engine) between two decode steps of the running chunk
-instead (`strategies/separation/inflight.py`): its rows go on under the new weights, each
+instead (`inflight.py`): its rows go on under the new weights, each
 token recording its version. Every rollout carries the weight version that produced it (its
 oldest token's) and the lineage (trainer incarnation) of those weights; the coordinator
 learns the new version only after the swap (the `weights_applied` event).
@@ -18,19 +18,17 @@ from typing import Any
 
 import torch
 
-from nodes.common import NodeContext, load_context, message_errors
+from nodes.common.context import NodeContext, load_context, message_errors
+from nodes.common.stage import StageClock
+from nodes.generator.continuous import ContinuousGeneration
+from nodes.generator.inflight import InflightWeights, Span
 from rlhf_async.config import weight_sync_backend
 from rlhf_async.engines import GenerationBackend, make_generation_backend
 from rlhf_async.engines.torch_gen import TorchGenerationBackend
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.runtime import Node
-from rlhf_async.strategies.separation.chunks import (
+from rlhf_async.strategies.separation.protocol import (
     ChunkId,
-    prompts_from_message,
-    rollout_message,
-)
-from rlhf_async.strategies.separation.continuous import ContinuousGeneration
-from rlhf_async.strategies.separation.events import (
     Connected,
     Generated,
     Loaded,
@@ -39,9 +37,9 @@ from rlhf_async.strategies.separation.events import (
     WeightsApplied,
     WeightSyncConnect,
     WeightSyncFailed,
+    prompts_from_message,
+    rollout_message,
 )
-from rlhf_async.strategies.separation.inflight import InflightWeights, Span
-from rlhf_async.strategies.separation.stage import StageClock
 from rlhf_async.strategies.training import load_actor
 from rlhf_async.weight_sync import WeightSyncError
 

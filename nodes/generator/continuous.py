@@ -23,11 +23,11 @@ from typing import Any
 
 from torch import nn
 
+from nodes.generator.inflight import InflightWeights, Span
 from rlhf_async.modeling.continuous import ContinuousBatch
 from rlhf_async.modeling.generation import SamplingParams, rollout_batch, sampling_uniforms
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
-from rlhf_async.strategies.separation.chunks import ChunkId
-from rlhf_async.strategies.separation.inflight import InflightWeights, Span
+from rlhf_async.strategies.separation.protocol import ChunkId
 
 _WAKE, _STOP = "wake", "stop"
 

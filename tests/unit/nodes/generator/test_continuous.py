@@ -7,11 +7,11 @@ import asyncio
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from nodes.generator.continuous import ContinuousGeneration
+from nodes.generator.inflight import InflightWeights
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch
-from rlhf_async.strategies.separation.chunks import ChunkId
-from rlhf_async.strategies.separation.continuous import ContinuousGeneration
-from rlhf_async.strategies.separation.inflight import InflightWeights
+from rlhf_async.strategies.separation.protocol import ChunkId
 
 EOS, PAD = 3, 0
 

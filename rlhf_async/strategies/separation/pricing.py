@@ -1,4 +1,6 @@
-"""Pipeline balance: Separation's stage sizes chosen from predicted stage times.
+"""How Separation is priced: its step (stages overlapped in a pipeline: `price`) and the
+stage sizes `auto` compares (pipeline balance: `layouts`) and `plan --simulate` tries
+(`grid`).
 
 Separation runs three stages side by side: the trainer (actor + critic, one data-parallel
 rank per device), generators (one shadow actor per device or tensor-parallel group) and
@@ -7,29 +9,25 @@ the rest, with the scorers sharing the generators' devices; that is right for so
 and leaves a stage idle most of the step in others (a long generation on few generator
 devices, a large batch on one trainer rank; a trainer idle while generation and scoring
 take turns on the other devices, where the scorers are better beside the trainer).
-`balanced` prices every split of the devices with the cost model (whose stage times come
-from the calibration) and returns the fastest that this build runs. `auto` uses it
-whenever the user pinned none of the stage sizes; `plan --simulate` prices the same
-splits.
+`auto` prices every split of the devices with the cost model (whose stage times come
+from the calibration) and keeps the fastest that this build runs, whenever the user
+pinned none of the stage sizes.
 
     split(base, trainers, scorers, gen_tp, score_tp, beside_trainer) -> PlacementConfig | None
     splits(base)                                     -> every split worth pricing
-    balanced(cfg, price)                             -> the fastest runnable one
+    layouts(base)                                    -> the splits, unless the user pinned one
+    grid(base)                                       -> splits x tensor-parallel sizes
+    price(placement, costs)                          -> the step, stages overlapped
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import itertools
 
-from rlhf_async.config import JobConfig, PlacementConfig
-from rlhf_async.strategies.placement import (
-    Placement,
-    PlacementError,
-    override_int,
-    parse_overrides,
-)
-from rlhf_async.strategies.registry import runnable_placement
+from rlhf_async.config import PlacementConfig
+from rlhf_async.strategies.placement import INFER, Placement, override_int, parse_overrides
+from rlhf_async.strategies.pricing import StepCosts
 
 # the fields that pin Separation's stage sizes or devices: set by the user, they are kept
 PINS = ("actor", "critic", "reward", "reference", "generator", "generators", "scorers",
@@ -94,19 +92,45 @@ def splits(base: PlacementConfig) -> list[PlacementConfig]:
     return out
 
 
-def balanced(cfg: JobConfig, price: Callable[[Placement], tuple[float, bool]]
-             ) -> tuple[JobConfig, Placement] | None:
-    """The job with the split of Separation whose predicted step (`price`: seconds and
-    whether it fits in memory) is the shortest among those `run` accepts; None when no
-    split runs. Ties keep the fewest trainer ranks (less gradient traffic)."""
-    best: tuple[float, JobConfig, Placement] | None = None
-    for pc in splits(cfg.placement):
-        job = dataclasses.replace(cfg, placement=pc)
-        try:
-            p = runnable_placement(job)
-        except PlacementError:
-            continue
-        step, fits = price(p)
-        if fits and (best is None or step < best[0] * (1 - 1e-9)):
-            best = (step, job, p)
-    return None if best is None else (best[1], best[2])
+def layouts(base: PlacementConfig) -> list[PlacementConfig]:
+    """The splits `auto` compares: all of them, unless the user pinned a stage's size (then
+    only the preset, with what they pinned)."""
+    return [] if pinned(base) else splits(base)
+
+
+def grid(base: PlacementConfig) -> list[PlacementConfig]:
+    """A coarse grid for `plan --simulate`: a quarter, half or three quarters of the GPUs
+    training, an eighth to a half scoring, and every generator and scorer tensor-parallel
+    size up to 8."""
+    n, out = base.devices, []
+    for train_frac, score_frac in itertools.product((0.25, 0.5, 0.75), (0.125, 0.25, 0.5)):
+        nt, ns = max(1, int(n * train_frac)), max(1, int(n * score_frac))
+        for tp, ts in itertools.product((1, 2, 4, 8), (1, 2, 4, 8)):
+            pc = split(base, nt, ns, tp, ts)
+            if pc is not None:
+                out.append(pc)
+    return out
+
+
+def price(p: Placement, c: StepCosts) -> tuple[float, dict[str, float]]:
+    """Generators and scorers on their own devices overlap each other (chunk by chunk);
+    they take turns where they share devices; scorers beside the trainer take its time.
+    With algo.max_staleness > 0 the inference side overlaps the trainer too (the step is
+    the busiest side), else a step waits for its weights (the sides add up)."""
+    phases = c.phases()
+    gen, actor = p.model("shadow_actor"), p.model("actor")
+    assert gen is not None and actor is not None  # every Separation placement has both
+    score_devs = {d for m in p.models if m.runtime == INFER and m.model != "shadow_actor"
+                  for d in m.devices}
+    beside = bool(score_devs & set(actor.devices))  # their time counts on the trainer's side
+    if beside:
+        infer = c.generate
+    elif set(gen.devices) & score_devs:
+        infer = c.generate + c.score
+    else:
+        infer = c.slowdown * max(c.generate, c.score)
+    train_side = c.train * (c.slowdown if len(actor.devices) > 1 else 1.0) + c.sync + \
+        (c.score if beside else 0.0)
+    step = c.pipeline_s + (infer + train_side if c.max_staleness == 0
+                           else c.slowdown * max(infer, train_side))
+    return step, phases

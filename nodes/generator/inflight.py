@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf_async.strategies.separation.events import SFT_LINEAGE
+from rlhf_async.strategies.separation.protocol import SFT_LINEAGE
 
 
 @dataclass

@@ -6,18 +6,20 @@ import asyncio
 
 import torch
 
-from nodes.common import NodeContext, load_context, message_errors
+from nodes.common.context import NodeContext, load_context, message_errors
+from nodes.common.stage import StageClock
 from rlhf_async.modeling.models import ScalarHeadModel, freeze
 from rlhf_async.rl.guards import NonFiniteError
 from rlhf_async.rl.scoring import score
 from rlhf_async.runtime import Node
-from rlhf_async.strategies.separation.chunks import (
+from rlhf_async.strategies.separation.protocol import (
+    Loaded,
+    Scored,
+    fail,
     lineage_of,
     rollout_from_message,
     rollout_message,
 )
-from rlhf_async.strategies.separation.events import Loaded, Scored, fail
-from rlhf_async.strategies.separation.stage import StageClock
 from rlhf_async.task import make_task, reward_mix
 from rlhf_async.task.artefacts import load_reward, load_sft
 from rlhf_async.task.reward_fn import RewardFunctionError

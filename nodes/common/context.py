@@ -12,7 +12,7 @@ from rlhf_async.config import JobConfig, config_from_dict
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.precision import Precision, check_device
 from rlhf_async.runtime import Node
-from rlhf_async.strategies.separation.chunks import ChunkFormatError
+from rlhf_async.strategies.separation.protocol import ChunkFormatError
 from rlhf_async.task import make_task, sampling_params
 from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.wire.protocol import ProtocolError

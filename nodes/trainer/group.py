@@ -41,11 +41,6 @@ from rlhf_async.rl.learner import Learner
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=6)
 
 
-def trainer_id(rank: int) -> str:
-    """Node id of trainer rank `rank`: "trainer" for rank 0, then trainer1, trainer2, ..."""
-    return "trainer" if rank == 0 else f"trainer{rank}"
-
-
 class Op(enum.StrEnum):
     """What rank 0 runs next; the followers run the same."""
 

@@ -2,8 +2,8 @@ import asyncio
 
 import pytest
 
-from rlhf_async.strategies.separation.events import SFT_LINEAGE
-from rlhf_async.strategies.separation.inflight import InflightWeights, Span
+from nodes.generator.inflight import InflightWeights, Span
+from rlhf_async.strategies.separation.protocol import SFT_LINEAGE
 
 
 def test_updates_go_in_at_the_next_step_in_order_and_the_span_records_them():

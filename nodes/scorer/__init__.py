@@ -1,0 +1,1 @@
+"""The scorer node: reward and reference scores of each rollout chunk (`main`)."""
