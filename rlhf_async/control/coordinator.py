@@ -6,8 +6,8 @@
         async for event in coord.events(): ...       # app events + node_dead / node_restarted
 
 Nodes connect a DEALER (identity = node_id#incarnation, `NodeSpec.peer_id`) to the
-coordinator's ROUTER; the coordinator
-answers each heartbeat, so a node notices a vanished coordinator and exits by itself.
+coordinator's ROUTER; the coordinator answers each heartbeat, so a node notices a vanished
+coordinator and exits by itself.
 `RUN_DIR/coordinator.json` names the control endpoint for the CLI's `status` and `stop`.
 The nodes' lives (launch, ready, liveness, restarts) are its `Supervisor`'s (supervisor.py);
 the coordinator tells it what the control socket hears.
@@ -65,9 +65,8 @@ from rlhf_async.wire.protocol import Message
 from rlhf_async.wire.security import Keyring, generate_keys
 from rlhf_async.wire.transport import IPC_PATH_MAX, Endpoint, Transport
 
-__all__ = ["COORDINATOR_FILE", "CommandError", "Coordinator", "CoordinatorError",
-           "EventStream", "NodeEvent", "NodeNotReady", "call_coordinator",
-           "read_coordinator_file"]
+__all__ = ["COORDINATOR_FILE", "CommandError", "Coordinator", "CoordinatorError", "EventStream",
+           "NodeEvent", "NodeNotReady", "call_coordinator", "read_coordinator_file"]
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -76,8 +75,7 @@ class Coordinator:
     def __init__(self, run_dir: str | Path, *, launcher: Launcher | None = None,
                  control: str | None = None, heartbeat_s: float = 0.5,
                  time_to_dead: float = 5.0, ready_timeout: float = 120.0,
-                 restart_limit: int = 0, stable_after_s: float = 300.0,
-                 stop_timeout: float = 5.0,
+                 restart_limit: int = 0, stable_after_s: float = 300.0, stop_timeout: float = 5.0,
                  keys: str | Path | None = None, insecure: bool = False) -> None:
         self.run_dir = Path(run_dir).resolve()
         # CURVE keys for tcp (ours and the nodes'); made on first need when not given

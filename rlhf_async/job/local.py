@@ -93,8 +93,10 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None,
     strategy = STRATEGIES[placement.strategy]
     nodes_here = not strategy.lock_step and cfg.placement.launcher == "local"
     ranks_here = strategy.lock_step and cfg.placement.devices > 1  # (on Ray: returned above)
-    if cfg.runtime.node_start == "fork" and (nodes_here or ranks_here):
-        # importing while SFT and the reward model train
+    # importing while SFT and the reward model train; not for a run that is over (the
+    # server would hold our stdout open until its imports are done)
+    if cfg.runtime.node_start == "fork" and (nodes_here or ranks_here) and \
+            not (resume and _finished(target)):
         warm_fork_server(strategy.fork_preload if nodes_here else ())
     fresh = not resume and not target.exists()
     try:

@@ -172,6 +172,21 @@ def disable_dropout(model: M) -> M:
     return model
 
 
+def checkpoint_activations(model: nn.Module) -> None:
+    """`train.gradient_checkpointing` for an HF model (non-reentrant: works with frozen
+    inputs and under autocast). transformers 5 renamed it activation checkpointing."""
+    kwargs = {"use_reentrant": False}
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"train.gradient_checkpointing: {type(model).__name__} does not "
+                         "support it; set train.gradient_checkpointing = false")
+    new = getattr(model, "activation_checkpointing_enable", None)
+    if new is not None:
+        new(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(  # type: ignore[operator]  # HF's, checked above
+            gradient_checkpointing_kwargs=kwargs)
+
+
 def freeze(model: M) -> M:
     """`model` in eval mode without gradients, in place (for one loaded to be frozen)."""
     model.eval()

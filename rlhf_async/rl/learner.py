@@ -23,7 +23,7 @@ from rlhf_async.engines import TrainingBackend, make_training_backend
 from rlhf_async.engines.lora import add_adapters, merged_weights
 from rlhf_async.modeling.collectives import all_gather_1d, all_reduce_sum
 from rlhf_async.modeling.determinism import key_seed, keyed_order
-from rlhf_async.modeling.models import ScalarHeadModel, disable_dropout
+from rlhf_async.modeling.models import ScalarHeadModel, checkpoint_activations, disable_dropout
 from rlhf_async.modeling.packing import ResponseView
 from rlhf_async.modeling.precision import FP32, Precision
 from rlhf_async.modeling.rollout import RolloutBatch
@@ -81,9 +81,9 @@ class Learner:
             if critic is not None:
                 disable_dropout(critic)
         if train.gradient_checkpointing:  # activations recomputed in backward, not kept
-            _checkpoint_activations(actor)
+            checkpoint_activations(actor)
             if critic is not None:
-                _checkpoint_activations(critic.trunk)
+                checkpoint_activations(critic.trunk)
         self.version = 0
         self.last_advantages: Tensor | None = None  # [B, R] of the last train_step's shard
         self.kl_coef = algo.kl_coef  # moved by the adaptive controller when kl_target > 0
@@ -396,17 +396,3 @@ class Learner:
                                               self.algo.kl_horizon, floor=self.algo.kl_coef)
         return out
 
-
-def _checkpoint_activations(model: nn.Module) -> None:
-    """`train.gradient_checkpointing` for an HF model (non-reentrant: works with frozen
-    inputs and under autocast). transformers 5 renamed it activation checkpointing."""
-    kwargs = {"use_reentrant": False}
-    if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ValueError(f"train.gradient_checkpointing: {type(model).__name__} does not "
-                         "support it; set train.gradient_checkpointing = false")
-    new = getattr(model, "activation_checkpointing_enable", None)
-    if new is not None:
-        new(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(  # type: ignore[operator]  # HF's, checked above
-            gradient_checkpointing_kwargs=kwargs)

@@ -6,14 +6,14 @@ the current trainer's lineage. It forwards each weight publication to the genera
 node events into one metrics record per trained step, re-sends chunks the trainer refused,
 and recovers from node deaths: chunks a dead node held are sent again (the trainer drops
 duplicates, so each prompt is trained on exactly once), a restarted trainer continues from
-its checkpoint, and the weight-broadcast group is rebuilt under a new epoch.
+its checkpoint, and the weight-broadcast group is rebuilt under a new epoch (`SyncGroup`,
+sync_group.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import enum
 import time
 from collections import Counter
@@ -32,7 +32,6 @@ from rlhf_async.strategies.separation.clients import (
     GeneratorClient,
     PipelineError,
     TrainerClient,
-    connect_weight_sync,
 )
 from rlhf_async.strategies.separation.protocol import (
     SFT_LINEAGE,
@@ -55,6 +54,7 @@ from rlhf_async.strategies.separation.protocol import (
     decode_event,
     prompts_message,
 )
+from rlhf_async.strategies.separation.sync_group import SyncGroup
 from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
 from rlhf_async.strategies.training import step_record
 from rlhf_async.task import make_task
@@ -98,8 +98,7 @@ class Driver:
         self.trainer = TrainerClient(coord)
         self.clients = {n: GeneratorClient(coord, n) for n, r in roles.items()
                         if r == "generator"}
-        self.roles, self.spec, self.run_dir, self.chunks = roles, spec, run_dir, chunks_per_step
-        self.gen_ranks = gen_ranks  # weight-sync ranks per generator (its vLLM TP workers)
+        self.roles, self.run_dir, self.chunks = roles, run_dir, chunks_per_step
         self.policy = StalenessPolicy(cfg.algo.max_staleness, cfg.train.publish_every)
         self.task = make_task(cfg)
         # generator -> (version, lineage) of the weights it holds; all start from the SFT
@@ -115,12 +114,14 @@ class Driver:
         self.busy: dict[str, float] = {}  # node -> cumulative busy seconds
         self.last_busy: dict[str, float] = {}
         self.counts = Counter[str]()  # restarts, resent chunks, regroups
+        self.sync = SyncGroup(coord, self.trainer, self.clients, spec, gen_ranks,
+                              cfg.runtime.restart_limit, cfg.weight_sync.timeout_s,
+                              self.counts, generators=lambda: self.generators,
+                              trainer_up=lambda: "trainer" not in self.down)
         self.progress = Progress(cfg.train.steps, cfg.run.progress, start_step=start_step)
         self.t_last = time.perf_counter()
         self.result: dict[str, Any] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
-        self._regrouping: asyncio.Future[None] | None = None
-        self._want_regroup = False
         self._backlog = list(backlog or [])  # events that came before every node loaded
         self._open_logs()
 
@@ -134,7 +135,7 @@ class Driver:
     async def run(self) -> dict[str, Any]:
         self.dispatcher = asyncio.ensure_future(self._dispatch_loop())
         if self.start_step:  # generators hold the SFT weights: send the checkpoint's
-            self._spawn(self._republish())
+            self._spawn(self.sync.republish())
         try:
             while True:
                 if await self._handle(await self._next_event()):
@@ -143,6 +144,7 @@ class Driver:
             self.dispatcher.cancel()
             for task in list(self._tasks):
                 task.cancel()
+            self.sync.close()
             self.writer.close()
             self.progress.close()
 
@@ -177,7 +179,7 @@ class Driver:
             return self._backlog.pop(0)
         get = asyncio.ensure_future(self.events.get())
         watched: set[asyncio.Future[Any]] = {
-            t for t in (self.dispatcher, self._regrouping, self.ranks.task) if t is not None}
+            t for t in (self.dispatcher, self.sync.task, self.ranks.task) if t is not None}
         try:
             await asyncio.wait({get, *watched}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # a stop: an event already taken must not be lost
@@ -186,7 +188,7 @@ class Driver:
             get.cancel()
             raise
         for task, what in ((self.dispatcher, "dispatching prompts"),
-                           (self._regrouping, "rebuilding the weight-sync group"),
+                           (self.sync.task, "rebuilding the weight-sync group"),
                            (self.ranks.task, "re-forming the trainer group")):
             if task is not None and task.done() and not task.cancelled() and \
                     task.exception() is not None:
@@ -255,7 +257,7 @@ class Driver:
         match event:
             case Published(plan=plan, lineage=lineage):
                 for gen in self.generators:
-                    self._spawn(self._forward(gen, plan, lineage))
+                    self._spawn(self.sync.forward(gen, plan, lineage))
             case WeightsApplied(version=version, lineage=lineage):
                 self.applied[node] = (version, lineage)
                 self.gate.set()
@@ -297,7 +299,7 @@ class Driver:
         self.counts["restarts"] += 1
         log.warning("node_down", node=node, role=self.roles[node], reason=dead.reason)
         if self.roles[node] == "generator":
-            self._regroup()  # the others go on while it restarts
+            self.sync.rebuild()  # the others go on while it restarts
         # a trainer rank: its group is gone; the other ranks restart too, and rank 0
         # resumes from its checkpoint once the new group stands (`_recover`)
         self.down.update(self.ranks.died(node, dead.pid))
@@ -317,7 +319,7 @@ class Driver:
         else:
             self._resend((ChunkState.DISPATCHED, ChunkState.GENERATED))
         if role != "scorer":
-            self._regroup()
+            self.sync.rebuild()
 
     async def _rollback(self, step: int, lineage: str) -> None:
         """The trainer restarted from the checkpoint of `step`: dispatch again from there;
@@ -335,55 +337,10 @@ class Driver:
             del self.trained_ids[sid]
         self.dispatcher = asyncio.ensure_future(self._dispatch_loop())
 
-    def _regroup(self) -> None:
-        """Ask for the broadcast group to be rebuilt with the live generators. One task does
-        it, retrying while membership changes under it (a node dying mid-rebuild)."""
-        self._want_regroup = True
-        if self._regrouping is None or self._regrouping.done():
-            self._regrouping = asyncio.ensure_future(self._regroup_loop())
-            self._tasks.add(self._regrouping)
-
-    async def _regroup_loop(self) -> None:
-        failures = 0
-        while self._want_regroup:
-            self._want_regroup = False
-            if "trainer" in self.down or not self.generators:
-                return  # the trainer's or a generator's recovery asks again
-            # the trainer hosts the group: where it runs now (restarted on another Ray host)
-            self.spec = dataclasses.replace(
-                self.spec.with_epoch(self.spec.epoch + 1),
-                master_addr=self.coord.host("trainer", self.spec.master_addr))
-            self.counts["regroups"] += 1
-            try:
-                self.spec = await connect_weight_sync(
-                    self.trainer, [self.clients[g] for g in self.generators], self.spec,
-                    self.gen_ranks)
-            except PipelineError as e:
-                failures += 1
-                log.warning("regroup_failed", error=str(e), attempt=failures)
-                if failures > 2 * max(1, self.cfg.runtime.restart_limit):
-                    raise
-                self._want_regroup = True
-                await asyncio.sleep(0.5)
-                continue
-            await self._republish()
-
-    async def _republish(self) -> None:
-        try:
-            await self.trainer.republish(timeout=self.cfg.weight_sync.timeout_s + 10)
-        except (TimeoutError, RuntimeError) as e:  # a death is reported on its own
-            log.warning("republish_failed", error=str(e))
-
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _forward(self, gen: str, plan: dict[str, Any], lineage: str) -> None:
-        try:
-            await self.clients[gen].update_weights(plan, lineage)
-        except (TimeoutError, RuntimeError) as e:  # a death is reported on its own
-            log.warning("weights_not_forwarded", node=gen, error=str(e))
 
     def _record(self, trainer: str, t: Trained) -> None:
         now = time.perf_counter()

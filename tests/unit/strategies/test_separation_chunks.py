@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from nodes.trainer.assembler import BatchAssembler
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.strategies.separation.protocol import (
     ChunkFormatError,
@@ -58,17 +57,3 @@ def test_malformed_chunks_are_refused_with_a_reason():
     with pytest.raises(ChunkFormatError, match="lacks rewards"):
         rollout_from_message(unscored, "scored_rollout")
 
-
-def test_assembler_orders_chunks_and_refuses_duplicates():
-    asm = BatchAssembler()
-    parts = _prompts(8).split(2, 2)
-    later = _prompts(8, step=1).split(2, 2)
-    assert asm.add(ChunkId(1, 0, 2), _rollout(later[0], step=1))  # a future step waits
-    assert asm.add(ChunkId(0, 1, 2), _rollout(parts[1]))
-    assert asm.pop_ready() is None
-    assert not asm.add(ChunkId(0, 1, 2), _rollout(parts[1]))  # same chunk again
-    assert asm.add(ChunkId(0, 0, 2), _rollout(parts[0]))
-    batch = asm.pop_ready()
-    assert batch.sample_ids.tolist() == list(range(8)) and asm.next_step == 1
-    assert not asm.add(ChunkId(0, 0, 2), _rollout(parts[0]))  # step already trained
-    assert asm.waiting() == 1 and asm.pop_ready() is None

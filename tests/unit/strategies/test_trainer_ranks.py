@@ -7,11 +7,6 @@ import asyncio
 import itertools
 from typing import Any, TypeVar
 
-import pytest
-import torch
-
-from nodes.trainer.group import Op, TrainerGroup
-from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.runtime.messages import Command, decode_reply
 from rlhf_async.strategies.separation.clients import ControlPlane, PipelineError
 from rlhf_async.strategies.separation.protocol import TrainGroupConnect, TrainGroupPrepare
@@ -164,19 +159,3 @@ def test_one_rank_is_no_group():
         assert one.task is None and one.died("trainer", coord.procs["trainer"]) == []
     asyncio.run(main())
 
-
-def _batch(groups: int, g: int = 2) -> RolloutBatch:
-    n = groups * g
-    return RolloutBatch(torch.zeros(n, 3, dtype=torch.long), torch.ones(n, 3, dtype=torch.long),
-                        torch.zeros(n, 4, dtype=torch.long), torch.ones(n, 4, dtype=torch.long),
-                        torch.zeros(n, 4), torch.arange(n), torch.arange(n) // g)
-
-
-def test_a_step_is_shared_out_in_whole_groups_and_one_rank_keeps_it_all():
-    parts = _batch(5).split(2, 2)
-    assert [p.group_ids.tolist() for p in parts] == [[0, 0, 1, 1], [2, 2, 3, 3, 4, 4]]
-    solo = TrainerGroup(0, 1, 2)
-    b = _batch(3)
-    assert solo.lead(Op.TRAIN, b) is b  # no collective without peers
-    with pytest.raises(ValueError, match="trainer rank 2 is not in 0..1"):
-        TrainerGroup(2, 2, 2)
