@@ -1,34 +1,38 @@
-"""In-flight weight updates of a Separation generator (`generation.partial_rollout`).
+"""The weights a Separation generator's engine serves, and how updates reach it.
 
-Without partial rollouts a generator swaps staged weights between two whole chunks. With
-them, a staged update is offered here and taken at the next decode step of the running
-chunk (`between`, called by the sampling thread), or, when no chunk is running, by the
-node's idle path (`apply_pending` under the generator's swap lock). Either way the weights
-are copied in on one thread while no forward runs, in the order they were published, and
-each offer's future resolves to the version now held, so the node acknowledges it
-(`WeightsApplied`) as soon as it is in: the coordinator's dispatch gate then sees what the
-generator holds even while a long chunk is still decoding.
+An update is received beside generation (`engine.stage`, in a thread), then committed
+(`engine.commit`) at a point that depends on the job:
 
-A chunk spans the weights it started with and every update taken during it (`Span`). Its
-rollout's `version` is its oldest token's (`generation.generate`), so `algo.max_staleness`
-bounds the oldest token. Its lineage (the trainer incarnation of the weights) must be one:
-a chunk that took weights of two trainer incarnations is tagged with both, which no
-trainer owns, so the trainer drops it and the coordinator sends it again. Version 0 is the
-SFT policy in every lineage.
+- without `generation.partial_rollout`: between two chunks, never during one (a chunk holds
+  `chunk()`; a commit waits for it);
+- with it, on an engine that keeps running requests across an update
+  (`capabilities.keep_on_update`): at once, at the engine's next decode boundary; the
+  running requests go on under the new weights, each token recording its version;
+- with it, on an engine that cannot: the running requests are aborted, the update
+  committed, and each request resubmitted with the tokens it generated as prompt
+  (`Scheduler` in `scheduler.py` does the resubmitting; it waits on `steady()`).
 
-At `algo.max_staleness = 0` nothing is ever taken mid-chunk: a chunk of step s goes out
+A chunk spans the weights it started with and every update whose tokens it holds (`Span`).
+Its rollout's `version` is its oldest token's, so `algo.max_staleness` bounds the oldest
+token. Its lineage (the trainer incarnation of the weights) must be one: a chunk with
+tokens of two trainer incarnations is tagged with both, which no trainer owns, so the
+trainer drops it and the coordinator sends it again. Version 0 is the SFT policy in every
+lineage.
+
+At `algo.max_staleness = 0` nothing is ever committed mid-chunk: a chunk of step s goes out
 only once version s // publish_every is held, and the next version needs step s trained,
 i.e. this very chunk; so the trajectory is the synchronous one.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from concurrent.futures import Future
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhf_async.engines import GenerationEngine
 from rlhf_async.strategies.separation.protocol import SFT_LINEAGE
 
 
@@ -37,6 +41,8 @@ class Span:
     """The weights (version, lineage) one chunk was sampled with, oldest first."""
 
     held: list[tuple[int, str]] = field(default_factory=list)
+    # updates committed while the chunk was open: in `held` once its tokens show them
+    offered: list[tuple[int, str]] = field(default_factory=list)
 
     def lineage(self) -> str:
         """The lineage the chunk's weights share, else the one trainer lineage of those
@@ -51,63 +57,82 @@ class Span:
     def swaps(self) -> int:
         return len(self.held) - 1
 
+    def settle(self, versions: set[int]) -> None:
+        """The chunk ended with tokens of `versions`: the updates it took are those of
+        its offered ones whose version its tokens carry (a version number that two
+        lineages share counts for both: the chunk is then re-sent)."""
+        for got in self.offered:
+            if got[0] in versions and got not in self.held:
+                self.held.append(got)
+        self.offered = []
 
-class InflightWeights:
-    """Staged updates waiting for the next decode step, and the weights held now."""
 
-    def __init__(self, swap: Callable[[Any], int], version: int = 0,
-                 lineage: str = SFT_LINEAGE) -> None:
-        self._swap = swap  # copies staged weights into the engine's module -> their version
-        self._mu = threading.Lock()  # one copier at a time; guards everything below
-        self._pending: list[tuple[Any, str, Future[int]]] = []
-        self.version, self.lineage = version, lineage
-        self._spans: list[Span] = []  # the running chunks', between begin and end
+class Weights:
+    """The (version, lineage) an engine serves and the commits of staged updates."""
 
-    def offer(self, staged: Any, lineage: str) -> Future[int]:
-        """Queue a staged update; the future gives its version once it is in."""
-        fut: Future[int] = Future()
-        with self._mu:
-            self._pending.append((staged, lineage, fut))
-        return fut
+    def __init__(self, engine: GenerationEngine, *, partial: bool) -> None:
+        self.engine = engine
+        self.version, self.lineage = engine.version, SFT_LINEAGE
+        self.partial = partial  # commit while chunks run (generation.partial_rollout)
+        self._chunks = asyncio.Lock()  # without partial rollouts: a chunk, or a commit
+        self._commit = asyncio.Lock()  # one commit at a time, in the order staged
+        self._steady = asyncio.Event()  # cleared while running requests are aborted
+        self._steady.set()
+        self._spans: list[Span] = []
+        self._committing: tuple[int, str] | None = None
+        self.running: set[str] = set()  # request ids in the engine (the scheduler's)
 
-    def apply_pending(self) -> int:
-        """Copy in every queued update, oldest first; the version held after them. An
-        update that fails resolves its future with the error (the weights stay as they
-        were: `load_into_module` checks before it copies)."""
-        with self._mu:
-            pending, self._pending = self._pending, []
-            for staged, lineage, fut in pending:
-                try:
-                    version = self._swap(staged)
-                except Exception as e:
-                    fut.set_exception(e)
-                    continue
-                self.version, self.lineage = version, lineage
+    @asynccontextmanager
+    async def chunk(self) -> AsyncIterator[Span]:
+        """A chunk generates inside: its span, open until it ends."""
+        if self.partial:
+            yield self._open()
+            return
+        async with self._chunks:
+            yield self._open()
+
+    def _open(self) -> Span:
+        span = Span([(self.version, self.lineage)])
+        if self._committing is not None:  # its tokens may come from the update going in
+            span.offered.append(self._committing)
+        self._spans.append(span)
+        return span
+
+    def close(self, span: Span, versions: set[int]) -> None:
+        self._spans = [s for s in self._spans if s is not span]
+        span.settle(versions)
+
+    async def steady(self) -> None:
+        """Wait until no abort-and-commit is going on (before a request is submitted)."""
+        await self._steady.wait()
+
+    async def commit(self, staged: Any, version: int, lineage: str) -> int:
+        """Apply a staged update (of `version`, the plan's) where the job allows (see the
+        module); the version held after it. A failed commit raises and keeps the weights
+        as they were."""
+        async with self._commit:
+            if self.partial:
+                return await self._apply(staged, version, lineage)
+            async with self._chunks:
+                return await self._apply(staged, version, lineage)
+
+    async def _apply(self, staged: Any, planned: int, lineage: str) -> int:
+        keep = self.engine.capabilities.keep_on_update
+        aborting = self.partial and not keep and bool(self.running)
+        if aborting:
+            self._steady.clear()
+            await asyncio.gather(*(self.engine.abort(r) for r in list(self.running)))
+        try:
+            self._committing = (planned, lineage)
+            for span in self._spans:
+                span.offered.append(self._committing)
+            version = await self.engine.commit(staged)
+            if (version, lineage) != self._committing:  # the engine says what it holds
                 for span in self._spans:
-                    span.held.append((version, lineage))
-                fut.set_result(version)
-            return self.version
+                    span.offered.append((version, lineage))
+            self.version, self.lineage = version, lineage
+            return version
+        finally:
+            self._committing = None
+            self._steady.set()
 
-    def begin(self) -> tuple[int, Span]:
-        """A chunk starts (on the node's loop, before its sampling thread): the version it
-        starts with and the span its updates are recorded in. With continuous batching
-        several chunks are open at once."""
-        with self._mu:
-            span = Span([(self.version, self.lineage)])
-            self._spans.append(span)
-            return self.version, span
-
-    def end(self, span: Span) -> None:
-        with self._mu:
-            self._spans = [s for s in self._spans if s is not span]
-
-    @property
-    def pending(self) -> bool:
-        """Whether an update waits to be copied in."""
-        return bool(self._pending)
-
-    def between(self) -> int:
-        """The sampling thread's hook between two decode steps."""
-        if not self._pending:  # read without the lock: a miss is taken at the next step
-            return self.version
-        return self.apply_pending()

@@ -1,30 +1,30 @@
 """Generator node: the shadow actor. Pulls prompt chunks, samples responses, pushes rollouts.
 
-Weights arrive by broadcast from the trainer: a background task receives them while this
-loop keeps generating, and they are swapped in between two chunks, never during one; with
-`generation.partial_rollout` (torch engine) between two decode steps of the running chunk
-instead (`inflight.py`): its rows go on under the new weights, each
-token recording its version. Every rollout carries the weight version that produced it (its
+A small request scheduler over a generation engine (`engines.ENGINES[generation.backend]`,
+the request-level interface of `engines/interface.py`): each chunk's rows become requests
+(`scheduler.py`), their completions the chunk's rollout. Weights arrive by broadcast from
+the trainer: received beside generation (`engine.stage`), committed between two chunks,
+or, with `generation.partial_rollout`, while requests run (`inflight.py`): each token
+records its version. Every rollout carries the weight version that produced it (its
 oldest token's) and the lineage (trainer incarnation) of those weights; the coordinator
-learns the new version only after the swap (the `weights_applied` event).
+learns the new version only after the commit (the `weights_applied` event).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
 
 from nodes.common.context import NodeContext, load_context, message_errors
 from nodes.common.stage import StageClock
-from nodes.generator.continuous import ContinuousGeneration
-from nodes.generator.inflight import InflightWeights, Span
+from nodes.generator.inflight import Span, Weights
+from nodes.generator.scheduler import Scheduler
 from rlhf_async.config import weight_sync_backend
-from rlhf_async.engines import GenerationBackend, make_generation_backend
-from rlhf_async.engines.torch_gen import TorchGenerationBackend
+from rlhf_async.engines import GenerationEngine, make_engine
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.runtime import Node
 from rlhf_async.strategies.separation.protocol import (
@@ -40,7 +40,6 @@ from rlhf_async.strategies.separation.protocol import (
     prompts_from_message,
     rollout_message,
 )
-from rlhf_async.strategies.training import load_actor
 from rlhf_async.weight_sync import WeightSyncError
 
 
@@ -48,18 +47,11 @@ async def main(node: Node) -> None:
     job = load_context(node)
     # version 0 = the SFT policy; loaded off the loop so heartbeats go on
     engine = await asyncio.to_thread(_engine, job, int(node.params.get("tensor_parallel", 1)))
-    # version 0 = the SFT policy, of lineage SFT; updates queue here until copied in
-    held = InflightWeights(engine.swap)
-    # partial rollouts: the running chunk takes queued updates between its decode steps
-    partial = engine if job.cfg.generation.partial_rollout else None
-    if partial is not None and not isinstance(partial, TorchGenerationBackend):
-        raise ValueError("generation.partial_rollout needs generation.backend = 'torch'")
-    seed = job.cfg.run.seed
-    # continuous batching: one sampling thread over the rows of every chunk it holds
-    runner = ContinuousGeneration(partial.actor, partial.params, held,
-                                  job.cfg.generation.batch_slots, seed) \
-        if partial is not None and job.cfg.generation.continuous_batching else None
-    swap = asyncio.Lock()  # held by a chunk's generation and by an idle swap: one at a time
+    gen = job.cfg.generation
+    weights = Weights(engine, partial=gen.partial_rollout)
+    # continuous batching: chunks overlap in the engine, at most batch_slots rows of them
+    scheduler = Scheduler(engine, weights, job.sampling, job.cfg.run.seed,
+                          gen.batch_slots if gen.continuous_batching else None)
     received = asyncio.Lock()  # one update in flight: the receiver's staging is reused
 
     async def connect(cmd: WeightSyncConnect) -> Connected:
@@ -76,31 +68,19 @@ async def main(node: Node) -> None:
     async def _update(plan: dict[str, Any], lineage: str) -> None:
         t0 = time.perf_counter()
         try:
-            async with received:
-                # torch: received here while the current generation step runs; vLLM: its
-                # workers receive in the swap (the engine serves one caller at a time)
+            async with received:  # received while requests decode
                 staged = await node.watchdog.run(
                     "weight_broadcast", 2 * job.cfg.weight_sync.timeout_s,
                     asyncio.to_thread(engine.stage, plan))
             t1 = time.perf_counter()
-            applied = held.offer(staged, lineage)
-            # copied in by the running chunk's next decode step (partial rollouts), else
-            # once no chunk runs
-            node.transport.spawn(_apply_idle(), name="weights-swap")
-            version = await asyncio.wrap_future(applied)
+            planned = plan.get("version")
+            version = await weights.commit(staged, planned if isinstance(planned, int)
+                                           else weights.version, lineage)
         except WeightSyncError as e:  # the group broke (a peer died): regrouped and re-sent
             await node.send_event(WeightSyncFailed(str(e)))
             return
         await node.send_event(WeightsApplied(version, lineage, t1 - t0,
                                              time.perf_counter() - t1), weight_version=version)
-
-    async def _apply_idle() -> None:
-        if runner is not None:  # continuous batching: its sampling thread copies it in
-            runner.wake()
-            return
-        async with swap:
-            if held.pending:  # else a chunk's decode step took it
-                await asyncio.to_thread(held.apply_pending)
 
     async def ship(cid: ChunkId, batch: RolloutBatch, span: Span) -> None:
         """Send a chunk's rollout on and tell the coordinator."""
@@ -110,98 +90,91 @@ async def main(node: Node) -> None:
         version = batch.version  # the oldest token's
         await out.send(rollout_message("rollout", cid, batch.to("cpu"), node.node_id,
                                        span.lineage()))
-        node.info.update(clock.snapshot(), version=held.version)
+        node.info.update(clock.snapshot(), version=weights.version)
         await node.send_event(Generated(cid.step, cid.chunk, cid.chunks, version, clock.busy_s,
                                         clock.idle_s), step=cid.step, weight_version=version)
 
-    async def chunks() -> AsyncIterator[tuple[ChunkId, PromptBatch]]:
-        """The prompt chunks the coordinator sends, while the node runs."""
-        while not node.stopping:
-            await node.wait_resumed()
-            msg = await clock.idle(node.unless_stopped(inp.recv()))
-            if msg is None:  # stopped while waiting
-                return
-            try:
-                got = prompts_from_message(msg)
-            except message_errors() as e:
-                node.counters["rejected.chunk"] += 1
-                node.log.warning("bad_prompt_chunk", error=str(e))
-                continue
-            yield got
+    async def one(cid: ChunkId, prompts: PromptBatch) -> tuple[RolloutBatch, Span]:
+        if job.sampling.episode is None:
+            return await scheduler.run(cid, prompts.to(job.device))
+        return await scheduler.episodes(cid, prompts.to(job.device), job.sampling.episode)
+
+    async def generate(cid: ChunkId, prompts: PromptBatch) -> None:
+        """One chunk (a copy of it: the coordinator may send a chunk again while it still
+        decodes here) under the step deadline from its arrival, then out."""
+        batch, span = await node.watchdog.run("generate", job.cfg.runtime.step_deadline_s,
+                                              one(cid, prompts))
+        clock.busy_s, clock.items = scheduler.busy_s, clock.items + 1
+        clock.idle_s = time.perf_counter() - started - clock.busy_s
+        await ship(cid, batch, span)
 
     node.handle(WeightSyncConnect, connect)
     node.handle(UpdateWeights, update)
     inp, out, clock = node.socket("prompts"), node.socket("rollouts"), StageClock()
     torch.set_grad_enabled(False)
+    started = time.perf_counter()
     await node.send_event(Loaded())
-    if runner is not None:
-        await _continuous(node, job, runner, chunks(), ship, clock)
-        return
-    async for cid, prompts in chunks():
-        async with swap:  # weights change under a chunk only through `held.between`
-            if held.pending:  # published while no chunk ran: in before this one starts
-                await asyncio.to_thread(held.apply_pending)
-            start, span = held.begin()
-            try:
-                args = (prompts.to(job.device), seed, cid.step, start)
-                work = asyncio.to_thread(engine.generate, *args) if partial is None else \
-                    asyncio.to_thread(partial.generate, *args, held.between)
-                batch = await clock.busy(node.watchdog.run(
-                    "generate", job.cfg.runtime.step_deadline_s, work))
-            finally:
-                held.end(span)
-        await ship(cid, batch, span)
+    try:
+        if gen.continuous_batching:
+            await _overlapping(_chunks(node, inp, clock), generate)
+        else:
+            async for cid, prompts in _chunks(node, inp, clock):
+                await generate(cid, prompts)
+    finally:
+        await engine.close()
 
 
-async def _continuous(node: Node, job: NodeContext, runner: ContinuousGeneration,
-                      chunks: AsyncIterator[tuple[ChunkId, PromptBatch]],
-                      ship: Callable[[ChunkId, RolloutBatch, Span], Awaitable[None]],
-                      clock: StageClock) -> None:
-    """Continuous batching: chunks go to the sampling thread as they arrive and out as they
-    end, each under the step deadline from its arrival."""
-    deadline = job.cfg.runtime.step_deadline_s
-    # chunk -> the watchdog tokens of its copies in flight (the coordinator may send a
-    # chunk again while it still decodes here: each copy goes out once it ends)
-    open_: dict[ChunkId, list[int]] = {}
-    start = time.perf_counter()
+async def _chunks(node: Node, inp: Any, clock: StageClock,
+                  ) -> AsyncIterator[tuple[ChunkId, PromptBatch]]:
+    """The prompt chunks the coordinator sends, while the node runs."""
+    while not node.stopping:
+        await node.wait_resumed()
+        msg = await clock.idle(node.unless_stopped(inp.recv()))
+        if msg is None:  # stopped while waiting
+            return
+        try:
+            got = prompts_from_message(msg)
+        except message_errors() as e:
+            node.counters["rejected.chunk"] += 1
+            node.log.warning("bad_prompt_chunk", error=str(e))
+            continue
+        yield got
+
+
+async def _overlapping(chunks: AsyncIterator[tuple[ChunkId, PromptBatch]],
+                       generate: Any) -> None:
+    """Continuous batching: each chunk generates as it arrives, beside the running ones,
+    and goes out as it ends; the first chunk that fails ends the node with its error."""
+    running: set[asyncio.Future[None]] = set()
+    failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def done(t: asyncio.Future[None]) -> None:
+        running.discard(t)
+        if not t.cancelled() and t.exception() is not None and not failed.done():
+            failed.set_exception(t.exception())  # type: ignore[arg-type]
 
     async def receive() -> None:
         async for cid, prompts in chunks:
-            open_.setdefault(cid, []).append(node.watchdog.begin("generate", deadline))
-            runner.submit(cid, prompts.to(job.device))
+            t = asyncio.ensure_future(generate(cid, prompts))
+            running.add(t)
+            t.add_done_callback(done)
 
-    async def send() -> None:
-        while True:
-            cid, batch, span = await runner.finished()
-            tokens = open_.get(cid, [])
-            if tokens:
-                node.watchdog.end(tokens.pop(0))
-            clock.busy_s, clock.items = runner.busy_s, clock.items + 1
-            clock.idle_s = time.perf_counter() - start - runner.busy_s
-            await ship(cid, batch, span)
-
-    worker = asyncio.ensure_future(asyncio.to_thread(runner.run))
-    tasks = [asyncio.ensure_future(receive()), asyncio.ensure_future(send())]
+    feeder = asyncio.ensure_future(receive())
     try:
-        await asyncio.wait([worker, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        for t in (worker, *tasks):
-            if t.done():
-                t.result()  # raise what ended it (the sampling thread's error)
+        await asyncio.wait([feeder, failed], return_when=asyncio.FIRST_COMPLETED)
+        if failed.done():
+            failed.result()
+        feeder.result()
     finally:
-        runner.close()
-        for t in tasks:
+        for t in (feeder, *running):
             t.cancel()
-        await asyncio.gather(worker, return_exceptions=True)
+        await asyncio.gather(feeder, *running, return_exceptions=True)
 
 
-def _engine(job: NodeContext, tensor_parallel: int) -> GenerationBackend:
-    """The generation engine over the SFT policy (version 0); torch serves a loaded copy,
-    vLLM loads its own over `tensor_parallel` workers."""
-    kind = job.cfg.generation.backend
-    shadow = job.precision
-    actor = shadow.hold("shadow_actor", load_actor(job.art, job.device)) \
-        if kind == "torch" else None
-    return make_generation_backend(kind, str(job.art.sft_dir), job.sampling,
-                                   sync_backend=weight_sync_backend(job.cfg), device=job.device,
-                                   actor=actor, dtype=shadow.dtype("shadow_actor"),
-                                   tensor_parallel=tensor_parallel)
+def _engine(job: NodeContext, tensor_parallel: int) -> GenerationEngine:
+    """The generation engine over the SFT policy (version 0), in the shadow actor's dtype,
+    over `tensor_parallel` devices."""
+    dtype = str(job.precision.dtype("shadow_actor")).removeprefix("torch.")
+    return make_engine(job.cfg.generation.backend, str(job.art.sft_dir), job.sampling,
+                       dtype=dtype, tensor_parallel=tensor_parallel,
+                       sync_backend=weight_sync_backend(job.cfg), device=job.device)

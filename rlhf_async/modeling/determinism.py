@@ -30,10 +30,14 @@ def keyed_generator(seed: int, *parts: int | str) -> torch.Generator:
 def keyed_uniform(seed: int, parts: tuple[int | str, ...], sample_ids: list[int],
                   shape: tuple[int, ...]) -> Tensor:
     """[len(sample_ids), *shape] uniforms in (0, 1); row i depends only on its own sample id."""
-    rows = [torch.rand(shape, generator=keyed_generator(seed, *parts, int(s)),
-                       dtype=torch.float64) for s in sample_ids]
-    out = torch.stack(rows) if rows else torch.empty((0, *shape), dtype=torch.float64)
-    return out.clamp(1e-12, 1.0 - 1e-12)
+    rows = [seeded_uniform(key_seed(seed, *parts, int(s)), shape) for s in sample_ids]
+    return torch.stack(rows) if rows else torch.empty((0, *shape), dtype=torch.float64)
+
+
+def seeded_uniform(key: int, shape: tuple[int, ...]) -> Tensor:
+    """Uniforms in (0, 1) of one stream, fixed by `key` (a `key_seed`)."""
+    u = torch.rand(shape, generator=torch.Generator().manual_seed(key), dtype=torch.float64)
+    return u.clamp(1e-12, 1.0 - 1e-12)
 
 
 def keyed_order(seed: int, parts: tuple[int | str, ...], ids: list[int]) -> list[int]:

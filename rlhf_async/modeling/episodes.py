@@ -14,15 +14,17 @@ response is `EpisodeSpec.max_tokens` wide, so chunks concatenate (Separation).
 Why contexts are padded to a fixed width (prompt + max_tokens) rather than to the batch's
 longest: how much padding a row gets must not depend on which other episodes share its
 batch, or a strategy that batches differently could round differently and sample another
-token. The sampling noise of an episode's k-th token is the k-th uniform keyed by (seed,
-step, sample id), so a one-turn episode samples what `generate` samples.
+token. The sampling noise of a turn's k-th token is the k-th uniform keyed by (seed, step,
+sample id, turn), so a one-turn episode samples what `generate` samples, and a generator
+that takes each turn as an engine request (`play` with its own `PolicyTurn`) samples the
+same tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -31,15 +33,15 @@ from torch import nn
 
 from rlhf_async.config import ConfigError
 from rlhf_async.log import get_logger
-from rlhf_async.modeling.determinism import key_seed
+from rlhf_async.modeling.determinism import key_seed, seeded_uniform
 from rlhf_async.modeling.environment import Env, EpisodeSpec
 from rlhf_async.modeling.generation import (
     Between,
     SamplingParams,
     completes_stop_string,
     generate,
+    request_seed,
     sample,
-    sampling_uniforms,
 )
 from rlhf_async.modeling.rollout import ENV, POLICY, PromptBatch, RolloutBatch
 
@@ -84,7 +86,7 @@ def env_loop() -> _EnvLoop:
 
 
 @dataclass
-class _Episode:
+class Episode:
     """One row's episode as it grows."""
 
     prompt: list[int]  # the prompt's real tokens
@@ -124,17 +126,17 @@ def _checked_step(spec: EpisodeSpec, out: Any) -> tuple[str, float, bool]:
     return out[0], float(out[1]), bool(out[2])
 
 
-async def _reset_all(spec: EpisodeSpec, eps: list[_Episode], rows: list[dict]) -> list[Any]:
+async def _reset_all(spec: EpisodeSpec, eps: list[Episode], rows: list[dict]) -> list[Any]:
     return list(await asyncio.gather(*(_call(spec, "reset", e.env.reset(r))
                                        for e, r in zip(eps, rows, strict=True))))
 
 
-async def _step_all(spec: EpisodeSpec, eps: list[_Episode], actions: list[str]) -> list[Any]:
+async def _step_all(spec: EpisodeSpec, eps: list[Episode], actions: list[str]) -> list[Any]:
     return list(await asyncio.gather(*(_call(spec, "step", e.env.step(a))
                                        for e, a in zip(eps, actions, strict=True))))
 
 
-def _observe(spec: EpisodeSpec, ep: _Episode, observation: str, stops: tuple[int, ...]) -> None:
+def _observe(spec: EpisodeSpec, ep: Episode, observation: str, stops: tuple[int, ...]) -> None:
     """Append an observation's tokens, or end the episode when they do not fit."""
     delta = spec.render(observation)
     # a turn that ended in a stop token the template also closes the turn with keeps one
@@ -147,31 +149,41 @@ def _observe(spec: EpisodeSpec, ep: _Episode, observation: str, stops: tuple[int
     ep.add(delta, ENV)
 
 
-def _policy_turn(actor: nn.Module, params: SamplingParams, spec: EpisodeSpec,
-                 eps: list[_Episode], uniforms: torch.Tensor, width: int,
-                 ) -> list[tuple[list[int], list[float], bool]]:
-    """One batched `sample` over `eps` (each with room left), their contexts left-padded to
-    `width`: per episode (its new tokens, their log-probs, whether the turn ended in a stop
-    rather than at a token limit)."""
+# One policy turn over the episodes still running: (turn index, the episodes, their sample
+# ids) -> per episode (its new tokens, their log-probs, whether the turn ended in a stop
+# rather than at a token limit). Token k of turn t is sampled with the k-th uniform of the
+# stream keyed `request_seed(seed, step, sample id, turn=t)`, whoever samples it.
+PolicyTurn = Callable[[int, list["Episode"], list[int]],
+                      Awaitable[list[tuple[list[int], list[float], bool]]]]
+
+
+def batch_turn(actor: nn.Module, params: SamplingParams, spec: EpisodeSpec, seed: int,
+               step: int, width: int) -> PolicyTurn:
+    """Policy turns as one batched `sample` over the episodes (each with room left), their
+    contexts left-padded to `width`."""
     E = spec.max_tokens
-    R = min(params.max_new_tokens, max(E - len(e.tokens) for e in eps))
-    ids = torch.full((len(eps), width), params.pad_id, dtype=torch.long)  # [b, W]
-    mask = torch.zeros_like(ids)
-    u = torch.full((len(eps), R), 0.5, dtype=torch.float64)  # [b, R]
-    for i, e in enumerate(eps):
-        ctx = e.prompt + e.tokens
-        ids[i, width - len(ctx):], mask[i, width - len(ctx):] = torch.tensor(ctx), 1
-        n = min(R, E - len(e.tokens))
-        u[i, :n] = uniforms[i, len(e.tokens): len(e.tokens) + n]
-    device = next(actor.parameters()).device
-    g = sample(actor, ids.to(device), mask.to(device), params, u)
-    out = []
-    for i, e in enumerate(eps):
-        made, room = int((g.response_mask[i] > 0).sum()), E - len(e.tokens)
-        n = min(made, room)
-        toks = g.response_ids[i, :n].tolist()
-        out.append((toks, g.logprobs[i, :n].tolist(), made <= room and _ended(params, toks, R)))
-    return out
+
+    async def turn(k: int, eps: list[Episode], sids: list[int],
+                   ) -> list[tuple[list[int], list[float], bool]]:
+        R = min(params.max_new_tokens, max(E - len(e.tokens) for e in eps))
+        ids = torch.full((len(eps), width), params.pad_id, dtype=torch.long)  # [b, W]
+        mask = torch.zeros_like(ids)
+        u = torch.stack([seeded_uniform(request_seed(seed, step, sid, turn=k),
+                                        (params.max_new_tokens,))[:R] for sid in sids])
+        for i, e in enumerate(eps):
+            ctx = e.prompt + e.tokens
+            ids[i, width - len(ctx):], mask[i, width - len(ctx):] = torch.tensor(ctx), 1
+        device = next(actor.parameters()).device
+        g = sample(actor, ids.to(device), mask.to(device), params, u)
+        out = []
+        for i, e in enumerate(eps):
+            made, room = int((g.response_mask[i] > 0).sum()), E - len(e.tokens)
+            n = min(made, room)
+            toks = g.response_ids[i, :n].tolist()
+            out.append((toks, g.logprobs[i, :n].tolist(),
+                        made <= room and _ended(params, toks, R)))
+        return out
+    return turn
 
 
 def _ended(params: SamplingParams, toks: list[int], limit: int) -> bool:
@@ -186,28 +198,34 @@ def _ended(params: SamplingParams, toks: list[int], limit: int) -> bool:
 
 def run_episodes(actor: nn.Module, prompts: PromptBatch, params: SamplingParams,
                  spec: EpisodeSpec, seed: int, step: int, version: int) -> RolloutBatch:
-    """One episode per row of `prompts`; its environment seeded by (seed, step, sample id)."""
-    ids = [int(s) for s in prompts.sample_ids]
-    uniforms = sampling_uniforms(seed, step, ids, spec.max_tokens)  # [B, E]
+    """One episode per row of `prompts`, each policy turn one batched `sample`."""
     width = prompts.prompt_ids.shape[1] + spec.max_tokens  # fixed: see the docstring
+    turn = batch_turn(actor, params, spec, seed, step, width)
+    eps = env_loop().run(play(prompts, params, spec, seed, step, turn))
+    return episode_batch(prompts, eps, spec.max_tokens, params.pad_id, version, step)
+
+
+async def play(prompts: PromptBatch, params: SamplingParams, spec: EpisodeSpec, seed: int,
+               step: int, turn: PolicyTurn) -> list[Episode]:
+    """One episode per row of `prompts`, its policy turns taken by `turn`; its environment
+    seeded by (seed, step, sample id)."""
+    ids = [int(s) for s in prompts.sample_ids]
     eps, rows = [], []
     for p, m, sid in zip(prompts.prompt_ids.tolist(), prompts.prompt_mask.tolist(), ids,
                          strict=True):
         prompt = [t for t, k in zip(p, m, strict=True) if k]
-        eps.append(_Episode(prompt, spec.make_env()))
+        eps.append(Episode(prompt, spec.make_env()))
         rows.append({**spec.row(prompt), "seed": key_seed(seed, "env", step, sid)})
-    loop = env_loop()
-    for e, (ok, obs) in zip(eps, loop.run(_reset_all(spec, eps, rows)), strict=True):
+    for e, (ok, obs) in zip(eps, await _reset_all(spec, eps, rows), strict=True):
         if not ok:
             e.done = True
         elif obs:
             _observe(spec, e, str(obs), params.stops)
-    for _ in range(spec.max_turns):
+    for k in range(spec.max_turns):
         live = [i for i, e in enumerate(eps) if not e.done and len(e.tokens) < spec.max_tokens]
         if not live:
             break
-        turns = _policy_turn(actor, params, spec, [eps[i] for i in live], uniforms[live],
-                             width)
+        turns = await turn(k, [eps[i] for i in live], [ids[i] for i in live])
         acting: list[int] = []
         for i, (toks, lps, ended) in zip(live, turns, strict=True):
             eps[i].add(toks, POLICY, lps)
@@ -216,7 +234,7 @@ def run_episodes(actor: nn.Module, prompts: PromptBatch, params: SamplingParams,
             else:  # out of tokens mid-turn: no action to take
                 eps[i].done = True
         actions = [spec.decode(turns[live.index(i)][0]) for i in acting]
-        results = loop.run(_step_all(spec, [eps[i] for i in acting], actions))
+        results = await _step_all(spec, [eps[i] for i in acting], actions)
         for i, (ok, out) in zip(acting, results, strict=True):
             if not ok:
                 eps[i].done = True
@@ -226,11 +244,12 @@ def run_episodes(actor: nn.Module, prompts: PromptBatch, params: SamplingParams,
             eps[i].done = done
             if not done:
                 _observe(spec, eps[i], obs, params.stops)
-    return _batch(prompts, eps, spec.max_tokens, params.pad_id, version, step)
+    return eps
 
 
-def _batch(prompts: PromptBatch, eps: list[_Episode], width: int, pad_id: int, version: int,
+def episode_batch(prompts: PromptBatch, eps: list[Episode], width: int, pad_id: int, version: int,
            step: int) -> RolloutBatch:
+    """The episodes' rollout: each response `width` wide, `response_mask` POLICY / ENV."""
     B = len(eps)
     resp = torch.full((B, width), pad_id, dtype=torch.long)
     kinds = torch.zeros((B, width), dtype=torch.long)

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_async.modeling.decode_step import DecodeStep, decode_step
-from rlhf_async.modeling.determinism import keyed_uniform
+from rlhf_async.modeling.determinism import key_seed, keyed_uniform
 from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.kv_cache import preallocated_cache
 from rlhf_async.modeling.models import cache_keyword, keep_logits, output_cache
@@ -72,6 +72,16 @@ class Generated:
 def sampling_uniforms(seed: int, step: int, sample_ids: list[int], max_new_tokens: int) -> Tensor:
     """[B, R] uniforms; row b depends only on (seed, step, sample_ids[b])."""
     return keyed_uniform(seed, ("sample", step), sample_ids, (max_new_tokens,))
+
+
+def request_seed(seed: int, step: int, sample_id: int, segment: int = 0, turn: int = 0) -> int:
+    """A request's sampling key (`engines.interface.Request.seed`). Segment 0 of turn 0
+    keys the stream `sampling_uniforms` gives its row, so a request samples what `generate`
+    samples for it; a later segment (the rest of a response resubmitted after an abort)
+    or an episode's later policy turn its own."""
+    if segment == 0 and turn == 0:
+        return key_seed(seed, "sample", step, sample_id)
+    return key_seed(seed, "sample", step, sample_id, "turn", turn, "segment", segment)
 
 
 def scaled_logprobs(logits: Tensor, params: SamplingParams, early: Tensor | bool = False,

@@ -12,7 +12,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from rlhf_async.config import ConfigError
 from rlhf_async.modeling.environment import EpisodeSpec
-from rlhf_async.modeling.episodes import _Episode, _observe, rollout, run_episodes
+from rlhf_async.modeling.episodes import Episode as _Episode
+from rlhf_async.modeling.episodes import _observe, rollout, run_episodes
 from rlhf_async.modeling.generation import SamplingParams, generate
 from rlhf_async.modeling.rollout import ENV, POLICY, PromptBatch
 from rlhf_async.task.environment import template_delta

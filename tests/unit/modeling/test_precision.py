@@ -1,5 +1,6 @@
 """Per-model precision: what is refused, what is held in its dtype, what computes in it."""
 
+import asyncio
 import copy
 
 import pytest
@@ -13,7 +14,7 @@ from rlhf_async.config import (
     PlacementConfig,
     TrainConfig,
 )
-from rlhf_async.engines.torch_gen import TorchGenerationBackend
+from rlhf_async.engines.torch_engine import TorchEngine
 from rlhf_async.modeling.cpu_attention import CPU_SDPA
 from rlhf_async.modeling.models import response_logits, sequence_scores
 from rlhf_async.modeling.precision import Precision, dtype_problems
@@ -105,13 +106,16 @@ def test_gradient_checkpointing_gives_the_same_update():
 def test_a_broadcast_arrives_in_the_shadows_dtype():
     actor, *_ = models()
     shadow = BF16.hold("shadow_actor", copy.deepcopy(actor))
-    gen = TorchGenerationBackend(shadow, SP, sync_backend="gloo", device=torch.device("cpu"))
+    gen = TorchEngine.serving(shadow, SP, sync_backend="gloo")
     fresh = {k: v + 1.0 for k, v in actor.state_dict().items()}  # fp32, as the trainer sends
-    gen.swap((7, fresh))
+
+    async def commit() -> None:
+        await gen.commit((7, fresh))
+        await gen.close()
+    asyncio.run(commit())
     for k, v in shadow.state_dict().items():
         assert v.dtype == torch.bfloat16
         assert torch.equal(v, fresh[k].to(torch.bfloat16))
-    gen.close()
 
 
 def _attention_dtypes(monkeypatch) -> list[torch.dtype]:

@@ -1,56 +1,19 @@
+"""The weights a generator serves: spans of the versions a chunk's tokens came from, and
+commits mid-chunk on the torch engine (partial rollouts)."""
+
 import asyncio
 
-import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
 
-from nodes.generator.inflight import InflightWeights, Span
-from rlhf_async.strategies.separation.protocol import SFT_LINEAGE
+from nodes.generator.inflight import Span, Weights
+from nodes.generator.scheduler import Scheduler
+from rlhf_async.engines.torch_engine import TorchEngine
+from rlhf_async.modeling.generation import SamplingParams
+from rlhf_async.modeling.rollout import PromptBatch
+from rlhf_async.strategies.separation.protocol import SFT_LINEAGE, ChunkId
 
-
-def test_updates_go_in_at_the_next_step_in_order_and_the_span_records_them():
-    copied = []
-    held = InflightWeights(lambda staged: copied.append(staged) or staged)
-    start, span = held.begin()
-    assert (start, held.between()) == (0, 0) and not held.pending
-    first, second = held.offer(1, "A"), held.offer(2, "A")
-    assert held.pending and not first.done()
-    assert held.between() == 2 and copied == [1, 2]  # both, oldest first
-    assert first.result() == 1 and second.result() == 2
-    held.end(span)
-    assert span.held == [(0, SFT_LINEAGE), (1, "A"), (2, "A")] and span.swaps == 2
-    assert span.lineage() == "A"  # version 0 is the SFT policy of every lineage
-    held.offer(3, "A")
-    held.apply_pending()  # between chunks: recorded in no span
-    assert span.swaps == 2 and (held.version, held.lineage) == (3, "A")
-
-
-def test_open_spans_each_record_the_updates_taken_while_they_are_open():
-    held = InflightWeights(lambda staged: staged)
-    _, first = held.begin()
-    held.offer(1, "A")
-    held.between()
-    _, second = held.begin()  # continuous batching: a later chunk joins the batch
-    held.offer(2, "A")
-    held.between()
-    held.end(first)
-    held.offer(3, "A")
-    held.between()
-    held.end(second)
-    assert [v for v, _ in first.held] == [0, 1, 2]
-    assert [v for v, _ in second.held] == [1, 2, 3]
-
-
-def test_a_failed_copy_fails_its_update_and_keeps_the_weights():
-    def swap(staged):
-        if staged == "bad":
-            raise ValueError("does not fit")
-        return staged
-
-    held = InflightWeights(swap)
-    bad, good = held.offer("bad", "A"), held.offer(4, "A")
-    assert held.apply_pending() == 4
-    with pytest.raises(ValueError, match="does not fit"):
-        bad.result()
-    assert good.result() == 4
+EOS, PAD = 3, 0
 
 
 def test_a_chunk_over_two_trainer_lineages_belongs_to_no_trainer():
@@ -59,14 +22,42 @@ def test_a_chunk_over_two_trainer_lineages_belongs_to_no_trainer():
     assert Span([(2, "A"), (2, "B")]).lineage() == "A+B"
 
 
-def test_an_idle_waiter_gets_the_version_from_the_sampling_thread():
-    held = InflightWeights(lambda staged: staged)
+def test_a_span_takes_the_offered_updates_its_tokens_show():
+    span = Span([(1, "A")], offered=[(2, "A"), (3, "B")])
+    span.settle({1, 2})
+    assert span.held == [(1, "A"), (2, "A")] and span.swaps == 1 and span.offered == []
+
+
+def test_chunks_overlap_in_the_torch_engine_and_an_update_goes_in_between_steps():
+    torch.manual_seed(0)
+    lm = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=128, n_embd=32, n_layer=1,
+                                    n_head=2, eos_token_id=EOS, pad_token_id=PAD))
+    params = SamplingParams(max_new_tokens=80, eos_id=100, pad_id=PAD)  # no EOS: 80 tokens
+    fresh = {k: v.clone() for k, v in lm.state_dict().items()}
 
     async def main():
-        fut = held.offer(5, "A")
-        held.begin()
-        # the sampling thread's next decode step takes it
-        await asyncio.to_thread(held.between)
-        return await asyncio.wrap_future(fut)
+        engine = TorchEngine.serving(lm, params)
+        weights = Weights(engine, partial=True)
+        sched = Scheduler(engine, weights, params, seed=0, slots=8)
+        ids = torch.arange(12).reshape(4, 3) % 10 + 4
+        chunks = [asyncio.ensure_future(sched.run(ChunkId(s, 0, 1), PromptBatch(
+            ids, torch.ones_like(ids), torch.arange(4) + 4 * s, torch.arange(4) // 2)))
+            for s in (0, 1)]
+        while engine._batch.rows == 0:  # decoding has begun
+            await asyncio.sleep(0.0005)
+        await engine.pause()  # (so that no chunk can end before the commit)
+        version = await weights.commit((7, fresh), 7, "L")
+        await engine.resume()
+        got = await asyncio.gather(*chunks)
+        await engine.close()
+        return got, version
 
-    assert asyncio.run(main()) == 5
+    got, version = asyncio.run(main())
+    assert version == 7
+    for batch, span in got:
+        assert batch.response_mask.sum() == 4 * 80
+        assert batch.token_versions is not None and (batch.token_versions >= 0).all()
+        assert batch.version == int(batch.token_versions.min())
+        assert set(batch.token_versions.unique().tolist()) == {v for v, _ in span.held}
+    # the update went in while the chunks decoded: their later tokens are version 7
+    assert all(span.swaps == 1 and span.lineage() == "L" for _, span in got)

@@ -1,127 +1,160 @@
-"""The generator's continuous-batching loop (`_continuous`): each chunk that arrives goes to
-the sampling thread and out once it ends, each copy under its own step deadline (a chunk
-the coordinator re-sent while it still decodes goes out twice, its deadlines closed in
-arrival order), and an error of the sampling thread ends the node with it. The sampling
-thread and the node are fakes."""
+"""The generator's request scheduler over an engine: one keyed request per row, the rollout
+reassembled, the row cap of continuous batching, and an engine that cannot keep requests
+across an update (abort, commit, resubmit with the prefix). The engine is a fake that
+answers token by token: token i of a sequence is its position (prompt tokens included),
+so a resubmitted request visibly continues where it was cut."""
 
 import asyncio
-import threading
-from collections.abc import AsyncIterator
-from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
 
-from nodes.common.stage import StageClock
-from nodes.generator.inflight import Span
-from nodes.generator.main import _continuous
-from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
+from nodes.generator.inflight import Weights
+from nodes.generator.main import _overlapping
+from nodes.generator.scheduler import Scheduler
+from rlhf_async.engines import Capabilities, Completion, Request
+from rlhf_async.modeling.generation import SamplingParams, request_seed
+from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.strategies.separation.protocol import ChunkId
 
-
-def _prompts(first: int) -> PromptBatch:
-    ids = torch.arange(first, first + 2)
-    return PromptBatch(torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long),
-                       ids, ids // 2)
+PAD = 0
+PARAMS = SamplingParams(max_new_tokens=6, eos_id=99, pad_id=PAD, min_new_tokens=2)
 
 
-def _rollout(p: PromptBatch) -> RolloutBatch:
-    return RolloutBatch(p.prompt_ids, p.prompt_mask, torch.ones(2, 1, dtype=torch.long),
-                        torch.ones(2, 1, dtype=torch.long), torch.zeros(2, 1), p.sample_ids,
-                        p.group_ids)
+class FakeEngine:
+    name = "fake"
+
+    def __init__(self, keep: bool = True, delay: float = 0.0) -> None:
+        self.capabilities = Capabilities(keep_on_update=keep, stop_strings=True,
+                                         prefix_cache=False, tensor_parallel=False)
+        self.delay, self._version = delay, 0
+        self.requests: list[Request] = []
+        self.aborted: set[str] = set()
+        self.live = self.peak = 0
+        self.started = asyncio.Event()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate(self, req: Request) -> Completion:
+        self.requests.append(req)
+        self.live += 1
+        self.peak = max(self.peak, self.live)
+        self.started.set()
+        got = Completion(req.request_id, finish="length")
+        try:
+            for i in range(req.max_new_tokens):
+                await asyncio.sleep(self.delay)
+                if req.request_id in self.aborted:
+                    got.finish = "abort"
+                    break
+                got.token_ids.append(len(req.prompt_ids) + i)
+                got.logprobs.append(-0.5)
+                got.versions.append(self._version)
+            return got
+        finally:
+            self.live -= 1
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
+
+    async def commit(self, staged: int) -> int:
+        self._version = staged
+        return staged
 
 
-class FakeRunner:
-    """A sampling thread that ends chunks in the order the test scripts; `run` blocks like
-    the real thread until `close` (or fails with `error` once every chunk is out)."""
-
-    def __init__(self, order: list[ChunkId], error: Exception | None = None) -> None:
-        self.order, self.error = order, error
-        self.submitted: list[ChunkId] = []
-        self.prompts: dict[ChunkId, PromptBatch] = {}
-        self.busy_s = 0.0
-        self.closed = threading.Event()
-        self.out: asyncio.Queue[ChunkId] = asyncio.Queue()
-        self.loop = asyncio.get_running_loop()
-
-    def submit(self, cid: ChunkId, prompts: PromptBatch) -> None:
-        self.submitted.append(cid)
-        self.prompts[cid] = prompts
-        if len(self.submitted) == len(self.order):  # all in: end them in the scripted order
-            for c in self.order:
-                self.out.put_nowait(c)
-
-    async def finished(self) -> tuple[ChunkId, RolloutBatch, Span]:
-        cid = await self.out.get()
-        self.busy_s += 0.5  # each chunk's decode steps
-        if self.out.empty() and self.error is not None:
-            self.closed.set()
-        return cid, _rollout(self.prompts[cid]), Span(0)
-
-    def run(self) -> None:
-        self.closed.wait(timeout=60)
-        if self.error is not None:
-            raise self.error
-
-    def close(self) -> None:
-        self.closed.set()
+def _prompts(first: int, rows: int = 2) -> PromptBatch:
+    ids = torch.tensor([[PAD, 5, 6], [7, 8, 9]] * (rows // 2))
+    sids = torch.arange(first, first + rows)
+    return PromptBatch(ids, (ids != PAD).long(), sids, sids // 2)
 
 
-class FakeWatchdog:
-    def __init__(self) -> None:
-        self.tokens = iter(range(100))
-        self.open: dict[int, tuple[str, float]] = {}
-        self.ended: list[int] = []
-
-    def begin(self, name: str, deadline: float) -> int:
-        token = next(self.tokens)
-        self.open[token] = (name, deadline)
-        return token
-
-    def end(self, token: int) -> None:
-        del self.open[token]
-        self.ended.append(token)
-
-
-A, B = ChunkId(0, 0, 2), ChunkId(0, 1, 2)
-JOB = SimpleNamespace(cfg=SimpleNamespace(runtime=SimpleNamespace(step_deadline_s=30.0)),
-                      device=torch.device("cpu"))
+def test_a_chunk_is_one_keyed_request_per_row_reassembled_in_row_order():
+    engine = FakeEngine()
+    weights = Weights(engine, partial=False)  # type: ignore[arg-type]
+    sched = Scheduler(engine, weights, PARAMS, seed=3, slots=None)  # type: ignore[arg-type]
+    batch, span = asyncio.run(sched.run(ChunkId(4, 1, 2), _prompts(10)))
+    reqs = sorted(engine.requests, key=lambda r: r.request_id)
+    assert [r.prompt_ids for r in reqs] == [(5, 6), (7, 8, 9)]  # padding stripped
+    assert [r.seed for r in reqs] == [request_seed(3, 4, 10), request_seed(3, 4, 11)]
+    assert all(r.max_new_tokens == 6 and r.min_new_tokens == 2 for r in reqs)
+    assert batch.response_ids.tolist() == [[2, 3, 4, 5, 6, 7], [3, 4, 5, 6, 7, 8]]
+    assert batch.response_mask.sum() == 12 and batch.behaviour_logprobs.sum() == pytest.approx(-6.0)
+    assert batch.step == 4 and batch.version == 0 and batch.token_versions is None
+    assert span.held == [(0, "sft")] and span.swaps == 0
 
 
-def _drive(order: list[ChunkId], arrivals: list[ChunkId], error: Exception | None = None
-           ) -> tuple[list[Any], FakeRunner, FakeWatchdog, StageClock]:
-    node = SimpleNamespace(watchdog=FakeWatchdog())
-    shipped: list[Any] = []
-    clock = StageClock()
+def test_continuous_batching_keeps_at_most_slots_rows_in_the_engine():
+    engine = FakeEngine(delay=0.001)
+    weights = Weights(engine, partial=True)  # type: ignore[arg-type]
+    sched = Scheduler(engine, weights, PARAMS, seed=0, slots=3)  # type: ignore[arg-type]
 
-    async def main() -> FakeRunner:
-        runner, stopping = FakeRunner(order, error), asyncio.Event()
+    async def main():
+        return await asyncio.gather(sched.run(ChunkId(0, 0, 2), _prompts(0, 4)),
+                                    sched.run(ChunkId(0, 1, 2), _prompts(4, 4)))
 
-        async def chunks() -> AsyncIterator[tuple[ChunkId, PromptBatch]]:
-            for cid in arrivals:
-                yield cid, _prompts(2 * cid.chunk)
-            await stopping.wait()  # no more chunks come; the node's queue ends at its stop
-
-        async def ship(cid: ChunkId, batch: RolloutBatch, span: Span) -> None:
-            shipped.append((cid, batch.sample_ids.tolist(), node.watchdog.ended[:]))
-            if len(shipped) == len(order) and error is None:
-                stopping.set()  # the node is stopped once everything went out
-        await _continuous(node, JOB, runner, chunks(), ship, clock)  # type: ignore[arg-type]
-        return runner
-    return shipped, asyncio.run(main()), node.watchdog, clock
+    (a, _), (b, _) = asyncio.run(main())
+    assert engine.peak == 3 and len(engine.requests) == 8
+    assert a.sample_ids.tolist() == [0, 1, 2, 3] and b.sample_ids.tolist() == [4, 5, 6, 7]
+    assert sched.busy_s > 0
 
 
-def test_chunks_go_out_as_they_end_each_copy_under_its_own_deadline():
-    # B ends first; A was sent twice (its first copy is still decoding when it comes again)
-    shipped, runner, watchdog, clock = _drive([B, A, A], [A, B, A])
-    assert runner.submitted == [A, B, A]
-    # tokens 0 (A), 1 (B), 2 (A's second copy): B's closes first, then A's in order
-    assert shipped == [(B, [2, 3], [1]), (A, [0, 1], [1, 0]), (A, [0, 1], [1, 0, 2])]
-    assert watchdog.open == {}
-    assert clock.items == 3 and clock.busy_s == 1.5  # the sampling thread's time
+def test_without_partial_rollouts_a_commit_waits_for_the_running_chunk():
+    engine = FakeEngine(delay=0.002)
+    weights = Weights(engine, partial=False)  # type: ignore[arg-type]
+    sched = Scheduler(engine, weights, PARAMS, seed=0, slots=None)  # type: ignore[arg-type]
+
+    async def main():
+        chunk = asyncio.ensure_future(sched.run(ChunkId(0, 0, 1), _prompts(0)))
+        await engine.started.wait()
+        version = await weights.commit(7, 7, "L")
+        return await chunk, version
+
+    (batch, span), version = asyncio.run(main())
+    assert version == 7 and weights.version == 7 and span.swaps == 0
+    assert batch.version == 0  # every token from the weights it started with
 
 
-def test_an_error_of_the_sampling_thread_ends_the_node_with_it():
-    with pytest.raises(RuntimeError, match="CUDA error: out of memory"):
-        _drive([A], [A], error=RuntimeError("CUDA error: out of memory"))
+def test_an_engine_that_cannot_keep_requests_gets_them_back_with_their_prefix():
+    engine = FakeEngine(keep=False, delay=0.002)
+    weights = Weights(engine, partial=True)  # type: ignore[arg-type]
+    sched = Scheduler(engine, weights, PARAMS, seed=1, slots=None)  # type: ignore[arg-type]
+
+    async def main():
+        chunk = asyncio.ensure_future(sched.run(ChunkId(2, 0, 1), _prompts(0)))
+        while not any(engine.live and r for r in engine.requests) or engine.live < 2:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.005)  # some tokens in
+        await weights.commit(5, 5, "L")
+        return await chunk
+
+    batch, span = asyncio.run(main())
+    # each row continues where it was cut: its tokens are its positions, R of them
+    assert batch.response_ids.tolist() == [[2, 3, 4, 5, 6, 7], [3, 4, 5, 6, 7, 8]]
+    again = [r for r in engine.requests if "#" in r.request_id]
+    assert len(again) == 2
+    for r in again:
+        first = next(f for f in engine.requests if f.request_id == r.request_id.split("#")[0])
+        cut = len(r.prompt_ids) - len(first.prompt_ids)
+        assert 0 < cut < 6 and r.max_new_tokens == 6 - cut
+        assert r.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids
+        assert r.min_new_tokens == max(0, 2 - cut)
+        sid = 0 if len(first.prompt_ids) == 2 else 1
+        assert r.seed == request_seed(1, 2, sid, 1)  # the next segment's key
+    versions = batch.token_versions
+    assert versions is not None and set(versions.flatten().tolist()) == {0, 5}
+    assert batch.version == 0 and span.held == [(0, "sft"), (5, "L")]
+    assert span.lineage() == "L"
+
+
+def test_a_failing_chunk_ends_the_node_with_its_error():
+    async def chunks():
+        yield ChunkId(0, 0, 1), _prompts(0)
+        await asyncio.sleep(60)
+
+    async def generate(cid, prompts):
+        raise RuntimeError("CUDA error: out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        asyncio.run(asyncio.wait_for(_overlapping(chunks(), generate), 10))
