@@ -96,8 +96,8 @@ def has_env(cfg: JobConfig) -> bool:
 
 
 def _episode_checks(cfg: JobConfig) -> list[str]:
-    """An environment: a task that has text for it, and the torch generation engine (our
-    episode loop drives the keyed sampler)."""
+    """An environment: a task that has text for it (every generation engine runs episodes:
+    each policy turn is a request)."""
     t, out = cfg.task, []
     if t.env and t.name == "sort_digits":
         out.append(f"task.env: {t.env!r}: task.name = 'sort_digits' has no environment; "
@@ -106,15 +106,13 @@ def _episode_checks(cfg: JobConfig) -> list[str]:
         out.append(f"task.env: task.name = 'calculator' runs its own environment; got "
                    f"{t.env!r} (accepted: '' or 'calculator'; your own needs task.name = "
                    "'text')")
-    if has_env(cfg) and cfg.generation.backend != "torch":
-        out.append(f"generation.backend: {cfg.generation.backend!r} cannot run multi-turn "
-                   "episodes (task.env); accepted: torch")
     return out
 
 
 def _partial_rollout_checks(cfg: JobConfig) -> list[str]:
-    """`generation.partial_rollout`: Separation's generators on the torch engine (our
-    decode loop takes the weights between two steps) with single-turn responses."""
+    """`generation.partial_rollout`: Separation's generators (any engine: one that cannot
+    keep requests across an update has them aborted and resubmitted) with single-turn
+    responses."""
     if not cfg.generation.partial_rollout:
         return ["generation.continuous_batching: needs generation.partial_rollout = true "
                 "(rows of the next chunk decode beside the running chunk's, so new weights "
@@ -127,10 +125,6 @@ def _partial_rollout_checks(cfg: JobConfig) -> list[str]:
                    f"take weights during a generation; placement.strategy = {strategy!r} "
                    "generates and trains in turn (accepted: separation, or auto resolving "
                    "to it)")
-    if cfg.generation.backend != "torch":
-        out.append(f"generation.partial_rollout: not supported with generation.backend = "
-                   f"{cfg.generation.backend!r} (its engine swaps weights only between "
-                   "whole generate calls); accepted: torch")
     if has_env(cfg):
         out.append("generation.partial_rollout: not supported with multi-turn episodes "
                    "(task.env / task.name = 'calculator'): each turn is its own generation; "

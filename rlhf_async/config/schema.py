@@ -200,17 +200,21 @@ class GenerationConfig:
                                     "(kept in it, e.g. <|im_end|>)")
     stop_strings: list[str] = opt([], "strings that end a response at the token completing "  # noqa: RUF009
                                   "one (kept in it; task.name = 'text')")
-    backend: str = opt("torch", "generator engine (separation); vllm needs the [vllm] extra",
-                       choices=("torch", "vllm"))
+    # the names of `engines.ENGINES` (the registry; a test keeps the two equal)
+    backend: str = opt("torch", "generation engine of separation's generators (the "
+                       "request-level interface of engines/interface.py); vllm needs the "
+                       "[vllm] extra", choices=("torch", "vllm"))
     dtype: str = opt("", "what Flattening and Interleaving generate in (the actor's own "
                      "weights, under autocast); '' = the actor's dtype (placement.dtype). On "
                      "CPU narrow models generate faster in fp32 while they train in bf16 "
                      "(bench/README.md). Separation's generators use placement.dtype "
                      "shadow_actor=...", choices=("", "fp32", "bf16"))
-    partial_rollout: bool = opt(False, "separation, torch engine: a generator swaps in a "
-                                "newly published weight version between two decode steps "
-                                "of its running chunk (in-flight update) instead of after "
-                                "it; each token records its version (token_versions), the "
+    partial_rollout: bool = opt(False, "separation: a generator commits a newly published "
+                                "weight version between two decode steps of its running "
+                                "requests (in-flight update; an engine that cannot keep them "
+                                "aborts and resubmits them with what they generated) "
+                                "instead of after its chunk; each token records its "
+                                "version (token_versions), the "
                                 "rollout's version is its oldest token's, and "
                                 "algo.max_staleness bounds that one")
     continuous_batching: bool = opt(False, "with partial_rollout: a generator keeps up to "

@@ -4,11 +4,13 @@ pause, a commit mid-request, stop strings."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import fields
 
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from rlhf_async.config.schema import GenerationConfig
 from rlhf_async.engines import ENGINES, Request, engine_class
 from rlhf_async.engines.torch_engine import TorchEngine
 from rlhf_async.modeling.generation import SamplingParams, generate, request_seed, scaled_logprobs
@@ -39,6 +41,8 @@ def _run(engine: TorchEngine, coro):
 
 def test_the_registry_names_every_engine_and_imports_one_when_chosen():
     assert set(ENGINES) >= {"torch", "vllm"}
+    backend = next(f for f in fields(GenerationConfig) if f.name == "backend")
+    assert set(backend.metadata["choices"]) == set(ENGINES)  # what the config accepts
     assert engine_class("torch") is TorchEngine
     with pytest.raises(ValueError, match="accepted: torch"):
         engine_class("nope")
