@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from torch import Tensor, nn
@@ -27,17 +28,29 @@ from rlhf_async.engines.interface import (
 )
 from rlhf_async.engines.torch_train import TorchTrainBackend
 
-__all__ = ["ENGINES", "TRAINING_BACKENDS", "Capabilities", "Completion", "GenerationEngine",
-           "MissingExtraError", "Request", "TrainingBackend", "engine_class", "make_engine",
-           "make_training_backend", "require_extra"]
+__all__ = ["ENGINES", "TRAINING_BACKENDS", "Capabilities", "Completion", "Engine",
+           "GenerationEngine", "MissingExtraError", "Request", "TrainingBackend",
+           "engine_class", "make_engine", "make_training_backend", "require_extra"]
 
 TRAINING_BACKENDS = ("torch", "deepspeed")
-# The generation engines (`generation.backend`): name -> ("module:Class", the extra it
-# needs or None). A new engine is one module implementing `GenerationEngine` and one line
-# here; its class is imported only when a job chooses it.
-ENGINES: dict[str, tuple[str, str | None]] = {
-    "torch": ("rlhf_async.engines.torch_engine:TorchEngine", None),
-    "vllm": ("rlhf_async.engines.vllm_engine:VLLMEngine", "vllm"),
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A generation engine's registry line: its class ("module:Class", imported only when
+    a job chooses it), the extra it needs, and what a placement must know before any engine
+    is built (whether one engine may span several devices: `placement.tensor_parallel`)."""
+
+    path: str
+    extra: str | None = None
+    tensor_parallel: bool = False
+
+
+# The generation engines (`generation.backend`). A new engine is one module implementing
+# `GenerationEngine` and one line here.
+ENGINES: dict[str, Engine] = {
+    "torch": Engine("rlhf_async.engines.torch_engine:TorchEngine"),
+    "vllm": Engine("rlhf_async.engines.vllm_engine:VLLMEngine", "vllm", tensor_parallel=True),
 }
 
 
@@ -77,10 +90,10 @@ def engine_class(name: str) -> type[GenerationEngine]:
     whose optional package is missing is one `MissingExtraError` naming the extra."""
     if name not in ENGINES:
         raise ValueError(f"generation.backend {name!r}: accepted: {', '.join(ENGINES)}")
-    path, extra = ENGINES[name]
-    if extra is not None:
-        require_extra(name, extra, extra)
-    module, cls = path.split(":")
+    entry = ENGINES[name]
+    if entry.extra is not None:
+        require_extra(name, entry.extra, entry.extra)
+    module, cls = entry.path.split(":")
     return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
 
 

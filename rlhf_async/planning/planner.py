@@ -21,6 +21,7 @@ from rlhf_async.config import (
     TrainConfig,
 )
 from rlhf_async.config.reference import overrides
+from rlhf_async.engines import ENGINES
 from rlhf_async.log import get_logger
 from rlhf_async.planning.costmodel import (
     DEVICES,
@@ -224,6 +225,11 @@ SIM_WORK = Workload(samples=1024, prompt_len=512, gen_len=480, epochs=1, minibat
 SIM_GRAD_ACCUM = (1, 2, 4, 8, 16)  # micro-batches per minibatch the simulation may use
 
 
+def _spanning() -> str:
+    """The first registered generation engine that runs tensor-parallel."""
+    return next(n for n, e in ENGINES.items() if e.tensor_parallel)
+
+
 def sim_job(placement: PlacementConfig, work: Workload) -> JobConfig:
     """The job `plan --simulate` prices: PPO on `work` (one response per prompt) with this
     placement, as `run` would get it (tensor-parallel generators on vLLM, the engine that
@@ -233,7 +239,8 @@ def sim_job(placement: PlacementConfig, work: Workload) -> JobConfig:
     return JobConfig(
         algo=AlgoConfig(name="ppo", group_size=1, max_staleness=work.max_staleness),
         generation=GenerationConfig(max_new_tokens=work.gen_len,
-                                    backend="vllm" if gen_tp > 1 else "torch"),
+                                    backend=_spanning() if gen_tp > 1 else
+                                    GenerationConfig().backend),
         train=TrainConfig(prompts_per_step=work.samples, epochs=work.epochs,
                           minibatches=work.minibatches, grad_accum=work.grad_accum,
                           gradient_checkpointing=work.checkpointing),

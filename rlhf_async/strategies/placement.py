@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from rlhf_async.config import ConfigError, PlacementConfig
+from rlhf_async.engines import ENGINES
 from rlhf_async.modeling.precision import Precision, dtype_problems
 
 TRAIN, INFER = "train", "infer"
@@ -222,10 +223,11 @@ def engine_problems(p: Placement, one_replica_per_device: bool = True) -> list[s
     cannot run (modeling/precision.py), and (when the runner keeps one copy per device)
     replica counts that differ from that."""
     out = []
+    spans = [n for n, e in ENGINES.items() if e.tensor_parallel]  # engines over devices
     for m in p.models:
-        if m.tensor_parallel > 1 and (m.model, m.backend) != ("shadow_actor", "vllm"):
+        if m.tensor_parallel > 1 and not (m.model == "shadow_actor" and m.backend in spans):
             engine = ("; tensor-parallel generators run on vLLM (generation.backend = "
-                      "'vllm')") if m.model == "shadow_actor" else ""
+                      f"{' | '.join(map(repr, spans))})") if m.model == "shadow_actor" else ""
             out.append(f"placement.tensor_parallel: {m.model}={m.tensor_parallel} is not run "
                        f"by this build's runners (they keep whole copies{engine}); use 1")
         out += dtype_problems(p.device_kind, m.model, m.dtype)

@@ -7,7 +7,7 @@ it to one of these before anything runs.
 
 from __future__ import annotations
 
-from rlhf_async.config import AlgoConfig, JobConfig, PlacementConfig
+from rlhf_async.config import AlgoConfig, GenerationConfig, JobConfig, PlacementConfig
 from rlhf_async.config.presets import resolve
 from rlhf_async.strategies import flattening, interleaving
 from rlhf_async.strategies.base import Strategy
@@ -69,7 +69,9 @@ def runner_problems(cfg: JobConfig, placement: Placement) -> list[str]:
     (which see the placement with the job's engines filled in)."""
     engines = with_engines(placement, cfg.train.backend, cfg.generation.backend)
     problems = []
-    if cfg.generation.backend != "torch" and engines.model("shadow_actor") is None:
+    # the lock-step strategies generate with the keyed sampler itself, no engine
+    if cfg.generation.backend != GenerationConfig().backend and \
+            engines.model("shadow_actor") is None:
         problems.append(f"generation.backend: {cfg.generation.backend} runs in generator "
                         f"processes (a shadow actor, as in separation); placement.strategy "
                         f"= {placement.strategy} generates with torch")
