@@ -26,7 +26,7 @@ import torch
 from nodes.generator.inflight import Span, Weights
 from rlhf_async.engines import Completion, GenerationEngine, Request
 from rlhf_async.modeling.environment import EpisodeSpec
-from rlhf_async.modeling.episodes import Episode, episode_batch, play
+from rlhf_async.modeling.episodes import Episode, env_loop, episode_batch, play
 from rlhf_async.modeling.generation import Generated, SamplingParams, request_seed, rollout_batch
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.strategies.separation.protocol import ChunkId
@@ -122,15 +122,18 @@ class Scheduler:
                        spec: EpisodeSpec) -> tuple[RolloutBatch, Span]:
         """One multi-turn episode per row (`modeling.episodes.play`): each policy turn is a
         request per episode still running, its prompt the episode so far (the
-        environment's turns are tokens in it, loss mask 0 in the rollout)."""
+        environment's turns are tokens in it, loss mask 0 in the rollout). The environments
+        run on the process's environment loop (`env_loop`: one that blocks does not stop
+        this node's heartbeats), the requests on this loop."""
         p, E = self.params, spec.max_tokens
+        here = asyncio.get_running_loop()
         with self.busy():
             async with self.weights.chunk() as span:
                 start = span.held[0]
                 tag = f"{cid.step}.{cid.chunk}.{next(self._submissions)}"
 
-                async def turn(k: int, eps: list[Episode], sids: list[int],
-                               ) -> list[tuple[list[int], list[float], bool]]:
+                async def requests(k: int, eps: list[Episode], sids: list[int],
+                                   ) -> list[tuple[list[int], list[float], bool]]:
                     reqs = [Request(f"{tag}/{sid}/{k}", tuple(e.prompt + e.tokens),
                                     min(p.max_new_tokens, E - len(e.tokens)),
                                     request_seed(self.seed, cid.step, sid, turn=k),
@@ -140,8 +143,14 @@ class Scheduler:
                     done = await asyncio.gather(*(self._row(sid, cid.step, r, k)
                                                   for sid, r in zip(sids, reqs, strict=True)))
                     return [(c.token_ids, c.logprobs, c.finish == "stop") for c in done]
+
+                async def turn(k: int, eps: list[Episode], sids: list[int],
+                               ) -> list[tuple[list[int], list[float], bool]]:
+                    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                        requests(k, eps, sids), here))
                 try:
-                    eps = await play(prompts, p, spec, self.seed, cid.step, turn)
+                    eps = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                        play(prompts, p, spec, self.seed, cid.step, turn), env_loop().loop))
                 finally:
                     self.weights.close(span, {start[0]})
         return episode_batch(prompts, eps, E, p.pad_id, start[0], cid.step), span

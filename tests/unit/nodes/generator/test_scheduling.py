@@ -13,8 +13,9 @@ from nodes.generator.inflight import Weights
 from nodes.generator.main import _overlapping
 from nodes.generator.scheduler import Scheduler
 from rlhf_async.engines import Capabilities, Completion, Request
+from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.generation import SamplingParams, request_seed
-from rlhf_async.modeling.rollout import PromptBatch
+from rlhf_async.modeling.rollout import ENV, POLICY, PromptBatch
 from rlhf_async.strategies.separation.protocol import ChunkId
 
 PAD = 0
@@ -24,7 +25,9 @@ PARAMS = SamplingParams(max_new_tokens=6, eos_id=99, pad_id=PAD, min_new_tokens=
 class FakeEngine:
     name = "fake"
 
-    def __init__(self, keep: bool = True, delay: float = 0.0) -> None:
+    def __init__(self, keep: bool = True, delay: float = 0.0,
+                 stop_after: int | None = None) -> None:
+        self.stop_after = stop_after  # a response ends in a stop after this many tokens
         self.capabilities = Capabilities(keep_on_update=keep, stop_strings=True,
                                          prefix_cache=False, tensor_parallel=False)
         self.delay, self._version = delay, 0
@@ -45,6 +48,9 @@ class FakeEngine:
         got = Completion(req.request_id, finish="length")
         try:
             for i in range(req.max_new_tokens):
+                if i == self.stop_after:
+                    got.finish = "stop"
+                    break
                 await asyncio.sleep(self.delay)
                 if req.request_id in self.aborted:
                     got.finish = "abort"
@@ -158,3 +164,29 @@ def test_a_failing_chunk_ends_the_node_with_its_error():
 
     with pytest.raises(RuntimeError, match="out of memory"):
         asyncio.run(asyncio.wait_for(_overlapping(chunks(), generate), 10))
+
+
+class OkEnv:
+    async def reset(self, row):
+        return ""
+
+    async def step(self, action):
+        return "ok", 1.0, False
+
+
+def test_an_episodes_turns_are_requests_over_the_conversation_so_far():
+    engine = FakeEngine(stop_after=3)  # each policy turn: 3 tokens, then a stop
+    weights = Weights(engine, partial=False)  # type: ignore[arg-type]
+    sched = Scheduler(engine, weights, PARAMS, seed=2, slots=None)  # type: ignore[arg-type]
+    spec = EpisodeSpec(make_env=OkEnv, row=lambda p: {"prompt": ""}, render=lambda o: [50, 51],
+                       decode=lambda ids: "x", max_turns=2, max_tokens=12, timeout_s=5.0)
+    batch, _ = asyncio.run(sched.episodes(ChunkId(1, 0, 1), _prompts(0), spec))
+    turn1 = sorted((r for r in engine.requests if r.request_id.endswith("/1")),
+                   key=lambda r: r.request_id)
+    # the second turn's prompt: the prompt, the first turn, the environment's tokens
+    assert turn1[0].prompt_ids == (5, 6, 2, 3, 4, 50, 51)
+    assert turn1[0].seed == request_seed(2, 1, 0, turn=1)
+    assert batch.response_ids[0, :10].tolist() == [2, 3, 4, 50, 51, 7, 8, 9, 50, 51]
+    kinds = [POLICY] * 3 + [ENV] * 2
+    assert batch.response_mask[0, :10].tolist() == kinds + kinds
+    assert batch.env_rewards is not None and batch.env_rewards.tolist() == [2.0, 2.0]
