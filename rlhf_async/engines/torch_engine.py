@@ -165,11 +165,21 @@ class TorchEngine:
             raise RuntimeError("the torch engine's decode thread failed") from self._error
         loop = asyncio.get_running_loop()
         call = _Call(what, arg, loop, loop.create_future())
-        if not self._outbox:  # what this loop iteration asks goes to the thread at once:
-            loop.call_soon(self._flush)  # a chunk's requests share one prefill
-        self._outbox.append(call)
+        self._send(loop, call)
         assert call.fut is not None
-        return await call.fut
+        try:
+            return await call.fut
+        except asyncio.CancelledError:
+            if what == "add":  # nobody waits for it: free its row
+                self._send(loop, _Call("abort", arg.request_id))
+            raise
+
+    def _send(self, loop: asyncio.AbstractEventLoop, call: _Call) -> None:
+        """What this loop iteration asks goes to the thread together, in order (a chunk's
+        requests share one prefill)."""
+        if not self._outbox:
+            loop.call_soon(self._flush)
+        self._outbox.append(call)
 
     def _flush(self) -> None:
         calls, self._outbox = self._outbox, []

@@ -91,6 +91,24 @@ def test_abort_frees_the_row_and_returns_what_it_sampled():
     assert after.finish == "length" and len(after.token_ids) == 5
 
 
+def test_a_cancelled_generate_frees_its_row():
+    params = SamplingParams(max_new_tokens=100, eos_id=99, pad_id=PAD)
+    engine = TorchEngine.serving(_lm(), params)
+
+    async def go():
+        job = asyncio.ensure_future(engine.generate(_req(0, 100)))
+        while engine._batch.rows == 0:
+            await asyncio.sleep(0.0005)
+        await engine.pause()
+        job.cancel()
+        await asyncio.sleep(0.01)
+        await engine.resume()  # the abort queued by the cancel went first
+        return engine._batch.rows, await engine.generate(_req(1, 3))
+
+    rows, after = _run(engine, go)
+    assert rows == 0 and len(after.token_ids) == 3
+
+
 def test_pause_holds_decoding_until_resume():
     params = SamplingParams(max_new_tokens=30, eos_id=99, pad_id=PAD)
     engine = TorchEngine.serving(_lm(), params)
