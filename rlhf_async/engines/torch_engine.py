@@ -105,6 +105,7 @@ class TorchEngine:
         self._live: dict[str, _Call] = {}  # request id -> its "add" call (decode thread's)
         self._error: BaseException | None = None
         self._paused = False
+        self._threads = torch.get_num_threads()  # the process's share of the cores
         self._thread = threading.Thread(target=self._run, name="torch-engine", daemon=True)
         self._thread.start()
 
@@ -188,6 +189,7 @@ class TorchEngine:
     # --- the decode thread ----------------------------------------------------------------
 
     def _run(self) -> None:
+        torch.set_num_threads(self._threads)  # a new thread's OpenMP team is all the cores
         try:
             self._loop()
         except BaseException as e:  # every caller waiting learns it; later ones too
