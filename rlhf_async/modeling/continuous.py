@@ -112,24 +112,21 @@ class ContinuousBatch:
 
     def add(self, key: Any, prompts: PromptBatch, uniforms: Tensor,
             limits: Tensor | None = None, mins: Tensor | None = None) -> None:
-        """Queue a chunk's prompts [B, P] (left-padded) with their uniforms [B, R]; each
-        row samples at most limits[b] tokens (R) and no stop before mins[b]
-        (params.min_new_tokens)."""
+        """Queue a chunk's prompts [B, P] (left-padded), uniforms [B, R], and per row at most
+        limits[b] tokens (R), no stop before mins[b] (params.min_new_tokens)."""
         B, R = len(prompts), self.R
         dev = prompts.prompt_ids.device
         out = Generated(torch.full((B, R), self.params.pad_id, dtype=torch.long, device=dev),
                         torch.zeros((B, R), dtype=torch.long, device=dev),
                         torch.zeros((B, R), dtype=torch.float32, device=dev),
                         torch.full((B, R), -1, dtype=torch.long, device=dev))
-        limits = torch.full((B,), R) if limits is None else limits.clamp(max=R)
-        mins = torch.full((B,), self.params.min_new_tokens) if mins is None else mins
-        self.waiting.append(_Chunk(key, prompts, uniforms.to(dev), out, limits.long(),
-                                   mins.long()))
+        limits = (torch.full((B,), R) if limits is None else limits.clamp(max=R)).long()
+        mins = (torch.full((B,), self.params.min_new_tokens) if mins is None else mins).long()
+        self.waiting.append(_Chunk(key, prompts, uniforms.to(dev), out, limits, mins))
 
     def cancel(self, key: Any) -> Generated | None:
-        """Stop chunk `key` where it is: its rows leave their slots (what they sampled so
-        far kept) and its waiting rows are never admitted. Its responses, or None when no
-        chunk of that key is here (it ended, or never came)."""
+        """Stop chunk `key`: its rows leave their slots, what they sampled kept, its waiting
+        rows never start. Its responses; None when it is not here (ended, never came)."""
         chunk = next((c for c in self.waiting if c.key == key), None)
         if chunk is not None:
             self.waiting.remove(chunk)
