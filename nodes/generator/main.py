@@ -25,6 +25,7 @@ from nodes.generator.inflight import Span, Weights
 from nodes.generator.scheduler import Scheduler
 from rlhf_async.config import weight_sync_backend
 from rlhf_async.engines import GenerationEngine, make_engine
+from rlhf_async.modeling.episodes import EnvError
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.runtime import Node
 from rlhf_async.strategies.separation.protocol import (
@@ -37,6 +38,7 @@ from rlhf_async.strategies.separation.protocol import (
     WeightsApplied,
     WeightSyncConnect,
     WeightSyncFailed,
+    fail,
     prompts_from_message,
     rollout_message,
 )
@@ -120,6 +122,8 @@ async def main(node: Node) -> None:
         else:
             async for cid, prompts in _chunks(node, inp, clock):
                 await generate(cid, prompts)
+    except EnvError as e:  # the user's environment: a restart would only repeat it
+        await fail(node, str(e))
     finally:
         await engine.close()
 

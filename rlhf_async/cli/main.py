@@ -249,6 +249,7 @@ def _job_errors(job: Any) -> int:
     """Failures a user can act on, as one message (configuration errors pass through)."""
     from rlhf_async.control.coordinator import CoordinatorError
     from rlhf_async.job.lock import RunLockError
+    from rlhf_async.modeling.episodes import EnvError
     from rlhf_async.rl.checkpoint import CheckpointError
     from rlhf_async.runtime.ray_cluster import RayPlacementError
     from rlhf_async.strategies.base import RankFailed
@@ -258,7 +259,7 @@ def _job_errors(job: Any) -> int:
     try:
         return int(job())
     except (PipelineError, CoordinatorError, CheckpointError, SecurityError,
-            RunLockError, RankFailed, RayPlacementError) as e:
+            RunLockError, RankFailed, RayPlacementError, EnvError) as e:
         raise UserError(str(e)) from None
     except OSError as e:  # the machine's: a full disk, a permission, a missing path
         raise UserError(f"{e.strerror or e}" + (f": {e.filename}" if e.filename and

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import traceback
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -31,7 +33,6 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from rlhf_async.config import ConfigError
 from rlhf_async.log import get_logger
 from rlhf_async.modeling.determinism import key_seed, seeded_uniform
 from rlhf_async.modeling.environment import Env, EpisodeSpec
@@ -49,12 +50,49 @@ log = get_logger(component="episodes")
 T = TypeVar("T")
 
 
-class EnvError(ConfigError):
-    """An environment's reset or step raised, or answered something that is not
-    (str, float, bool): the user's environment is wrong, so the run stops with this."""
+# How an episode ended (`RolloutBatch.episode_ends`, counted per step as `episodes/<how>`):
+# the environment said done; max_turns policy turns were taken; truncated: a policy turn ran
+# out of tokens (generation.max_new_tokens, or the episode's max_episode_tokens) before it
+# ended, or an observation did not fit: there is no complete action to show the environment,
+# so the episode ends there with the reward it has; timeout: a reset/step call took longer
+# than task.env_timeout_s.
+ENDS = ("done", "max_turns", "truncated", "timeout")
+
+
+class EnvError(RuntimeError):
+    """An environment's reset or step raised, or answered something of the wrong type: the
+    user's environment is wrong, and running it again would repeat it, so the run stops
+    with this (the exception's type, message and where in the user's code it was raised)."""
 
     def __init__(self, message: str) -> None:
-        super().__init__([f"task.env: {message}"])
+        super().__init__(f"task.env: {message}")
+
+
+def _where(e: BaseException) -> str:
+    """' (at file.py:LINE in fn)': the innermost frame of the exception's traceback."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (at {f.filename}:{f.lineno} in {f.name})"
+
+
+class _Warnings:
+    """Repeated environment warnings as counts: the first of each kind is logged, then one
+    line per `every` more, with the count so far (a hanging environment would otherwise
+    print a line per call)."""
+
+    def __init__(self, every: int = 100) -> None:
+        self.every, self.counts = every, Counter[tuple[str, str]]()
+
+    def warn(self, event: str, env: str, **fields: Any) -> None:
+        self.counts[event, env] += 1
+        n = self.counts[event, env]
+        if n == 1 or n % self.every == 0:
+            log.warning(event, env=env, count=n, **fields)
+
+
+_WARN = _Warnings()
 
 
 class _EnvLoop:
@@ -96,6 +134,10 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)  # behaviour log-prob (0 on ENV)
     reward: float = 0.0
     done: bool = False
+    end: str = "max_turns"  # how it ended (ENDS); max_turns until something else ends it
+
+    def finish(self, how: str) -> None:
+        self.done, self.end = True, how
 
     def add(self, tokens: list[int], kind: int, logprobs: list[float] | None = None) -> None:
         self.tokens += tokens
@@ -109,20 +151,29 @@ async def _call(spec: EpisodeSpec, what: str, aw: Awaitable[Any]) -> tuple[bool,
     try:
         return True, await asyncio.wait_for(aw, spec.timeout_s)
     except TimeoutError:
-        log.warning("environment call timed out; its episode ends", env=spec.name, call=what,
-                    timeout_s=spec.timeout_s)
+        _WARN.warn("environment call timed out; its episode ends", spec.name, call=what,
+                   timeout_s=spec.timeout_s)
         return False, None
     except Exception as e:  # whatever the user's environment raises
-        raise EnvError(f"{spec.name!r}: {what} raised "
-                                f"{type(e).__name__}: {e}") from e
+        raise EnvError(f"{spec.name!r}: {what}() raised {type(e).__name__}: {e}"
+                       f"{_where(e)}") from e
+
+
+def _checked_reset(spec: EpisodeSpec, out: Any) -> str:
+    if out is None:
+        return ""
+    if not isinstance(out, str):
+        raise EnvError(f"{spec.name!r}: reset() must return the first observation as str "
+                       f"('' or None for none), got {type(out).__name__} {str(out)[:80]!r}")
+    return out
 
 
 def _checked_step(spec: EpisodeSpec, out: Any) -> tuple[str, float, bool]:
     ok = (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], str)
           and isinstance(out[1], int | float) and not isinstance(out[1], bool))
     if not ok:
-        raise EnvError(f"{spec.name!r}: step() must return (observation: "
-                                f"str, reward: float, done: bool), got {str(out)[:120]!r}")
+        raise EnvError(f"{spec.name!r}: step() must return (observation: str, reward: "
+                       f"float, done: bool), got {str(out)[:120]!r}")
     return out[0], float(out[1]), bool(out[2])
 
 
@@ -144,7 +195,7 @@ def _observe(spec: EpisodeSpec, ep: Episode, observation: str, stops: tuple[int,
             and delta[0] == ep.tokens[-1]:
         delta = delta[1:]
     if len(ep.tokens) + len(delta) >= spec.max_tokens:
-        ep.done = True
+        ep.finish("truncated")  # no room for the observation and a reply to it
         return
     ep.add(delta, ENV)
 
@@ -218,11 +269,14 @@ async def play(prompts: PromptBatch, params: SamplingParams, spec: EpisodeSpec, 
         rows.append({**spec.row(prompt), "seed": key_seed(seed, "env", step, sid)})
     for e, (ok, obs) in zip(eps, await _reset_all(spec, eps, rows), strict=True):
         if not ok:
-            e.done = True
-        elif obs:
-            _observe(spec, e, str(obs), params.stops)
+            e.finish("timeout")
+        elif first := _checked_reset(spec, obs):
+            _observe(spec, e, first, params.stops)
     for k in range(spec.max_turns):
-        live = [i for i, e in enumerate(eps) if not e.done and len(e.tokens) < spec.max_tokens]
+        for e in eps:
+            if not e.done and len(e.tokens) >= spec.max_tokens:
+                e.finish("truncated")
+        live = [i for i, e in enumerate(eps) if not e.done]
         if not live:
             break
         turns = await turn(k, [eps[i] for i in live], [ids[i] for i in live])
@@ -231,18 +285,19 @@ async def play(prompts: PromptBatch, params: SamplingParams, spec: EpisodeSpec, 
             eps[i].add(toks, POLICY, lps)
             if ended:
                 acting.append(i)
-            else:  # out of tokens mid-turn: no action to take
-                eps[i].done = True
+            else:  # out of tokens mid-turn: no complete action to take
+                eps[i].finish("truncated")
         actions = [spec.decode(turns[live.index(i)][0]) for i in acting]
         results = await _step_all(spec, [eps[i] for i in acting], actions)
         for i, (ok, out) in zip(acting, results, strict=True):
             if not ok:
-                eps[i].done = True
+                eps[i].finish("timeout")
                 continue
             obs, reward, done = _checked_step(spec, out)
             eps[i].reward += reward
-            eps[i].done = done
-            if not done:
+            if done:
+                eps[i].finish("done")
+            else:
                 _observe(spec, eps[i], obs, params.stops)
     return eps
 
@@ -263,7 +318,9 @@ def episode_batch(prompts: PromptBatch, eps: list[Episode], width: int, pad_id: 
     return RolloutBatch(prompts.prompt_ids, prompts.prompt_mask, resp.to(device),
                         kinds.to(device), lps.to(device), prompts.sample_ids, prompts.group_ids,
                         version=version, step=step,
-                        env_rewards=torch.tensor([e.reward for e in eps]).to(device))
+                        env_rewards=torch.tensor([e.reward for e in eps]).to(device),
+                        episode_ends=torch.tensor([ENDS.index(e.end) for e in eps],
+                                                  dtype=torch.long).to(device))
 
 
 def rollout(actor: nn.Module, prompts: PromptBatch, params: SamplingParams, seed: int,

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from rlhf_async.modeling.collectives import all_gather_1d, all_reduce_sum
+from rlhf_async.modeling.episodes import ENDS
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl import algorithms as A
 
@@ -21,11 +22,15 @@ def global_stats(b: RolloutBatch, kl: Tensor, adv: Tensor, sums: dict[str, Tenso
                   / m.sum(1).clamp(min=1)}
     if b.hidden_scores is not None:
         per_sample["hidden_score"] = b.hidden_scores.float()
+    if b.episode_ends is not None:  # how many episodes ended each way (counts, not means)
+        for code, how in enumerate(ENDS):
+            per_sample[f"episodes/{how}"] = (b.episode_ends == code).float()
     vec = torch.stack([v.sum() for v in per_sample.values()] + list(sums.values())
                       + [m.new_tensor(float(len(b)))])
     vec = all_reduce_sum(vec.double())
     count = vec[-1].clamp(min=1.0)
-    out = {k: float(vec[i] / count) for i, k in enumerate(per_sample)}
+    out = {k: float(vec[i] if k.startswith("episodes/") else vec[i] / count)
+           for i, k in enumerate(per_sample)}
     out.update({k: float(vec[len(per_sample) + i] / n_updates)
                 for i, k in enumerate(sums)})
     out["samples"] = float(vec[-1])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import threading
 import time
@@ -347,8 +348,9 @@ def run_ranks(cfg: JobConfig, art: Artefacts, run_dir: Path, start_step: int,
                         raise KeyboardInterrupt(stop.reason)
             except mp.ProcessRaisedException as e:  # one line for the user, not a traceback
                 lines = [x for x in str(e).strip().splitlines() if x.strip()]
-                raise RankFailed(f"rank {e.error_index} failed: "
-                                 f"{lines[-1] if lines else e}") from None
+                # "pkg.module.SomeError: message" -> "SomeError: message"
+                last = re.sub(r"^[\w.]+\.(\w+: )", r"\1", lines[-1]) if lines else str(e)
+                raise RankFailed(f"rank {e.error_index} failed: {last}") from None
             finally:
                 _children.clear()
     if stop.event.is_set() and not stop.finished.is_set():

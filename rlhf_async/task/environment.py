@@ -11,6 +11,10 @@ and without it. Only that text is tokenised; the episode's earlier tokens never 
 they cannot drift. It matches the whole conversation's tokenisation when the template
 closes a turn with a special token (every common chat template does): tokenisers never
 merge across one.
+
+A tokenizer without a chat template (a base model, `task.chat_template = false`) gets plain
+text turns: an observation is "\n" + observation + "\n", tokenised on its own and appended
+after the policy's turn; the policy reads it as text continuing the document.
 """
 
 from __future__ import annotations
@@ -53,9 +57,14 @@ def load_env(spec: str) -> Callable[[], Env]:
     return cls  # type: ignore[return-value]  # checked above: an Env class
 
 
-def template_delta(tok: PreTrainedTokenizerBase, role: str = "tool",
+def template_delta(tok: PreTrainedTokenizerBase, role: str = "tool", *, chat: bool = True,
                    ) -> Callable[[str], list[int]]:
-    """observation -> the tokens the chat template adds for it after a policy turn."""
+    """observation -> the tokens the chat template adds for it after a policy turn (plain
+    text between newlines without a template, or with `chat` off: task.chat_template)."""
+    if not chat or not getattr(tok, "chat_template", None):
+        return lambda observation: list(tok(f"\n{observation}\n",
+                                            add_special_tokens=False).input_ids)
+
     def render(chat: list[dict[str, Any]], generation: bool) -> str:
         return str(tok.apply_chat_template(chat, tokenize=False,
                                            add_generation_prompt=generation))

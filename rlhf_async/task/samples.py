@@ -5,8 +5,8 @@ One line per step: `{"step": s, "samples": [{"prompt", "response", "reward", "ad
 multi-turn episode, "turns": each run of prompt, policy and environment text with its
 role), the first
 `run.log_samples` rows of the step's batch (whole groups first, so a GRPO group's
-responses sit side by side), decoded with the task's decoder (a task without text, the
-built-in digits, shows token ids). Written by the process that trains: rank 0 of the
+responses sit side by side), decoded with the task's decoder (the built-in digits: one
+character a token, `sort_digits.tokens_text`). Written by the process that trains: rank 0 of the
 lock-step loop, trainer rank 0 under Separation. `ops/reporting.py` follows the file to
 TensorBoard (text) and W&B (a table) like metrics.jsonl.
 """
@@ -27,7 +27,9 @@ SAMPLES_FILE = "samples.jsonl"
 
 
 def _text(task: Task, ids: list[int]) -> str:
-    decode = task.decode
+    """The task's text of `ids`: its decoder, else its own `show` (the built-in digits:
+    one character a token), else the ids."""
+    decode = task.decode or getattr(task, "show", None)
     return decode(ids) if decode is not None else " ".join(str(t) for t in ids)
 
 

@@ -41,6 +41,11 @@ class SortDigitsTask:
     rule_reward = False  # the policy is trained on a learned reward model
     has_rule = True  # the true score is known: reported as hidden_score
     decode = None  # digits, not text: no stop strings (config checks refuse them)
+
+    @staticmethod
+    def show(tokens: list[int]) -> str:
+        """Tokens as the text samples.jsonl shows (`tokens_text`: "^3141|", "1134$")."""
+        return tokens_text(tokens)
     stop_ids: tuple[int, ...] = ()
 
     @staticmethod

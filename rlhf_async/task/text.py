@@ -193,7 +193,8 @@ class TextTask:
         """With `task.env`: its episodes, observations as the chat template's tool turns."""
         if self.env is None:
             return None
-        return EpisodeSpec(self.env, self.env_row, template_delta(self.tokenizer), self.decode,
+        render = template_delta(self.tokenizer, chat=self.cfg.chat_template)
+        return EpisodeSpec(self.env, self.env_row, render, self.decode,
                            self.max_turns, self.max_episode_tokens, self.env_timeout_s,
                            self.cfg.env)
 

@@ -278,7 +278,9 @@ class Driver:
                 self.result = {"policy_dir": event.policy_dir, "steps": event.steps}
                 return True
             case Failed(error=error):  # a restart would repeat it: stop with the cause
-                raise PipelineError(f"{node}: {error}")
+                raise PipelineError(f"{node}: {error} (the run stops, its newest checkpoint "
+                                    "kept: once fixed, continue it with `rlhf-async resume "
+                                    f"{self.run_dir}`)")
             case NodeDead():
                 await self._node_dead(node, event)
             case Loaded() if node in self.down:

@@ -10,10 +10,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from rlhf_async.config import ConfigError
+from rlhf_async.modeling import episodes
 from rlhf_async.modeling.environment import EpisodeSpec
+from rlhf_async.modeling.episodes import ENDS, EnvError, _observe, rollout, run_episodes
 from rlhf_async.modeling.episodes import Episode as _Episode
-from rlhf_async.modeling.episodes import _observe, rollout, run_episodes
 from rlhf_async.modeling.generation import SamplingParams, generate
 from rlhf_async.modeling.rollout import ENV, POLICY, PromptBatch
 from rlhf_async.task.environment import template_delta
@@ -176,5 +176,79 @@ def test_a_step_past_the_timeout_ends_that_episode_only():
 
 def test_a_wrong_step_answer_is_one_clear_error():
     spec = _spec(BrokenEnv)
-    with pytest.raises(ConfigError, match=r"task.env: .*step\(\) must return"):
+    with pytest.raises(EnvError, match=r"task.env: .*step\(\) must return"):
         run_episodes(tiny_lm(), _prompts(), _params(spec), spec, seed=3, step=1, version=0)
+
+
+class DictResetEnv(CountingEnv):
+    async def reset(self, row):
+        return {"obs": "hello"}
+
+
+class RaisingEnv(CountingEnv):
+    async def step(self, action):
+        return 1 / 0
+
+
+def test_reset_answers_are_checked_like_step_answers():
+    spec = _spec(DictResetEnv)
+    with pytest.raises(EnvError, match=r"reset\(\) must return the first observation as "
+                                       r"str .*got dict"):
+        run_episodes(tiny_lm(), _prompts(), _params(spec), spec, seed=3, step=1, version=0)
+
+
+def test_an_environment_exception_names_its_type_message_and_line():
+    spec = _spec(RaisingEnv)
+    with pytest.raises(EnvError) as err:
+        run_episodes(tiny_lm(), _prompts(), _params(spec), spec, seed=3, step=1, version=0)
+    line = RaisingEnv.step.__code__.co_firstlineno + 1
+    assert "step() raised ZeroDivisionError: division by zero" in str(err.value)
+    assert f"test_episodes.py:{line} in step" in str(err.value)
+
+
+def _ends(b):
+    return [ENDS[i] for i in b.episode_ends.tolist()]
+
+
+def test_every_episode_ends_one_counted_way():
+    spec = _spec()  # done after 2 steps, 3 turns allowed
+    b = run_episodes(tiny_lm(), _prompts(), _params(spec), spec, seed=3, step=1, version=0)
+    for row, how in enumerate(_ends(b)):
+        stepped = float(b.env_rewards[row])  # one reward a step
+        assert how == ("done" if stepped == 2 else "truncated"), (row, how, stepped)
+    slow = _spec(SlowEnv, timeout=0.2)
+    b = run_episodes(tiny_lm(), _prompts(), _params(slow), slow, seed=3, step=1, version=0)
+    assert set(_ends(b)) <= {"timeout", "truncated"} and "timeout" in _ends(b)
+    one = _spec(turns=1)
+    b = run_episodes(tiny_lm(), _prompts(), _params(one), one, seed=3, step=1, version=0)
+    assert set(_ends(b)) <= {"max_turns", "truncated"}
+
+
+class TellingEnv(CountingEnv):
+    async def step(self, action):
+        self.steps += 1
+        STEPPED.append(action)
+        return "abc", 1.0, False
+
+
+STEPPED: list = []
+
+
+def test_a_turn_cut_at_the_token_limit_ends_truncated_without_a_step():
+    # no stop ids and EOS never sampled before 6 tokens: every first turn hits the limit
+    spec = _spec(TellingEnv)
+    params = SamplingParams(max_new_tokens=6, eos_id=2, pad_id=0, min_new_tokens=6,
+                            episode=spec)
+    STEPPED.clear()
+    b = run_episodes(tiny_lm(), _prompts(), params, spec, seed=3, step=1, version=0)
+    assert _ends(b) == ["truncated"] * 4 and STEPPED == []
+    assert float(b.env_rewards.sum()) == 0.0
+
+
+def test_repeated_environment_warnings_become_counts(monkeypatch):
+    lines = []
+    monkeypatch.setattr(episodes.log, "warning", lambda event, **kw: lines.append(kw["count"]))
+    w = episodes._Warnings(every=10)
+    for _ in range(25):
+        w.warn("environment call timed out", "env", call="step")
+    assert lines == [1, 10, 20]

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
+from rlhf_async.config import ConfigError
 from rlhf_async.modeling.episodes import rollout
 from rlhf_async.modeling.rollout import ENV
 from rlhf_async.rl.scoring import RewardMix
@@ -29,7 +31,7 @@ class Env:
 def test_episodes_of_the_users_environment(files):  # noqa: F811  (the imported fixture)
     (files / "env.py").write_text(ENV_CODE)
     cfg = cfg_for(files, f"task.env={json.dumps(str(files / 'env.py') + ':Env')}",
-                  "task.max_turns=3", "generation.max_episode_tokens=24",
+                  'task.reward=""', "task.max_turns=3", "generation.max_episode_tokens=24",
                   f"generation.stop_token_ids={json.dumps(list(range(6, 35)))}")
     task = make_task(cfg)
     params = sampling_params(cfg, task)
@@ -46,3 +48,29 @@ def test_episodes_of_the_users_environment(files):  # noqa: F811  (the imported 
     turns = b.turns(task.decode)
     assert all(row[0]["role"] == "prompt" for row in turns)
     assert {t["role"] for row in turns for t in row} == {"prompt", "policy", "environment"}
+
+
+def _env_cfg(files, *more):  # noqa: F811
+    (files / "env.py").write_text(ENV_CODE)
+    return cfg_for(files, f"task.env={json.dumps(str(files / 'env.py') + ':Env')}",
+                   "task.max_turns=3", "generation.max_episode_tokens=24", *more)
+
+
+def test_the_environment_gives_the_reward_and_task_reward_beside_it_is_refused(files):  # noqa: F811
+    with pytest.raises(ConfigError, match=r"task.reward: .* would never be called"):
+        _env_cfg(files)  # cfg_for sets a task.reward
+    assert _env_cfg(files, 'task.reward=""').task.reward == ""
+
+
+def test_an_environment_without_chat_template_takes_plain_text_turns(files):  # noqa: F811
+    cfg = _env_cfg(files, 'task.reward=""', "task.chat_template=false",
+                   f"generation.stop_token_ids={json.dumps(list(range(6, 35)))}")
+    task = make_task(cfg)
+    params = sampling_params(cfg, task)
+    tok = task.tokenizer  # type: ignore[attr-defined]
+    assert params.episode is not None
+    assert params.episode.render("yes") == list(tok("\nyes\n", add_special_tokens=False)
+                                                .input_ids)
+    b = rollout(load_sft(files / "model"), task.prompt_batch(0, "train", 0, 2, 2), params,
+                seed=0, step=0, version=0)
+    assert b.env_rewards is not None and b.episode_ends is not None
