@@ -98,7 +98,9 @@ def test_a_server_failing_mid_run_stops_separation_with_a_checkpoint(tmp_path, c
              "train.steps=4", "task.reward_retries=1", "task.reward_backoff_s=0.01")
     assert str(e.value) == (f"scorer0: task.reward: reward server {url} answered 503 Service "
                             "Unavailable: '{\"error\": \"judge model unloaded\"}' (the last "
-                            "of 2 tries; task.reward_retries = 1)")
+                            "of 2 tries; task.reward_retries = 1) (the run stops, its newest "
+                            "checkpoint kept: once fixed, continue it with `rlhf-async resume "
+                            f"{tmp_path / 'flaky'}`)")
     done = [int(p.name[len(PREFIX):]) for p in (tmp_path / "flaky" / "checkpoints").iterdir()
             if p.name.startswith(PREFIX)]
     assert done and max(done) >= 1, done  # the trainer stopped with what it had trained

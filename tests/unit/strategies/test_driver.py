@@ -235,7 +235,8 @@ def test_a_node_failure_or_a_full_disk_stops_the_run_naming_it(tmp_path, monkeyp
         await h.start()
         await h.send("scorer0", Failed("task.reward: r.py:f called sys.exit(3) on prompt 2"))
         with pytest.raises(PipelineError, match=r"^scorer0: task.reward: r.py:f called "
-                           r"sys.exit\(3\) on prompt 2$"):
+                           r"sys.exit\(3\) on prompt 2 \(the run stops, its newest "
+                           r"checkpoint kept: .*`rlhf-async resume .*`\)$"):
             await h.task  # type: ignore[misc]
 
     async def full_disk() -> None:
