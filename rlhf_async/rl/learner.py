@@ -28,6 +28,7 @@ from rlhf_async.modeling.packing import ResponseView
 from rlhf_async.modeling.precision import FP32, Precision
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl import algorithms as A
+from rlhf_async.rl.advantages import advantages
 from rlhf_async.rl.guards import require_finite
 from rlhf_async.rl.microbatches import MicroBatcher
 from rlhf_async.rl.step_stats import global_stats, mismatch_stats
@@ -211,33 +212,10 @@ class Learner:
                     values[i] = view.restore(self._critic_values(view))
         return OldPolicy(lp * m, None if values is None else values * m, None)
 
-    @torch.no_grad()
     def _advantages(self, b: RolloutBatch, old_lp: Tensor | None,
                     values: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """-> advantages [B, R], returns [B, R] (PPO only), per-token KL [B, R] (None
-        without `old_lp`: then the rewards alone decide, `_reuses_logprobs`)."""
-        algo, rc, m = self.algo, self.recipe, b.loss_mask
-        assert b.rewards is not None and b.ref_logprobs is not None  # checked by train_step
-        kl = None if old_lp is None else A.kl_per_token(
-            old_lp, b.ref_logprobs, algo.kl_estimator) * m
-        kl_r = self.kl_coef if algo.kl_mode == "reward" and kl is not None else 0.0
-        ret = None
-        if rc.baseline in ("gae", "none"):  # per token: the KL still to come, per token
-            r = A.token_rewards(b.rewards, m.new_zeros(m.shape) if kl is None else kl, m, kl_r)
-            if rc.baseline == "gae":
-                assert values is not None  # PPO always has a critic
-                adv, ret = A.gae(r, values, m, algo.gamma, algo.lam)
-            else:  # REINFORCE++: returns to go, no discount, no critic
-                adv, _ = A.gae(r, m.new_zeros(m.shape), m, 1.0, 1.0)
-        else:
-            seq = b.rewards if kl is None else b.rewards - kl_r * kl.sum(dim=1)  # [B]
-            adv = A.outcome_advantages(seq, b.group_ids, rc.baseline,
-                                       rc.adv_norm == "group")[:, None] * m
-        if rc.adv_norm == "batch":
-            adv = A.whiten(adv, m, all_reduce_sum)
-        require_finite("an advantage", adv, b.step, "a reward or value out of range?",
-                       b.sample_ids)
-        return adv, ret, kl
+        """`rl.advantages.advantages` under this learner's recipe and current KL weight."""
+        return advantages(b, old_lp, values, self.algo, self.recipe, self.kl_coef)
 
     def _minibatches(self, b: RolloutBatch, epoch: int) -> list[Tensor]:
         """Local row indices of each minibatch; the split is over the GLOBAL batch, keyed by
@@ -282,7 +260,8 @@ class Learner:
         if algo.kl_mode == "loss":
             assert mb.ref_logprobs is not None
             kl = A.kl_per_token(lp, mb.ref_logprobs, algo.kl_estimator)
-            kl_loss = A.masked_token_mean(kl, m, n_tokens)
+            # aggregated like the policy term (GRPO: beta * KL in the same per-response mean)
+            kl_loss = A.aggregate(kl, m, rc.loss_agg, n_tokens, n_seqs)
             loss = loss + self.kl_coef * kl_loss
             stats["kl_loss"] = kl_loss.detach()
         if fwd.values is not None:

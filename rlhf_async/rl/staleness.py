@@ -66,6 +66,8 @@ class StalenessPolicy:
         self.dropped = 0
         self.rejected_future = 0
         self.histogram: dict[int, int] = {}
+        # the counters and histogram at the last `metrics()`: what a step record subtracts
+        self._reported: tuple[dict[str, int], dict[int, int]] = ({}, {})
 
     def sync_version(self, step: int) -> int:
         """The version a synchronous run would use to generate batch `step`."""
@@ -110,18 +112,21 @@ class StalenessPolicy:
         return True
 
     def metrics(self) -> dict[str, float]:
-        """Flat numbers for the metrics sink (not the log)."""
-        out: dict[str, float] = {
-            "staleness/admitted": float(self.admitted),
-            "staleness/dropped": float(self.dropped),
-            "staleness/rejected_future": float(self.rejected_future),
-        }
-        total = sum(self.histogram.values())
-        if total:
-            mean = sum(s * n for s, n in self.histogram.items()) / total
-            out["staleness/mean"] = mean
-        for s, n in sorted(self.histogram.items()):
+        """Flat numbers for the metrics sink (not the log), one call per step record:
+        `staleness/admitted|dropped|rejected_future`, `mean` and `hist/<s>` count what
+        happened since the previous call (this step); `*_total` the run's totals."""
+        now = {"admitted": self.admitted, "dropped": self.dropped,
+               "rejected_future": self.rejected_future}
+        last, seen = self._reported
+        out = {f"staleness/{k}": float(v - last.get(k, 0)) for k, v in now.items()}
+        out.update({f"staleness/{k}_total": float(v) for k, v in now.items()})
+        step = {s: n - seen.get(s, 0) for s, n in self.histogram.items()
+                if n - seen.get(s, 0) > 0}
+        if step:
+            out["staleness/mean"] = sum(s * n for s, n in step.items()) / sum(step.values())
+        for s, n in sorted(step.items()):
             out[f"staleness/hist/{s}"] = float(n)
+        self._reported = (now, dict(self.histogram))
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -165,6 +170,7 @@ class StalenessPolicy:
         self.dropped = counters["dropped"]
         self.rejected_future = counters["rejected_future"]
         self.histogram = histogram
+        self._reported = (counters, dict(histogram))  # a resumed run's first step counts anew
 
 
 def _check_nonneg(name: str, value: int) -> None:

@@ -91,6 +91,22 @@ def test_metrics() -> None:
     assert m["staleness/dropped"] == 1.0
     assert m["staleness/mean"] == pytest.approx(2 / 3)
     assert m["staleness/hist/1"] == 2.0
+    assert m["staleness/admitted_total"] == 3.0
+
+
+def test_metrics_count_each_step_and_totals_separately() -> None:
+    p = StalenessPolicy(1, 1)
+    p.admit(4, 4)
+    p.admit(4, 0)
+    first = p.metrics()
+    p.admit(5, 4)
+    second = p.metrics()
+    assert (first["staleness/admitted"], first["staleness/dropped"]) == (1.0, 1.0)
+    assert (second["staleness/admitted"], second["staleness/dropped"]) == (1.0, 0.0)
+    assert (second["staleness/admitted_total"], second["staleness/dropped_total"]) == (2.0, 1.0)
+    assert second["staleness/mean"] == 1.0 and "staleness/hist/0" not in second
+    assert second["staleness/hist/1"] == 1.0
+    assert p.metrics()["staleness/admitted"] == 0.0 and "staleness/mean" not in p.metrics()
 
 
 def test_state_roundtrip_through_json_and_msgpack() -> None:
