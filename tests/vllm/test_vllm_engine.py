@@ -159,12 +159,15 @@ def test_the_weights_served_after_an_update_are_the_sent_ones(served: Served) ->
 def test_a_request_interrupted_by_an_update_switches_version_at_the_swap(served: Served):
     old = served.engine.version
     new = old + 1
-    n = 120
+    n = 240  # ~0.5 s of decoding here: the commit lands well inside it
 
     async def interrupted():
+        staged = served.send(new, seed=200 + new)  # the trainer's send waits for the commit
         task = asyncio.ensure_future(served.engine.generate(_req("cut", 5, n=n)))
-        await asyncio.sleep(0.3)  # some tokens under the old weights
-        staged = served.send(new, seed=200 + new)
+        states = served.engine.llm.output_processor.request_states
+        while not any(not s.is_prefilling for s in list(states.values())):
+            await asyncio.sleep(0.002)  # until its first tokens came out
+        await asyncio.sleep(0.02)
         got = await served.engine.commit(staged["plan"])
         await asyncio.to_thread(staged["thread"].join)
         return got, await task
