@@ -10,6 +10,7 @@ absolute per token (float32 on both sides, different kernels and summation order
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ import torch
 pytest.importorskip("vllm", reason="vllm is not installed (tests/vllm need the vLLM venv)")
 
 from rlhf_async.engines.interface import Request
-from rlhf_async.modeling.generation import SamplingParams
+from rlhf_async.modeling.generation import SamplingParams, scaled_logprobs
 from rlhf_async.weight_sync import GroupSpec, make_sender
 
 transformers = pytest.importorskip("transformers")
@@ -111,6 +112,14 @@ def _req(rid: str, seed: int, n: int = 16, prompt: tuple[int, ...] = (5, 6, 7, 8
                    min_new_tokens=n, cache_salt=f"v-{rid}")
 
 
+async def _first_tokens(served: Served) -> None:
+    """Until the running request's first tokens came out (then ~0.5 s of it remain here)."""
+    states = served.engine.llm.output_processor.request_states
+    while not any(not s.is_prefilling for s in list(states.values())):
+        await asyncio.sleep(0.002)
+    await asyncio.sleep(0.02)
+
+
 def _max_err(served: Served, version: int, prompt: list[int], tokens: list[int],
              logprobs: list[float]) -> float:
     ref = _recompute(served.models[version], prompt, tokens)
@@ -130,16 +139,37 @@ def test_same_seed_same_tokens_with_the_served_weights_logprobs(served: Served) 
     assert _max_err(served, 0, [5, 6, 7, 8], a.token_ids, a.logprobs) < TOL
 
 
+def test_logprobs_are_our_samplers_distribution_with_top_k_and_top_p(served: Served) -> None:
+    """vLLM's processed log-probs equal `scaled_logprobs` (what our torch sampler samples
+    from and what the trainer recomputes): temperature, top-k, top-p, stops barred."""
+    plain = served.engine.params
+    served.engine.params = dataclasses.replace(plain, top_k=20, top_p=0.8)
+    try:
+        comp = served.run(served.engine.generate(_req("nucleus", 21)))
+    finally:
+        served.engine.params = plain
+    version, prompt = served.engine.version, [5, 6, 7, 8]
+    ids = torch.tensor([prompt + comp.token_ids])
+    with torch.no_grad():
+        logits = served.models[version](ids).logits[0, len(prompt) - 1 : -1]  # [R, V]
+    ref = scaled_logprobs(logits, dataclasses.replace(plain, top_k=20, top_p=0.8), early=True)
+    ref = ref.gather(1, torch.tensor(comp.token_ids)[:, None])[:, 0]
+    assert float((ref - torch.tensor(comp.logprobs)).abs().max()) < TOL
+    # and the truncation mattered: the plain temperature log-probs are lower
+    plain_lp = _recompute(served.models[version], prompt, comp.token_ids)
+    assert float((torch.tensor(comp.logprobs) - plain_lp).min()) > 0.01
+
+
 def test_abort_returns_abort(served: Served) -> None:
     async def cut():
-        task = asyncio.ensure_future(served.engine.generate(_req("long", 3, n=200)))
-        await asyncio.sleep(0.5)
+        task = asyncio.ensure_future(served.engine.generate(_req("long", 3, n=240)))
+        await _first_tokens(served)
         await served.engine.abort("long")
         return await task
 
     comp = served.run(cut())
     assert comp.finish == "abort"
-    assert 0 < len(comp.token_ids) < 200
+    assert 0 < len(comp.token_ids) < 240
     assert len(comp.logprobs) == len(comp.versions) == len(comp.token_ids)
 
 
@@ -164,10 +194,7 @@ def test_a_request_interrupted_by_an_update_switches_version_at_the_swap(served:
     async def interrupted():
         staged = served.send(new, seed=200 + new)  # the trainer's send waits for the commit
         task = asyncio.ensure_future(served.engine.generate(_req("cut", 5, n=n)))
-        states = served.engine.llm.output_processor.request_states
-        while not any(not s.is_prefilling for s in list(states.values())):
-            await asyncio.sleep(0.002)  # until its first tokens came out
-        await asyncio.sleep(0.02)
+        await _first_tokens(served)
         got = await served.engine.commit(staged["plan"])
         await asyncio.to_thread(staged["thread"].join)
         return got, await task
