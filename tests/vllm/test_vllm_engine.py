@@ -212,3 +212,37 @@ def test_a_request_interrupted_by_an_update_switches_version_at_the_swap(served:
     assert float((after - torch.tensor(comp.logprobs[swap:])).abs().max()) < TOL
     stale = _recompute(served.models[old], prompt, comp.token_ids)[swap:]
     assert float((stale - torch.tensor(comp.logprobs[swap:])).abs().max()) > 0.1
+
+
+def test_pause_keeps_requests_and_resume_finishes_them(served: Served) -> None:
+    n = 240
+
+    async def paused():
+        task = asyncio.ensure_future(served.engine.generate(_req("held", 7, n=n)))
+        await _first_tokens(served)
+        await served.engine.pause()
+        await asyncio.sleep(1.0)  # ~2x the whole response's decode time here
+        held = not task.done()
+        await served.engine.resume()
+        return held, await task
+
+    held, comp = served.run(paused())
+    assert held, "a paused engine must not finish the request"
+    assert len(comp.token_ids) == n and comp.finish == "length"
+    assert comp.versions == [served.engine.version] * n
+
+
+def test_a_stop_id_ends_the_response_and_is_kept(served: Served) -> None:
+    stops = tuple(t for t in range(VOCAB) if t != EOS)  # with EOS: whatever comes first stops
+    req = Request(request_id="stop", prompt_ids=(5, 6, 7, 8), max_new_tokens=16, seed=4,
+                  stop_ids=stops)
+    comp = served.run(served.engine.generate(req))
+    assert comp.finish == "stop"
+    assert len(comp.token_ids) == 1 and comp.token_ids[0] in range(VOCAB)
+
+
+def test_stop_strings_are_refused(served: Served) -> None:
+    req = Request(request_id="s", prompt_ids=(5,), max_new_tokens=4, seed=0,
+                  stop_strings=("</a>",))
+    with pytest.raises(ValueError, match="cannot match stop strings"):
+        served.run(served.engine.generate(req))
