@@ -167,19 +167,23 @@ class VLLMEngine:
         return version
 
     async def _drain(self) -> None:
-        """Wait until every output sampled before the pause reached its `generate` loop:
-        the pause's answer comes after those outputs on the engine's socket, but the
-        output task and each request's collector hand them on in later event-loop turns."""
+        """Wait until every output sampled before the pause reached its `generate` loop.
+        The pause's answer arrives after those outputs on the engine's socket, which puts
+        them in the client's queue in order; the output task then hands them to each
+        request's collector (a large batch in chunks, one event-loop turn apart) and the
+        collectors to `generate`. Drained: the queue and every collector empty for two
+        turns running (a handler between chunks runs in the turn between)."""
         client = self.llm.engine_core
         states = self.llm.output_processor.request_states
+        quiet = 0
         for _ in range(_DRAIN_POLLS):
             queued = getattr(client, "outputs_queue", None)
-            pending = queued is not None and not queued.empty()
-            if not pending and all(getattr(s.queue, "output", None) is None
-                                   for s in list(states.values()) if s.queue is not None):
-                await asyncio.sleep(0)  # a last turn for a handler between chunks
-                if queued is None or queued.empty():
-                    return
+            idle = (queued is None or queued.empty()) and all(
+                getattr(s.queue, "output", None) is None
+                for s in list(states.values()) if s.queue is not None)
+            quiet = quiet + 1 if idle else 0
+            if quiet >= 2:
+                return
             await asyncio.sleep(0)
         raise RuntimeError("vLLM outputs did not drain after pausing for a weight update")
 
