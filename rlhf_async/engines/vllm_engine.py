@@ -136,6 +136,9 @@ class VLLMEngine:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         d = spec.to_dict() if isinstance(spec, GroupSpec) else dict(spec)
+        if d.get("backend") != self.sync_backend:
+            raise ValueError(f"weight-sync group backend {d.get('backend')!r} differs from the "
+                             f"engine's sync_backend {self.sync_backend!r}")
         request = WeightTransferInitRequest(init_info={"spec": d, "first_rank": rank})
         return self._run(self.llm.init_weight_transfer_engine(request))
 

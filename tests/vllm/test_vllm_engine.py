@@ -246,3 +246,9 @@ def test_stop_strings_are_refused(served: Served) -> None:
                   stop_strings=("</a>",))
     with pytest.raises(ValueError, match="cannot match stop strings"):
         served.run(served.engine.generate(req))
+
+
+def test_a_group_of_another_backend_is_refused(served: Served) -> None:
+    spec = GroupSpec(backend="nccl", master_addr="127.0.0.1", master_port=1, world_size=2)
+    with pytest.raises(ValueError, match="differs from the engine's sync_backend 'gloo'"):
+        served.engine.connect(spec, 1)
