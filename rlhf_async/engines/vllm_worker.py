@@ -2,8 +2,10 @@
 receives into the live model, so the engine never restarts.
 
 Passed to vLLM as `worker_extension_cls="rlhf_async.engines.vllm_worker.WeightSyncWorker"`
-(vLLM mixes it into its Worker class); the driver calls these methods through
-`LLM.collective_rpc`, the mechanism vLLM supports for RLHF weight updates. The group is our
+(vLLM mixes it into its Worker class). Importing it registers our bucketed broadcast as a
+vLLM weight-transfer backend in the worker process (`engines/vllm_transfer.py`), which is
+how `VLLMEngine` updates weights (vLLM's native API); the `rlhf_*` methods below serve the
+batch backend (`vllm_gen.py`), which calls them through `LLM.collective_rpc`. The group is our
 stateless torch group (gloo on CPU, NCCL on GPUs, built from a TCPStore the way vLLM's
 `StatelessProcessGroup` is), so a trainer that is not part of vLLM's world can broadcast to
 every tensor-parallel worker: each worker is its own rank and receives the full weights,
@@ -16,7 +18,10 @@ from typing import Any
 
 import torch
 
+from rlhf_async.engines.vllm_transfer import register
 from rlhf_async.weight_sync import GroupSpec, make_receiver
+
+register()
 
 
 class WeightSyncWorker:
