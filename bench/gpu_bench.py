@@ -4,8 +4,8 @@
     python bench/gpu_bench.py --dry-run --out /tmp/gpu_check.json       # CPU, tiny sizes
 
 Sections (each records its numbers or the reason it could not run, never aborts the rest):
-- generation: tokens/s of our vLLM backend vs vLLM's LLM used directly, same prompts and
-  sampling; without vllm, our torch sampler alone.
+- generation: tokens/s of our vLLM engine vs vLLM's AsyncLLM used directly, same prompts
+  and sampling (bench/vllm_engine_tps.py); without vllm, our torch sampler alone.
 - weight_sync: seconds to broadcast a ~1B-parameter state dict through our bucketed sender
   (NCCL between two GPUs when there are two; else gloo from GPU memory through the host).
 - ppo_step: seconds per RL step of the built-in task, Flattening vs Separation.
@@ -17,6 +17,8 @@ import argparse
 import importlib.util
 import json
 import multiprocessing as mp
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -60,29 +62,15 @@ def generation(dry: bool, device: str) -> dict[str, Any]:
         out["torch_tokens_per_s"] = float(b.response_mask.sum()) / (time.perf_counter() - t0)
         out["vllm"] = "not installed"
         return out
-    from vllm import LLM
-    from vllm import SamplingParams as VSP
-
-    from rlhf_async.engines.vllm_gen import VLLMGenerationBackend
-
+    # our VLLMEngine against AsyncLLM driven directly, same prompts and sampling
     with tempfile.TemporaryDirectory() as d:
-        actor.save_pretrained(d, safe_serialization=True)
-        ours = VLLMGenerationBackend(d, sp, max_model_len=128)
-        ours.generate(prompts, 0, 0, 0)  # warm-up
-        t0 = time.perf_counter()
-        b = ours.generate(prompts, 0, 1, 0)
-        out["ours_tokens_per_s"] = float(b.response_mask.sum()) / (time.perf_counter() - t0)
-        llm = ours.llm  # the same engine, driven directly: what our wrapper costs
-        reqs = [{"prompt_token_ids": ids[m.bool()].tolist()}
-                for ids, m in zip(prompts.prompt_ids, prompts.prompt_mask, strict=True)]
-        vsp = VSP(temperature=1.0, max_tokens=sp.max_new_tokens, stop_token_ids=[EOS],
-                  logprobs=0, seed=0, detokenize=False)
-        t0 = time.perf_counter()
-        res = llm.generate(reqs, vsp, use_tqdm=False)
-        toks = sum(len(r.outputs[0].token_ids) for r in res)
-        out["vllm_direct_tokens_per_s"] = toks / (time.perf_counter() - t0)
-        ours.close()
-        del LLM
+        res = Path(d) / "tps.json"
+        p = subprocess.run([sys.executable, "bench/vllm_engine_tps.py", "--out", str(res),
+                            *(["--requests", "8", "--tokens", "16"] if dry else [])],
+                           capture_output=True, text=True, timeout=900, check=False)
+        if p.returncode != 0:
+            raise RuntimeError(f"bench/vllm_engine_tps.py failed: {p.stderr[-2000:]}")
+        out.update(json.loads(res.read_text()))
     return out
 
 

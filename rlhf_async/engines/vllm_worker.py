@@ -5,7 +5,7 @@ Passed to vLLM as `worker_extension_cls="rlhf_async.engines.vllm_worker.WeightSy
 (vLLM mixes it into its Worker class). Importing it registers our bucketed broadcast as a
 vLLM weight-transfer backend in the worker process (`engines/vllm_transfer.py`), which is
 how `VLLMEngine` updates weights (vLLM's native API); the `rlhf_*` methods below serve the
-batch backend (`vllm_gen.py`), which calls them through `LLM.collective_rpc`. The group is our
+engine (`vllm_engine.py`), which calls them through `collective_rpc`. The group is our
 stateless torch group (gloo on CPU, NCCL on GPUs, built from a TCPStore the way vLLM's
 `StatelessProcessGroup` is), so a trainer that is not part of vLLM's world can broadcast to
 every tensor-parallel worker: each worker is its own rank and receives the full weights,

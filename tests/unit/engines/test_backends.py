@@ -24,22 +24,6 @@ def test_missing_deepspeed_names_the_extra(no_extras):
                               grad_clip=1.0)
 
 
-def test_missing_vllm_names_the_extra(no_extras):
-    from rlhf_async.engines.vllm_gen import VLLMGenerationBackend
-    from rlhf_async.modeling.generation import SamplingParams
-
-    with pytest.raises(MissingExtraError, match=r"pip install 'rlhf-async\[vllm\]'"):
-        VLLMGenerationBackend("/nonexistent", SamplingParams(4, 0, 1))
-
-
-def test_vllm_refuses_stop_strings_it_cannot_match():
-    from rlhf_async.engines.vllm_gen import VLLMGenerationBackend
-    from rlhf_async.modeling.generation import SamplingParams
-
-    with pytest.raises(ValueError, match="cannot match stop strings"):
-        VLLMGenerationBackend("/nonexistent", SamplingParams(4, 0, 1, stop_strings=("x",)))
-
-
 def test_config_reports_missing_extras_once_each(no_extras):
     with pytest.raises(ConfigError) as e:
         load_config(None, ["train.backend=deepspeed", "generation.backend=vllm",
