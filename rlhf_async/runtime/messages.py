@@ -8,7 +8,8 @@ a bad payload from a peer is counted and answered, never a crash.
 
 A `Command[R]` is a request whose reply is an `R`: `Coordinator.call(node, cmd)` returns
 the decoded `R`, and `Handlers.add(cmd_type, fn)` serves it on the other side. Every node
-answers the built-in commands below (`Pause`, `Resume`, `Stop`, `Status`, `Readdress`).
+answers the built-in commands below (`Pause`, `Resume`, `Stop`, `Status`, `Readdress`,
+`Peers`).
 """
 
 from __future__ import annotations
@@ -148,3 +149,12 @@ class Readdress(Command[dict[str, list[str]]], frozen=True, tag="readdress"):
     names what each data channel left."""
 
     moved: dict[str, str]
+
+
+class Peers(Command[list[str]], frozen=True, tag="peers"):
+    """The node's connecting data channel `channel` now sends to (or takes from) exactly
+    `addresses` (its job was scaled: a peer started or retired); replied with the
+    addresses it left."""
+
+    channel: str
+    addresses: list[str]

@@ -109,6 +109,8 @@ class Driver:
         self.chunk_state: dict[Key, ChunkState] = {}
         self.chunk_prompts: dict[Key, tuple[ChunkId, PromptBatch]] = {}
         self.down: set[str] = set()
+        self.joining: set[str] = set()  # started by a scale (scaling.py): nothing to hand back
+        self.leaving: set[str] = set()  # retiring (scaling.py): out of the next sync group
         self.ranks = ranks  # the trainer's, rank 0 ("trainer") first; several: one group
         self.trained_ids = Counter[int]()
         self.busy: dict[str, float] = {}  # node -> cumulative busy seconds
@@ -116,7 +118,8 @@ class Driver:
         self.counts = Counter[str]()  # restarts, resent chunks, regroups
         self.sync = SyncGroup(coord, self.trainer, self.clients, spec, gen_ranks,
                               cfg.runtime.restart_limit, cfg.weight_sync.timeout_s,
-                              self.counts, generators=lambda: self.generators,
+                              self.counts, generators=lambda: [
+                                  g for g in self.generators if g not in self.leaving],
                               trainer_up=lambda: "trainer" not in self.down)
         self.progress = Progress(cfg.train.steps, cfg.run.progress, start_step=start_step)
         self.t_last = time.perf_counter()
@@ -224,7 +227,7 @@ class Driver:
         self.chunk_state[key] = ChunkState.DISPATCHED
         await self.chan.send(prompts_message(cid, part, "coordinator"))
 
-    def _resend(self, states: tuple[ChunkState, ...]) -> None:
+    def resend(self, states: tuple[ChunkState, ...]) -> None:
         """Send again every chunk not yet trained that is in one of `states`."""
         keys = sorted(k for k, s in self.chunk_state.items() if s in states)
         self.counts["resent_chunks"] += len(keys)
@@ -311,13 +314,15 @@ class Driver:
         log.info("node_recovered", node=node, role=role)
         if node in self.ranks.ranks[1:]:  # a rank that rank 0 leads: rank 0 recovers
             return
-        if role == "trainer":
+        if node in self.joining:  # new (scaled up): nothing of it to send again
+            self.joining.discard(node)
+        elif role == "trainer":
             await self._rollback(loaded.step, loaded.lineage)
         elif role == "generator":
             self.applied[node] = (0, SFT_LINEAGE)
-            self._resend((ChunkState.DISPATCHED,))  # lost in its queue, or in flight
+            self.resend((ChunkState.DISPATCHED,))  # lost in its queue, or in flight
         else:
-            self._resend((ChunkState.DISPATCHED, ChunkState.GENERATED))
+            self.resend((ChunkState.DISPATCHED, ChunkState.GENERATED))
         if role != "scorer":
             self.sync.rebuild()
 

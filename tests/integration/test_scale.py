@@ -1,0 +1,92 @@
+"""Scaling a running Separation job (`rlhf-async scale`): one generator, then two, then one
+again, while the trainer goes on; each step's prompts trained exactly once (counted from
+the trainer's log); the run directory's config follows. Refusals: a Flattening job."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhf_async.config import load_config
+from rlhf_async.control.reshape import ReshapeError, Scale
+from rlhf_async.control.scale import request_scale
+from rlhf_async.runtime import run_loop
+from tests.faults import run_during, trained_counts
+
+pytestmark = [pytest.mark.timeout(300)]
+
+# trainer on 0, gen0 on 1, scorer0 on 2: device 3 is free for a second generator
+TINY = ["model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=30",
+        "reward_model.steps=30", "reward_model.heldout_pairs=64", "run.eval_prompts=16",
+        "train.prompts_per_step=8", "algo.group_size=2", "run.plot=false",
+        "run.progress=false", "placement.strategy=separation", "placement.devices=4",
+        "placement.generator=[1]", "placement.reward=[2]", "algo.max_staleness=1",
+        "run.checkpoint_every=2", "weight_sync.timeout_s=10"]
+
+
+def _steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _scale_at(run_dir: Path, plan: list[tuple[int, Scale]], stop: threading.Event,
+              done: list) -> None:
+    """Send each scale once `step` steps are trained; what each answered goes to `done`."""
+    for step, scale in plan:
+        while _steps(run_dir) < step or not (run_dir / "coordinator.json").exists():
+            if stop.is_set():
+                return
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        scaled = run_loop(request_scale(run_dir, scale, timeout=60))
+        done.append((_steps(run_dir), scaled, time.monotonic() - t0))
+
+
+def test_scale_up_and_down_mid_run_trains_each_prompt_once(tmp_path, cache):
+    steps = 24
+    cfg = load_config(None, [*TINY, f"run.cache_dir={json.dumps(str(cache))}",
+                             f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=scale",
+                             f"train.steps={steps}"])
+    run_dir, done = tmp_path / "scale", list[tuple]()
+    plan = [(2, Scale(generators=2)), (10, Scale(generators=1))]
+    run_during(cfg, lambda stop: _scale_at(run_dir, plan, stop, done))
+    assert len(done) == 2, done
+    (_, up, _), (at_down, down, down_s) = done
+    assert up.added == ["gen1"] and up.counts == {"generator": 2, "scorer": 1}
+    assert down.removed == ["gen1"] and down.counts["generator"] == 1
+    assert at_down < steps, "scaled down only after the run ended"
+    # gen1 left the weight-sync group before it stopped: no broadcast waited on it (a
+    # broadcast to a gone peer would time out at weight_sync.timeout_s = 10)
+    assert down_s < 8, down_s
+    counts = trained_counts(run_dir)
+    assert set(counts) == set(range(steps * 16)), "some prompts were never trained"
+    assert set(counts.values()) == {1}, "some prompts were trained more than once"
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(steps))
+    assert records[-1].get("faults/restarts", 0) == 0  # a retirement is no failure
+    # gen1 worked while it was there, and the resolved placement followed both changes
+    assert (run_dir / "logs" / "gen1.log").exists()
+    placement = json.loads((run_dir / "config.json").read_text())["placement"]
+    assert placement["generators"] == 1 and placement["generator"] == [1]
+    assert placement["scorers"] == 1 and placement["reward"] == [2]
+    print("scale:", [(s, d.counts, round(t, 2)) for s, d, t in done])
+
+
+def test_scale_of_a_flattening_job_is_refused(tmp_path):
+    run_dir = tmp_path / "flat"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps({"placement": {"strategy": "flattening"}}))
+    with pytest.raises(ReshapeError, match="separation job only"):
+        run_loop(request_scale(run_dir, Scale(generators=2), timeout=5))
+
+
+def test_scale_of_a_run_dir_without_a_running_job_is_refused(tmp_path):
+    with pytest.raises(ReshapeError, match="holds no job"):
+        run_loop(request_scale(tmp_path, Scale(generators=2), timeout=5))
+    (tmp_path / "config.json").write_text(json.dumps({"placement": {"strategy": "separation"}}))
+    with pytest.raises(ReshapeError, match="no running job"):
+        run_loop(request_scale(tmp_path, Scale(generators=2), timeout=5))
