@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from rlhf_async.runtime.messages import Command, Msg
+from rlhf_async.runtime.messages import Command, Msg, Refused
 
 # the keys a scale request takes -> the role whose process count they set, and how a new
 # process of that role is named (the same ids the strategy's preset gives: gen0, gen1, ...)
@@ -24,7 +24,7 @@ KEYS = {"generators": "generator", "scorers": "scorer"}
 PREFIX = {"generator": "gen", "scorer": "scorer"}
 
 
-class ReshapeError(ValueError):
+class ReshapeError(Refused):
     """A scale request that cannot be done; the message says what is wrong and what is
     accepted. The job goes on with its shape unchanged."""
 
@@ -127,17 +127,17 @@ def plan_reshape(processes: Mapping[str, Process], num_devices: int,
         for _ in range(max(0, want - have)):
             k = width.get(role, 1)
             if len(free) < k:
-                short.append((role, want - have, k))
+                short.append((role, want, want - have, k))
                 break
             i = next(i for i in range(len(taken) + 1) if f"{PREFIX[role]}{i}" not in taken)
             taken.add(f"{PREFIX[role]}{i}")
             add[f"{PREFIX[role]}{i}"], free = (role, tuple(free[:k])), free[k:]
     if short:
-        need = sum(n * k for _, n, k in short)
-        asks = ", ".join(f"{n} more {role} process(es) x {k} {device_word}(s)"
-                         for role, n, k in short)
+        need = sum(n * k for _, _, n, k in short)
+        asks = ", ".join(f"{role}s={want} needs {n} more process(es) of {k} {device_word}(s)"
+                         for role, want, n, k in short)
         raise ReshapeError(
-            f"not enough free {device_word}s: {asks} need {need}, but of placement.devices = "
+            f"not enough free {device_word}s: {asks} ({need} in all), but of placement.devices = "
             f"{num_devices} only {sorted(d for d in range(num_devices) if d not in used)} "
             f"are free (in use: {sorted(used)}); retire other processes first, or resume "
             f"the run with a larger placement.devices")

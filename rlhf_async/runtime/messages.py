@@ -29,6 +29,11 @@ class MessageError(ValueError):
     """A payload that is not the message its name says."""
 
 
+class Refused(ValueError):
+    """A command its handler will not do, for the reason given (a request that cannot be
+    met, not a failure): answered as an error, logged as a warning without a traceback."""
+
+
 class Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A control message; subclasses with `tag=...` are sent, those without are replies
     (and fields of messages)."""
@@ -113,6 +118,9 @@ class Handlers:
             if inspect.isawaitable(result):
                 result = await result
             return {"ok": True, "result": to_payload(result)}
+        except Refused as e:
+            self.log.warning("command_refused", command=name, reason=str(e))
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
         except Exception as e:  # a failing handler must not kill the node or coordinator
             self.log.exception("command_failed", command=name)
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}

@@ -1,9 +1,12 @@
-"""Scaling a running Separation job (`rlhf-async scale`): one generator, then two, then one
-again, while the trainer goes on; each step's prompts trained exactly once (counted from
-the trainer's log); the run directory's config follows. Refusals: a Flattening job."""
+"""Scaling a running Separation job (`rlhf-async scale`): one generator and one scorer, then
+two of each, then one again (through the daemon's scale op), while the trainer goes on;
+each step's prompts trained exactly once (counted from the trainer's log); the run
+directory's config follows. Refusals: too few free devices (the job goes on), a Flattening
+job, a run directory without a running job."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -14,16 +17,17 @@ import pytest
 from rlhf_async.config import load_config
 from rlhf_async.control.reshape import ReshapeError, Scale
 from rlhf_async.control.scale import request_scale
+from rlhf_async.ops.daemon.server import Daemon
 from rlhf_async.runtime import run_loop
 from tests.faults import run_during, trained_counts
 
 pytestmark = [pytest.mark.timeout(300)]
 
-# trainer on 0, gen0 on 1, scorer0 on 2: device 3 is free for a second generator
+# trainer on 0, gen0 on 1, scorer0 on 2: devices 3 and 4 are free
 TINY = ["model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=30",
         "reward_model.steps=30", "reward_model.heldout_pairs=64", "run.eval_prompts=16",
         "train.prompts_per_step=8", "algo.group_size=2", "run.plot=false",
-        "run.progress=false", "placement.strategy=separation", "placement.devices=4",
+        "run.progress=false", "placement.strategy=separation", "placement.devices=5",
         "placement.generator=[1]", "placement.reward=[2]", "algo.max_staleness=1",
         "run.checkpoint_every=2", "weight_sync.timeout_s=10"]
 
@@ -33,17 +37,43 @@ def _steps(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _scale_at(run_dir: Path, plan: list[tuple[int, Scale]], stop: threading.Event,
+async def _through_daemon(state: Path, run_dir: Path, request: dict) -> dict:
+    """`request` (an op "scale") to a daemon whose job 1 is the run in `run_dir`, over its
+    control socket."""
+    daemon = Daemon(state)
+    store = daemon.prepare()
+    job = store.add("", "", [], daemon.paths.runs, daemon.paths.logs)
+    store.update(job.id, state="running", run_dir=str(run_dir))
+    server = await asyncio.start_unix_server(daemon._client, path=str(daemon.paths.socket))
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(daemon.paths.socket))
+        writer.write(json.dumps({**request, "id": job.id}).encode() + b"\n")
+        reply = json.loads(await reader.readline())
+        writer.close()
+    finally:
+        server.close()
+        store.close()
+    return reply
+
+
+def _scale_at(run_dir: Path, plan: list[tuple[int, Scale | dict]], stop: threading.Event,
               done: list) -> None:
-    """Send each scale once `step` steps are trained; what each answered goes to `done`."""
+    """Send each scale once `step` steps are trained (a dict: through the daemon); what
+    each answered (or the refusal) goes to `done`."""
     for step, scale in plan:
         while _steps(run_dir) < step or not (run_dir / "coordinator.json").exists():
             if stop.is_set():
                 return
             time.sleep(0.05)
         t0 = time.monotonic()
-        scaled = run_loop(request_scale(run_dir, scale, timeout=60))
-        done.append((_steps(run_dir), scaled, time.monotonic() - t0))
+        try:
+            if isinstance(scale, dict):
+                answer = run_loop(_through_daemon(run_dir.parent / "state", run_dir, scale))
+            else:
+                answer = run_loop(request_scale(run_dir, scale, timeout=60))
+        except ReshapeError as e:
+            answer = e
+        done.append((_steps(run_dir), answer, time.monotonic() - t0))
 
 
 def test_scale_up_and_down_mid_run_trains_each_prompt_once(tmp_path, cache):
@@ -52,12 +82,16 @@ def test_scale_up_and_down_mid_run_trains_each_prompt_once(tmp_path, cache):
                              f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=scale",
                              f"train.steps={steps}"])
     run_dir, done = tmp_path / "scale", list[tuple]()
-    plan = [(2, Scale(generators=2)), (10, Scale(generators=1))]
+    plan = [(2, Scale(generators=2, scorers=2)), (5, Scale(generators=3)),
+            (10, {"op": "scale", "generators": 1, "scorers": 1})]
     run_during(cfg, lambda stop: _scale_at(run_dir, plan, stop, done))
-    assert len(done) == 2, done
-    (_, up, _), (at_down, down, down_s) = done
-    assert up.added == ["gen1"] and up.counts == {"generator": 2, "scorer": 1}
-    assert down.removed == ["gen1"] and down.counts["generator"] == 1
+    assert len(done) == 3, done
+    (_, up, _), (_, refused, _), (at_down, down, down_s) = done
+    assert up.added == ["gen1", "scorer1"] and up.counts == {"generator": 2, "scorer": 2}
+    assert isinstance(refused, ReshapeError) and "not enough free CPU slots" in str(refused)
+    assert down["ok"], down
+    assert down["result"]["removed"] == ["gen1", "scorer1"], down
+    assert down["result"]["counts"] == {"generator": 1, "scorer": 1}
     assert at_down < steps, "scaled down only after the run ended"
     # gen1 left the weight-sync group before it stopped: no broadcast waited on it (a
     # broadcast to a gone peer would time out at weight_sync.timeout_s = 10)
@@ -68,12 +102,14 @@ def test_scale_up_and_down_mid_run_trains_each_prompt_once(tmp_path, cache):
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(steps))
     assert records[-1].get("faults/restarts", 0) == 0  # a retirement is no failure
-    # gen1 worked while it was there, and the resolved placement followed both changes
-    assert (run_dir / "logs" / "gen1.log").exists()
+    # the new nodes worked while they were there; the resolved placement followed
+    for node in ("gen1", "scorer1"):
+        assert any(r.get(f"util/{node}", 0) > 0 for r in records), node
+        assert f"util/{node}" not in records[-1], node
     placement = json.loads((run_dir / "config.json").read_text())["placement"]
     assert placement["generators"] == 1 and placement["generator"] == [1]
     assert placement["scorers"] == 1 and placement["reward"] == [2]
-    print("scale:", [(s, d.counts, round(t, 2)) for s, d, t in done])
+    print("scale:", [(s, getattr(d, "counts", d), round(t, 2)) for s, d, t in done])
 
 
 def test_scale_of_a_flattening_job_is_refused(tmp_path):

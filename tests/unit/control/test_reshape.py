@@ -74,5 +74,5 @@ def test_too_few_free_devices_names_what_is_free_and_needed():
 def test_a_tensor_parallel_generator_takes_its_width_in_devices():
     plan = plan_reshape(RUNNING, 7, {"generator": 2}, {"generator": 2})
     assert plan.add == {"gen1": ("generator", (3, 4))}
-    with pytest.raises(ReshapeError, match="x 2 device"):
+    with pytest.raises(ReshapeError, match="generators=2 needs 1 more process.es. of 2 device"):
         plan_reshape(RUNNING, 4, {"generator": 2}, {"generator": 2})
