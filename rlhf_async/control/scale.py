@@ -26,27 +26,34 @@ from rlhf_async.control.reshape import ReshapeError, Scale, Scaled
 from rlhf_async.runtime.messages import MessageError, decode_reply, tag, to_payload
 
 
-def running_strategy(run_dir: Path) -> str:
-    """The placement strategy of the job in `run_dir`; ReshapeError if there is none."""
+def running_placement(run_dir: Path) -> dict:
+    """The placement config of the job in `run_dir`; ReshapeError if there is none."""
     path = Path(run_dir) / "config.json"
     try:
-        strategy = json.loads(path.read_text())["placement"]["strategy"]
+        placement = json.loads(path.read_text())["placement"]
+        str(placement["strategy"])
     except FileNotFoundError:
         raise ReshapeError(f"{run_dir} holds no job ({path} not found)") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ReshapeError(f"cannot read the job's placement from {path}: {e}") from None
-    return str(strategy)
+    return dict(placement)
 
 
 def check_scalable(run_dir: Path) -> dict:
     """The running coordinator's file of a Separation job in `run_dir`, or ReshapeError."""
-    strategy = running_strategy(run_dir)
+    placement = running_placement(run_dir)
+    strategy = placement["strategy"]
     if strategy != "separation":
         raise ReshapeError(
             f"{run_dir} runs placement.strategy = {strategy!r}: scale changes a running "
             "separation job only (flattening and interleaving hold every model in one "
             "process per device); to change its devices, stop it and resume it with "
             "another placement.devices")
+    if placement.get("launcher") == "ray":
+        raise ReshapeError(
+            f"{run_dir} runs on Ray (placement.launcher = 'ray'): this build scales jobs "
+            "on this machine only; to change its shape, stop it, set placement.generators "
+            "and placement.scorers in its config.json and resume it")
     try:
         info = read_coordinator_file(run_dir)
     except CoordinatorError:
