@@ -20,7 +20,7 @@ from rlhf_async.strategies.registry import runnable_placement
 from rlhf_async.strategies.separation.protocol import Loaded, Published, WeightSyncPrepare
 from rlhf_async.strategies.separation.scaling import Scaler, persist, reshaped
 from rlhf_async.wire.transport import Endpoint
-from tests.unit.strategies.test_driver import LINEAGE, FakeCoord, Harness, settle
+from tests.unit.strategies.test_driver import LINEAGE, FakeCoord, Harness
 
 SHAPE = ["placement.strategy=separation", "placement.devices=5", "placement.generator=[1]",
          "placement.reward=[2]"]
