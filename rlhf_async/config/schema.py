@@ -339,6 +339,13 @@ class PlacementConfig:
                    choices=("A100", "H100", "H200"))
     calibration: str = opt("", "calibration JSON from `rlhf-async plan --calibrate`; empty = "
                            "the built-in one")
+    rebalance: bool = opt(False, "separation: move a device between the generator and "
+                          "scorer roles while the job runs when the stage times measured "
+                          "predict a faster step (rlhf-async scale's reshape)")
+    rebalance_every: int = opt(5, "steps of stage times each rebalancing decision averages; "
+                               "also the least steps between two moves", ge=1)
+    rebalance_gain: float = opt(0.1, "the predicted step-time gain (a fraction) a move must "
+                                "pass (0 < gain < 1)", gt=0.0, le=0.99)
     launcher: str = opt("local", "who starts the node processes (separation): local = this "
                         "machine; ray = a Ray cluster places them (the [ray] extra; see [ray])",
                         choices=("local", "ray"))

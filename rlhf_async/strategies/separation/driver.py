@@ -17,6 +17,7 @@ import contextlib
 import enum
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -111,6 +112,7 @@ class Driver:
         self.down: set[str] = set()
         self.joining: set[str] = set()  # started by a scale (scaling.py): nothing to hand back
         self.leaving: set[str] = set()  # retiring (scaling.py): out of the next sync group
+        self.on_record: list[Callable[[dict[str, Any]], None]] = []  # may add to a record
         self.ranks = ranks  # the trainer's, rank 0 ("trainer") first; several: one group
         self.trained_ids = Counter[int]()
         self.busy: dict[str, float] = {}  # node -> cumulative busy seconds
@@ -138,7 +140,7 @@ class Driver:
     async def run(self) -> dict[str, Any]:
         self.dispatcher = asyncio.ensure_future(self._dispatch_loop())
         if self.start_step:  # generators hold the SFT weights: send the checkpoint's
-            self._spawn(self.sync.republish())
+            self.spawn(self.sync.republish())
         try:
             while True:
                 if await self._handle(await self._next_event()):
@@ -239,7 +241,7 @@ class Driver:
             for key in keys:
                 if key in self.chunk_state:  # not trained meanwhile
                     await self._send(key)
-        self._spawn(resend())
+        self.spawn(resend())
 
     async def _handle(self, ev: NodeEvent) -> bool:
         """One node event; True when the run is complete."""
@@ -260,7 +262,7 @@ class Driver:
         match event:
             case Published(plan=plan, lineage=lineage):
                 for gen in self.generators:
-                    self._spawn(self.sync.forward(gen, plan, lineage))
+                    self.spawn(self.sync.forward(gen, plan, lineage))
             case WeightsApplied(version=version, lineage=lineage):
                 self.applied[node] = (version, lineage)
                 self.gate.set()
@@ -274,7 +276,7 @@ class Driver:
                 key = (event.step, event.chunk)
                 if key in self.chunk_prompts:
                     self.counts["resent_chunks"] += 1
-                    self._spawn(self._send(key))
+                    self.spawn(self._send(key))
             case Trained():
                 self._record(node, event)
             case Done():
@@ -342,7 +344,7 @@ class Driver:
             del self.trained_ids[sid]
         self.dispatcher = asyncio.ensure_future(self._dispatch_loop())
 
-    def _spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -365,6 +367,8 @@ class Driver:
             **t.staleness, **{f"queue/{s}": states.get(s, 0) for s in ChunkState},
             **{"queue/trainer": t.queue_trainer}, **util,
             **{f"faults/{k}": v for k, v in self.counts.items()})
+        for hook in self.on_record:  # online rebalancing (rebalance.py)
+            hook(record)
         try:
             self.writer.write(record)
         except OSError as e:  # a full disk: one error naming it, not a traceback

@@ -31,6 +31,7 @@ from rlhf_async.strategies.separation.clients import (
     connect_weight_sync,
 )
 from rlhf_async.strategies.separation.driver import Driver
+from rlhf_async.strategies.separation.rebalance import Rebalancer
 from rlhf_async.strategies.separation.scaling import Scaler
 from rlhf_async.strategies.separation.startup import generator_ranks, wait_loaded
 from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
@@ -177,7 +178,12 @@ async def drive(cfg: JobConfig, coord: Coordinator, prompts: Any, specs: list[No
         driver = Driver(cfg, coord, events, prompts, roles, spec, run_dir, chunks,
                         start_step, loaded["trainer"].lineage, ranks, backlog, gen_ranks)
         if scaler is not None:
-            coord.handle(Scale, scaler(driver).scale)
+            scaling = scaler(driver)
+            coord.handle(Scale, scaling.scale)
+            if cfg.placement.rebalance:
+                driver.on_record.append(Rebalancer(
+                    scaling, cfg.placement.rebalance_every, cfg.placement.rebalance_gain,
+                    cfg.algo.max_staleness, driver.spawn).observe)
         result = await coord.run_until_stop(driver.run())
         if result is None:  # stopped: the trainer finishes its step and checkpoints
             await driver.finish_stopping(cfg.runtime.stop_grace_s)
