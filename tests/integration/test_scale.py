@@ -126,3 +126,32 @@ def test_scale_of_a_run_dir_without_a_running_job_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"placement": {"strategy": "separation"}}))
     with pytest.raises(ReshapeError, match="no running job"):
         run_loop(request_scale(tmp_path, Scale(generators=2), timeout=5))
+
+
+def test_rebalance_moves_a_scorer_device_to_the_generators_of_a_generation_bound_job(
+        tmp_path, cache):
+    """Started with one generator and three scorers (generation takes many decode steps,
+    scoring one forward): a decision moves a scorer's device to a second generator;
+    every prompt is still trained once and the decisions are in the step records."""
+    steps = 16
+    cfg = load_config(None, [*TINY, f"run.cache_dir={json.dumps(str(cache))}",
+                             f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=rb",
+                             f"train.steps={steps}", "placement.reward=[2,3,4]",
+                             "placement.rebalance=true", "placement.rebalance_every=3",
+                             "task.min_len=24", "task.short_len=32", "task.max_len=32",
+                             "generation.max_new_tokens=40", "model.max_positions=96",
+                             "run.checkpoint_every=0", 'placement.dtype=["shadow_actor=bf16"]'])
+    run_during(cfg, lambda stop: None)
+    run_dir = tmp_path / "rb"
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    decisions = [r for r in records if "rebalance/gain" in r]
+    assert decisions, "no rebalancing decision was made"
+    first = decisions[0]
+    assert first["rebalance/generate_s"] > first["rebalance/score_s"] / 3, first
+    assert first["rebalance/moved"] == 1, {k: v for k, v in first.items() if "/" in k and not k.startswith(("queue", "faults", "staleness"))}
+    placement = json.loads((run_dir / "config.json").read_text())["placement"]
+    assert placement["generators"] >= 2 and placement["scorers"] <= 2, placement
+    counts = trained_counts(run_dir)
+    assert set(counts) == set(range(steps * 16)) and set(counts.values()) == {1}
+    print("rebalance:", [{k: round(v, 3) for k, v in r.items() if k.startswith("rebalance/")}
+                         for r in decisions])

@@ -93,8 +93,9 @@ class Rebalancer:
         self.moving: asyncio.Future[Any] | None = None
 
     def observe(self, record: dict[str, Any]) -> None:
-        if self.moving is not None and not self.moving.done():
-            return  # steps of a shape changing under them measure neither shape
+        if (self.moving is not None and not self.moving.done()) or self.scaler.driver.joining:
+            return  # steps of a shape changing under them (new nodes still loading)
+            # measure neither shape
         self.window.append(record)
         if len(self.window) < self.every:
             return

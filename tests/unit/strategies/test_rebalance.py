@@ -25,6 +25,7 @@ P = runnable_placement(load_config(None, [
     "placement.strategy=separation", "placement.devices=5", "placement.generator=[1]",
     "placement.reward=[2,3,4]", "algo.max_staleness=1"]))
 ROLES = {q.node_id: q.role for q in P.processes}
+DRIVER = SimpleNamespace(joining=set())
 
 
 def _record(gen: float, scorer: float, trainer: float = 0.5, dt: float = 1.0) -> dict:
@@ -73,7 +74,7 @@ def test_a_window_decides_once_and_waits_while_the_move_is_under_way():
             await gate.wait()
             return SimpleNamespace(added=["gen1"], removed=["scorer2"], counts={})
 
-        rb = Rebalancer(SimpleNamespace(placement=P, scale=scale), 2, 0.1, 1,  # type: ignore[arg-type]
+        rb = Rebalancer(SimpleNamespace(placement=P, scale=scale, driver=DRIVER), 2, 0.1, 1,  # type: ignore[arg-type]
                         lambda t: None)
         first, second = _record(1.0, 0.2), _record(1.0, 0.2)
         rb.observe(first)
@@ -87,6 +88,10 @@ def test_a_window_decides_once_and_waits_while_the_move_is_under_way():
         assert rb.window == [] and len(moves) == 1
         gate.set()
         await asyncio.sleep(0)
+        DRIVER.joining.add("gen1")  # started, still loading its models: not counted
+        rb.observe(_record(1.0, 0.2))
+        assert rb.window == []
+        DRIVER.joining.clear()
         rb.observe(_record(1.0, 0.2))
         assert len(rb.window) == 1
     asyncio.run(main())
