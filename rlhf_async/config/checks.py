@@ -26,6 +26,11 @@ def cross_checks(cfg: JobConfig) -> list[str]:
     out.extend(_length_tail_checks(cfg))
     out.extend(_algo_checks(cfg))
     out.extend(_reward_spec_problems(cfg.task.reward))
+    if cfg.placement.rebalance and cfg.placement.strategy not in ("separation", "auto"):
+        out.append(f"placement.rebalance: moves devices between the generator and scorer "
+                   f"processes of a separation job; placement.strategy = "
+                   f"{cfg.placement.strategy!r} has none (set it to 'separation' or "
+                   "placement.rebalance = false)")
     if cfg.algo.dynamic_sampling and cfg.algo.group_size < 2:
         out.append("algo.dynamic_sampling: drops groups whose rewards are all equal; it "
                    "needs algo.group_size >= 2 (a group of one never varies)")

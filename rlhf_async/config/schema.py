@@ -1,10 +1,9 @@
 """Typed job configuration: nested dataclasses, loaded from TOML with dotted overrides.
 
 Every problem (unknown key, wrong type, bad value) is collected and raised together in one
-`ConfigError` (`load.py`). The reference file `configs/reference.toml` is rendered from these
-classes (`reference.py`), so the two cannot drift. The `[algo]` section lives with its
-presets (`presets.py`); what every section is made of, `opt` and `ConfigError`, in
-`fields.py`.
+`ConfigError` (`load.py`). `configs/reference.toml` is rendered from these classes
+(`reference.py`), so the two cannot drift. `[algo]` lives with its presets (`presets.py`);
+`opt` and `ConfigError` in `fields.py`.
 """
 
 from __future__ import annotations
@@ -343,6 +342,12 @@ class PlacementConfig:
                    choices=("A100", "H100", "H200"))
     calibration: str = opt("", "calibration JSON from `rlhf-async plan --calibrate`; empty = "
                            "the built-in one")
+    rebalance: bool = opt(False, "separation: move a device between generators and scorers "
+                          "while the job runs when measured stage times predict a faster step")
+    rebalance_every: int = opt(5, "steps of stage times each rebalancing decision averages; "
+                               "also the least steps between two moves", ge=1)
+    rebalance_gain: float = opt(0.1, "the predicted step-time gain (a fraction) a move must "
+                                "pass (0 < gain < 1)", gt=0.0, le=0.99)
     launcher: str = opt("local", "who starts the node processes (separation): local = this "
                         "machine; ray = a Ray cluster places them (the [ray] extra; see [ray])",
                         choices=("local", "ray"))

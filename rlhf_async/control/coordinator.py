@@ -7,10 +7,9 @@
 
 Nodes connect a DEALER (identity = node_id#incarnation, `NodeSpec.peer_id`) to the
 coordinator's ROUTER; the coordinator answers each heartbeat, so a node notices a vanished
-coordinator and exits by itself.
-`RUN_DIR/coordinator.json` names the control endpoint for the CLI's `status` and `stop`.
-The nodes' lives (launch, ready, liveness, restarts) are its `Supervisor`'s (supervisor.py);
-the coordinator tells it what the control socket hears.
+coordinator and exits by itself. `RUN_DIR/coordinator.json` names the control endpoint for
+the CLI's `status` and `stop`. The nodes' lives (launch, ready, liveness, restarts) are its
+`Supervisor`'s (supervisor.py); the coordinator tells it what the control socket hears.
 
 Security: the control socket is an owner-only ipc file. Nodes get the coordinator's CURVE
 keys directory (`keys=`) in their spec; a spec using tcp without keys gets a fresh set in
@@ -230,12 +229,10 @@ class Coordinator:
         return replace(spec, keys=self._ensure_keys().directory)
 
     async def wait_ready(self, node_ids: list[str] | None = None,
-                         timeout: float | None = None) -> None:
-        """Wait until the nodes are ready; NodeNotReady names any node that never came up."""
+                         timeout: float | None = None) -> None:  # else NodeNotReady
         await self.supervisor.wait_ready(node_ids, timeout)
 
-    def pid(self, node_id: str) -> int | None:
-        """The pid of the node's current process while it runs; None once it is gone."""
+    def pid(self, node_id: str) -> int | None:  # while its current process runs
         return self.supervisor.pid(node_id)
 
     def host(self, node_id: str, default: str) -> str:
@@ -324,6 +321,9 @@ class Coordinator:
         if not reply.get("ok"):
             raise CommandError(f"node {node_id!r} failed command {kind!r}: {reply.get('error')}")
         return reply.get("result")
+
+    def handle(self, cls: type[Command[R]], handler: Callable[[Any], Any]) -> None:
+        self._handlers.add(cls, handler)  # a command of the CLI's (`call_coordinator`)
 
     def on_event(self, callback: Callable[[NodeEvent], Any]) -> None:
         self._listeners.append(callback)

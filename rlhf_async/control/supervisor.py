@@ -49,7 +49,7 @@ class NodeRecord:
     process: NodeProcess
     started: float
     last_seen: float
-    state: str = "starting"  # starting | ready | exited | dead
+    state: str = "starting"  # starting | ready | exited | dead | retiring
     restarts: int = 0  # every restart of the run, for status and metrics
     failures: int = 0  # consecutive deaths: what restart_limit bounds
     healthy_since: float | None = None  # first seen ready (by `check`) since this start
@@ -127,7 +127,7 @@ class Supervisor:
         """One liveness pass over every node still starting or ready."""
         now = self.clock()
         for node in list(self.nodes.values()):
-            if node.state in ("dead", "exited"):
+            if node.state in ("dead", "exited", "retiring"):
                 continue
             self._note_health(node, now)
             rc = node.process.poll()
@@ -183,6 +183,23 @@ class Supervisor:
             self.start(node.spec, restarts=node.restarts + 1, failures=node.failures + 1)
             self._publish(NodeEvent(node_id, tag(NodeRestarted),
                                     to_payload(NodeRestarted(node.restarts + 1))))
+
+    async def retire(self, node_id: str, grace: float) -> int | None:
+        """Take `node_id` out of the job (it was asked to stop: the job scaled down): its
+        exit is no death and starts nothing; past `grace` it is terminated, then killed.
+        The record is forgotten, so the id may be started again later. Its exit code."""
+        node = self.nodes[node_id]
+        node.state = "retiring"
+        for action in ("terminate", "kill"):
+            if (rc := await node.process.wait(timeout=grace)) is not None:
+                break
+            self.log.warning("node_" + action, node=node_id, pid=node.process.pid)
+            getattr(node.process, action)()
+        else:
+            rc = await node.process.wait(timeout=grace)
+        del self.nodes[node_id]
+        self.log.info("node_retired", node=node_id, role=node.spec.role, exit_code=rc)
+        return rc
 
     def close(self) -> None:
         """From now on no node is declared dead or restarted: the job is shutting down."""

@@ -8,7 +8,8 @@ a bad payload from a peer is counted and answered, never a crash.
 
 A `Command[R]` is a request whose reply is an `R`: `Coordinator.call(node, cmd)` returns
 the decoded `R`, and `Handlers.add(cmd_type, fn)` serves it on the other side. Every node
-answers the built-in commands below (`Pause`, `Resume`, `Stop`, `Status`, `Readdress`).
+answers the built-in commands below (`Pause`, `Resume`, `Stop`, `Status`, `Readdress`,
+`Peers`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ C = TypeVar("C", bound="Msg")
 
 class MessageError(ValueError):
     """A payload that is not the message its name says."""
+
+
+class Refused(ValueError):
+    """A command its handler will not do, for the reason given (a request that cannot be
+    met, not a failure): answered as an error, logged as a warning without a traceback."""
 
 
 class Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -112,6 +118,9 @@ class Handlers:
             if inspect.isawaitable(result):
                 result = await result
             return {"ok": True, "result": to_payload(result)}
+        except Refused as e:
+            self.log.warning("command_refused", command=name, reason=str(e))
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
         except Exception as e:  # a failing handler must not kill the node or coordinator
             self.log.exception("command_failed", command=name)
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -148,3 +157,12 @@ class Readdress(Command[dict[str, list[str]]], frozen=True, tag="readdress"):
     names what each data channel left."""
 
     moved: dict[str, str]
+
+
+class Peers(Command[list[str]], frozen=True, tag="peers"):
+    """The node's connecting data channel `channel` now sends to (or takes from) exactly
+    `addresses` (its job was scaled: a peer started or retired); replied with the
+    addresses it left."""
+
+    channel: str
+    addresses: list[str]

@@ -8,6 +8,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import psutil
@@ -19,6 +20,7 @@ from rlhf_async.runtime.messages import (
     Msg,
     Pause,
     Paused,
+    Peers,
     Readdress,
     Resume,
     Status,
@@ -68,6 +70,7 @@ class Node:
         self.handle(Stop, lambda cmd: self.request_stop(f"command: {cmd.reason}"))
         self.handle(Status, lambda _: self.status())
         self.handle(Readdress, lambda cmd: self._readdress(cmd.moved))
+        self.handle(Peers, lambda cmd: self._repeer(cmd.channel, cmd.addresses))
 
     @property
     def node_id(self) -> str:
@@ -143,6 +146,17 @@ class Node:
                 if (old := chan.readdress(moved))}
         self.spec = self.spec.readdressed(moved)  # what status and later reads see
         self.log.info("endpoints_readdressed", moved=moved, channels=sorted(left))
+        return left
+
+    def _repeer(self, name: str, addresses: list[str]) -> list[str]:
+        """Channel `name` now connects to exactly `addresses` (a peer added or retired)."""
+        if name not in self._channels:
+            raise ValueError(f"no data channel {name!r}; this node has {sorted(self._channels)}")
+        left = self._channels[name].repeer(addresses)
+        eps = dict(self.spec.endpoints)
+        eps[name] = self._channels[name].endpoint
+        self.spec = replace(self.spec, endpoints=eps)
+        self.log.info("peers_changed", channel=name, peers=addresses, left=left)
         return left
 
     # commands and events

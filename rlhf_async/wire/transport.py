@@ -19,7 +19,7 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Self
 
@@ -249,6 +249,26 @@ class Channel:
         self.endpoint = replace(ep, address=moved.get(ep.address, ep.address),
                                 also=tuple(moved.get(a, a) for a in ep.also))
         return old
+
+    def repeer(self, addresses: Sequence[str]) -> list[str]:
+        """A connecting channel's peers become `addresses` (a job scaled: a peer added or
+        retired): it connects to the new ones and disconnects from those left out, whose
+        queued messages are dropped with their pipe (the senders' bookkeeping sends them
+        again). Returns the addresses it left."""
+        ep = self.endpoint
+        if ep.bind or not addresses:
+            raise ValueError(f"{ep.address}: only a connecting channel takes a list of "
+                             "peers, and it needs at least one")
+        now = (ep.address, *ep.also)
+        left = [a for a in now if a not in addresses]
+        for address in left:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.disconnect(address)
+        for address in addresses:
+            if address not in now:
+                self.sock.connect(address)
+        self.endpoint = replace(ep, address=addresses[0], also=tuple(addresses[1:]))
+        return left
 
     def __aiter__(self) -> AsyncIterator[Message]:
         return self._iter()

@@ -193,7 +193,9 @@ class Daemon:
                 request = json.loads(line)
                 if not isinstance(request, dict):
                     raise TypeError("a request is a JSON object")
-                reply = {"ok": True, "result": self.handle(request)}
+                result = await self._scale(request) if request.get("op") == "scale" \
+                    else self.handle(request)
+                reply = {"ok": True, "result": result}
             except (ValueError, KeyError, TypeError) as e:
                 # a KeyError's str() is its key's repr: send the key itself, every other
                 # message whole (stripping quotes cut the last one off messages ending in it)
@@ -218,7 +220,32 @@ class Daemon:
         if op in ("job", "cancel"):
             job = self._job(request.get("id"))
             return (self._cancel(job) if op == "cancel" else job).to_dict()
-        raise ValueError(f"unknown op {op!r}; accepted: ping, submit, jobs, job, cancel")
+        raise ValueError(f"unknown op {op!r}; accepted: ping, submit, jobs, job, cancel, scale")
+
+    async def _scale(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`{"op": "scale", "id": N, "generators": 2, "scorers": 1}`: the running job's
+        coordinator adds or retires processes (control/scale.py); answered once it has."""
+        from rlhf_async.control.reshape import KEYS, ReshapeError, Scale
+        from rlhf_async.control.scale import request_scale
+        from rlhf_async.runtime.messages import to_payload
+
+        job = self._job(request.get("id"))
+        unknown = sorted(set(request) - {"op", "id", "timeout", *KEYS})
+        counts = {k: request[k] for k in KEYS if k in request}
+        if unknown or not all(type(v) is int for v in counts.values()):
+            raise ValueError(f"scale takes id, timeout and whole-number {' and '.join(KEYS)}"
+                             + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
+        if job.state != "running":
+            raise ValueError(f"job {job.id} is {job.state}: only a running job scales")
+        timeout = request.get("timeout", 300.0)
+        if not isinstance(timeout, int | float) or timeout <= 0:
+            raise ValueError(f"scale's timeout must be a positive number of seconds, got "
+                             f"{timeout!r}")
+        try:
+            scaled = await request_scale(Path(job.run_dir), Scale(**counts), float(timeout))
+        except ReshapeError as e:
+            raise ValueError(f"job {job.id}: {e}") from None
+        return {"job": job.id, **to_payload(scaled)}
 
     def _job(self, job_id: Any) -> Job:
         assert self.store is not None

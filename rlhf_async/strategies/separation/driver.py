@@ -17,6 +17,7 @@ import contextlib
 import enum
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -109,6 +110,9 @@ class Driver:
         self.chunk_state: dict[Key, ChunkState] = {}
         self.chunk_prompts: dict[Key, tuple[ChunkId, PromptBatch]] = {}
         self.down: set[str] = set()
+        self.joining: set[str] = set()  # started by a scale (scaling.py): nothing to hand back
+        self.leaving: set[str] = set()  # retiring (scaling.py): out of the next sync group
+        self.on_record: list[Callable[[dict[str, Any]], None]] = []  # may add to a record
         self.ranks = ranks  # the trainer's, rank 0 ("trainer") first; several: one group
         self.trained_ids = Counter[int]()
         self.busy: dict[str, float] = {}  # node -> cumulative busy seconds
@@ -116,7 +120,8 @@ class Driver:
         self.counts = Counter[str]()  # restarts, resent chunks, regroups
         self.sync = SyncGroup(coord, self.trainer, self.clients, spec, gen_ranks,
                               cfg.runtime.restart_limit, cfg.weight_sync.timeout_s,
-                              self.counts, generators=lambda: self.generators,
+                              self.counts, generators=lambda: [
+                                  g for g in self.generators if g not in self.leaving],
                               trainer_up=lambda: "trainer" not in self.down)
         self.progress = Progress(cfg.train.steps, cfg.run.progress, start_step=start_step)
         self.t_last = time.perf_counter()
@@ -135,7 +140,7 @@ class Driver:
     async def run(self) -> dict[str, Any]:
         self.dispatcher = asyncio.ensure_future(self._dispatch_loop())
         if self.start_step:  # generators hold the SFT weights: send the checkpoint's
-            self._spawn(self.sync.republish())
+            self.spawn(self.sync.republish())
         try:
             while True:
                 if await self._handle(await self._next_event()):
@@ -224,7 +229,7 @@ class Driver:
         self.chunk_state[key] = ChunkState.DISPATCHED
         await self.chan.send(prompts_message(cid, part, "coordinator"))
 
-    def _resend(self, states: tuple[ChunkState, ...]) -> None:
+    def resend(self, states: tuple[ChunkState, ...]) -> None:
         """Send again every chunk not yet trained that is in one of `states`."""
         keys = sorted(k for k, s in self.chunk_state.items() if s in states)
         self.counts["resent_chunks"] += len(keys)
@@ -236,7 +241,7 @@ class Driver:
             for key in keys:
                 if key in self.chunk_state:  # not trained meanwhile
                     await self._send(key)
-        self._spawn(resend())
+        self.spawn(resend())
 
     async def _handle(self, ev: NodeEvent) -> bool:
         """One node event; True when the run is complete."""
@@ -257,7 +262,7 @@ class Driver:
         match event:
             case Published(plan=plan, lineage=lineage):
                 for gen in self.generators:
-                    self._spawn(self.sync.forward(gen, plan, lineage))
+                    self.spawn(self.sync.forward(gen, plan, lineage))
             case WeightsApplied(version=version, lineage=lineage):
                 self.applied[node] = (version, lineage)
                 self.gate.set()
@@ -271,7 +276,7 @@ class Driver:
                 key = (event.step, event.chunk)
                 if key in self.chunk_prompts:
                     self.counts["resent_chunks"] += 1
-                    self._spawn(self._send(key))
+                    self.spawn(self._send(key))
             case Trained():
                 self._record(node, event)
             case Done():
@@ -313,13 +318,15 @@ class Driver:
         log.info("node_recovered", node=node, role=role)
         if node in self.ranks.ranks[1:]:  # a rank that rank 0 leads: rank 0 recovers
             return
-        if role == "trainer":
+        if node in self.joining:  # new (scaled up): nothing of it to send again
+            self.joining.discard(node)
+        elif role == "trainer":
             await self._rollback(loaded.step, loaded.lineage)
         elif role == "generator":
             self.applied[node] = (0, SFT_LINEAGE)
-            self._resend((ChunkState.DISPATCHED,))  # lost in its queue, or in flight
+            self.resend((ChunkState.DISPATCHED,))  # lost in its queue, or in flight
         else:
-            self._resend((ChunkState.DISPATCHED, ChunkState.GENERATED))
+            self.resend((ChunkState.DISPATCHED, ChunkState.GENERATED))
         if role != "scorer":
             self.sync.rebuild()
 
@@ -339,7 +346,7 @@ class Driver:
             del self.trained_ids[sid]
         self.dispatcher = asyncio.ensure_future(self._dispatch_loop())
 
-    def _spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -362,6 +369,8 @@ class Driver:
             **t.staleness, **{f"queue/{s}": states.get(s, 0) for s in ChunkState},
             **{"queue/trainer": t.queue_trainer}, **util,
             **{f"faults/{k}": v for k, v in self.counts.items()})
+        for hook in self.on_record:  # online rebalancing (rebalance.py)
+            hook(record)
         try:
             self.writer.write(record)
         except OSError as e:  # a full disk: one error naming it, not a traceback

@@ -12,11 +12,13 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rlhf_async.config import JobConfig, to_dict, weight_sync_backend
 from rlhf_async.control.coordinator import Coordinator
+from rlhf_async.control.reshape import Scale
 from rlhf_async.runtime import NodeSpec, run_loop
 from rlhf_async.runtime.ipc_dir import make_ipc_dir
 from rlhf_async.runtime.launcher import LocalLauncher
@@ -29,6 +31,8 @@ from rlhf_async.strategies.separation.clients import (
     connect_weight_sync,
 )
 from rlhf_async.strategies.separation.driver import Driver
+from rlhf_async.strategies.separation.rebalance import Rebalancer
+from rlhf_async.strategies.separation.scaling import Scaler
 from rlhf_async.strategies.separation.startup import generator_ranks, wait_loaded
 from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
 from rlhf_async.task.artefacts import Artefacts
@@ -144,15 +148,21 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
         coord.install_signal_handlers()
         prompts = transport.channel(Endpoint("push", prompts_addr, bind=True, hwm=64))
         return await drive(cfg, coord, prompts, specs, roles, spec, gens, run_dir, start_step,
-                           chunks_per_step(cfg, placement), generator_ranks(placement))
+                           chunks_per_step(cfg, placement), generator_ranks(placement),
+                           lambda driver: Scaler(
+                               cfg, coord, driver, placement,
+                               lambda p: build_specs(cfg, art, run_dir, p, sock_dir)[0],
+                               lambda p: chunks_per_step(cfg, p), run_dir))
 
 
 async def drive(cfg: JobConfig, coord: Coordinator, prompts: Any, specs: list[NodeSpec],
                 roles: Any, spec: GroupSpec, gens: list[str], run_dir: Path,
-                start_step: int, chunks: int, gen_ranks: int = 1) -> Any:
+                start_step: int, chunks: int, gen_ranks: int = 1,
+                scaler: Callable[[Driver], Scaler] | None = None) -> Any:
     """Launch the nodes, check the trainer restored `start_step`, join the weight-sync
     group (`gen_ranks` ranks per generator) and run the Driver to the end, each step's
-    prompts cut into `chunks` (local and multi-host runs alike)."""
+    prompts cut into `chunks` (local and multi-host runs alike); with `scaler`, the
+    coordinator answers `scale` commands (scaling.py) once the Driver runs."""
     with coord.events() as events:
         await coord.launch(specs)
         ranks = TrainerRanks(coord, [n for n, r in roles.items() if r == "trainer"],
@@ -167,6 +177,13 @@ async def drive(cfg: JobConfig, coord: Coordinator, prompts: Any, specs: list[No
                                          gen_ranks)
         driver = Driver(cfg, coord, events, prompts, roles, spec, run_dir, chunks,
                         start_step, loaded["trainer"].lineage, ranks, backlog, gen_ranks)
+        if scaler is not None:
+            scaling = scaler(driver)
+            coord.handle(Scale, scaling.scale)
+            if cfg.placement.rebalance:
+                driver.on_record.append(Rebalancer(
+                    scaling, cfg.placement.rebalance_every, cfg.placement.rebalance_gain,
+                    cfg.algo.max_staleness, driver.spawn).observe)
         result = await coord.run_until_stop(driver.run())
         if result is None:  # stopped: the trainer finishes its step and checkpoints
             await driver.finish_stopping(cfg.runtime.stop_grace_s)

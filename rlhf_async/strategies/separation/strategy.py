@@ -129,6 +129,9 @@ def runner_problems(cfg: JobConfig, p: Placement) -> list[str]:
         out.append(f"placement.tensor_parallel: shadow_actor={tp} runs with the local launcher "
                    "only (a Ray bundle gives each node process one GPU); use "
                    "placement.launcher = 'local' or shadow_actor=1")
+    if cfg.placement.rebalance and cfg.placement.launcher == "ray":
+        out.append("placement.rebalance: rebalances jobs on this machine only in this build; "
+                   "use placement.launcher = 'local' or placement.rebalance = false")
     key = {"generator": "placement.generators", "scorer": "placement.scorers"}
     width = {"generator": tp, "scorer": 1}
     for q in p.processes:

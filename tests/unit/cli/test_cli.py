@@ -153,3 +153,18 @@ def test_run_says_something_before_torch_loads(tmp_path):
     finally:
         p.kill()
         p.wait()
+
+
+@pytest.mark.parametrize(("counts", "config", "fragment"), [
+    (["workers=2"], None, "unknown key 'workers'; accepted: generators, scorers"),
+    (["generators=0"], None, "generators=0: a count must be at least 1"),
+    (["generators=2"], None, "holds no job"),
+    (["generators=2"], "flattening", "scale changes a running separation job only"),
+    (["scorers=2"], "separation", "no running job in"),
+])
+def test_scale_refusals_are_one_line(counts, config, fragment, tmp_path, capsys):
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps({"placement": {"strategy": config}}))
+    assert main(["scale", str(tmp_path), *counts]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0], err

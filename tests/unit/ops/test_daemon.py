@@ -299,3 +299,22 @@ def test_a_store_from_before_cwd_gains_the_column(tmp_path):
     store = JobStore(tmp_path / "jobs.db")
     job = store.add("", "", [], tmp_path / "runs", tmp_path / "logs", "/home/u")
     assert store.get(job.id).cwd == "/home/u"
+
+
+def test_scale_requests_refused_before_any_job_is_asked(tmp_path):
+    import asyncio
+
+    d = _daemon(tmp_path)
+    d.handle({"op": "submit", "overrides": []})
+    running = d.handle({"op": "submit", "overrides": []})
+    assert d.store is not None
+    d.store.update(running["id"], state="running")
+    for request, error in (
+            ({"id": 1, "generators": 2}, "job 1 is queued: only a running job scales"),
+            ({"id": 2, "workers": 2}, "unknown: workers"),
+            ({"id": 2, "generators": "2"}, "whole-number generators and scorers"),
+            ({"id": 2, "generators": 0}, "generators=0: a count must be at least 1"),
+            ({"id": 2, "generators": 2, "timeout": -1}, "timeout must be a positive"),
+            ({"id": 2, "scorers": 2}, "job 2: .* holds no job")):
+        with pytest.raises(ValueError, match=error):
+            asyncio.run(d._scale({"op": "scale", **request}))

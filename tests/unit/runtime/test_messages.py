@@ -75,3 +75,18 @@ def test_tags_reply_types_and_decoding_errors():
         from_payload(Readdress, {"moved": ["a"]})
     with pytest.raises(MessageError, match="reply to add: Object missing required field"):
         decode_reply(Add(1), {})
+
+
+def test_a_refusal_is_an_error_reply_logged_without_a_traceback():
+    from rlhf_async.runtime.messages import Refused
+
+    handlers = Handlers(structlog.get_logger())
+
+    def refuse(cmd: Add) -> Added:
+        raise Refused(f"a = {cmd.a}: only even numbers")
+    handlers.add(Add, refuse)
+    with structlog.testing.capture_logs() as logs:
+        reply = answer(handlers, "add", {"a": 3})
+    assert reply == {"ok": False, "error": "Refused: a = 3: only even numbers"}
+    assert [(e["event"], e["log_level"]) for e in logs] == [("command_refused", "warning")]
+    assert "exc_info" not in logs[0]

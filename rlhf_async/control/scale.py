@@ -1,0 +1,86 @@
+"""Asking a running job to change shape, from another process: `rlhf-async scale RUN_DIR
+generators=N scorers=M` and the daemon's `{"op": "scale", ...}` both come here.
+
+    scaled = await request_scale(run_dir, parse_scale(["generators=2"]), timeout=300)
+
+Refused with one `ReshapeError` (the job goes on unchanged): a run directory without a
+running job, a job that is not Separation (Flattening and Interleaving hold every model in
+one process per device: there is no generator process to add), and whatever the running
+coordinator refuses (counts below 1, too few free devices: control/reshape.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import psutil
+
+from rlhf_async.control.client import (
+    CommandError,
+    CoordinatorError,
+    call_coordinator,
+    read_coordinator_file,
+)
+from rlhf_async.control.reshape import ReshapeError, Scale, Scaled
+from rlhf_async.runtime.messages import MessageError, decode_reply, tag, to_payload
+
+
+def running_placement(run_dir: Path) -> dict:
+    """The placement config of the job in `run_dir`; ReshapeError if there is none."""
+    path = Path(run_dir) / "config.json"
+    try:
+        placement = json.loads(path.read_text())["placement"]
+        str(placement["strategy"])
+    except FileNotFoundError:
+        raise ReshapeError(f"{run_dir} holds no job ({path} not found)") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ReshapeError(f"cannot read the job's placement from {path}: {e}") from None
+    return dict(placement)
+
+
+def check_scalable(run_dir: Path) -> dict:
+    """The running coordinator's file of a Separation job in `run_dir`, or ReshapeError."""
+    placement = running_placement(run_dir)
+    strategy = placement["strategy"]
+    if strategy != "separation":
+        raise ReshapeError(
+            f"{run_dir} runs placement.strategy = {strategy!r}: scale changes a running "
+            "separation job only (flattening and interleaving hold every model in one "
+            "process per device); to change its devices, stop it and resume it with "
+            "another placement.devices")
+    if placement.get("launcher") == "ray":
+        raise ReshapeError(
+            f"{run_dir} runs on Ray (placement.launcher = 'ray'): this build scales jobs "
+            "on this machine only; to change its shape, stop it, set placement.generators "
+            "and placement.scorers in its config.json and resume it")
+    try:
+        info = read_coordinator_file(run_dir)
+    except CoordinatorError:
+        raise ReshapeError(f"no running job in {run_dir} (no coordinator.json: it "
+                           "finished, was stopped, or has not started its nodes yet)") from None
+    pid = info.get("pid")
+    if isinstance(pid, int) and not psutil.pid_exists(pid):
+        raise ReshapeError(f"no running job in {run_dir} (stale coordinator.json: pid "
+                           f"{pid} is gone)")
+    return info
+
+
+async def request_scale(run_dir: Path, scale: Scale, timeout: float) -> Scaled:
+    """Ask the job in `run_dir` to scale; its new shape once the new processes are up and
+    the retired ones gone (bounded by `timeout`)."""
+    scale.targets()  # counts below 1, or nothing asked: refused before anything is sent
+    info = check_scalable(run_dir)
+    try:
+        result = await call_coordinator(info["control"], tag(scale), to_payload(scale),
+                                        timeout=timeout, keys=info.get("keys"))
+    except TimeoutError:
+        raise ReshapeError(f"the job in {run_dir} did not finish scaling in {timeout:.0f}s; "
+                           "`rlhf-async status` shows its nodes now") from None
+    except CommandError as e:
+        # the coordinator's refusal, without the handler's exception type
+        raise ReshapeError(str(e).split("ReshapeError: ", 1)[-1]) from None
+    try:
+        return decode_reply(scale, result)
+    except MessageError as e:
+        raise ReshapeError(f"the job in {run_dir} answered oddly: {e}") from None

@@ -1,0 +1,206 @@
+"""A running Separation job gains or loses generator and scorer processes (`rlhf-async scale
+RUN_DIR generators=N scorers=M`: a `Scale` command to the coordinator, control/reshape.py).
+
+The trainer never restarts and no prompt is lost or trained twice:
+- a new scorer starts on a free device; once it is up every generator also sends to it;
+- a new generator starts on a free device and joins the Driver as a node "recovering"
+  with nothing to hand back: once it has loaded, the weight-sync group is rebuilt with it
+  (as after a restart) and it pulls prompt chunks from the shared queue;
+- a generator to retire leaves the weight-sync group first (the group is rebuilt without
+  it, so a broadcast never waits on it), then stops; a scorer to retire is first left out
+  of every generator's peers, then stops. The chunks either may have held are sent again
+  (the trainer drops duplicates), like a dead node's, but no failure is counted;
+- the run directory's config.json and placement.txt follow, so `resume` continues with
+  the new shape.
+One scale at a time; a refused one (control/reshape.py) changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from rlhf_async.config import JobConfig
+from rlhf_async.control.coordinator import Coordinator, CoordinatorError
+from rlhf_async.control.reshape import Reshape, ReshapeError, Scale, Scaled, plan_reshape
+from rlhf_async.log import get_logger
+from rlhf_async.runtime.messages import Peers, Stop
+from rlhf_async.runtime.spec import NodeSpec
+from rlhf_async.strategies.placement import INFER, Placement, ProcessPlacement
+from rlhf_async.strategies.separation.clients import GeneratorClient
+from rlhf_async.strategies.separation.driver import ChunkState, Driver
+from rlhf_async.strategies.separation.protocol import SFT_LINEAGE
+from rlhf_async.strategies.separation.startup import generator_ranks
+
+log = get_logger(component="scaling")
+ROLE_MODELS = {"generator": ("shadow_actor",), "scorer": ("reward", "reference")}
+MODEL_ROLE = {"shadow_actor": "generator", "reward": "scorer", "reference": "scorer"}
+
+
+def reshaped(p: Placement, plan: Reshape) -> Placement:
+    """`p` with the plan's processes retired and started; each inference model's devices
+    and replicas follow its processes."""
+    kept = [q for q in p.processes if q.node_id not in plan.remove]
+    added = [ProcessPlacement(n, role, ROLE_MODELS[role], devs, INFER)
+             for n, (role, devs) in plan.add.items()]
+    order = {"trainer": 0, "generator": 1, "scorer": 2}
+
+    def key(q: ProcessPlacement) -> tuple[int, int, str]:
+        digits = "".join(c for c in q.node_id if c.isdigit())
+        return order.get(q.role, 3), int(digits or 0), q.node_id
+
+    procs = tuple(sorted(kept + added, key=key))
+    models = []
+    for m in p.models:
+        role = MODEL_ROLE.get(m.model)
+        if role is None:
+            models.append(m)
+            continue
+        mine = [q for q in procs if q.role == role]
+        models.append(replace(m, devices=tuple(sorted({d for q in mine for d in q.devices})),
+                              replicas=len(mine)))
+    return replace(p, processes=procs, models=tuple(models))
+
+
+def persist(run_dir: Path, p: Placement) -> None:
+    """The run directory's config.json (what `resume` reads) and placement.txt follow `p`:
+    generator and scorer devices and counts given explicitly."""
+    path = run_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    gens, scorers = p.by_role("generator"), p.by_role("scorer")
+    cfg["placement"].update(
+        generator=[d for q in gens for d in q.devices], generators=len(gens),
+        reward=[d for q in scorers for d in q.devices],
+        reference=[d for q in scorers for d in q.devices], scorers=len(scorers))
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(cfg, indent=2))
+    tmp.replace(path)
+    (run_dir / "placement.txt").write_text(p.table() + "\n")
+
+
+def rollouts_peers(specs: dict[str, NodeSpec]) -> list[str]:
+    """Where a generator sends its rollouts: every scorer's bound address."""
+    return [s.endpoints["rollouts"].address for s in specs.values() if s.role == "scorer"]
+
+
+class Scaler:
+    """Applies `Scale` commands to the running job (`coord.handle(Scale, scaler.scale)`).
+    `make_specs(placement)` gives every node's spec for a placement, `chunks_for` the
+    chunks a step's prompts are cut into (the runner's)."""
+
+    def __init__(self, cfg: JobConfig, coord: Coordinator, driver: Driver,
+                 placement: Placement, make_specs: Callable[[Placement], list[NodeSpec]],
+                 chunks_for: Callable[[Placement], int], run_dir: Path) -> None:
+        self.cfg, self.coord, self.driver, self.placement = cfg, coord, driver, placement
+        self.make_specs, self.chunks_for, self.run_dir = make_specs, chunks_for, run_dir
+        self.grace = 10.0  # a retired node's stop: it finishes its decode step, then exits
+        self._lock = asyncio.Lock()
+
+    def plan(self, scale: Scale) -> Reshape:
+        """What `scale` changes; ReshapeError (nothing changed) when it cannot be done."""
+        if self.coord.stop_requested.is_set():
+            raise ReshapeError("the job is stopping; scale it after `rlhf-async resume`")
+        procs = {q.node_id: (q.role, q.devices) for q in self.placement.processes}
+        word = "GPU" if self.placement.device_kind == "cuda" else "CPU slot"
+        return plan_reshape(procs, self.placement.num_devices, scale.targets(),
+                            {"generator": generator_ranks(self.placement)}, word)
+
+    async def scale(self, scale: Scale) -> Scaled:
+        async with self._lock:
+            plan = self.plan(scale)
+            counts = {r: len(self.placement.by_role(r)) for r in ROLE_MODELS}
+            if plan.empty:
+                return Scaled([], [], counts)
+            new = reshaped(self.placement, plan)
+            log.info("scaling", add={n: list(d) for n, (_, d) in plan.add.items()},
+                     remove=list(plan.remove), counts=plan.counts)
+            specs = {s.node_id: s for s in self.make_specs(new)}
+            await self._start([specs[n] for n in plan.add])
+            await self._repeer(specs)
+            for node in plan.remove:
+                await self._retire(node)
+            self.driver.chunks = self.chunks_for(new)
+            self.placement = new
+            persist(self.run_dir, new)
+            counts = {r: len(new.by_role(r)) for r in ROLE_MODELS}
+            log.info("scaled", counts=counts)
+            return Scaled(list(plan.add), list(plan.remove), counts)
+
+    async def _start(self, specs: list[NodeSpec]) -> None:
+        """Start the new processes; each joins the Driver once it has loaded its models."""
+        if not specs:
+            return
+        d = self.driver
+        for spec in specs:
+            d.roles[spec.node_id] = spec.role
+            d.down.add(spec.node_id)  # not live until loaded: the gate does not wait on it
+            d.joining.add(spec.node_id)
+            if spec.role == "generator":
+                d.clients[spec.node_id] = GeneratorClient(self.coord, spec.node_id)
+                d.applied[spec.node_id] = (0, SFT_LINEAGE)
+        try:
+            await self.coord.launch(specs)
+        except CoordinatorError as e:
+            for spec in specs:  # a start that failed leaves the job as it was
+                self._forget(spec.node_id)
+                if spec.node_id in self.coord.nodes:
+                    await self.coord.supervisor.retire(spec.node_id, 1.0)
+            raise ReshapeError(f"new processes did not start: {e}") from None
+
+    async def _repeer(self, specs: dict[str, NodeSpec]) -> None:
+        """Every running generator sends its rollouts to the scorers of `specs` (a
+        generator restarted later starts with them too)."""
+        peers = rollouts_peers(specs)
+        for node, record in list(self.coord.nodes.items()):
+            if record.spec.role != "generator" or node not in specs:
+                continue
+            ep = record.spec.endpoints["rollouts"]
+            if [ep.address, *ep.also] == peers:
+                continue
+            eps = {**record.spec.endpoints, "rollouts": specs[node].endpoints["rollouts"]}
+            record.spec = replace(record.spec, endpoints=eps)
+            try:
+                await self.coord.call(node, Peers("rollouts", peers))
+            except (TimeoutError, CoordinatorError) as e:  # restarting: its spec has them
+                log.warning("peers_not_changed", node=node, error=str(e))
+
+    async def _retire(self, node: str) -> None:
+        d = self.driver
+        role = d.roles[node]
+        if role == "generator":  # out of the weight-sync group before it stops; until the
+            # new group stands it still takes the current group's broadcasts
+            d.leaving.add(node)
+            await self._regroup()
+        d.down.add(node)
+        d.applied.pop(node, None)
+        try:
+            await self.coord.call(node, Stop("scaled down"), timeout=2.0)
+        except (TimeoutError, CoordinatorError) as e:  # dead already: terminated below
+            log.warning("retire_stop_unanswered", node=node, error=str(e))
+        rc = await self.coord.supervisor.retire(node, self.grace)
+        self._forget(node)
+        # chunks it may have held (queued or half done) go out again; duplicates of those
+        # that got through are dropped by the trainer
+        d.resend((ChunkState.DISPATCHED,) if role == "generator" else
+                 (ChunkState.DISPATCHED, ChunkState.GENERATED))
+        d.gate.set()  # the oldest weights held may be newer now
+        log.info("node_scaled_down", node=node, role=role, exit_code=rc)
+
+    async def _regroup(self) -> None:
+        """Rebuild the weight-sync group with the live generators and wait for it."""
+        sync = self.driver.sync
+        sync.rebuild()
+        while sync.task is not None and not sync.task.done():
+            await asyncio.wait({sync.task})
+
+    def _forget(self, node: str) -> None:
+        d = self.driver
+        for table in (d.roles, d.clients, d.applied, d.busy, d.last_busy):
+            table.pop(node, None)  # type: ignore[attr-defined]
+        d.down.discard(node)
+        d.joining.discard(node)
+        d.leaving.discard(node)
+
