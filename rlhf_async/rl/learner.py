@@ -281,8 +281,9 @@ class Learner:
         stats = {"policy_loss": pg.detach(), "entropy": ent.detach(), **st}
         if algo.kl_mode == "loss":
             assert mb.ref_logprobs is not None
+            # per token, then aggregated as the policy term (GRPO's beta*KL inside its mean)
             kl = A.kl_per_token(lp, mb.ref_logprobs, algo.kl_estimator)
-            kl_loss = A.masked_token_mean(kl, m, n_tokens)
+            kl_loss = A.aggregate(kl, m, rc.loss_agg, n_tokens, n_seqs)
             loss = loss + self.kl_coef * kl_loss
             stats["kl_loss"] = kl_loss.detach()
         if fwd.values is not None:

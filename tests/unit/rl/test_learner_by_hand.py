@@ -114,3 +114,27 @@ def test_adaptive_kl_controller_moves_the_coefficient_towards_the_target():
     lrn.kl_coef = 0.1  # raised earlier
     m = lrn.train_step(batch())  # KL 0 < target: it drops by 2%, not below kl_coef
     assert m["kl_coef"] == 0.1 and lrn.kl_coef == pytest.approx(0.098)
+
+
+# per-token KL (k1 = log pi - log ref, pi = 1/2 everywhere): row 0 (0.1, 0.5), row 1 (0.2)
+@pytest.mark.parametrize("loss_agg,expected", [
+    ("token_mean", (0.1 + 0.5 + 0.2) / 3),  # every token of the batch alike
+    ("seq_mean_token_sum", ((0.1 + 0.5) + 0.2) / 2),  # each response's sum, over responses
+    ("seq_mean_token_mean", ((0.1 + 0.5) / 2 + 0.2) / 2)])  # each response's mean
+def test_kl_in_loss_aggregated_like_the_policy_term(loss_agg, expected):
+    half = float(torch.log(torch.tensor(0.5)))
+    kl = torch.tensor([[0.1, 0.5], [0.2, 0.0]])
+    b = RolloutBatch(
+        prompt_ids=torch.tensor([[1], [1]]), prompt_mask=torch.ones(2, 1, dtype=torch.long),
+        response_ids=torch.tensor([[0, 1], [1, 0]]),
+        response_mask=torch.tensor([[1, 1], [1, 0]]),
+        behaviour_logprobs=torch.full((2, 2), half), sample_ids=torch.tensor([0, 1]),
+        group_ids=torch.tensor([0, 0]), version=0, step=0,
+        rewards=torch.tensor([1.0, 1.0]), ref_logprobs=half - kl)
+    a = AlgoConfig(name="grpo", kl_mode="loss", kl_estimator="k1", kl_coef=0.5,
+                   kl_target=0.0, loss_agg=loss_agg, group_size=2)
+    t = TrainConfig(epochs=1, minibatches=1, lr=LR, grad_clip=0.0)
+    lrn = Learner(Logits(), None, a, t, seed=0)
+    m = lrn.train_step(b)
+    assert m["kl_loss"] == pytest.approx(expected, abs=1e-6)
+    assert m["policy_loss"] == pytest.approx(0.0, abs=1e-7)  # equal rewards: no advantage
