@@ -254,10 +254,20 @@ def _group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def outcome_advantages(scores: Tensor, group_ids: Tensor, baseline: str,
-                       group_norm: bool, eps: float = 1e-6) -> Tensor:
+                       group_norm: bool, eps: float = 1e-6,
+                       penalty: Tensor | None = None) -> Tensor:
     """One advantage per response [B] from its score: minus the group's mean (group_mean)
     or the other responses' mean (leave_one_out), or the score itself (none); with
-    `group_norm`, divided by the std of the group's scores (+ eps)."""
+    `group_norm`, divided by the std of the group's scores (+ eps).
+
+    `penalty` [B] (the KL in the reward) is subtracted from the score; with `group_norm`
+    it is subtracted from the normalised advantage instead, so the group's statistics are
+    the task scores' alone: a group of equal scores has no task advantage, and the
+    penalty's per-sample noise is not amplified by 1 / (its tiny std)."""
+    if penalty is not None and not group_norm:
+        return outcome_advantages(scores - penalty, group_ids, baseline, False, eps)
+    if penalty is not None:
+        return outcome_advantages(scores, group_ids, baseline, True, eps) - penalty
     if baseline == "group_mean" and group_norm:
         return grpo_advantages(scores, group_ids, eps)
     if baseline == "leave_one_out":

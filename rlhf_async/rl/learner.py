@@ -171,9 +171,9 @@ class Learner:
         """One optimizer step per batch, and advantages that need no log-probs: the policy
         is still the batch's "old" policy when the loss is computed, so the old log-probs are
         the loss forward's own (detached) and the separate forward pass is skipped."""
-        a, t = self.algo, self.train
+        t = self.train
         return (t.epochs == 1 and t.minibatches == 1 and not self.recipe.has_critic
-                and a.kl_mode == "loss")
+                and self.recipe.kl_mode == "loss")
 
     def _reuses_forward(self) -> bool:
         """One optimizer step per batch in one micro-batch, and advantages that need the
@@ -183,10 +183,10 @@ class Learner:
         no-grad forwards of actor and critic are skipped. The plain-torch engine only (a
         ZeRO engine's forward and backward are its own to order), without a token budget
         (whose point is not to run the whole batch at once)."""
-        a, t = self.algo, self.train
+        t = self.train
         return (t.epochs == 1 and t.minibatches == 1 and t.grad_accum == 1
                 and not t.max_tokens_per_microbatch and t.backend == "torch"
-                and (self.recipe.has_critic or a.kl_mode == "reward"))
+                and (self.recipe.has_critic or self.recipe.kl_mode == "reward"))
 
     def _old_policy(self, b: RolloutBatch) -> OldPolicy:
         """The batch's old log-probs and values, before any update: from the loss forward
@@ -219,8 +219,8 @@ class Learner:
         algo, rc, m = self.algo, self.recipe, b.loss_mask
         assert b.rewards is not None and b.ref_logprobs is not None  # checked by train_step
         kl = None if old_lp is None else A.kl_per_token(
-            old_lp, b.ref_logprobs, algo.kl_estimator) * m
-        kl_r = self.kl_coef if algo.kl_mode == "reward" and kl is not None else 0.0
+            old_lp, b.ref_logprobs, rc.kl_estimator) * m
+        kl_r = self.kl_coef if rc.kl_mode == "reward" and kl is not None else 0.0
         ret = None
         if rc.baseline in ("gae", "none"):  # per token: the KL still to come, per token
             r = A.token_rewards(b.rewards, m.new_zeros(m.shape) if kl is None else kl, m, kl_r)
@@ -230,9 +230,9 @@ class Learner:
             else:  # REINFORCE++: returns to go, no discount, no critic
                 adv, _ = A.gae(r, m.new_zeros(m.shape), m, 1.0, 1.0)
         else:
-            seq = b.rewards if kl is None else b.rewards - kl_r * kl.sum(dim=1)  # [B]
-            adv = A.outcome_advantages(seq, b.group_ids, rc.baseline,
-                                       rc.adv_norm == "group")[:, None] * m
+            penalty = None if kl is None else kl_r * kl.sum(dim=1)  # [B]
+            adv = A.outcome_advantages(b.rewards, b.group_ids, rc.baseline,
+                                       rc.adv_norm == "group", penalty=penalty)[:, None] * m
         if rc.adv_norm == "batch":
             adv = A.whiten(adv, m, all_reduce_sum)
         require_finite("an advantage", adv, b.step, "a reward or value out of range?",
@@ -279,10 +279,10 @@ class Learner:
         ent = A.masked_token_mean(fwd.entropy, m, n_tokens)
         loss = pg - algo.entropy_coef * ent if algo.entropy_coef > 0 else pg
         stats = {"policy_loss": pg.detach(), "entropy": ent.detach(), **st}
-        if algo.kl_mode == "loss":
+        if rc.kl_mode == "loss":
             assert mb.ref_logprobs is not None
             # per token, then aggregated as the policy term (GRPO's beta*KL inside its mean)
-            kl = A.kl_per_token(lp, mb.ref_logprobs, algo.kl_estimator)
+            kl = A.kl_per_token(lp, mb.ref_logprobs, rc.kl_estimator)
             kl_loss = A.aggregate(kl, m, rc.loss_agg, n_tokens, n_seqs)
             loss = loss + self.kl_coef * kl_loss
             stats["kl_loss"] = kl_loss.detach()
@@ -297,7 +297,7 @@ class Learner:
 
     def _stat_names(self) -> list[str]:
         names = ["policy_loss", "entropy", "clip_frac", "approx_kl"]
-        names += ["kl_loss"] if self.algo.kl_mode == "loss" else []
+        names += ["kl_loss"] if self.recipe.kl_mode == "loss" else []
         return names + (["value_loss"] if self.critic_backend is not None else [])
 
     def _optimizer_step(self, step: int) -> dict[str, float]:
@@ -387,7 +387,7 @@ class Learner:
             old_lp = torch.cat(own) if own else m.new_zeros(m.shape)
         if kl is None:
             assert b.ref_logprobs is not None  # a scored batch (validated by train_step)
-            kl = A.kl_per_token(old_lp, b.ref_logprobs, self.algo.kl_estimator) * m
+            kl = A.kl_per_token(old_lp, b.ref_logprobs, self.recipe.kl_estimator) * m
         out: dict[str, float] = {**global_stats(b, kl, adv, sums, n_updates),
                                  **mismatch_stats(b, old_lp, self.recipe.ratio_level,
                                                  self.recipe.mismatch_cap), **grad_norms, **lrs,

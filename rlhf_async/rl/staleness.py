@@ -66,6 +66,10 @@ class StalenessPolicy:
         self.dropped = 0
         self.rejected_future = 0
         self.histogram: dict[int, int] = {}
+        self._since = self._counts()  # the counts at the last `metrics()`: a step's start
+
+    def _counts(self) -> tuple[int, int, int, dict[int, int]]:
+        return self.admitted, self.dropped, self.rejected_future, dict(self.histogram)
 
     def sync_version(self, step: int) -> int:
         """The version a synchronous run would use to generate batch `step`."""
@@ -110,18 +114,25 @@ class StalenessPolicy:
         return True
 
     def metrics(self) -> dict[str, float]:
-        """Flat numbers for the metrics sink (not the log)."""
-        out: dict[str, float] = {
-            "staleness/admitted": float(self.admitted),
-            "staleness/dropped": float(self.dropped),
-            "staleness/rejected_future": float(self.rejected_future),
-        }
-        total = sum(self.histogram.values())
-        if total:
-            mean = sum(s * n for s, n in self.histogram.items()) / total
-            out["staleness/mean"] = mean
-        for s, n in sorted(self.histogram.items()):
+        """Flat numbers for the metrics sink (not the log), once per training step: what
+        was counted since the previous call (`staleness/admitted`, `/dropped`,
+        `/rejected_future`, `/mean`, `/hist/<s>`) and since the run began (`*_total`)."""
+        admitted, dropped, future, hist = self._since
+        step_hist = {s: n - hist.get(s, 0) for s, n in self.histogram.items()
+                     if n - hist.get(s, 0) > 0}
+        out = {"staleness/admitted": float(self.admitted - admitted),
+               "staleness/dropped": float(self.dropped - dropped),
+               "staleness/rejected_future": float(self.rejected_future - future),
+               "staleness/admitted_total": float(self.admitted),
+               "staleness/dropped_total": float(self.dropped),
+               "staleness/rejected_future_total": float(self.rejected_future)}
+        for suffix, h in (("", step_hist), ("_total", self.histogram)):
+            if sum(h.values()):
+                out[f"staleness/mean{suffix}"] = (sum(s * n for s, n in h.items())
+                                                  / sum(h.values()))
+        for s, n in sorted(step_hist.items()):
             out[f"staleness/hist/{s}"] = float(n)
+        self._since = self._counts()
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -165,6 +176,7 @@ class StalenessPolicy:
         self.dropped = counters["dropped"]
         self.rejected_future = counters["rejected_future"]
         self.histogram = histogram
+        self._since = self._counts()
 
 
 def _check_nonneg(name: str, value: int) -> None:

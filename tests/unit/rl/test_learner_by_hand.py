@@ -138,3 +138,14 @@ def test_kl_in_loss_aggregated_like_the_policy_term(loss_agg, expected):
     m = lrn.train_step(b)
     assert m["kl_loss"] == pytest.approx(expected, abs=1e-6)
     assert m["policy_loss"] == pytest.approx(0.0, abs=1e-7)  # equal rewards: no advantage
+
+
+def test_grpo_kl_in_reward_all_equal_group_trains_on_the_penalty_alone():
+    b = batch(group_ids=(0, 0))
+    b.rewards = torch.tensor([0.0, 0.0])
+    b.ref_logprobs = b.ref_logprobs - torch.tensor([[0.1], [0.3]])  # k1 KL 0.1, 0.3
+    a = AlgoConfig(name="grpo", kl_mode="reward", kl_coef=0.5, kl_target=0.0, group_size=2)
+    lrn = Learner(Logits(), None, a, TrainConfig(epochs=1, minibatches=1, lr=LR), seed=0)
+    lrn.train_step(b)
+    # no task advantage; -kl_coef * KL, not the penalty's z-score (-+0.71)
+    assert lrn.last_advantages.flatten().tolist() == pytest.approx([-0.05, -0.15], abs=1e-6)

@@ -195,3 +195,14 @@ def test_an_overflowing_loss_stops_the_step_before_any_update():
     with pytest.raises(NonFiniteError, match=r"step 0: the critic loss is not finite \(inf\)"):
         lrn.train_step(huge)
     assert actor.theta.tolist() == [0.0, 0.0] and critic.v.item() == 0.0
+
+
+def test_kl_placement_per_preset():
+    place = {n: (resolve(AlgoConfig(name=n)).kl_mode, resolve(AlgoConfig(name=n)).kl_estimator)
+             for n in ("ppo", "grpo", "rloo", "dapo", "gspo", "dr_grpo", "reinforce_pp")}
+    assert place == {"ppo": ("reward", "k1"), "rloo": ("reward", "k1"),
+                     "reinforce_pp": ("reward", "k1"), "grpo": ("loss", "k3"),
+                     "dapo": ("loss", "k3"), "gspo": ("loss", "k3"), "dr_grpo": ("loss", "k3")}
+    explicit = resolve(AlgoConfig(name="grpo", kl_mode="reward"))
+    assert (explicit.kl_mode, explicit.kl_estimator) == ("reward", "k1")
+    assert resolve(AlgoConfig(name="ppo", kl_mode="loss", kl_estimator="k1")).kl_estimator == "k1"
