@@ -9,7 +9,7 @@ library asks of an algorithm it asks of the `Recipe` (`has_critic`, `needs_group
 Where the KL penalty to the reference goes is each paper's: in the loss for the GRPO family
 (grpo, dr_grpo, dapo, gspo: GRPO's objective puts beta*KL beside the policy term), with the
 k3 estimator (unbiased and positive; k1 in the loss made the built-in task collapse), in the
-reward for ppo, rloo and reinforce_pp (InstructGPT), with k1.
+reward for ppo, rloo and reinforce_pp (InstructGPT), with k1; none for cispo (MiniMax-M1).
 
 The advantage's baseline is the preset's alone (it is what names an algorithm):
 gae (PPO's critic), group_mean (GRPO and its descendants), leave_one_out (RLOO), none
@@ -41,8 +41,9 @@ class Recipe:
     overlong_penalty: float  # the reward's penalty at max_new_tokens; 0 = off
     mismatch: str  # none | tis | mis
     mismatch_cap: float
-    kl_mode: str  # reward | loss
+    kl_mode: str  # reward | loss | none
     kl_estimator: str  # k1 | k3
+    surrogate: str = "clip"  # clip (PPO's clipped ratio) | cispo (clipped IS weight)
 
     @property
     def has_critic(self) -> bool:
@@ -114,8 +115,18 @@ def reinforce_pp(a: AlgoConfig) -> dict[str, Any]:
     return {"baseline": "none", "adv_norm": "batch", "kl_mode": "reward"}
 
 
+def cispo(a: AlgoConfig) -> dict[str, Any]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585): GRPO's group-normalised advantages with a
+    REINFORCE loss whose per-token importance weight pi / pi_old is clipped and
+    stop-gradiented (not the update: every token keeps its gradient), the token-mean loss,
+    and no KL term. The paper sets no lower bound (clip_low 1: the weight >= 0) and tunes the
+    upper one without giving it; 0.28 here (`algo.clip_eps_high`, DAPO's clip-higher)."""
+    return {"baseline": "group_mean", "adv_norm": "group", "loss_agg": "token_mean",
+            "clip_low": 1.0, "clip_high": 0.28, "kl_mode": "none", "surrogate": "cispo"}
+
+
 PRESETS: dict[str, Callable[[AlgoConfig], dict[str, Any]]] = {
-    f.__name__: f for f in (ppo, grpo, rloo, dapo, gspo, dr_grpo, reinforce_pp)}
+    f.__name__: f for f in (ppo, grpo, rloo, dapo, gspo, dr_grpo, reinforce_pp, cispo)}
 
 
 def resolve(a: AlgoConfig) -> Recipe:
@@ -136,7 +147,8 @@ def resolve(a: AlgoConfig) -> Recipe:
         overlong_penalty=(a.overlong_penalty if a.overlong_penalty >= 0
                           else p.get("overlong_penalty", 0.0)),
         mismatch=mismatch, mismatch_cap=cap, kl_mode=kl_mode,
-        kl_estimator=a.kl_estimator or ("k3" if kl_mode == "loss" else "k1"))
+        kl_estimator=a.kl_estimator or ("k3" if kl_mode == "loss" else "k1"),
+        surrogate=p.get("surrogate", "clip"))
 
 
 def with_critic() -> list[str]:
@@ -169,15 +181,17 @@ class AlgoConfig:
                             "positive); '' = k3 with the KL in the loss, else k1",
                             choices=("", "k1", "k3"))
     kl_mode: str = opt("", "where the KL penalty goes: reward (per token, InstructGPT), loss "
-                       "(aggregated like the policy term, GRPO); '' = the preset's (grpo, "
-                       "dr_grpo, dapo, gspo loss; ppo, rloo, reinforce_pp reward)",
-                       choices=("", "reward", "loss"))
+                       "(aggregated like the policy term, GRPO), none (measured, not "
+                       "penalised); '' = the preset's (grpo, dr_grpo, dapo, gspo loss; ppo, "
+                       "rloo, reinforce_pp reward; cispo none)",
+                       choices=("", "reward", "loss", "none"))
     clip_eps: float = opt(0.2, "PPO ratio clip", gt=0.0)
-    clip_eps_low: float = opt(0.0, "ratio clip below 1 (ratio >= 1 - clip_eps_low); 0 = the "
-                              "preset's (dapo 0.2, gspo 3e-4), else clip_eps", ge=0.0, le=1.0)
+    clip_eps_low: float = opt(0.0, "ratio clip below 1 (ratio >= 1 - clip_eps_low; cispo: "
+                              "its IS weight's); 0 = the preset's (dapo 0.2, gspo 3e-4, cispo "
+                              "1 = none), else clip_eps", ge=0.0, le=1.0)
     clip_eps_high: float = opt(0.0, "ratio clip above 1 (clip-higher: ratio <= 1 + "
-                               "clip_eps_high); 0 = the preset's (dapo 0.28, gspo 4e-4), else "
-                               "clip_eps", ge=0.0)
+                               "clip_eps_high; cispo: its IS weight's); 0 = the preset's (dapo "
+                               "0.28, gspo 4e-4, cispo 0.28), else clip_eps", ge=0.0)
     loss_agg: str = opt("", "how per-token policy losses make the loss: token_mean (over "
                         "every token of the batch), seq_mean_token_sum (each response's sum, "
                         "averaged over responses: no length normalisation), "

@@ -179,11 +179,7 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
     [B, T] inputs."""
     m = mask.float()
     n = m.sum() if normaliser is None else normaliser
-    log_ratio = logprobs - old_logprobs
-    if ratio_level == "sequence":
-        log_ratio = sequence_mean(log_ratio, m)
-    elif ratio_level != "token":
-        raise ValueError(f"unknown ratio level {ratio_level!r}; accepted: token, sequence")
+    log_ratio = _log_ratio(logprobs, old_logprobs, m, ratio_level)
     ratio = torch.exp(log_ratio)
     high = clip_eps if clip_eps_high is None else clip_eps_high
     surr1 = ratio * advantages
@@ -196,6 +192,40 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
         clipped = ((surr2 < surr1).float() * m).sum() / n
         approx_kl = (((ratio - 1) - log_ratio) * m).sum() / n
     return loss, {"clip_frac": clipped, "approx_kl": approx_kl}
+
+
+def cispo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
+                      mask: Tensor, clip_low: float, clip_high: float, *,
+                      weights: Tensor | None = None, ratio_level: str = "token",
+                      loss_agg: str = "token_mean", normaliser: Tensor | float | None = None,
+                      n_seqs: Tensor | float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585, eq. 4): -sg(clip(r, 1 - clip_low, 1 + clip_high))
+    * A * log pi per token, times `weights`, aggregated by `loss_agg`. The importance weight
+    is clipped and stop-gradiented instead of the token's update: every token keeps its
+    gradient (PPO's clip zeroes a rising low-probability token's). Ratio and counts as
+    `ppo_policy_loss`. [B, T] inputs."""
+    m = mask.float()
+    n = m.sum() if normaliser is None else normaliser
+    log_ratio = _log_ratio(logprobs, old_logprobs, m, ratio_level)
+    ratio = torch.exp(log_ratio).detach()
+    per_token = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages * logprobs
+    if weights is not None:
+        per_token = per_token * weights
+    loss = aggregate(per_token, m, loss_agg, n, float(m.shape[0]) if n_seqs is None else n_seqs)
+    with torch.no_grad():
+        clipped = (((ratio > 1.0 + clip_high) | (ratio < 1.0 - clip_low)).float() * m).sum() / n
+        approx_kl = (((ratio - 1) - log_ratio) * m).sum() / n
+    return loss, {"clip_frac": clipped, "approx_kl": approx_kl}
+
+
+def _log_ratio(logprobs: Tensor, old_logprobs: Tensor, m: Tensor, ratio_level: str) -> Tensor:
+    """log(pi / pi_old) per token, or each response's mean of it (`sequence`: GSPO)."""
+    log_ratio = logprobs - old_logprobs
+    if ratio_level == "sequence":
+        return sequence_mean(log_ratio, m)
+    if ratio_level != "token":
+        raise ValueError(f"unknown ratio level {ratio_level!r}; accepted: token, sequence")
+    return log_ratio
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,

@@ -173,7 +173,7 @@ class Learner:
         the loss forward's own (detached) and the separate forward pass is skipped."""
         t = self.train
         return (t.epochs == 1 and t.minibatches == 1 and not self.recipe.has_critic
-                and self.recipe.kl_mode == "loss")
+                and self.recipe.kl_mode != "reward")
 
     def _reuses_forward(self) -> bool:
         """One optimizer step per batch in one micro-batch, and advantages that need the
@@ -273,9 +273,10 @@ class Learner:
         m = mb.loss_mask
         weights = None if rc.mismatch == "none" else A.importance_weights(
             old_lp, mb.behaviour_logprobs, rc.mismatch_cap, rc.mismatch, m, rc.ratio_level)
-        pg, st = A.ppo_policy_loss(lp, old_lp, adv, m, rc.clip_low, rc.clip_high,
-                                   weights=weights, ratio_level=rc.ratio_level,
-                                   loss_agg=rc.loss_agg, normaliser=n_tokens, n_seqs=n_seqs)
+        policy_loss = A.cispo_policy_loss if rc.surrogate == "cispo" else A.ppo_policy_loss
+        pg, st = policy_loss(lp, old_lp, adv, m, rc.clip_low, rc.clip_high, weights=weights,
+                             ratio_level=rc.ratio_level, loss_agg=rc.loss_agg,
+                             normaliser=n_tokens, n_seqs=n_seqs)
         ent = A.masked_token_mean(fwd.entropy, m, n_tokens)
         loss = pg - algo.entropy_coef * ent if algo.entropy_coef > 0 else pg
         stats = {"policy_loss": pg.detach(), "entropy": ent.detach(), **st}
