@@ -44,6 +44,7 @@ class Recipe:
     kl_mode: str  # reward | loss | none
     kl_estimator: str  # k1 | k3
     surrogate: str = "clip"  # clip (PPO's clipped ratio) | cispo (clipped IS weight)
+    proximal: bool = False  # decoupled PPO: stale tokens weighted by pi_prox / behaviour
 
     @property
     def has_critic(self) -> bool:
@@ -148,7 +149,7 @@ def resolve(a: AlgoConfig) -> Recipe:
                           else p.get("overlong_penalty", 0.0)),
         mismatch=mismatch, mismatch_cap=cap, kl_mode=kl_mode,
         kl_estimator=a.kl_estimator or ("k3" if kl_mode == "loss" else "k1"),
-        surrogate=p.get("surrogate", "clip"))
+        surrogate=p.get("surrogate", "clip"), proximal=a.proximal)
 
 
 def with_critic() -> list[str]:
@@ -221,7 +222,13 @@ class AlgoConfig:
                         "mismatch_cap), mis = drop tokens (sequences, with ratio_level = "
                         "sequence) whose ratio is above mismatch_cap", choices=("none", "tis",
                                                                                 "mis"))
-    mismatch_cap: float = opt(2.0, "the cap of algo.mismatch", gt=0.0)
+    mismatch_cap: float = opt(2.0, "the cap of algo.mismatch and algo.proximal", gt=0.0)
+    proximal: bool = opt(False, "decoupled PPO (AReaL): the clip stays centred on the "
+                         "trainer's weights at the step's start (the proximal policy) and a "
+                         "token sampled by an older weight version than a synchronous run's "
+                         "is weighted by pi_prox / behaviour, capped by mismatch_cap "
+                         "(algo.mismatch's mode, tis when none); no effect at max_staleness "
+                         "= 0. Off: not yet measured on this implementation")
     value_clip: float = opt(0.2, "PPO value clip", gt=0.0)
     vf_coef: float = opt(0.5, "value-loss weight (ppo)", ge=0.0)
     entropy_coef: float = opt(0.0, "entropy bonus weight", ge=0.0)

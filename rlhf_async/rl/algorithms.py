@@ -150,6 +150,32 @@ def importance_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: fl
     raise ValueError(f"unknown mismatch correction {mode!r}; accepted: tis, mis")
 
 
+def stale_tokens(token_versions: Tensor | None, version: int, mask: Tensor,
+                 sync_version: int) -> Tensor:
+    """[B, T] bool: the policy tokens sampled by a weight version older than `sync_version`
+    (the one a synchronous run would use): per token with partial rollouts'
+    `token_versions`, else the batch's (oldest) `version` for every token."""
+    real = mask > 0
+    if token_versions is None:
+        return real & (version < sync_version)
+    return real & (token_versions < sync_version)
+
+
+def proximal_weights(prox_logprobs: Tensor, behaviour_logprobs: Tensor, stale: Tensor,
+                     cap: float, mode: str, mask: Tensor, level: str = "token") -> Tensor:
+    """Decoupled PPO (AReaL, arXiv:2505.24298): the clip is centred on the proximal policy
+    (the trainer's weights at the step's start: `prox_logprobs`), and the behaviour policy
+    mu that sampled a stale token enters only as the importance weight pi_prox / mu, capped
+    as `importance_weights` (`mode` tis | mis). 1 on fresh tokens (and, with `level =
+    sequence`, on responses without a stale token); per response its stale tokens' log
+    ratios over all its tokens. Detached, [B, T]."""
+    behaviour = torch.where(stale, behaviour_logprobs, prox_logprobs)  # log ratio 0 if fresh
+    w = importance_weights(prox_logprobs, behaviour, cap, mode, mask, level)
+    if level == "sequence":
+        stale = stale.any(dim=1, keepdim=True).expand_as(stale)
+    return torch.where(stale, w, torch.ones_like(w))
+
+
 def aggregate(per_token: Tensor, mask: Tensor, mode: str, n_tokens: Tensor | float,
               n_seqs: Tensor | float) -> Tensor:
     """One loss from per-token terms [B, T]: token_mean = sum / n_tokens; seq_mean_token_sum

@@ -21,15 +21,15 @@ from rlhf_async.config import AlgoConfig, LoraConfig, TrainConfig
 from rlhf_async.config.presets import resolve
 from rlhf_async.engines import TrainingBackend, make_training_backend
 from rlhf_async.engines.lora import add_adapters, merged_weights
-from rlhf_async.modeling.collectives import all_gather_1d, all_reduce_sum
-from rlhf_async.modeling.determinism import key_seed, keyed_order
+from rlhf_async.modeling.collectives import all_reduce_sum
+from rlhf_async.modeling.determinism import key_seed
 from rlhf_async.modeling.models import ScalarHeadModel, checkpoint_activations, disable_dropout
 from rlhf_async.modeling.packing import ResponseView
 from rlhf_async.modeling.precision import FP32, Precision
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl import algorithms as A
 from rlhf_async.rl.guards import require_finite
-from rlhf_async.rl.microbatches import MicroBatcher
+from rlhf_async.rl.microbatches import MicroBatcher, minibatch_rows
 from rlhf_async.rl.step_stats import global_stats, mismatch_stats
 
 
@@ -239,19 +239,6 @@ class Learner:
                        b.sample_ids)
         return adv, ret, kl
 
-    def _minibatches(self, b: RolloutBatch, epoch: int) -> list[Tensor]:
-        """Local row indices of each minibatch; the split is over the GLOBAL batch, keyed by
-        (seed, step, epoch), so it does not depend on how samples are spread over ranks.
-        One minibatch holds every row: no collective (every rank skips it alike)."""
-        if self.train.minibatches == 1:
-            return [torch.arange(len(b), device=b.sample_ids.device)]
-        all_ids = all_gather_1d(b.sample_ids).tolist()
-        order = keyed_order(self.seed, ("minibatch", b.step, epoch), all_ids)
-        M = self.train.minibatches
-        mb_of = {sid: i * M // len(order) for i, sid in enumerate(order)}
-        local = torch.tensor([mb_of[int(s)] for s in b.sample_ids], device=b.sample_ids.device)
-        return [torch.nonzero(local == k).flatten() for k in range(M)]
-
     def _forward(self, mb: RolloutBatch) -> Forward:
         """The actor's log-probs and entropy and the critic's values on `mb` (with graphs)."""
         view = self.micro.view(mb)  # padded, or packed: results restored to [b, R]
@@ -273,6 +260,11 @@ class Learner:
         m = mb.loss_mask
         weights = None if rc.mismatch == "none" else A.importance_weights(
             old_lp, mb.behaviour_logprobs, rc.mismatch_cap, rc.mismatch, m, rc.ratio_level)
+        if rc.proximal and weights is None:  # (algo.mismatch's weights are pi_prox / mu too)
+            stale = A.stale_tokens(mb.token_versions, mb.version, m,
+                                   mb.step // self.train.publish_every)
+            weights = A.proximal_weights(old_lp, mb.behaviour_logprobs, stale,
+                                         rc.mismatch_cap, "tis", m, rc.ratio_level)
         policy_loss = A.cispo_policy_loss if rc.surrogate == "cispo" else A.ppo_policy_loss
         pg, st = policy_loss(lp, old_lp, adv, m, rc.clip_low, rc.clip_high, weights=weights,
                              ratio_level=rc.ratio_level, loss_agg=rc.loss_agg,
@@ -369,7 +361,7 @@ class Learner:
         n_updates = 0
         self.actor.train()
         for epoch in range(self.train.epochs):
-            for idx in self._minibatches(b, epoch):
+            for idx in minibatch_rows(b, self.seed, epoch, self.train.minibatches):
                 counts = all_reduce_sum(torch.stack([m[idx].sum(), m.new_tensor(len(idx))]))
                 n_tokens, n_seqs = counts.clamp(min=1.0).unbind()
                 if len(idx):
