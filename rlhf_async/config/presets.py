@@ -6,6 +6,11 @@ explicit value wins. `resolve` turns an `AlgoConfig` into the concrete `Recipe` 
 and the reward mix read, so the preset table lives here only; what the rest of the
 library asks of an algorithm it asks of the `Recipe` (`has_critic`, `needs_groups`).
 
+Where the KL penalty to the reference goes is each paper's: in the loss for the GRPO family
+(grpo, dr_grpo, dapo, gspo: GRPO's objective puts beta*KL beside the policy term), with the
+k3 estimator (unbiased and positive; k1 in the loss made the built-in task collapse), in the
+reward for ppo, rloo and reinforce_pp (InstructGPT), with k1; none for cispo (MiniMax-M1).
+
 The advantage's baseline is the preset's alone (it is what names an algorithm):
 gae (PPO's critic), group_mean (GRPO and its descendants), leave_one_out (RLOO), none
 (REINFORCE++: the reward minus the KL still to come, normalised over the batch).
@@ -36,6 +41,10 @@ class Recipe:
     overlong_penalty: float  # the reward's penalty at max_new_tokens; 0 = off
     mismatch: str  # none | tis | mis
     mismatch_cap: float
+    kl_mode: str  # reward | loss | none
+    kl_estimator: str  # k1 | k3
+    surrogate: str = "clip"  # clip (PPO's clipped ratio) | cispo (clipped IS weight)
+    proximal: bool = False  # decoupled PPO: stale tokens weighted by pi_prox / behaviour
 
     @property
     def has_critic(self) -> bool:
@@ -51,19 +60,21 @@ def ppo(a: AlgoConfig) -> dict[str, Any]:
     """PPO with a critic and GAE (Schulman et al. 2017, arXiv:1707.06347; RLHF as in
     Ziegler et al. 2019, arXiv:1909.08593): advantages whitened over the global batch
     (`algo.whiten_advantages = false`: not normalised)."""
-    return {"baseline": "gae", "adv_norm": "batch" if a.whiten_advantages else "none"}
+    return {"baseline": "gae", "adv_norm": "batch" if a.whiten_advantages else "none",
+            "kl_mode": "reward"}
 
 
 def grpo(a: AlgoConfig) -> dict[str, Any]:
     """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300): no critic; a response's
-    advantage is its reward minus its group's mean, over the group's std."""
-    return {"baseline": "group_mean", "adv_norm": "group"}
+    advantage is its reward minus its group's mean, over the group's std; the KL to the
+    reference in the loss (eq. 3), k3."""
+    return {"baseline": "group_mean", "adv_norm": "group", "kl_mode": "loss"}
 
 
 def rloo(a: AlgoConfig) -> dict[str, Any]:
     """RLOO (Ahmadian et al. 2024, arXiv:2402.14740): the reward minus the mean of the
-    other responses to the same prompt, not normalised."""
-    return {"baseline": "leave_one_out", "adv_norm": "none"}
+    other responses to the same prompt, not normalised; the KL in the reward."""
+    return {"baseline": "leave_one_out", "adv_norm": "none", "kl_mode": "reward"}
 
 
 def dapo(a: AlgoConfig) -> dict[str, Any]:
@@ -72,17 +83,20 @@ def dapo(a: AlgoConfig) -> dict[str, Any]:
     overlong penalty on the reward (a linear ramp to -1 over the last fifth of
     `max_new_tokens`). Dynamic sampling, its fourth part, is not a knob of this preset.
     The paper also drops the KL term; here the KL keys keep the job's values (the
-    built-in task's reward model is exploited without them): `algo.kl_coef = 0
-    algo.kl_target = 0` drops it."""
+    built-in task's reward model is exploited without them), in the loss as GRPO's:
+    `algo.kl_coef = 0 algo.kl_target = 0` drops it."""
     return {"baseline": "group_mean", "adv_norm": "group", "loss_agg": "token_mean",
+            "kl_mode": "loss",
             "clip_low": 0.2, "clip_high": 0.28, "overlong_penalty": 1.0}
 
 
 def gspo(a: AlgoConfig) -> dict[str, Any]:
     """GSPO (Zheng et al. 2025, arXiv:2507.18071): GRPO's advantages with the sequence's
     length-normalised likelihood ratio (exp of the mean per-token log ratio), clipped per
-    sequence in a narrow range (3e-4 below, 4e-4 above), the loss a mean over sequences."""
+    sequence in a narrow range (3e-4 below, 4e-4 above), the loss a mean over sequences;
+    the KL in the loss, as GRPO's."""
     return {"baseline": "group_mean", "adv_norm": "group", "ratio_level": "sequence",
+            "kl_mode": "loss",
             "loss_agg": "seq_mean_token_mean", "clip_low": 3e-4, "clip_high": 4e-4}
 
 
@@ -90,19 +104,30 @@ def dr_grpo(a: AlgoConfig) -> dict[str, Any]:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
     Perspective", arXiv:2503.20783): GRPO without its two biases: the advantage is not
     divided by the group's std, and the loss is not divided by each response's length
-    (token sums, averaged over sequences)."""
-    return {"baseline": "group_mean", "adv_norm": "none", "loss_agg": "seq_mean_token_sum"}
+    (token sums, averaged over sequences); the KL in the loss, as GRPO's."""
+    return {"baseline": "group_mean", "adv_norm": "none", "loss_agg": "seq_mean_token_sum",
+            "kl_mode": "loss"}
 
 
 def reinforce_pp(a: AlgoConfig) -> dict[str, Any]:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262): no critic and no per-prompt baseline; a
     token's advantage is the reward minus the KL penalty of it and the tokens after it,
-    normalised (z-score) over every token of the global batch."""
-    return {"baseline": "none", "adv_norm": "batch"}
+    normalised (z-score) over every token of the global batch (the KL in the reward)."""
+    return {"baseline": "none", "adv_norm": "batch", "kl_mode": "reward"}
+
+
+def cispo(a: AlgoConfig) -> dict[str, Any]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585): GRPO's group-normalised advantages with a
+    REINFORCE loss whose per-token importance weight pi / pi_old is clipped and
+    stop-gradiented (not the update: every token keeps its gradient), the token-mean loss,
+    and no KL term. The paper sets no lower bound (clip_low 1: the weight >= 0) and tunes the
+    upper one without giving it; 0.28 here (`algo.clip_eps_high`, DAPO's clip-higher)."""
+    return {"baseline": "group_mean", "adv_norm": "group", "loss_agg": "token_mean",
+            "clip_low": 1.0, "clip_high": 0.28, "kl_mode": "none", "surrogate": "cispo"}
 
 
 PRESETS: dict[str, Callable[[AlgoConfig], dict[str, Any]]] = {
-    f.__name__: f for f in (ppo, grpo, rloo, dapo, gspo, dr_grpo, reinforce_pp)}
+    f.__name__: f for f in (ppo, grpo, rloo, dapo, gspo, dr_grpo, reinforce_pp, cispo)}
 
 
 def resolve(a: AlgoConfig) -> Recipe:
@@ -113,6 +138,7 @@ def resolve(a: AlgoConfig) -> Recipe:
     mismatch, cap = a.mismatch, a.mismatch_cap
     if mismatch == "none" and a.is_cap > 0:
         mismatch, cap = "tis", a.is_cap
+    kl_mode = a.kl_mode or p["kl_mode"]
     return Recipe(
         baseline=p["baseline"], adv_norm=a.adv_norm or p["adv_norm"],
         loss_agg=a.loss_agg or p.get("loss_agg", "token_mean"),
@@ -121,7 +147,9 @@ def resolve(a: AlgoConfig) -> Recipe:
         clip_high=a.clip_eps_high or p.get("clip_high", a.clip_eps),
         overlong_penalty=(a.overlong_penalty if a.overlong_penalty >= 0
                           else p.get("overlong_penalty", 0.0)),
-        mismatch=mismatch, mismatch_cap=cap)
+        mismatch=mismatch, mismatch_cap=cap, kl_mode=kl_mode,
+        kl_estimator=a.kl_estimator or ("k3" if kl_mode == "loss" else "k1"),
+        surrogate=p.get("surrogate", "clip"), proximal=a.proximal)
 
 
 def with_critic() -> list[str]:
@@ -150,14 +178,21 @@ class AlgoConfig:
                            ge=0.0)
     kl_horizon: float = opt(1.0, "adaptive KL controller: steps over which the weight moves "
                             "by at most 20%", gt=0.0)
-    kl_estimator: str = opt("k1", "per-token KL estimator", choices=("k1", "k3"))
-    kl_mode: str = opt("reward", "where the KL penalty goes", choices=("reward", "loss"))
+    kl_estimator: str = opt("", "per-token KL estimator: k1 (log ratio), k3 (r - 1 - log r, "
+                            "positive); '' = k3 with the KL in the loss, else k1",
+                            choices=("", "k1", "k3"))
+    kl_mode: str = opt("", "where the KL penalty goes: reward (per token, InstructGPT), loss "
+                       "(aggregated like the policy term, GRPO), none (measured, not "
+                       "penalised); '' = the preset's (grpo, dr_grpo, dapo, gspo loss; ppo, "
+                       "rloo, reinforce_pp reward; cispo none)",
+                       choices=("", "reward", "loss", "none"))
     clip_eps: float = opt(0.2, "PPO ratio clip", gt=0.0)
-    clip_eps_low: float = opt(0.0, "ratio clip below 1 (ratio >= 1 - clip_eps_low); 0 = the "
-                              "preset's (dapo 0.2, gspo 3e-4), else clip_eps", ge=0.0, le=1.0)
+    clip_eps_low: float = opt(0.0, "ratio clip below 1 (ratio >= 1 - clip_eps_low; cispo: "
+                              "its IS weight's); 0 = the preset's (dapo 0.2, gspo 3e-4, cispo "
+                              "1 = none), else clip_eps", ge=0.0, le=1.0)
     clip_eps_high: float = opt(0.0, "ratio clip above 1 (clip-higher: ratio <= 1 + "
-                               "clip_eps_high); 0 = the preset's (dapo 0.28, gspo 4e-4), else "
-                               "clip_eps", ge=0.0)
+                               "clip_eps_high; cispo: its IS weight's); 0 = the preset's (dapo "
+                               "0.28, gspo 4e-4, cispo 0.28), else clip_eps", ge=0.0)
     loss_agg: str = opt("", "how per-token policy losses make the loss: token_mean (over "
                         "every token of the batch), seq_mean_token_sum (each response's sum, "
                         "averaged over responses: no length normalisation), "
@@ -187,7 +222,13 @@ class AlgoConfig:
                         "mismatch_cap), mis = drop tokens (sequences, with ratio_level = "
                         "sequence) whose ratio is above mismatch_cap", choices=("none", "tis",
                                                                                 "mis"))
-    mismatch_cap: float = opt(2.0, "the cap of algo.mismatch", gt=0.0)
+    mismatch_cap: float = opt(2.0, "the cap of algo.mismatch and algo.proximal", gt=0.0)
+    proximal: bool = opt(False, "decoupled PPO (AReaL): the clip stays centred on the "
+                         "trainer's weights at the step's start (the proximal policy) and a "
+                         "token sampled by an older weight version than a synchronous run's "
+                         "is weighted by pi_prox / behaviour, capped by mismatch_cap "
+                         "(algo.mismatch's mode, tis when none); no effect at max_staleness "
+                         "= 0. Off: not yet measured on this implementation")
     value_clip: float = opt(0.2, "PPO value clip", gt=0.0)
     vf_coef: float = opt(0.5, "value-loss weight (ppo)", ge=0.0)
     entropy_coef: float = opt(0.0, "entropy bonus weight", ge=0.0)

@@ -150,6 +150,32 @@ def importance_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, cap: fl
     raise ValueError(f"unknown mismatch correction {mode!r}; accepted: tis, mis")
 
 
+def stale_tokens(token_versions: Tensor | None, version: int, mask: Tensor,
+                 sync_version: int) -> Tensor:
+    """[B, T] bool: the policy tokens sampled by a weight version older than `sync_version`
+    (the one a synchronous run would use): per token with partial rollouts'
+    `token_versions`, else the batch's (oldest) `version` for every token."""
+    real = mask > 0
+    if token_versions is None:
+        return real & (version < sync_version)
+    return real & (token_versions < sync_version)
+
+
+def proximal_weights(prox_logprobs: Tensor, behaviour_logprobs: Tensor, stale: Tensor,
+                     cap: float, mode: str, mask: Tensor, level: str = "token") -> Tensor:
+    """Decoupled PPO (AReaL, arXiv:2505.24298): the clip is centred on the proximal policy
+    (the trainer's weights at the step's start: `prox_logprobs`), and the behaviour policy
+    mu that sampled a stale token enters only as the importance weight pi_prox / mu, capped
+    as `importance_weights` (`mode` tis | mis). 1 on fresh tokens (and, with `level =
+    sequence`, on responses without a stale token); per response its stale tokens' log
+    ratios over all its tokens. Detached, [B, T]."""
+    behaviour = torch.where(stale, behaviour_logprobs, prox_logprobs)  # log ratio 0 if fresh
+    w = importance_weights(prox_logprobs, behaviour, cap, mode, mask, level)
+    if level == "sequence":
+        stale = stale.any(dim=1, keepdim=True).expand_as(stale)
+    return torch.where(stale, w, torch.ones_like(w))
+
+
 def aggregate(per_token: Tensor, mask: Tensor, mode: str, n_tokens: Tensor | float,
               n_seqs: Tensor | float) -> Tensor:
     """One loss from per-token terms [B, T]: token_mean = sum / n_tokens; seq_mean_token_sum
@@ -179,11 +205,7 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
     [B, T] inputs."""
     m = mask.float()
     n = m.sum() if normaliser is None else normaliser
-    log_ratio = logprobs - old_logprobs
-    if ratio_level == "sequence":
-        log_ratio = sequence_mean(log_ratio, m)
-    elif ratio_level != "token":
-        raise ValueError(f"unknown ratio level {ratio_level!r}; accepted: token, sequence")
+    log_ratio = _log_ratio(logprobs, old_logprobs, m, ratio_level)
     ratio = torch.exp(log_ratio)
     high = clip_eps if clip_eps_high is None else clip_eps_high
     surr1 = ratio * advantages
@@ -196,6 +218,40 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
         clipped = ((surr2 < surr1).float() * m).sum() / n
         approx_kl = (((ratio - 1) - log_ratio) * m).sum() / n
     return loss, {"clip_frac": clipped, "approx_kl": approx_kl}
+
+
+def cispo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor,
+                      mask: Tensor, clip_low: float, clip_high: float, *,
+                      weights: Tensor | None = None, ratio_level: str = "token",
+                      loss_agg: str = "token_mean", normaliser: Tensor | float | None = None,
+                      n_seqs: Tensor | float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585, eq. 4): -sg(clip(r, 1 - clip_low, 1 + clip_high))
+    * A * log pi per token, times `weights`, aggregated by `loss_agg`. The importance weight
+    is clipped and stop-gradiented instead of the token's update: every token keeps its
+    gradient (PPO's clip zeroes a rising low-probability token's). Ratio and counts as
+    `ppo_policy_loss`. [B, T] inputs."""
+    m = mask.float()
+    n = m.sum() if normaliser is None else normaliser
+    log_ratio = _log_ratio(logprobs, old_logprobs, m, ratio_level)
+    ratio = torch.exp(log_ratio).detach()
+    per_token = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages * logprobs
+    if weights is not None:
+        per_token = per_token * weights
+    loss = aggregate(per_token, m, loss_agg, n, float(m.shape[0]) if n_seqs is None else n_seqs)
+    with torch.no_grad():
+        clipped = (((ratio > 1.0 + clip_high) | (ratio < 1.0 - clip_low)).float() * m).sum() / n
+        approx_kl = (((ratio - 1) - log_ratio) * m).sum() / n
+    return loss, {"clip_frac": clipped, "approx_kl": approx_kl}
+
+
+def _log_ratio(logprobs: Tensor, old_logprobs: Tensor, m: Tensor, ratio_level: str) -> Tensor:
+    """log(pi / pi_old) per token, or each response's mean of it (`sequence`: GSPO)."""
+    log_ratio = logprobs - old_logprobs
+    if ratio_level == "sequence":
+        return sequence_mean(log_ratio, m)
+    if ratio_level != "token":
+        raise ValueError(f"unknown ratio level {ratio_level!r}; accepted: token, sequence")
+    return log_ratio
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
@@ -254,10 +310,20 @@ def _group_stats(scores: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def outcome_advantages(scores: Tensor, group_ids: Tensor, baseline: str,
-                       group_norm: bool, eps: float = 1e-6) -> Tensor:
+                       group_norm: bool, eps: float = 1e-6,
+                       penalty: Tensor | None = None) -> Tensor:
     """One advantage per response [B] from its score: minus the group's mean (group_mean)
     or the other responses' mean (leave_one_out), or the score itself (none); with
-    `group_norm`, divided by the std of the group's scores (+ eps)."""
+    `group_norm`, divided by the std of the group's scores (+ eps).
+
+    `penalty` [B] (the KL in the reward) is subtracted from the score; with `group_norm`
+    it is subtracted from the normalised advantage instead, so the group's statistics are
+    the task scores' alone: a group of equal scores has no task advantage, and the
+    penalty's per-sample noise is not amplified by 1 / (its tiny std)."""
+    if penalty is not None and not group_norm:
+        return outcome_advantages(scores - penalty, group_ids, baseline, False, eps)
+    if penalty is not None:
+        return outcome_advantages(scores, group_ids, baseline, True, eps) - penalty
     if baseline == "group_mean" and group_norm:
         return grpo_advantages(scores, group_ids, eps)
     if baseline == "leave_one_out":

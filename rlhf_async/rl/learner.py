@@ -21,16 +21,15 @@ from rlhf_async.config import AlgoConfig, LoraConfig, TrainConfig
 from rlhf_async.config.presets import resolve
 from rlhf_async.engines import TrainingBackend, make_training_backend
 from rlhf_async.engines.lora import add_adapters, merged_weights
-from rlhf_async.modeling.collectives import all_gather_1d, all_reduce_sum
-from rlhf_async.modeling.determinism import key_seed, keyed_order
+from rlhf_async.modeling.collectives import all_reduce_sum
+from rlhf_async.modeling.determinism import key_seed
 from rlhf_async.modeling.models import ScalarHeadModel, checkpoint_activations, disable_dropout
 from rlhf_async.modeling.packing import ResponseView
 from rlhf_async.modeling.precision import FP32, Precision
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl import algorithms as A
-from rlhf_async.rl.advantages import advantages
 from rlhf_async.rl.guards import require_finite
-from rlhf_async.rl.microbatches import MicroBatcher
+from rlhf_async.rl.microbatches import MicroBatcher, minibatch_rows
 from rlhf_async.rl.step_stats import global_stats, mismatch_stats
 
 
@@ -172,9 +171,9 @@ class Learner:
         """One optimizer step per batch, and advantages that need no log-probs: the policy
         is still the batch's "old" policy when the loss is computed, so the old log-probs are
         the loss forward's own (detached) and the separate forward pass is skipped."""
-        a, t = self.algo, self.train
+        t = self.train
         return (t.epochs == 1 and t.minibatches == 1 and not self.recipe.has_critic
-                and a.kl_mode == "loss")
+                and self.recipe.kl_mode != "reward")
 
     def _reuses_forward(self) -> bool:
         """One optimizer step per batch in one micro-batch, and advantages that need the
@@ -184,10 +183,10 @@ class Learner:
         no-grad forwards of actor and critic are skipped. The plain-torch engine only (a
         ZeRO engine's forward and backward are its own to order), without a token budget
         (whose point is not to run the whole batch at once)."""
-        a, t = self.algo, self.train
+        t = self.train
         return (t.epochs == 1 and t.minibatches == 1 and t.grad_accum == 1
                 and not t.max_tokens_per_microbatch and t.backend == "torch"
-                and (self.recipe.has_critic or a.kl_mode == "reward"))
+                and (self.recipe.has_critic or self.recipe.kl_mode == "reward"))
 
     def _old_policy(self, b: RolloutBatch) -> OldPolicy:
         """The batch's old log-probs and values, before any update: from the loss forward
@@ -212,23 +211,33 @@ class Learner:
                     values[i] = view.restore(self._critic_values(view))
         return OldPolicy(lp * m, None if values is None else values * m, None)
 
+    @torch.no_grad()
     def _advantages(self, b: RolloutBatch, old_lp: Tensor | None,
                     values: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """`rl.advantages.advantages` under this learner's recipe and current KL weight."""
-        return advantages(b, old_lp, values, self.algo, self.recipe, self.kl_coef)
-
-    def _minibatches(self, b: RolloutBatch, epoch: int) -> list[Tensor]:
-        """Local row indices of each minibatch; the split is over the GLOBAL batch, keyed by
-        (seed, step, epoch), so it does not depend on how samples are spread over ranks.
-        One minibatch holds every row: no collective (every rank skips it alike)."""
-        if self.train.minibatches == 1:
-            return [torch.arange(len(b), device=b.sample_ids.device)]
-        all_ids = all_gather_1d(b.sample_ids).tolist()
-        order = keyed_order(self.seed, ("minibatch", b.step, epoch), all_ids)
-        M = self.train.minibatches
-        mb_of = {sid: i * M // len(order) for i, sid in enumerate(order)}
-        local = torch.tensor([mb_of[int(s)] for s in b.sample_ids], device=b.sample_ids.device)
-        return [torch.nonzero(local == k).flatten() for k in range(M)]
+        """-> advantages [B, R], returns [B, R] (PPO only), per-token KL [B, R] (None
+        without `old_lp`: then the rewards alone decide, `_reuses_logprobs`)."""
+        algo, rc, m = self.algo, self.recipe, b.loss_mask
+        assert b.rewards is not None and b.ref_logprobs is not None  # checked by train_step
+        kl = None if old_lp is None else A.kl_per_token(
+            old_lp, b.ref_logprobs, rc.kl_estimator) * m
+        kl_r = self.kl_coef if rc.kl_mode == "reward" and kl is not None else 0.0
+        ret = None
+        if rc.baseline in ("gae", "none"):  # per token: the KL still to come, per token
+            r = A.token_rewards(b.rewards, m.new_zeros(m.shape) if kl is None else kl, m, kl_r)
+            if rc.baseline == "gae":
+                assert values is not None  # PPO always has a critic
+                adv, ret = A.gae(r, values, m, algo.gamma, algo.lam)
+            else:  # REINFORCE++: returns to go, no discount, no critic
+                adv, _ = A.gae(r, m.new_zeros(m.shape), m, 1.0, 1.0)
+        else:
+            penalty = None if kl is None else kl_r * kl.sum(dim=1)  # [B]
+            adv = A.outcome_advantages(b.rewards, b.group_ids, rc.baseline,
+                                       rc.adv_norm == "group", penalty=penalty)[:, None] * m
+        if rc.adv_norm == "batch":
+            adv = A.whiten(adv, m, all_reduce_sum)
+        require_finite("an advantage", adv, b.step, "a reward or value out of range?",
+                       b.sample_ids)
+        return adv, ret, kl
 
     def _forward(self, mb: RolloutBatch) -> Forward:
         """The actor's log-probs and entropy and the critic's values on `mb` (with graphs)."""
@@ -251,16 +260,22 @@ class Learner:
         m = mb.loss_mask
         weights = None if rc.mismatch == "none" else A.importance_weights(
             old_lp, mb.behaviour_logprobs, rc.mismatch_cap, rc.mismatch, m, rc.ratio_level)
-        pg, st = A.ppo_policy_loss(lp, old_lp, adv, m, rc.clip_low, rc.clip_high,
-                                   weights=weights, ratio_level=rc.ratio_level,
-                                   loss_agg=rc.loss_agg, normaliser=n_tokens, n_seqs=n_seqs)
+        if rc.proximal and weights is None:  # (algo.mismatch's weights are pi_prox / mu too)
+            stale = A.stale_tokens(mb.token_versions, mb.version, m,
+                                   mb.step // self.train.publish_every)
+            weights = A.proximal_weights(old_lp, mb.behaviour_logprobs, stale,
+                                         rc.mismatch_cap, "tis", m, rc.ratio_level)
+        policy_loss = A.cispo_policy_loss if rc.surrogate == "cispo" else A.ppo_policy_loss
+        pg, st = policy_loss(lp, old_lp, adv, m, rc.clip_low, rc.clip_high, weights=weights,
+                             ratio_level=rc.ratio_level, loss_agg=rc.loss_agg,
+                             normaliser=n_tokens, n_seqs=n_seqs)
         ent = A.masked_token_mean(fwd.entropy, m, n_tokens)
         loss = pg - algo.entropy_coef * ent if algo.entropy_coef > 0 else pg
         stats = {"policy_loss": pg.detach(), "entropy": ent.detach(), **st}
-        if algo.kl_mode == "loss":
+        if rc.kl_mode == "loss":
             assert mb.ref_logprobs is not None
-            kl = A.kl_per_token(lp, mb.ref_logprobs, algo.kl_estimator)
-            # aggregated like the policy term (GRPO: beta * KL in the same per-response mean)
+            # per token, then aggregated as the policy term (GRPO's beta*KL inside its mean)
+            kl = A.kl_per_token(lp, mb.ref_logprobs, rc.kl_estimator)
             kl_loss = A.aggregate(kl, m, rc.loss_agg, n_tokens, n_seqs)
             loss = loss + self.kl_coef * kl_loss
             stats["kl_loss"] = kl_loss.detach()
@@ -275,7 +290,7 @@ class Learner:
 
     def _stat_names(self) -> list[str]:
         names = ["policy_loss", "entropy", "clip_frac", "approx_kl"]
-        names += ["kl_loss"] if self.algo.kl_mode == "loss" else []
+        names += ["kl_loss"] if self.recipe.kl_mode == "loss" else []
         return names + (["value_loss"] if self.critic_backend is not None else [])
 
     def _optimizer_step(self, step: int) -> dict[str, float]:
@@ -346,7 +361,7 @@ class Learner:
         n_updates = 0
         self.actor.train()
         for epoch in range(self.train.epochs):
-            for idx in self._minibatches(b, epoch):
+            for idx in minibatch_rows(b, self.seed, epoch, self.train.minibatches):
                 counts = all_reduce_sum(torch.stack([m[idx].sum(), m.new_tensor(len(idx))]))
                 n_tokens, n_seqs = counts.clamp(min=1.0).unbind()
                 if len(idx):
@@ -365,7 +380,7 @@ class Learner:
             old_lp = torch.cat(own) if own else m.new_zeros(m.shape)
         if kl is None:
             assert b.ref_logprobs is not None  # a scored batch (validated by train_step)
-            kl = A.kl_per_token(old_lp, b.ref_logprobs, self.algo.kl_estimator) * m
+            kl = A.kl_per_token(old_lp, b.ref_logprobs, self.recipe.kl_estimator) * m
         out: dict[str, float] = {**global_stats(b, kl, adv, sums, n_updates),
                                  **mismatch_stats(b, old_lp, self.recipe.ratio_level,
                                                  self.recipe.mismatch_cap), **grad_norms, **lrs,

@@ -28,6 +28,8 @@ from torch import Tensor, nn
 
 from rlhf_async.config import TrainConfig
 from rlhf_async.log import get_logger
+from rlhf_async.modeling.collectives import all_gather_1d
+from rlhf_async.modeling.determinism import keyed_order
 from rlhf_async.modeling.packing import (
     ResponseView,
     packed_view,
@@ -113,3 +115,16 @@ class MicroBatcher:
         """How the models see micro-batch `mb`: packed, or padded to its own widths (to
         the batch's without a budget, as before)."""
         return packed_view(mb) if self.packed else padded_view(mb, trim=self.budget > 0)
+
+
+def minibatch_rows(b: RolloutBatch, seed: int, epoch: int, minibatches: int) -> list[Tensor]:
+    """Local row indices of each minibatch; the split is over the GLOBAL batch, keyed by
+    (seed, step, epoch), so it does not depend on how samples are spread over ranks.
+    One minibatch holds every row: no collective (every rank skips it alike)."""
+    if minibatches == 1:
+        return [torch.arange(len(b), device=b.sample_ids.device)]
+    all_ids = all_gather_1d(b.sample_ids).tolist()
+    order = keyed_order(seed, ("minibatch", b.step, epoch), all_ids)
+    mb_of = {sid: i * minibatches // len(order) for i, sid in enumerate(order)}
+    local = torch.tensor([mb_of[int(s)] for s in b.sample_ids], device=b.sample_ids.device)
+    return [torch.nonzero(local == k).flatten() for k in range(minibatches)]

@@ -66,8 +66,10 @@ class StalenessPolicy:
         self.dropped = 0
         self.rejected_future = 0
         self.histogram: dict[int, int] = {}
-        # the counters and histogram at the last `metrics()`: what a step record subtracts
-        self._reported: tuple[dict[str, int], dict[int, int]] = ({}, {})
+        self._since = self._counts()  # the counts at the last `metrics()`: a step's start
+
+    def _counts(self) -> tuple[int, int, int, dict[int, int]]:
+        return self.admitted, self.dropped, self.rejected_future, dict(self.histogram)
 
     def sync_version(self, step: int) -> int:
         """The version a synchronous run would use to generate batch `step`."""
@@ -112,21 +114,25 @@ class StalenessPolicy:
         return True
 
     def metrics(self) -> dict[str, float]:
-        """Flat numbers for the metrics sink (not the log), one call per step record:
-        `staleness/admitted|dropped|rejected_future`, `mean` and `hist/<s>` count what
-        happened since the previous call (this step); `*_total` the run's totals."""
-        now = {"admitted": self.admitted, "dropped": self.dropped,
-               "rejected_future": self.rejected_future}
-        last, seen = self._reported
-        out = {f"staleness/{k}": float(v - last.get(k, 0)) for k, v in now.items()}
-        out.update({f"staleness/{k}_total": float(v) for k, v in now.items()})
-        step = {s: n - seen.get(s, 0) for s, n in self.histogram.items()
-                if n - seen.get(s, 0) > 0}
-        if step:
-            out["staleness/mean"] = sum(s * n for s, n in step.items()) / sum(step.values())
-        for s, n in sorted(step.items()):
+        """Flat numbers for the metrics sink (not the log), once per training step: what
+        was counted since the previous call (`staleness/admitted`, `/dropped`,
+        `/rejected_future`, `/mean`, `/hist/<s>`) and since the run began (`*_total`)."""
+        admitted, dropped, future, hist = self._since
+        step_hist = {s: n - hist.get(s, 0) for s, n in self.histogram.items()
+                     if n - hist.get(s, 0) > 0}
+        out = {"staleness/admitted": float(self.admitted - admitted),
+               "staleness/dropped": float(self.dropped - dropped),
+               "staleness/rejected_future": float(self.rejected_future - future),
+               "staleness/admitted_total": float(self.admitted),
+               "staleness/dropped_total": float(self.dropped),
+               "staleness/rejected_future_total": float(self.rejected_future)}
+        for suffix, h in (("", step_hist), ("_total", self.histogram)):
+            if sum(h.values()):
+                out[f"staleness/mean{suffix}"] = (sum(s * n for s, n in h.items())
+                                                  / sum(h.values()))
+        for s, n in sorted(step_hist.items()):
             out[f"staleness/hist/{s}"] = float(n)
-        self._reported = (now, dict(self.histogram))
+        self._since = self._counts()
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -170,7 +176,7 @@ class StalenessPolicy:
         self.dropped = counters["dropped"]
         self.rejected_future = counters["rejected_future"]
         self.histogram = histogram
-        self._reported = (counters, dict(histogram))  # a resumed run's first step counts anew
+        self._since = self._counts()
 
 
 def _check_nonneg(name: str, value: int) -> None:

@@ -48,7 +48,7 @@ def one_thread_torch():
 
 
 def test_each_new_preset_trains(tmp_path, cache, one_thread_torch):
-    for algo in ("dapo", "gspo", "dr_grpo", "reinforce_pp"):
+    for algo in ("dapo", "gspo", "dr_grpo", "reinforce_pp", "cispo"):
         cfg = _cfg(tmp_path, cache, algo, f"algo.name={algo}", "train.steps=2")
         s = job.run(cfg)
         records = read_metrics(tmp_path / algo / "metrics.jsonl")

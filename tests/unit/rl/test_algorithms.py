@@ -98,3 +98,17 @@ def test_gather_logprobs_with_temperature():
     assert A.gather_logprobs(logits, torch.tensor([[1]])).item() == pytest.approx(math.log(0.75))
     lp2 = A.gather_logprobs(logits, torch.tensor([[1]]), temperature=2.0).item()
     assert lp2 == pytest.approx(math.log(math.sqrt(3) / (1 + math.sqrt(3))), abs=1e-6)
+
+
+def test_kl_penalty_in_the_reward_does_not_enter_group_statistics():
+    groups = torch.tensor([0, 0, 0, 1, 1])
+    scores, kl = t([0, 0, 0, 1, 3]), t([0.1, 0.3, 0.2, 0.4, 0.0])
+    adv = A.outcome_advantages(scores, groups, "group_mean", True, penalty=kl)
+    # group 0: equal scores, no task advantage, the penalty alone (not / its std);
+    # group 1: (r - 2) / std(1, 3) = -+1/sqrt(2), minus the penalty
+    s = 2 ** -0.5
+    assert torch.allclose(adv, t([-0.1, -0.3, -0.2, -s - 0.4, s]), atol=1e-5)
+    # without group normalisation the penalty is part of the score (RLOO's baseline)
+    loo = A.outcome_advantages(t([1, 2]), torch.tensor([0, 0]), "leave_one_out", False,
+                               penalty=t([0.5, 0.0]))
+    assert torch.allclose(loo, t([-1.5, 1.5]))

@@ -116,43 +116,36 @@ def test_adaptive_kl_controller_moves_the_coefficient_towards_the_target():
     assert m["kl_coef"] == 0.1 and lrn.kl_coef == pytest.approx(0.098)
 
 
-def kl_batch(rewards=(1.0, 0.0), group_ids=(0, 1)) -> RolloutBatch:
-    """Row 0: two tokens whose reference probability is 1/4 (k1 KL = log 2 each, the policy
-    giving 1/2); row 1: one token (then padding) where the reference agrees (KL 0)."""
-    half, quarter = float(torch.log(torch.tensor(0.5))), float(torch.log(torch.tensor(0.25)))
-    return RolloutBatch(
+# per-token KL (k1 = log pi - log ref, pi = 1/2 everywhere): row 0 (0.1, 0.5), row 1 (0.2)
+@pytest.mark.parametrize("loss_agg,expected", [
+    ("token_mean", (0.1 + 0.5 + 0.2) / 3),  # every token of the batch alike
+    ("seq_mean_token_sum", ((0.1 + 0.5) + 0.2) / 2),  # each response's sum, over responses
+    ("seq_mean_token_mean", ((0.1 + 0.5) / 2 + 0.2) / 2)])  # each response's mean
+def test_kl_in_loss_aggregated_like_the_policy_term(loss_agg, expected):
+    half = float(torch.log(torch.tensor(0.5)))
+    kl = torch.tensor([[0.1, 0.5], [0.2, 0.0]])
+    b = RolloutBatch(
         prompt_ids=torch.tensor([[1], [1]]), prompt_mask=torch.ones(2, 1, dtype=torch.long),
         response_ids=torch.tensor([[0, 1], [1, 0]]),
         response_mask=torch.tensor([[1, 1], [1, 0]]),
-        behaviour_logprobs=torch.tensor([[half, half], [half, 0.0]]),
-        sample_ids=torch.tensor([0, 1]), group_ids=torch.tensor(group_ids), version=0, step=0,
-        rewards=torch.tensor(rewards), ref_logprobs=torch.tensor([[quarter, quarter],
-                                                                   [half, 0.0]]))
-
-
-LOG2 = float(torch.log(torch.tensor(2.0)))
-
-
-@pytest.mark.parametrize(("loss_agg", "want"), [
-    ("token_mean", 2 * LOG2 / 3),  # all tokens' KL over the 3 tokens
-    ("seq_mean_token_sum", 2 * LOG2 / 2),  # each response's sum, over the 2 responses
-    ("seq_mean_token_mean", (LOG2 + 0.0) / 2)])  # each response's mean, over 2
-def test_the_kl_term_in_the_loss_is_aggregated_like_the_policy_term(loss_agg, want):
-    a = AlgoConfig(name="grpo", kl_mode="loss", kl_coef=0.1, kl_estimator="k1",
-                   loss_agg=loss_agg, whiten_advantages=False, group_size=1)
+        behaviour_logprobs=torch.full((2, 2), half), sample_ids=torch.tensor([0, 1]),
+        group_ids=torch.tensor([0, 0]), version=0, step=0,
+        rewards=torch.tensor([1.0, 1.0]), ref_logprobs=half - kl)
+    a = AlgoConfig(name="grpo", kl_mode="loss", kl_estimator="k1", kl_coef=0.5,
+                   kl_target=0.0, loss_agg=loss_agg, group_size=2)
     t = TrainConfig(epochs=1, minibatches=1, lr=LR, grad_clip=0.0)
-    m = Learner(Logits(), None, a, t, seed=0).train_step(kl_batch())
-    assert m["kl_loss"] == pytest.approx(want, abs=1e-6)
+    lrn = Learner(Logits(), None, a, t, seed=0)
+    m = lrn.train_step(b)
+    assert m["kl_loss"] == pytest.approx(expected, abs=1e-6)
+    assert m["policy_loss"] == pytest.approx(0.0, abs=1e-7)  # equal rewards: no advantage
 
 
-def test_equal_task_rewards_give_no_group_advantage_with_the_kl_in_the_reward():
-    a = AlgoConfig(name="grpo", kl_mode="reward", kl_coef=0.1, kl_estimator="k1",
-                   kl_target=0.0, whiten_advantages=False, group_size=2)
+def test_grpo_kl_in_reward_all_equal_group_trains_on_the_penalty_alone():
+    b = batch(group_ids=(0, 0))
+    b.rewards = torch.tensor([0.0, 0.0])
+    b.ref_logprobs = b.ref_logprobs - torch.tensor([[0.1], [0.3]])  # k1 KL 0.1, 0.3
+    a = AlgoConfig(name="grpo", kl_mode="reward", kl_coef=0.5, kl_target=0.0, group_size=2)
     lrn = Learner(Logits(), None, a, TrainConfig(epochs=1, minibatches=1, lr=LR), seed=0)
-    b = kl_batch(rewards=(1.0, 1.0), group_ids=(0, 0))
-    adv, _, kl = lrn._advantages(b, b.behaviour_logprobs.clone(), None)
-    # the group's task advantage is 0; the KL penalty (sums 2 log 2 and 0, group mean
-    # log 2) enters as -0.1 * (sum - mean), NOT divided by the group's (KL-only) std
-    assert kl is not None and kl.sum(dim=1).tolist() == pytest.approx([2 * LOG2, 0.0])
-    assert adv[0].tolist() == pytest.approx([-0.1 * LOG2] * 2, abs=1e-6)
-    assert adv[1].tolist() == pytest.approx([0.1 * LOG2, 0.0], abs=1e-6)
+    lrn.train_step(b)
+    # no task advantage; -kl_coef * KL, not the penalty's z-score (-+0.71)
+    assert lrn.last_advantages.flatten().tolist() == pytest.approx([-0.05, -0.15], abs=1e-6)

@@ -195,3 +195,53 @@ def test_an_overflowing_loss_stops_the_step_before_any_update():
     with pytest.raises(NonFiniteError, match=r"step 0: the critic loss is not finite \(inf\)"):
         lrn.train_step(huge)
     assert actor.theta.tolist() == [0.0, 0.0] and critic.v.item() == 0.0
+
+
+def test_kl_placement_per_preset():
+    place = {n: (resolve(AlgoConfig(name=n)).kl_mode, resolve(AlgoConfig(name=n)).kl_estimator)
+             for n in ("ppo", "grpo", "rloo", "dapo", "gspo", "dr_grpo", "reinforce_pp")}
+    assert place == {"ppo": ("reward", "k1"), "rloo": ("reward", "k1"),
+                     "reinforce_pp": ("reward", "k1"), "grpo": ("loss", "k3"),
+                     "dapo": ("loss", "k3"), "gspo": ("loss", "k3"), "dr_grpo": ("loss", "k3")}
+    explicit = resolve(AlgoConfig(name="grpo", kl_mode="reward"))
+    assert (explicit.kl_mode, explicit.kl_estimator) == ("reward", "k1")
+    assert resolve(AlgoConfig(name="ppo", kl_mode="loss", kl_estimator="k1")).kl_estimator == "k1"
+
+
+def test_cispo_loss_and_gradient_by_hand():
+    # ratios 1.5 (advantage +1) and 0.5 (advantage -1); CISPO's weights clip(r, 0, 1.28)
+    # are 1.28 and 0.5, constants: loss = -(1.28 * 1 * log 1.5 + 0.5 * -1 * log 0.5) / 2
+    lp = t([[math.log(1.5), math.log(0.5)]]).requires_grad_()
+    old, adv, m = t([[0, 0]]), t([[1, -1]]), t([[1, 1]])
+    loss, st = A.cispo_policy_loss(lp, old, adv, m, 1.0, 0.28)
+    want = -(1.28 * math.log(1.5) - 0.5 * math.log(0.5)) / 2
+    assert loss.item() == pytest.approx(want, abs=1e-6)
+    loss.backward()
+    # d/d log pi = -w * A / 2: the clipped rising token still has a gradient (PPO's: 0)
+    assert close(lp.grad, [[-0.64, 0.25]])
+    assert st["clip_frac"].item() == pytest.approx(0.5)
+    ppo_lp = lp.detach().clone().requires_grad_()
+    A.ppo_policy_loss(ppo_lp, old, adv, m, 0.2, 0.28)[0].backward()
+    assert ppo_lp.grad[0, 0].item() == 0.0
+
+
+def test_cispo_preset():
+    rc = resolve(AlgoConfig(name="cispo"))
+    assert (rc.surrogate, rc.baseline, rc.adv_norm, rc.loss_agg, rc.kl_mode) == (
+        "cispo", "group_mean", "group", "token_mean", "none")
+    assert (rc.clip_low, rc.clip_high) == (1.0, 0.28)
+    assert resolve(AlgoConfig(name="cispo", clip_eps_high=2.0)).clip_high == 2.0
+
+
+def test_cispo_learner_step_has_no_kl_term():
+    a = AlgoConfig(name="cispo", group_size=2)
+    lrn = Learner(Logits(), None, a, TrainConfig(epochs=1, minibatches=1, lr=0.1), seed=0)
+    b = batch(group_ids=(0, 0))
+    b.ref_logprobs = b.ref_logprobs - 0.3  # a KL to the reference, measured only
+    m = lrn.train_step(b)
+    # advantages (1, 0) z-scored in the group: +-1/sqrt(2); weight 1 at the old policy,
+    # log pi = log 1/2: loss = -(s * log .5 - s * log .5) / 2 = 0
+    assert m["policy_loss"] == pytest.approx(0.0, abs=1e-6) and "kl_loss" not in m
+    assert m["kl"] == pytest.approx(0.3, abs=1e-6)
+    assert lrn.last_advantages.flatten().tolist() == pytest.approx([2 ** -0.5, -2 ** -0.5],
+                                                                   abs=1e-5)

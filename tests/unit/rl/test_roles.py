@@ -8,6 +8,7 @@ from rlhf_async.modeling.generation import SamplingParams, generate
 from rlhf_async.modeling.models import frozen_copy, load_actor, scalar_model_from_actor
 from rlhf_async.modeling.rollout import RolloutBatch, RolloutFormatError
 from rlhf_async.rl.learner import Learner
+from rlhf_async.rl.microbatches import minibatch_rows
 from rlhf_async.rl.scoring import RewardMix, score
 from rlhf_async.task.sort_digits import EOS, PAD, VOCAB_SIZE, SortDigitsTask
 
@@ -86,13 +87,12 @@ def test_learner_rejects_unscored_batch_and_ppo_without_critic():
 
 
 def test_minibatch_split_ignores_row_order():
-    actor, ref, rm, critic = models()
+    actor, ref, rm, _ = models()
     b = scored_batch(actor, ref, rm)
-    learner = Learner(actor, critic, AlgoConfig(), TrainConfig(minibatches=3), seed=0)
     perm = torch.tensor([5, 2, 7, 0, 1, 6, 3, 4])
-    split = [set(b.sample_ids[i].tolist()) for i in learner._minibatches(b, 0)]
+    split = [set(b.sample_ids[i].tolist()) for i in minibatch_rows(b, 0, 0, 3)]
     split_perm = [set(b.select(perm).sample_ids[i].tolist())
-                  for i in learner._minibatches(b.select(perm), 0)]
+                  for i in minibatch_rows(b.select(perm), 0, 0, 3)]
     assert split == split_perm and sorted(len(s) for s in split) == [2, 3, 3]
 
 

@@ -87,25 +87,18 @@ def test_metrics() -> None:
     p.admit(4, 3)
     p.admit(4, 0)
     m = p.metrics()
-    assert m["staleness/admitted"] == 3.0
-    assert m["staleness/dropped"] == 1.0
+    assert m["staleness/admitted"] == 3.0 == m["staleness/admitted_total"]
+    assert m["staleness/dropped"] == 1.0 == m["staleness/dropped_total"]
     assert m["staleness/mean"] == pytest.approx(2 / 3)
     assert m["staleness/hist/1"] == 2.0
-    assert m["staleness/admitted_total"] == 3.0
-
-
-def test_metrics_count_each_step_and_totals_separately() -> None:
-    p = StalenessPolicy(1, 1)
-    p.admit(4, 4)
-    p.admit(4, 0)
-    first = p.metrics()
-    p.admit(5, 4)
-    second = p.metrics()
-    assert (first["staleness/admitted"], first["staleness/dropped"]) == (1.0, 1.0)
-    assert (second["staleness/admitted"], second["staleness/dropped"]) == (1.0, 0.0)
-    assert (second["staleness/admitted_total"], second["staleness/dropped_total"]) == (2.0, 1.0)
-    assert second["staleness/mean"] == 1.0 and "staleness/hist/0" not in second
-    assert second["staleness/hist/1"] == 1.0
+    # the next step's record counts that step alone; the totals go on
+    p.admit(5, 5)
+    m = p.metrics()
+    assert (m["staleness/admitted"], m["staleness/dropped"]) == (1.0, 0.0)
+    assert m["staleness/mean"] == 0.0 and m["staleness/hist/0"] == 1.0
+    assert "staleness/hist/1" not in m
+    assert (m["staleness/admitted_total"], m["staleness/dropped_total"]) == (4.0, 1.0)
+    assert m["staleness/mean_total"] == pytest.approx(2 / 4)
     assert p.metrics()["staleness/admitted"] == 0.0 and "staleness/mean" not in p.metrics()
 
 
