@@ -25,6 +25,7 @@ from nodes.generator.inflight import InflightWeights, Span
 from rlhf_async.config import weight_sync_backend
 from rlhf_async.engines import GenerationBackend, make_generation_backend
 from rlhf_async.engines.torch_gen import TorchGenerationBackend
+from rlhf_async.modeling.episodes import EnvError
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.runtime import Node
 from rlhf_async.strategies.separation.protocol import (
@@ -37,6 +38,7 @@ from rlhf_async.strategies.separation.protocol import (
     WeightsApplied,
     WeightSyncConnect,
     WeightSyncFailed,
+    fail,
     prompts_from_message,
     rollout_message,
 )
@@ -148,6 +150,9 @@ async def main(node: Node) -> None:
                     asyncio.to_thread(partial.generate, *args, held.between)
                 batch = await clock.busy(node.watchdog.run(
                     "generate", job.cfg.runtime.step_deadline_s, work))
+            except EnvError as e:  # the user's environment: the same on any restart
+                await fail(node, str(e))
+                return
             finally:
                 held.end(span)
         await ship(cid, batch, span)

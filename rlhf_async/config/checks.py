@@ -145,7 +145,7 @@ def _eval_checks(cfg: JobConfig) -> list[str]:
     if r.keep_best and not r.eval_every:
         out.append("run.keep_best: needs run.eval_every > 0 (the policies it ranks are "
                    "the ones evaluated during the run)")
-    no_rule = cfg.task.name == "text" and not cfg.task.reward
+    no_rule = cfg.task.name == "text" and not cfg.task.reward and not cfg.task.env
     if r.best_metric == "hidden_score" and no_rule:
         out.append("run.best_metric: 'hidden_score' is task.reward's score, and this text "
                    "task has none; accepted here: reward (or empty)")
@@ -303,10 +303,14 @@ def _text_task_checks(cfg: JobConfig) -> list[str]:
                    ".json, .parquet, .arrow, .csv, .txt), a directory or a cached dataset id")
     elif not Path(t.prompts).exists():
         out.append(f"task.prompts: {t.prompts!r} is neither a file nor a directory")
-    if not t.reward and not cfg.reward_model.path:
+    if not t.reward and not cfg.reward_model.path and not t.env:
         out.append("task.reward: task.name = 'text' needs 'module.path:function', "
                    "'path/to/file.py:function' or a reward server 'http://HOST:PORT/PATH' "
-                   "(or a reward_model.path)")
+                   "(or a reward_model.path, or a task.env whose steps give the reward)")
+    if t.reward and t.env:
+        out.append(f"task.reward: {t.reward!r} would never be called: with task.env the "
+                   "episode's reward is the sum of its environment's step rewards; remove "
+                   "task.reward (score the response inside the environment's step)")
     if t.reward_weight and not (t.reward and cfg.reward_model.path):
         out.append("task.reward_weight: adds task.reward's score to reward_model.path's; "
                    "it needs both (without a reward model the rule is the whole reward)")

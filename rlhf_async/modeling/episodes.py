@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import traceback
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -29,7 +30,6 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from rlhf_async.config import ConfigError
 from rlhf_async.log import get_logger
 from rlhf_async.modeling.determinism import key_seed
 from rlhf_async.modeling.environment import Env, EpisodeSpec
@@ -41,18 +41,35 @@ from rlhf_async.modeling.generation import (
     sample,
     sampling_uniforms,
 )
-from rlhf_async.modeling.rollout import ENV, POLICY, PromptBatch, RolloutBatch
+from rlhf_async.modeling.rollout import (
+    END_DONE,
+    END_MAX_TURNS,
+    END_TIMEOUT,
+    END_TRUNCATED,
+    ENV,
+    POLICY,
+    PromptBatch,
+    RolloutBatch,
+)
 
 log = get_logger(component="episodes")
 T = TypeVar("T")
 
 
-class EnvError(ConfigError):
+class EnvError(RuntimeError):
     """An environment's reset or step raised, or answered something that is not
-    (str, float, bool): the user's environment is wrong, so the run stops with this."""
+    (str, float, bool): the user's environment is wrong, and a rerun would repeat it, so
+    the run stops with this (never retried as a node death)."""
 
     def __init__(self, message: str) -> None:
-        super().__init__([f"task.env: {message}"])
+        super().__init__(f"task.env: {message}")
+
+
+def where_raised(e: BaseException) -> str:
+    """'file.py:LINE' of the innermost frame `e` went through (the user's code, for an
+    exception raised there), or '' without a traceback."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
 class _EnvLoop:
@@ -89,11 +106,15 @@ class _Episode:
 
     prompt: list[int]  # the prompt's real tokens
     env: Env
+    end: int = END_MAX_TURNS  # how it ended (END_*), until told otherwise
     tokens: list[int] = field(default_factory=list)  # every token after the prompt
     kinds: list[int] = field(default_factory=list)  # POLICY | ENV per token
     logprobs: list[float] = field(default_factory=list)  # behaviour log-prob (0 on ENV)
     reward: float = 0.0
     done: bool = False
+
+    def stop(self, end: int) -> None:
+        self.done, self.end = True, end
 
     def add(self, tokens: list[int], kind: int, logprobs: list[float] | None = None) -> None:
         self.tokens += tokens
@@ -103,16 +124,23 @@ class _Episode:
 
 async def _call(spec: EpisodeSpec, what: str, aw: Awaitable[Any]) -> tuple[bool, Any]:
     """(finished in time, its value). Past `spec.timeout_s` the call is abandoned (its
-    episode ends); an exception is the environment's bug and stops the run, named."""
+    episode ends, counted: one warning per batch, not one per call); an exception is the
+    environment's bug and stops the run, named with where it was raised."""
     try:
         return True, await asyncio.wait_for(aw, spec.timeout_s)
     except TimeoutError:
-        log.warning("environment call timed out; its episode ends", env=spec.name, call=what,
-                    timeout_s=spec.timeout_s)
         return False, None
     except Exception as e:  # whatever the user's environment raises
-        raise EnvError(f"{spec.name!r}: {what} raised "
-                                f"{type(e).__name__}: {e}") from e
+        at = where_raised(e)
+        raise EnvError(f"{spec.name!r}: {what}() raised {type(e).__name__}: {e}"
+                       + (f" (at {at})" if at else "")) from e
+
+
+def _checked_reset(spec: EpisodeSpec, out: Any) -> str:
+    if not isinstance(out, str):
+        raise EnvError(f"{spec.name!r}: reset() must return the first observation (str, "
+                       f"'' for none), got {type(out).__name__} {str(out)[:120]!r}")
+    return out
 
 
 def _checked_step(spec: EpisodeSpec, out: Any) -> tuple[str, float, bool]:
@@ -120,8 +148,19 @@ def _checked_step(spec: EpisodeSpec, out: Any) -> tuple[str, float, bool]:
           and isinstance(out[1], int | float) and not isinstance(out[1], bool))
     if not ok:
         raise EnvError(f"{spec.name!r}: step() must return (observation: "
-                                f"str, reward: float, done: bool), got {str(out)[:120]!r}")
+                       f"str, reward: float, done: bool), got {str(out)[:120]!r}")
     return out[0], float(out[1]), bool(out[2])
+
+
+def _timed_out(spec: EpisodeSpec, what: str, eps: list[_Episode],
+               results: list[tuple[bool, Any]]) -> None:
+    """End the episodes whose call timed out, with one warning for all of them."""
+    late = [e for e, (ok, _) in zip(eps, results, strict=True) if not ok]
+    for e in late:
+        e.stop(END_TIMEOUT)
+    if late:
+        log.warning("environment calls timed out; their episodes end", env=spec.name,
+                    call=what, count=len(late), of=len(eps), timeout_s=spec.timeout_s)
 
 
 async def _reset_all(spec: EpisodeSpec, eps: list[_Episode], rows: list[dict]) -> list[Any]:
@@ -142,7 +181,7 @@ def _observe(spec: EpisodeSpec, ep: _Episode, observation: str, stops: tuple[int
             and delta[0] == ep.tokens[-1]:
         delta = delta[1:]
     if len(ep.tokens) + len(delta) >= spec.max_tokens:
-        ep.done = True
+        ep.stop(END_TRUNCATED)
         return
     ep.add(delta, ENV)
 
@@ -197,36 +236,44 @@ def run_episodes(actor: nn.Module, prompts: PromptBatch, params: SamplingParams,
         eps.append(_Episode(prompt, spec.make_env()))
         rows.append({**spec.row(prompt), "seed": key_seed(seed, "env", step, sid)})
     loop = env_loop()
-    for e, (ok, obs) in zip(eps, loop.run(_reset_all(spec, eps, rows)), strict=True):
-        if not ok:
-            e.done = True
-        elif obs:
-            _observe(spec, e, str(obs), params.stops)
+    results = loop.run(_reset_all(spec, eps, rows))
+    _timed_out(spec, "reset", eps, results)
+    for e, (ok, obs) in zip(eps, results, strict=True):
+        if ok and _checked_reset(spec, obs):
+            _observe(spec, e, obs, params.stops)
     for _ in range(spec.max_turns):
-        live = [i for i, e in enumerate(eps) if not e.done and len(e.tokens) < spec.max_tokens]
+        live = [i for i, e in enumerate(eps) if not e.done]
         if not live:
             break
-        turns = _policy_turn(actor, params, spec, [eps[i] for i in live], uniforms[live],
-                             width)
-        acting: list[int] = []
-        for i, (toks, lps, ended) in zip(live, turns, strict=True):
-            eps[i].add(toks, POLICY, lps)
-            if ended:
-                acting.append(i)
-            else:  # out of tokens mid-turn: no action to take
-                eps[i].done = True
-        actions = [spec.decode(turns[live.index(i)][0]) for i in acting]
-        results = loop.run(_step_all(spec, [eps[i] for i in acting], actions))
-        for i, (ok, out) in zip(acting, results, strict=True):
-            if not ok:
-                eps[i].done = True
-                continue
-            obs, reward, done = _checked_step(spec, out)
-            eps[i].reward += reward
-            eps[i].done = done
-            if not done:
-                _observe(spec, eps[i], obs, params.stops)
+        _turn(actor, params, spec, eps, live, uniforms, width)
     return _batch(prompts, eps, spec.max_tokens, params.pad_id, version, step)
+
+
+def _turn(actor: nn.Module, params: SamplingParams, spec: EpisodeSpec, eps: list[_Episode],
+          live: list[int], uniforms: torch.Tensor, width: int) -> None:
+    """One policy turn of the `live` episodes, then their environments' steps. A turn cut
+    at a token limit (generation.max_new_tokens, or the episode's max_tokens) is no action:
+    its episode ends truncated without a step, keeping the rewards of its earlier steps."""
+    turns = _policy_turn(actor, params, spec, [eps[i] for i in live], uniforms[live], width)
+    acting: list[int] = []
+    for i, (toks, lps, ended) in zip(live, turns, strict=True):
+        eps[i].add(toks, POLICY, lps)
+        if ended:
+            acting.append(i)
+        else:
+            eps[i].stop(END_TRUNCATED)
+    actions = [spec.decode(turns[live.index(i)][0]) for i in acting]
+    results = env_loop().run(_step_all(spec, [eps[i] for i in acting], actions))
+    _timed_out(spec, "step", [eps[i] for i in acting], results)
+    for i, (ok, out) in zip(acting, results, strict=True):
+        if not ok:
+            continue
+        obs, reward, done = _checked_step(spec, out)
+        eps[i].reward += reward
+        if done:
+            eps[i].stop(END_DONE)
+        else:
+            _observe(spec, eps[i], obs, params.stops)
 
 
 def _batch(prompts: PromptBatch, eps: list[_Episode], width: int, pad_id: int, version: int,
@@ -244,7 +291,8 @@ def _batch(prompts: PromptBatch, eps: list[_Episode], width: int, pad_id: int, v
     return RolloutBatch(prompts.prompt_ids, prompts.prompt_mask, resp.to(device),
                         kinds.to(device), lps.to(device), prompts.sample_ids, prompts.group_ids,
                         version=version, step=step,
-                        env_rewards=torch.tensor([e.reward for e in eps]).to(device))
+                        env_rewards=torch.tensor([e.reward for e in eps]).to(device),
+                        episode_ends=torch.tensor([e.end for e in eps]).to(device))
 
 
 def rollout(actor: nn.Module, prompts: PromptBatch, params: SamplingParams, seed: int,

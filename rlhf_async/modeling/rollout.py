@@ -18,7 +18,13 @@ from torch import Tensor
 
 REQUIRED = ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
             "behaviour_logprobs", "sample_ids", "group_ids")
-OPTIONAL = ("rewards", "ref_logprobs", "hidden_scores", "env_rewards", "token_versions")
+OPTIONAL = ("rewards", "ref_logprobs", "hidden_scores", "env_rewards", "token_versions",
+            "episode_ends")
+# how an episode ended (`RolloutBatch.episode_ends`): its environment said done; its last
+# turn was taken (task.max_turns); a token limit cut a policy turn or left no room for an
+# observation (no step is taken on a cut turn); an environment call timed out
+END_DONE, END_MAX_TURNS, END_TRUNCATED, END_TIMEOUT = 0, 1, 2, 3
+END_NAMES = ("done", "max_turns", "truncated", "timeout")
 # response_mask values: a token the policy sampled (trained on), an environment's token of a
 # multi-turn episode (context the policy reads, never trained on), padding
 POLICY, ENV, PAD = 1, 2, 0
@@ -88,6 +94,7 @@ class RolloutBatch:
     # [B, R] long: the weight version that sampled each token, -1 on padding (partial
     # rollouts: a generation that took new weights mid-way; `version` is then the oldest)
     token_versions: Tensor | None = None
+    episode_ends: Tensor | None = None  # [B] long: how each episode ended (END_*)
 
     @property
     def loss_mask(self) -> Tensor:
@@ -144,7 +151,8 @@ class RolloutBatch:
         want = {"prompt_ids": (B, P), "prompt_mask": (B, P), "response_ids": (B, R),
                 "response_mask": (B, R), "behaviour_logprobs": (B, R), "sample_ids": (B,),
                 "group_ids": (B,), "rewards": (B,), "ref_logprobs": (B, R),
-                "hidden_scores": (B,), "env_rewards": (B,), "token_versions": (B, R)}
+                "hidden_scores": (B,), "env_rewards": (B,), "token_versions": (B, R),
+                "episode_ends": (B,)}
         problems = []
         for name, shape in want.items():
             t = getattr(self, name)
@@ -152,7 +160,7 @@ class RolloutBatch:
                 continue
             if tuple(t.shape) != shape:
                 problems.append(f"{name}: shape {tuple(t.shape)}, expected {shape}")
-            integer = name.endswith(("_ids", "_mask", "_versions"))
+            integer = name.endswith(("_ids", "_mask", "_versions", "_ends"))
             if integer != (not t.is_floating_point()):
                 kind = "integer" if integer else "float"
                 problems.append(f"{name}: dtype {t.dtype} is not {kind}")

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from rlhf_async.modeling.collectives import all_gather_1d, all_reduce_sum
-from rlhf_async.modeling.rollout import RolloutBatch
+from rlhf_async.modeling.rollout import END_NAMES, RolloutBatch
 from rlhf_async.rl import algorithms as A
 
 
@@ -21,13 +21,16 @@ def global_stats(b: RolloutBatch, kl: Tensor, adv: Tensor, sums: dict[str, Tenso
                   / m.sum(1).clamp(min=1)}
     if b.hidden_scores is not None:
         per_sample["hidden_score"] = b.hidden_scores.float()
-    vec = torch.stack([v.sum() for v in per_sample.values()] + list(sums.values())
-                      + [m.new_tensor(float(len(b)))])
+    ends = {} if b.episode_ends is None else {  # counts, not means
+        f"episodes/{name}": (b.episode_ends == i).float() for i, name in enumerate(END_NAMES)}
+    vec = torch.stack([v.sum() for v in [*per_sample.values(), *ends.values()]]
+                      + list(sums.values()) + [m.new_tensor(float(len(b)))])
     vec = all_reduce_sum(vec.double())
     count = vec[-1].clamp(min=1.0)
     out = {k: float(vec[i] / count) for i, k in enumerate(per_sample)}
-    out.update({k: float(vec[len(per_sample) + i] / n_updates)
-                for i, k in enumerate(sums)})
+    out.update({k: float(vec[len(per_sample) + i]) for i, k in enumerate(ends)})
+    n = len(per_sample) + len(ends)
+    out.update({k: float(vec[n + i] / n_updates) for i, k in enumerate(sums)})
     out["samples"] = float(vec[-1])
     return out
 

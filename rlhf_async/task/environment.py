@@ -55,7 +55,15 @@ def load_env(spec: str) -> Callable[[], Env]:
 
 def template_delta(tok: PreTrainedTokenizerBase, role: str = "tool",
                    ) -> Callable[[str], list[int]]:
-    """observation -> the tokens the chat template adds for it after a policy turn."""
+    """observation -> the tokens the chat template adds for it after a policy turn; one
+    ConfigError when the tokenizer has none (made when the task loads, before any work)."""
+    if not getattr(tok, "chat_template", None):
+        raise ConfigError(["task.env: the tokenizer in model.path has no chat template, and "
+                           "an environment's observations are placed as chat-template turns "
+                           "(the template's markup for a tool message after the policy's "
+                           "turn); give the tokenizer a chat_template (tokenizer_config.json) "
+                           "or run without task.env"])
+
     def render(chat: list[dict[str, Any]], generation: bool) -> str:
         return str(tok.apply_chat_template(chat, tokenize=False,
                                            add_generation_prompt=generation))

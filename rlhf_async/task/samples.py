@@ -5,8 +5,9 @@ One line per step: `{"step": s, "samples": [{"prompt", "response", "reward", "ad
 multi-turn episode, "turns": each run of prompt, policy and environment text with its
 role), the first
 `run.log_samples` rows of the step's batch (whole groups first, so a GRPO group's
-responses sit side by side), decoded with the task's decoder (a task without text, the
-built-in digits, shows token ids). Written by the process that trains: rank 0 of the
+responses sit side by side), decoded with the task's decoder (the built-in digits task, which has
+no tokenizer, shows its texts: one character per token, `sort_digits.TOKEN_CHARS`, the
+same texts its rule and a reward server read). Written by the process that trains: rank 0 of the
 lock-step loop, trainer rank 0 under Separation. `ops/reporting.py` follows the file to
 TensorBoard (text) and W&B (a table) like metrics.jsonl.
 """
@@ -22,13 +23,14 @@ from torch import Tensor
 from rlhf_async.metrics import MetricsWriter, truncate_jsonl
 from rlhf_async.modeling.rollout import ENV, PAD, RolloutBatch
 from rlhf_async.task import Task
+from rlhf_async.task.sort_digits import tokens_text
 
 SAMPLES_FILE = "samples.jsonl"
 
 
 def _text(task: Task, ids: list[int]) -> str:
     decode = task.decode
-    return decode(ids) if decode is not None else " ".join(str(t) for t in ids)
+    return decode(ids) if decode is not None else tokens_text(ids)
 
 
 def sample_rows(batch: RolloutBatch, advantages: Tensor | None, task: Task, n: int,

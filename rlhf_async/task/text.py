@@ -167,7 +167,7 @@ class TextTask:
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.prompts, self.columns = read_prompts(t)
         self.rule = load_rule(t, "task.prompts")
-        self.has_rule = self.rule is not None
+        self.has_rule = self.rule is not None or bool(t.env)  # an env's rewards are its rule
         self.rule_reward = not cfg.reward_model.path  # no reward model: the rule is it
         for key, path in (("reward_model.path", cfg.reward_model.path),
                           ("critic.path", cfg.critic.path)):
@@ -184,6 +184,8 @@ class TextTask:
             self.index_of.setdefault(tuple(toks), i)
         self.train_idx, self.eval_idx = heldout_split([split_key(p) for p in self.prompts])
         self.env = load_env(t.env) if t.env else None
+        if self.env is not None:  # a tokenizer without a chat template: stopped before work
+            template_delta(self.tokenizer)
         self.max_turns, self.env_timeout_s = t.max_turns, t.env_timeout_s
         self.max_episode_tokens = cfg.generation.max_episode_tokens
 

@@ -25,7 +25,7 @@ from rlhf_async.control.client import NodeEvent, NodeExited
 from rlhf_async.log import get_logger
 from rlhf_async.metrics import MetricsWriter, Progress, truncate_metrics
 from rlhf_async.modeling.rollout import PromptBatch
-from rlhf_async.rl.checkpoint import disk_full
+from rlhf_async.rl.checkpoint import disk_full, resume_hint
 from rlhf_async.rl.staleness import StalenessPolicy
 from rlhf_async.strategies.separation.clients import (
     ControlPlane,
@@ -278,7 +278,7 @@ class Driver:
                 self.result = {"policy_dir": event.policy_dir, "steps": event.steps}
                 return True
             case Failed(error=error):  # a restart would repeat it: stop with the cause
-                raise PipelineError(f"{node}: {error}")
+                raise PipelineError(f"{node}: {error}; {resume_hint(self.run_dir)}")
             case NodeDead():
                 await self._node_dead(node, event)
             case Loaded() if node in self.down:

@@ -6,15 +6,23 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import structlog
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from rlhf_async.config import ConfigError
 from rlhf_async.modeling.environment import EpisodeSpec
-from rlhf_async.modeling.episodes import _Episode, _observe, rollout, run_episodes
+from rlhf_async.modeling.episodes import EnvError, _Episode, _observe, rollout, run_episodes
 from rlhf_async.modeling.generation import SamplingParams, generate
-from rlhf_async.modeling.rollout import ENV, POLICY, PromptBatch
+from rlhf_async.modeling.rollout import (
+    END_DONE,
+    END_MAX_TURNS,
+    END_TIMEOUT,
+    END_TRUNCATED,
+    ENV,
+    POLICY,
+    PromptBatch,
+)
 from rlhf_async.task.environment import template_delta
 
 TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}<|end|>"
@@ -169,11 +177,74 @@ class BrokenEnv(CountingEnv):
 
 def test_a_step_past_the_timeout_ends_that_episode_only():
     spec = _spec(SlowEnv, timeout=0.2)
-    b = run_episodes(tiny_lm(), _prompts(), _params(spec), spec, seed=3, step=1, version=0)
+    with structlog.testing.capture_logs() as logs:
+        b = run_episodes(tiny_lm(), _prompts(), _params(spec), spec, seed=3, step=1, version=0)
     assert not (b.response_mask == ENV).any() and float(b.env_rewards.sum()) == 0.0
+    stepped = [r for r in range(4) if b.response_mask[r].tolist().count(POLICY)]
+    timed_out = [r for r in range(4) if int(b.episode_ends[r]) == END_TIMEOUT]
+    assert timed_out and set(timed_out) <= set(stepped)
+    # one warning for the whole turn's timeouts, with their count (not one per call)
+    warned = [x for x in logs if "timed out" in x["event"]]
+    assert len(warned) == 1 and warned[0]["count"] == len(timed_out)
+
+
+class RecordingEnv(CountingEnv):
+    """Never done; counts its steps (a truncated turn must not be stepped)."""
+
+    async def step(self, action):
+        self.steps += 1
+        return "abc", 1.0, False
+
+
+def test_a_turn_cut_at_max_new_tokens_ends_the_episode_truncated_without_a_step():
+    envs: list[RecordingEnv] = []
+
+    def make():
+        envs.append(RecordingEnv())
+        return envs[-1]
+
+    spec = _spec(make, turns=3, tokens=40)
+    params = SamplingParams(max_new_tokens=2, eos_id=2, pad_id=0, episode=spec)  # no tool stops
+    b = run_episodes(tiny_lm(), _prompts(), params, spec, seed=3, step=1, version=0)
+    ends = b.episode_ends.tolist()
+    assert END_TRUNCATED in ends and set(ends) <= {END_TRUNCATED, END_MAX_TURNS}
+    for row, end in enumerate(ends):
+        kinds = b.response_mask[row].tolist()
+        policy_runs = sum(1 for i, k in enumerate(kinds) if k == POLICY
+                          and (i == 0 or kinds[i - 1] != POLICY))
+        # every turn but a truncated last one was stepped; the reward is the steps' sum
+        want = policy_runs - 1 if end == END_TRUNCATED else policy_runs
+        assert envs[row].steps == want and float(b.env_rewards[row]) == want
+    assert END_DONE not in ends
+
+
+class DictResetEnv(CountingEnv):
+    async def reset(self, row):
+        return {"observation": "hi"}
+
+
+class RaisingEnv(CountingEnv):
+    async def step(self, action):
+        raise KeyError("no such tool")
+
+
+def test_a_reset_answer_that_is_not_text_is_one_clear_error():
+    spec = _spec(DictResetEnv)
+    with pytest.raises(EnvError, match=r"reset\(\) must return the first observation "
+                                       r"\(str, '' for none\), got dict"):
+        run_episodes(tiny_lm(), _prompts(), _params(spec), spec, seed=3, step=1, version=0)
+
+
+def test_an_environment_exception_is_named_with_its_type_message_and_line():
+    spec = _spec(RaisingEnv)
+    line = RaisingEnv.step.__code__.co_firstlineno + 1
+    with pytest.raises(EnvError) as e:
+        run_episodes(tiny_lm(), _prompts(), _params(spec), spec, seed=3, step=1, version=0)
+    assert str(e.value) == (f"task.env: 'env': step() raised KeyError: 'no such tool' "
+                            f"(at {__file__}:{line})")
 
 
 def test_a_wrong_step_answer_is_one_clear_error():
     spec = _spec(BrokenEnv)
-    with pytest.raises(ConfigError, match=r"task.env: .*step\(\) must return"):
+    with pytest.raises(EnvError, match=r"task.env: .*step\(\) must return"):
         run_episodes(tiny_lm(), _prompts(), _params(spec), spec, seed=3, step=1, version=0)

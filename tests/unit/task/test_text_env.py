@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
+from rlhf_async.config import ConfigError
 from rlhf_async.modeling.episodes import rollout
 from rlhf_async.modeling.rollout import ENV
 from rlhf_async.rl.scoring import RewardMix
@@ -30,7 +32,7 @@ def test_episodes_of_the_users_environment(files):  # noqa: F811  (the imported 
     (files / "env.py").write_text(ENV_CODE)
     cfg = cfg_for(files, f"task.env={json.dumps(str(files / 'env.py') + ':Env')}",
                   "task.max_turns=3", "generation.max_episode_tokens=24",
-                  f"generation.stop_token_ids={json.dumps(list(range(6, 35)))}")
+                  f"generation.stop_token_ids={json.dumps(list(range(6, 35)))}", fn=None)
     task = make_task(cfg)
     params = sampling_params(cfg, task)
     assert params.episode is not None and params.episode.max_tokens == 24
@@ -46,3 +48,21 @@ def test_episodes_of_the_users_environment(files):  # noqa: F811  (the imported 
     turns = b.turns(task.decode)
     assert all(row[0]["role"] == "prompt" for row in turns)
     assert {t["role"] for row in turns for t in row} == {"prompt", "policy", "environment"}
+
+
+def _env_arg(files):  # noqa: F811
+    (files / "env.py").write_text(ENV_CODE)
+    return f"task.env={json.dumps(str(files / 'env.py') + ':Env')}"
+
+
+def test_an_environment_with_task_reward_too_is_refused(files):  # noqa: F811
+    with pytest.raises(ConfigError, match=r"task.reward: .* would never be called: with "
+                                          r"task.env the episode's reward is the sum"):
+        cfg_for(files, _env_arg(files))
+
+
+def test_a_tokenizer_without_chat_template_stops_before_any_work(files):  # noqa: F811
+    cfg = cfg_for(files, _env_arg(files), "task.chat_template=false", model="plain", fn=None)
+    with pytest.raises(ConfigError, match=r"task.env: the tokenizer in model.path has no chat "
+                                          r"template"):
+        make_task(cfg)
