@@ -16,6 +16,9 @@ from typing import Any
 from rlhf_async.config.fields import opt
 from rlhf_async.config.presets import AlgoConfig
 
+# task.prompts drawn from a generator rather than read from a path
+REASONING_GYM = "reasoning_gym:"
+
 
 @dataclass
 class RunConfig:
@@ -126,6 +129,10 @@ class TaskConfig:
                    "step(action) -> (observation, reward, done)) or a built-in name "
                    "(calculator); its rewards are the episode's rule reward. calculator: "
                    "its own")
+    reasoning_gym: dict[str, Any] = opt({}, "text with task.prompts = "  # noqa: RUF009
+                                        "'reasoning_gym:<dataset>': the dataset's config "
+                                        "(e.g. {size = 500, seed = 1, ...its difficulty "
+                                        "knobs}); held-out prompts come from seed + 1")
     max_turns: int = opt(3, "policy turns per episode (with an environment)", ge=1)
     env_timeout_s: float = opt(30.0, "longest one environment reset/step may take (s); past "
                                "it the episode ends there", gt=0.0)
