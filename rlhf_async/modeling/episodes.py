@@ -173,6 +173,19 @@ async def _step_all(spec: EpisodeSpec, eps: list[_Episode], actions: list[str]) 
                                        for e, a in zip(eps, actions, strict=True))))
 
 
+async def _close_all(spec: EpisodeSpec, eps: list[_Episode]) -> None:
+    """Episodes are over: environments with an async `close` (a server session) release
+    what they hold; a close that fails or hangs costs nothing but a warning."""
+    closes = [getattr(e.env, "close")() for e in eps  # noqa: B009  (not in the Protocol)
+              if callable(getattr(e.env, "close", None))]
+    done = await asyncio.gather(*(_call(spec, "close", c) for c in closes),
+                                return_exceptions=True)
+    failed = [d for d in done if isinstance(d, BaseException) or not d[0]]
+    if failed:
+        log.warning("environment close failed or timed out", env=spec.name,
+                    count=len(failed), error=str(failed[0])[:200])
+
+
 def _observe(spec: EpisodeSpec, ep: _Episode, observation: str, stops: tuple[int, ...]) -> None:
     """Append an observation's tokens, or end the episode when they do not fit."""
     delta = spec.render(observation)
@@ -246,6 +259,7 @@ def run_episodes(actor: nn.Module, prompts: PromptBatch, params: SamplingParams,
         if not live:
             break
         _turn(actor, params, spec, eps, live, uniforms, width)
+    loop.run(_close_all(spec, eps))
     return _batch(prompts, eps, spec.max_tokens, params.pad_id, version, step)
 
 
