@@ -93,8 +93,8 @@ class _LocalServer:
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115  (lives as the server does)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", target, "--host", "127.0.0.1", "--port",
-             str(port), "--log-level", "warning", "--app-dir", os.getcwd()],
+            [sys.executable, "-m", "rlhf_async.task.openenv_env", target, str(port),
+             str(os.getpid())],
             # a file, not a pipe: a pipe nobody reads fills and blocks the server's logging
             stdout=subprocess.DEVNULL, stderr=self.log)
         atexit.register(self.stop)
@@ -170,3 +170,22 @@ class OpenEnvFactory:
 
     def __call__(self) -> OpenEnvEpisode:
         return OpenEnvEpisode(*self._connection())
+
+
+def _serve(target: str, port: int, parent: int) -> None:
+    """The local server's process: uvicorn on `target`, ended when `parent` is gone (a
+    rank or node that exits without running atexit must not leave it behind)."""
+    import uvicorn
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+    sys.path.insert(0, os.getcwd())  # a module path is the user's, from where they run
+    uvicorn.run(target, host="127.0.0.1", port=port, log_level="warning")
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
