@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 from safetensors import SafetensorError, safe_open
 
 from rlhf_async.config.presets import resolve, with_critic
-from rlhf_async.config.schema import JobConfig
+from rlhf_async.config.schema import REASONING_GYM, JobConfig
 
 
 def cross_checks(cfg: JobConfig) -> list[str]:
@@ -300,16 +300,21 @@ def _text_task_checks(cfg: JobConfig) -> list[str]:
     if not t.prompts:
         out.append("task.prompts: task.name = 'text' needs prompts: a data file (.jsonl, "
                    ".json, .parquet, .arrow, .csv, .txt), a directory or a cached dataset id")
-    elif not Path(t.prompts).exists():
-        out.append(f"task.prompts: {t.prompts!r} is neither a file nor a directory")
-    if t.env and t.reward:  # the episode's summed step rewards are its reward
-        out.append(f"task.reward: {t.reward!r} would never be called: with task.env an "
-                   "episode's reward is the sum of its environment's step rewards; remove "
-                   "task.reward (score in the environment's last step) or task.env")
-    elif not t.reward and not t.env and not cfg.reward_model.path:
+    elif not Path(t.prompts).exists() and not t.prompts.startswith(REASONING_GYM):
+        out.append(f"task.prompts: {t.prompts!r} is neither a file nor a directory (nor "
+                   f"'{REASONING_GYM}<dataset>')")
+    gym = t.prompts.startswith(REASONING_GYM)  # scored by the dataset's own score_answer
+    if t.reasoning_gym and not gym:
+        out.append(f"task.reasoning_gym: configures a reasoning-gym dataset; task.prompts "
+                   f"is {t.prompts!r}, not '{REASONING_GYM}<dataset>'")
+    if not t.reward and not cfg.reward_model.path and not t.env and not gym:
         out.append("task.reward: task.name = 'text' needs 'module.path:function', "
                    "'path/to/file.py:function' or a reward server 'http://HOST:PORT/PATH' "
                    "(or a reward_model.path, or a task.env whose steps give the reward)")
+    if t.reward and t.env:
+        out.append(f"task.reward: {t.reward!r} would never be called: with task.env the "
+                   "episode's reward is the sum of its environment's step rewards; remove "
+                   "task.reward (score the response inside the environment's step)")
     if t.reward_weight and not (t.reward and cfg.reward_model.path):
         out.append("task.reward_weight: adds task.reward's score to reward_model.path's; "
                    "it needs both (without a reward model the rule is the whole reward)")

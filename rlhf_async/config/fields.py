@@ -22,4 +22,6 @@ def opt(default: Any, help: str, *, choices: tuple[Any, ...] | None = None,
     meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=meta)
     return field(default=default, metadata=meta)

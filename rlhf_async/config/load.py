@@ -14,7 +14,7 @@ from typing import Any
 from rlhf_async.config.checks import cross_checks
 from rlhf_async.config.fields import ConfigError
 from rlhf_async.config.hub import DATA_KEYS, MODEL_KEYS, resolve_hub_id
-from rlhf_async.config.schema import TASK_DEFAULTS, JobConfig
+from rlhf_async.config.schema import REASONING_GYM, TASK_DEFAULTS, JobConfig
 from rlhf_async.log import get_logger
 
 log = get_logger(component="config")
@@ -27,6 +27,8 @@ def _section_types(cls: type) -> dict[str, Any]:
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is list:
         return f"list of {typing.get_args(tp)[0].__name__}"
+    if typing.get_origin(tp) is dict:
+        return "table (key = value, ...)"
     return {int: "integer", float: "number", bool: "true/false", str: "string"}.get(tp, str(tp))
 
 
@@ -38,6 +40,8 @@ def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
             return False, value
         items = [_coerce(inner, v) for v in value]
         return all(ok for ok, _ in items), [v for _, v in items]
+    if typing.get_origin(tp) is dict:  # a free-form table, checked by what reads it
+        return isinstance(value, dict), value
     if tp is bool:
         return isinstance(value, bool), value
     if tp is int:
@@ -153,7 +157,7 @@ def _resolve_hub_ids(cfg: JobConfig, base_dir: Path | None, problems: list[str])
 def _resolve_paths(cfg: JobConfig, base_dir: Path) -> None:
     for section, key in PATH_KEYS:
         value = getattr(getattr(cfg, section), key)
-        if value and not Path(value).is_absolute():
+        if value and not Path(value).is_absolute() and not value.startswith(REASONING_GYM):
             setattr(getattr(cfg, section), key, str(base_dir / value))
     where, sep, name = cfg.task.reward.rpartition(":")
     if sep and where.endswith(".py") and not Path(where).is_absolute():  # a file, not a module

@@ -35,6 +35,7 @@ from rlhf_async.job.on_ray import run_ranks
 from rlhf_async.job.signals import on_stop_signals
 from rlhf_async.log import get_logger
 from rlhf_async.metrics import truncate_metrics
+from rlhf_async.modeling.episodes import EnvError
 from rlhf_async.modeling.models import ScalarHeadModel
 from rlhf_async.ops.plotting import plot_metrics
 from rlhf_async.ops.reporting import Reporter
@@ -44,15 +45,17 @@ from rlhf_async.rl.checkpoint import (
     CheckpointError,
     list_checkpoints,
     load_latest,
+    resume_hint,
 )
 from rlhf_async.runtime.launcher import warm_fork_server
 from rlhf_async.runtime.ray_cluster import ray_cluster
-from rlhf_async.strategies.base import JobStopped, RunResult, Strategy
+from rlhf_async.strategies.base import JobStopped, RunResult, Strategy, UserCodeFailed
 from rlhf_async.strategies.placement import Placement, with_engines
 from rlhf_async.strategies.registry import STRATEGIES
 from rlhf_async.task import Task, make_task
 from rlhf_async.task.artefacts import Artefacts, load_reward, load_sft, prepare_artefacts
 from rlhf_async.task.evaluation import evaluate
+from rlhf_async.task.remote_reward import RewardServerError
 
 log = get_logger(component="job")
 
@@ -105,9 +108,14 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None,
         with hold_run_dir(target) as held, \
                 ray_cluster(cfg) if cfg.placement.launcher == "ray" else nullcontext():
             return _run_held(cfg, placement, task, out, held, resume, own_process)
-    except ConfigError:
+    except (ConfigError, EnvError) as e:
         if fresh:
             _discard_unstarted(target)
+        if isinstance(e, EnvError | RewardServerError) and target.exists():
+            what = "; ".join(e.problems) if isinstance(e, ConfigError) else str(e)
+            raise UserCodeFailed(f"{what}; {resume_hint(target)}") from e
+        if isinstance(e, EnvError):  # before any step: nothing kept, nothing to resume
+            raise UserCodeFailed(str(e)) from e
         raise
 
 

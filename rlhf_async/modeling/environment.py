@@ -3,8 +3,10 @@
 An episode alternates policy turns and environment turns. `reset(row)` opens it (its
 observation, when not empty, is the first environment turn), `step(action_text)` answers
 each policy turn with (observation, reward, done). The episode's reward is the sum of its
-steps' rewards. Environments are asyncio objects so that one process can hold many episodes
-in flight and await all their calls at once (a tool call, a test run, a web request).
+steps' rewards. An environment may also have `async close()`, called once its episode is
+over (a server session released). Environments are asyncio objects so that one process can
+hold many episodes in flight and await all their calls at once (a tool call, a test run, a
+web request).
 """
 
 from __future__ import annotations

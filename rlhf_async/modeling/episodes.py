@@ -182,6 +182,19 @@ async def _reset_all(spec: EpisodeSpec, eps: list[Episode], rows: list[dict]) ->
                                        for e, r in zip(eps, rows, strict=True))))
 
 
+async def _close_all(spec: EpisodeSpec, eps: list[Episode]) -> None:
+    """Episodes are over: environments with an async `close` (a server session) release
+    what they hold; a close that fails or hangs costs a warning, never the batch."""
+    closes = [e.env.close() for e in eps  # type: ignore[attr-defined]  # optional method
+              if callable(getattr(e.env, "close", None))]
+    done = await asyncio.gather(*(asyncio.wait_for(c, spec.timeout_s) for c in closes),
+                                return_exceptions=True)
+    failed = [d for d in done if isinstance(d, BaseException)]
+    if failed:
+        _WARN.warn("environment close failed or timed out", spec.name,
+                   error=str(failed[0])[:200])
+
+
 async def _step_all(spec: EpisodeSpec, eps: list[Episode], actions: list[str]) -> list[Any]:
     return list(await asyncio.gather(*(_call(spec, "step", e.env.step(a))
                                        for e, a in zip(eps, actions, strict=True))))
@@ -299,6 +312,7 @@ async def play(prompts: PromptBatch, params: SamplingParams, spec: EpisodeSpec, 
                 eps[i].finish("done")
             else:
                 _observe(spec, eps[i], obs, params.stops)
+    await _close_all(spec, eps)
     return eps
 
 

@@ -158,6 +158,16 @@ def list_checkpoints(root: str | Path) -> list[Path]:
                   and p.name[len(PREFIX):].isdigit())
 
 
+def resume_hint(run_dir: str | Path) -> str:
+    """What a run stopped by an error a rerun would repeat (the user's environment or reward
+    server) keeps, and the command that goes on once it is fixed."""
+    kept = list_checkpoints(Path(run_dir) / "checkpoints")
+    where = (f"with its checkpoint {kept[-1].name}" if kept else
+             "before its first checkpoint (resume starts at step 0)")
+    return (f"the run stops {where}: fix it, then continue with "
+            f"`rlhf-async resume {run_dir}`")
+
+
 def verify(path: Path) -> dict[str, Any]:
     """The manifest of a complete, intact checkpoint; CheckpointError says what is wrong."""
     try:

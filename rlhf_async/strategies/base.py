@@ -43,6 +43,11 @@ class JobStopped(Exception):
         self.reason = reason
 
 
+class UserCodeFailed(RuntimeError):
+    """The user's environment or reward server failed in a way a rerun would repeat; the
+    message names it (type, message, file:line) and how to resume once it is fixed."""
+
+
 class RankFailed(RuntimeError):
     """A rank process of a lock-step run raised; the message is its error's last line (the
     whole traceback is in that rank's stderr)."""

@@ -29,7 +29,7 @@ from rlhf_async.config import JobConfig, collective_backend
 from rlhf_async.engines.process_group import exit_rank, free_port, launched, rank_group
 from rlhf_async.log import get_logger
 from rlhf_async.metrics import MetricsWriter, Progress
-from rlhf_async.modeling.episodes import rollout
+from rlhf_async.modeling.episodes import EnvError, rollout
 from rlhf_async.modeling.precision import Precision, check_device
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl.checkpoint import (
@@ -135,12 +135,12 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
         prompts = task.prompt_batch(seed, "train", step, cfg.train.prompts_per_step, G)
         mine = prompts.split(G, world)[rank].to(device)  # [B/world, P], whole groups
         t0 = time.perf_counter()
-        with generating.compute("actor", device):
-            batch = rollout(actor, mine, params, seed, step, learner.version)
-        t1 = time.perf_counter()
         try:
+            with generating.compute("actor", device):
+                batch = rollout(actor, mine, params, seed, step, learner.version)
+            t1 = time.perf_counter()
             batch = scorer(batch)
-        except RewardServerError:
+        except (RewardServerError, EnvError):
             if world == 1:  # with more ranks the others may not fail: no collective save
                 _keep_trained(cfg, learner, run_dir, step, start_step, strategy)
             raise

@@ -1,7 +1,8 @@
 """The text task's environment: `task.env` loaded, and its replies rendered as tokens.
 
-`task.env` is 'file.py:Class', 'module.path:Class' (imported like `task.reward`) or a
-built-in name (`BUILTIN`). The class is made with no arguments, once per episode; its
+`task.env` is 'file.py:Class', 'module.path:Class' (imported like `task.reward`), a
+built-in name (`BUILTIN`) or an OpenEnv server ('openenv:...', `task/openenv_env.py`).
+The class is made with no arguments, once per episode; its
 `reset` and `step` must be coroutine functions (the `Env` protocol).
 
 An observation becomes tokens as a chat-template delta: the text the template adds after
@@ -31,6 +32,7 @@ from rlhf_async.task.calculator import CalculatorEnv
 from rlhf_async.task.reward_fn import RewardFunctionError, load_reward_fn
 
 BUILTIN: dict[str, Callable[[], Env]] = {"calculator": CalculatorEnv}
+OPENENV = "openenv:"  # task/openenv_env.py
 _USER, _BOT = "\x00user\x00", "\x00assistant\x00"  # placeholders no template alters
 
 
@@ -38,6 +40,10 @@ def load_env(spec: str) -> Callable[[], Env]:
     """The environment class `spec` names; one ConfigError naming what is wrong."""
     if spec in BUILTIN:
         return BUILTIN[spec]
+    if spec.startswith(OPENENV):  # imported only here: the package takes seconds to load
+        from rlhf_async.task.openenv_env import OpenEnvFactory
+
+        return OpenEnvFactory(spec)
     if ":" not in spec:
         raise ConfigError([f"task.env: {spec!r} is neither a built-in environment "
                            f"({', '.join(sorted(BUILTIN))}) nor 'file.py:Class' / "

@@ -20,6 +20,7 @@ reward model scores the policy's own token ids, so it must share the policy's to
 from __future__ import annotations
 
 import functools
+import json
 import random
 from typing import Any
 
@@ -34,6 +35,7 @@ from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.task.dataset import load_rows
 from rlhf_async.task.environment import load_env, template_delta
+from rlhf_async.task.gym_data import GymScore, is_gym, read_gym
 from rlhf_async.task.remote_reward import load_rule
 from rlhf_async.task.tokens import (
     Prompt,
@@ -50,6 +52,8 @@ HELDOUT_ONE_IN = 8
 def read_prompts(t: TaskConfig) -> tuple[list[Prompt], list[dict[str, Any]]]:
     """(each row's prompt, each row's other columns) of `task.prompts`; every bad row is
     reported in one ConfigError (the first 20)."""
+    if is_gym(t.prompts):
+        return read_gym(t)
     rows = load_rows(t.prompts, "task.prompts", t.split, text_column=t.prompt_key)
     prompts: list[Prompt] = []
     columns, problems = [], []
@@ -85,14 +89,15 @@ def longest_prompt(model_path: str, t: TaskConfig) -> int:
     if t.max_prompt_tokens:
         return t.max_prompt_tokens
     return _longest_in_data(model_path, t.prompts, t.split, t.prompt_key, t.messages_key,
-                            t.chat_template)
+                            t.chat_template, json.dumps(t.reasoning_gym, sort_keys=True))
 
 
 @functools.lru_cache(maxsize=4)
 def _longest_in_data(model_path: str, prompts: str, split: str, prompt_key: str,
-                     messages_key: str, chat_template: bool) -> int:
+                     messages_key: str, chat_template: bool, gym: str) -> int:
     t = TaskConfig(prompts=prompts, split=split, prompt_key=prompt_key,
-                   messages_key=messages_key, chat_template=chat_template)
+                   messages_key=messages_key, chat_template=chat_template,
+                   reasoning_gym=json.loads(gym))
     tok = load_tokenizer(model_path)
     return max(len(encode_prompt(tok, p, chat_template)) for p in read_prompts(t)[0])
 
@@ -166,8 +171,9 @@ class TextTask:
         self.cfg = t
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.prompts, self.columns = read_prompts(t)
-        self.rule = load_rule(t, "task.prompts")
-        self.has_rule = self.rule is not None
+        self.rule = load_rule(t, "task.prompts") if t.reward or not is_gym(t.prompts) \
+            else GymScore(t)
+        self.has_rule = self.rule is not None or bool(t.env)  # an env's rewards are its rule
         self.rule_reward = not cfg.reward_model.path  # no reward model: the rule is it
         for key, path in (("reward_model.path", cfg.reward_model.path),
                           ("critic.path", cfg.critic.path)):
@@ -182,8 +188,15 @@ class TextTask:
         self.index_of: dict[tuple[int, ...], int] = {}  # tokens -> first prompt index
         for i, toks in enumerate(self.tokens):
             self.index_of.setdefault(tuple(toks), i)
-        self.train_idx, self.eval_idx = heldout_split([split_key(p) for p in self.prompts])
+        if is_gym(t.prompts):  # held out by seed (task/gym_data.py)
+            held = [c["heldout"] for c in self.columns]
+            self.train_idx = [i for i, h in enumerate(held) if not h]
+            self.eval_idx = [i for i, h in enumerate(held) if h]
+        else:
+            self.train_idx, self.eval_idx = heldout_split([split_key(p) for p in self.prompts])
         self.env = load_env(t.env) if t.env else None
+        if self.env is not None:  # a tokenizer without a chat template: stopped before work
+            template_delta(self.tokenizer)
         self.max_turns, self.env_timeout_s = t.max_turns, t.env_timeout_s
         self.max_episode_tokens = cfg.generation.max_episode_tokens
 

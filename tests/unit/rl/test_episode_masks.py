@@ -42,3 +42,25 @@ def test_loss_mask_keeps_the_policy_tokens():
         {"role": "environment", "text": "1 2"}, {"role": "policy", "text": "3"}]]
     again = RolloutBatch.from_tensors(b.to_tensors(), b.meta())
     assert torch.equal(again.env_rewards, b.env_rewards)
+
+
+def test_episode_ends_travel_and_are_counted_per_step():
+    from rlhf_async.modeling.episodes import ENDS
+    from rlhf_async.rl.step_stats import global_stats
+
+    END_DONE, END_TRUNCATED, END_TIMEOUT = (ENDS.index(k) for k in ("done", "truncated",
+                                                                     "timeout"))
+
+    B, mask = 4, torch.tensor([[POLICY, ENV, POLICY]] * 4)
+    ends = torch.tensor([END_DONE, END_TRUNCATED, END_TRUNCATED, END_TIMEOUT])
+    b = RolloutBatch(torch.ones(B, 2, dtype=torch.long), torch.ones(B, 2, dtype=torch.long),
+                     torch.ones(B, 3, dtype=torch.long), mask, torch.zeros(B, 3),
+                     torch.arange(B), torch.arange(B), rewards=torch.tensor([1.0, 0, 0, 0]),
+                     episode_ends=ends)
+    again = RolloutBatch.from_tensors(b.to_tensors(), b.meta())  # the wire keeps them
+    assert torch.equal(again.episode_ends, ends)
+    s = global_stats(again, torch.zeros(B, 3), torch.zeros(B, 3), {}, 1)
+    assert {k: s[k] for k in s if k.startswith("episodes/")} == {
+        "episodes/done": 1.0, "episodes/max_turns": 0.0, "episodes/truncated": 2.0,
+        "episodes/timeout": 1.0}  # counts, not fractions
+    assert s["reward"] == 0.25 and s["samples"] == 4.0

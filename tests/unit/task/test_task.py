@@ -91,3 +91,18 @@ def test_preference_pairs_cover_what_a_drifting_policy_says():
             if min(c.index(EOS) if EOS in c else 9, r.index(EOS) if EOS in r else 9) <= 1
             and EOS in c and EOS in r]
     assert sum(wins) / len(wins) > 0.8
+
+
+def test_the_digits_tasks_samples_are_its_texts():
+    from rlhf_async.modeling.rollout import POLICY, RolloutBatch
+    from rlhf_async.task.samples import sample_rows
+    from rlhf_async.task.sort_digits import TOKEN_CHARS, SortDigitsTask
+
+    task = SortDigitsTask.__new__(SortDigitsTask)  # only eos_id and decode are read
+    one = torch.ones(1, dtype=torch.long)
+    b = RolloutBatch(torch.tensor([[5, 4, 7]]), torch.tensor([[0, 1, 1]]),
+                     torch.tensor([[4, 7, 3]]), torch.full((1, 3), POLICY), torch.zeros(1, 3),
+                     one, one, rewards=torch.ones(1))
+    row = sample_rows(b, None, task, 1)[0]
+    assert TOKEN_CHARS[4] + TOKEN_CHARS[7] == "03"
+    assert (row["prompt"], row["response"]) == ("03", "03")  # up to EOS ($), as the rule reads

@@ -77,7 +77,8 @@ def files(tmp_path_factory):
 def cfg_for(files, *more, prompts="prompts.jsonl", fn="words", model="model"):
     return load_config(None, [f"model.path={json.dumps(str(files / model))}", "task.name=text",
                               f"task.prompts={json.dumps(str(files / prompts))}",
-                              f"task.reward={json.dumps(str(files / 'rewards.py') + ':' + fn)}",
+                              *([] if fn is None else
+                                [f"task.reward={json.dumps(str(files / 'rewards.py') + ':' + fn)}"]),
                               "generation.max_new_tokens=5", "task.max_prompt_tokens=32",
                               *more])
 

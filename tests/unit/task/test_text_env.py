@@ -31,8 +31,8 @@ class Env:
 def test_episodes_of_the_users_environment(files):  # noqa: F811  (the imported fixture)
     (files / "env.py").write_text(ENV_CODE)
     cfg = cfg_for(files, f"task.env={json.dumps(str(files / 'env.py') + ':Env')}",
-                  'task.reward=""', "task.max_turns=3", "generation.max_episode_tokens=24",
-                  f"generation.stop_token_ids={json.dumps(list(range(6, 35)))}")
+                  "task.max_turns=3", "generation.max_episode_tokens=24",
+                  f"generation.stop_token_ids={json.dumps(list(range(6, 35)))}", fn=None)
     task = make_task(cfg)
     params = sampling_params(cfg, task)
     assert params.episode is not None and params.episode.max_tokens == 24

@@ -1,0 +1,91 @@
+"""The `[task]` section: what the job trains on (a built-in task, or the user's prompts,
+reward and environment), and the built-in tasks' own defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rlhf_async.config.fields import opt
+
+# task.prompts drawn from a generator rather than read from a path
+REASONING_GYM = "reasoning_gym:"
+
+
+
+# A built-in task's own defaults, used where the config file and the overrides leave a key
+# unset (the reference file shows the general ones): the calculator's episodes are short,
+# and its tool use is learned in a few dozen steps, so its default run fits in minutes.
+TASK_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
+    "calculator": {"train": {"steps": 20}, "generation": {"max_episode_tokens": 20}},
+}
+
+
+@dataclass
+class TaskConfig:
+    name: str = opt("sort_digits", "sort_digits = the built-in task (SFT + reward model); "
+                    "calculator = the built-in multi-turn task (SFT, then episodes with a "
+                    "calc(...) tool; its own defaults: TASK_DEFAULTS in config/schema.py); "
+                    "text = your prompts + your reward function (needs model.path)",
+                    choices=("sort_digits", "calculator", "text"))
+    min_len: int = opt(3, "shortest prompt (digits; sort_digits)", ge=2)
+    max_len: int = opt(6, "longest prompt (digits; sort_digits)", ge=2)
+    num_digits: int = opt(10, "digit alphabet size (sort_digits)", ge=2, le=10)
+    long_fraction: float = opt(0.0, "sort_digits: share of prompts drawn from a long tail "
+                               "(their length uniform in (task.short_len, task.max_len], the "
+                               "others' in [task.min_len, task.short_len]; the answer is as "
+                               "long as its prompt); 0 = every length uniform in "
+                               "[task.min_len, task.max_len]", ge=0.0, le=1.0)
+    short_len: int = opt(0, "sort_digits with task.long_fraction > 0: the longest short "
+                         "prompt (digits), task.min_len <= short_len < task.max_len", ge=0)
+    prompts: str = opt("", "text: your prompts: a .jsonl/.json/.parquet/.arrow/.csv file, a "
+                       ".txt file (one per line), a directory (save_to_disk, or data files) "
+                       "or a dataset id in the local HF cache; ~1 in 8 held out for "
+                       "evaluation")
+    split: str = opt("train", "text: the split of task.prompts to use, when it has splits")
+    prompt_key: str = opt("prompt", "text: the prompt column (a string)")
+    messages_key: str = opt("messages", "text: the chat column used when a row has no "
+                            "prompt_key: a list of {role, content}; a last assistant turn "
+                            "is dropped")
+    reward: str = opt("", "rule reward 'module.path:function' or 'file.py:function', "
+                      "called as f(prompt: str, response: str, **columns) -> float (the "
+                      "row's other columns are passed by name when f takes them), or a "
+                      "reward server 'http://HOST:PORT/PATH' (`rlhf-async serve-reward`); "
+                      "sort_digits: replaces its built-in rule, on the texts of "
+                      "sort_digits:rule")
+    reward_batched: bool = opt(False, "call task.reward (a function) once per batch as "
+                               "f(prompts: list, responses: list, **columns: list) -> "
+                               "list[float] (TRL's convention)")
+    reward_weight: float = opt(0.0, "with a reward model (sort_digits', or text's "
+                               "reward_model.path): weight of the rule's score added to the "
+                               "learned reward; 0 = the rule is only reported "
+                               "(hidden_score)", ge=0.0)
+    chat_template: bool = opt(True, "text: wrap each prompt in the tokenizer's chat template "
+                              "(with the generation prompt)")
+    max_prompt_tokens: int = opt(0, "text: longest prompt accepted (tokens, template "
+                                 "included); 0 = the longest prompt in task.prompts", ge=0)
+    reward_timeout_s: float = opt(60.0, "longest one call of task.reward may take (s; a "
+                                  "server: each try of one request); past it the run "
+                                  "stops with an error", gt=0.0)
+    reward_retries: int = opt(2, "task.reward server: tries after the first of a request "
+                              "that cannot connect, times out or is answered 408, 429, "
+                              "502, 503 or 504; then the run stops with an error", ge=0)
+    reward_backoff_s: float = opt(0.5, "task.reward server: wait before the first retry "
+                                  "(s), doubled before each next one", ge=0.0)
+    reward_max_in_flight: int = opt(4, "task.reward server: requests one process has "
+                                    "waiting for an answer at once, at most", ge=1)
+    reward_request_rows: int = opt(64, "task.reward server: responses per request at most "
+                                   "(a larger batch is split; 0 = one request per batch)",
+                                   ge=0)
+    env: str = opt("", "text: an environment for multi-turn episodes, 'file.py:Class' or "
+                   "'module.path:Class' (async reset(row) -> observation, async "
+                   "step(action) -> (observation, reward, done)) or a built-in name "
+                   "(calculator); its rewards are the episode's rule reward. calculator: "
+                   "its own")
+    reasoning_gym: dict[str, Any] = opt({}, "text with task.prompts = "  # noqa: RUF009
+                                        "'reasoning_gym:<dataset>': the dataset's config "
+                                        "(e.g. {size = 500, seed = 1, ...its difficulty "
+                                        "knobs}); held-out prompts come from seed + 1")
+    max_turns: int = opt(3, "policy turns per episode (with an environment)", ge=1)
+    env_timeout_s: float = opt(30.0, "longest one environment reset/step may take (s); past "
+                               "it the episode ends there", gt=0.0)

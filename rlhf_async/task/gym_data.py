@@ -1,0 +1,100 @@
+"""reasoning-gym datasets as the text task's prompts and reward:
+`task.prompts = "reasoning_gym:<dataset>"`, its config in `task.reasoning_gym`.
+
+The datasets are procedural (nothing is downloaded): `size` questions from `seed` train, and
+`max(1, size // 8)` from `seed + 1` are held out, so no question's draw is shared between
+the splits. Each prompt is the dataset's question after reasoning-gym's own default
+system prompt (a chat, or one string with `task.chat_template = false`); a response is
+scored by the dataset's `score_answer` on what it puts in <answer>...</answer> (the whole
+response when it has no such tags, so a small model that answers plainly is still scored).
+The package is an extra: `pip install 'rlhf-async[reasoning-gym]'`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rlhf_async.config import ConfigError, TaskConfig
+from rlhf_async.config.schema import REASONING_GYM
+from rlhf_async.task.tokens import Prompt
+
+EXTRA = "pip install 'rlhf-async[reasoning-gym]'"
+DEFAULT_SIZE = 500
+
+
+def is_gym(prompts: str) -> bool:
+    return prompts.startswith(REASONING_GYM)
+
+
+def _package() -> Any:
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ConfigError([f"task.prompts: '{REASONING_GYM}...' needs the reasoning-gym "
+                           f"package: {EXTRA}"]) from None
+    return reasoning_gym
+
+
+def datasets(t: TaskConfig) -> tuple[Any, Any]:
+    """(training dataset, held-out dataset) of `task.prompts`; one ConfigError naming an
+    unknown dataset (with some accepted names) or a config the dataset refuses."""
+    rg = _package()
+    name = t.prompts[len(REASONING_GYM):]
+    known = sorted(rg.factory.DATASETS)
+    if name not in known:
+        raise ConfigError([f"task.prompts: {name!r} is not a reasoning-gym dataset; "
+                           f"accepted: {', '.join(known[:8])}, ... ({len(known)} in all: "
+                           "python -c 'import reasoning_gym; print(sorted("
+                           "reasoning_gym.factory.DATASETS))')"])
+    conf = dict(t.reasoning_gym)
+    seed, size = conf.pop("seed", 0), conf.pop("size", DEFAULT_SIZE)
+    if not isinstance(seed, int) or not isinstance(size, int) or size < 2:
+        raise ConfigError([f"task.reasoning_gym: seed must be an integer and size an integer "
+                           f">= 2; got seed = {seed!r}, size = {size!r}"])
+    try:
+        return (rg.create_dataset(name, seed=seed, size=size, **conf),
+                rg.create_dataset(name, seed=seed + 1, size=max(1, size // 8), **conf))
+    except (TypeError, ValueError, AssertionError) as e:
+        raise ConfigError([f"task.reasoning_gym: the {name!r} dataset refuses {conf}: "
+                           f"{e}"]) from None
+
+
+def read_gym(t: TaskConfig) -> tuple[list[Prompt], list[dict[str, Any]]]:
+    """(each question as a prompt, each row's columns: its dataset entry and split)."""
+    system = _package().utils.SYSTEM_PROMPTS["default"]
+    prompts: list[Prompt] = []
+    columns: list[dict[str, Any]] = []
+    for heldout, ds in enumerate(datasets(t)):
+        for i in range(len(ds)):
+            entry = ds[i]
+            q = entry["question"]
+            prompts.append([{"role": "system", "content": system},
+                            {"role": "user", "content": q}] if t.chat_template
+                           else f"{system}\n\n{q}")
+            columns.append({"entry": entry, "heldout": bool(heldout)})
+    return prompts, columns
+
+
+class GymScore:
+    """The dataset's own scorer as the text task's rule (`TextTask.rule`)."""
+
+    def __init__(self, t: TaskConfig) -> None:
+        self.train, self.heldout = datasets(t)
+        self.extract = _package().utils.extract_answer
+
+    def answer(self, response: str) -> str:
+        tagged = self.extract(response)
+        return response.strip() if tagged is None else tagged
+
+    def __call__(self, prompts: Sequence[str], responses: Sequence[str],
+                 columns: Sequence[dict[str, Any]], indices: Sequence[int]) -> list[float]:
+        out = []
+        for r, c in zip(responses, columns, strict=True):
+            entry = c.get("entry")
+            if entry is None:  # a prompt that is not one of the dataset's: no answer known
+                out.append(0.0)
+                continue
+            ds = self.heldout if c.get("heldout") else self.train
+            out.append(float(ds.score_answer(answer=self.answer(r), entry=entry)))
+        return out

@@ -1,0 +1,191 @@
+"""OpenEnv environments as `task.env`: `"openenv:<module:app>"` (a server this process
+starts locally with uvicorn, on a free port, at its first episode) or `"openenv:<URL>"`
+(a running server, http(s):// or ws(s)://), driven through OpenEnv's own client.
+
+One WebSocket session per episode (a fresh `GenericEnvClient`, closed when the episode
+ends), so a server must allow as many concurrent sessions as episodes run at once (its
+`max_concurrent_envs`). The mapping onto our `Env` protocol:
+- reset(row) -> `client.reset(seed=row["seed"])`, its observation's text;
+- step(text) -> `client.step({FIELD: text})`, where FIELD is the action's one string
+  field in the server's /schema; -> (observation text, reward or 0, done);
+- an observation's text: its first string field among `TEXT_KEYS`, else the observation
+  (without done/reward/metadata) as JSON.
+The package is an extra (`pip install 'rlhf-async[openenv]'`), imported only here (it
+takes seconds: gradio), so a run without an OpenEnv environment never pays for it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from rlhf_async.config import ConfigError
+
+PREFIX = "openenv:"
+EXTRA = "pip install 'rlhf-async[openenv]'"
+TEXT_KEYS = ("text", "prompt", "message", "observation", "content", "output")
+START_TIMEOUT_S = 180.0  # its imports alone take ~10 s on an idle core
+URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
+
+
+def _client() -> Any:
+    try:
+        from openenv.core.generic_client import GenericEnvClient
+    except ImportError:
+        raise ConfigError([f"task.env: '{PREFIX}...' needs the openenv-core package: "
+                           f"{EXTRA}"]) from None
+    return GenericEnvClient
+
+
+def _http(url: str) -> str:
+    return "http" + url[2:] if url.startswith("ws") else url
+
+
+def _get(url: str, timeout: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def action_field(base: str) -> str:
+    """The action's one string field in the server's /schema; one ConfigError otherwise."""
+    try:
+        schema = _get(f"{_http(base)}/schema")["action"]
+    except (OSError, KeyError, ValueError) as e:
+        raise ConfigError([f"task.env: OpenEnv server {base}: its /schema could not be "
+                           f"read ({e})"]) from None
+    props = schema.get("properties", {})
+    text = [k for k, v in props.items() if k != "metadata" and v.get("type") == "string"]
+    if len(text) != 1:
+        raise ConfigError([f"task.env: OpenEnv server {base}: its action must have exactly "
+                           f"one string field (the policy's text); its fields: "
+                           f"{sorted(k for k in props if k != 'metadata')}"])
+    return text[0]
+
+
+def observation_text(obs: Any) -> str:
+    if not isinstance(obs, dict):
+        return str(obs)
+    for k in TEXT_KEYS:
+        if isinstance(obs.get(k), str):
+            return str(obs[k])
+    rest = {k: v for k, v in obs.items() if k not in ("done", "reward", "metadata")}
+    return json.dumps(rest, sort_keys=True) if rest else ""
+
+
+class _LocalServer:
+    """`uvicorn <module:app>` on a free local port, stopped when this process exits."""
+
+    def __init__(self, target: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115  (lives as the server does)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rlhf_async.task.openenv_env", target, str(port),
+             str(os.getpid())],
+            # a file, not a pipe: a pipe nobody reads fills and blocks the server's logging
+            stdout=subprocess.DEVNULL, stderr=self.log)
+        atexit.register(self.stop)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                err = self.log.read().strip()
+                raise ConfigError([f"task.env: the OpenEnv server {target!r} exited "
+                                   f"({self.proc.returncode}) on start: "
+                                   f"{err.splitlines()[-1] if err else 'no output'}"])
+            try:
+                _get(f"{self.url}/health", 1.0)
+                return
+            except (OSError, ValueError):
+                time.sleep(0.2)
+        self.stop()
+        raise ConfigError([f"task.env: the OpenEnv server {target!r} did not answer "
+                           f"{self.url}/health within {START_TIMEOUT_S:.0f} s"])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class OpenEnvEpisode:
+    """One episode: one client session of the server."""
+
+    def __init__(self, url: str, field: str) -> None:
+        self.client = _client()(base_url=url)
+        self.field = field
+
+    async def reset(self, row: dict[str, Any]) -> str:
+        r = await self.client.reset(seed=int(row["seed"]) % 2**31)
+        return observation_text(r.observation)
+
+    async def step(self, action: str) -> tuple[str, float, bool]:
+        r = await self.client.step({self.field: action})
+        return observation_text(r.observation), float(r.reward or 0.0), bool(r.done)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class OpenEnvFactory:
+    """`task.env = "openenv:..."`: makes an episode's environment; a local server is
+    started at the first episode (only processes that run episodes start one)."""
+
+    def __init__(self, spec: str) -> None:
+        self.target = spec[len(PREFIX):]
+        if not self.target:
+            raise ConfigError([f"task.env: {spec!r} names no server; expected "
+                               f"'{PREFIX}module.path:app' or '{PREFIX}http://HOST:PORT'"])
+        if importlib.util.find_spec("openenv") is None:  # one error when the task loads
+            _client()
+        self.remote = self.target.startswith(URL_SCHEMES)
+        self._lock = threading.Lock()
+        self._ready: tuple[str, str] | None = None
+        self._server: _LocalServer | None = None
+
+    def _connection(self) -> tuple[str, str]:
+        with self._lock:
+            if self._ready is None:
+                if not self.remote:
+                    self._server = _LocalServer(self.target)
+                url = self.target if self.remote else self._server.url  # type: ignore[union-attr]
+                self._ready = (url, action_field(url))
+            return self._ready
+
+    def __call__(self) -> OpenEnvEpisode:
+        return OpenEnvEpisode(*self._connection())
+
+
+def _serve(target: str, port: int, parent: int) -> None:
+    """The local server's process: uvicorn on `target`, ended when `parent` is gone (a
+    rank or node that exits without running atexit must not leave it behind)."""
+    import uvicorn
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+    sys.path.insert(0, os.getcwd())  # a module path is the user's, from where they run
+    uvicorn.run(target, host="127.0.0.1", port=port, log_level="warning")
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
