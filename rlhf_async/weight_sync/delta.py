@@ -1,0 +1,96 @@
+"""Delta encoding of one weight bucket against the previous version's bytes.
+
+Why: between two RL steps at a small learning rate most bf16 values do not change, so a
+generator that holds the previous version needs only the changed ones. The codec works on
+the bucket's bytes as 16-bit words, which is exact for every dtype (a bf16/fp16 value is one
+word, an fp32 value two) and needs no knowledge of the tensors inside the bucket. Per bucket
+the smallest of three forms is sent:
+
+- FULL: the raw bytes (the fallback whenever a delta would not be smaller);
+- GAPS: the new words + uint8 gaps between their positions; a word of the grid
+  every 255 positions is always included (re-sent unchanged) so no gap exceeds 255;
+- MASK: the new words + one bit per word (wins above ~1/16 of the words changed).
+
+The receiver writes the new words over its copy of the previous bytes: the result is the
+new bucket bit for bit. A checksum of the new bytes travels with every encoded bucket, so a
+receiver that held other bytes than the sender's base finds out instead of running on
+wrong weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FULL, GAPS, MASK = 0, 1, 2
+KINDS = {FULL: "full", GAPS: "gaps", MASK: "mask"}
+GRID = 255  # largest gap a uint8 holds
+
+
+def words(b: torch.Tensor) -> torch.Tensor:
+    """A byte buffer (even length) as 16-bit words, no copy."""
+    return b.view(torch.int16)  # [n/2]
+
+
+def checksum(b: torch.Tensor) -> int:
+    """Order-sensitive 63-bit checksum of a byte buffer (even length)."""
+    w = words(b).to(torch.int64)  # [n]
+    pos = torch.arange(1, w.numel() + 1, device=b.device, dtype=torch.int64)
+    return int(((w * pos).sum() + w.numel()) & ((1 << 62) - 1))
+
+
+def encode(prev: torch.Tensor, new: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(kind, payload bytes) of `new` given `prev`, both uint8 of the same even length."""
+    old_w, new_w = words(prev), words(new)
+    n = new_w.numel()
+    changed = old_w != new_w  # [n] bool
+    count = int(changed.sum())
+    mask_bytes = (n + 7) // 8 + 2 * count
+    grid = torch.zeros_like(changed)
+    grid[GRID - 1 :: GRID] = True
+    keep = changed | grid
+    kept = int(keep.sum())
+    gaps_bytes = 3 * kept
+    if min(mask_bytes, gaps_bytes) >= new.numel():
+        return FULL, new
+    if gaps_bytes <= mask_bytes:
+        idx = keep.nonzero().squeeze(1)  # [kept] sorted word positions
+        gaps = torch.diff(idx, prepend=idx.new_full((1,), -1)).to(torch.uint8)  # 1..255
+        return GAPS, torch.cat([new_w[idx].view(torch.uint8), gaps])
+    bits = _pack_bits(changed)
+    return MASK, torch.cat([new_w[changed].view(torch.uint8), bits])
+
+
+def decode(kind: int, payload: torch.Tensor, base: torch.Tensor) -> None:
+    """Apply `payload` to `base` (the previous bytes of the bucket) in place."""
+    if kind == FULL:
+        base.copy_(payload)
+        return
+    w = words(base)
+    n = w.numel()
+    if kind == GAPS:
+        kept = payload.numel() // 3
+        idx = payload[2 * kept :].to(torch.int64).cumsum(0) - 1  # [kept]
+        w[idx] = payload[: 2 * kept].view(torch.int16)
+        return
+    if kind == MASK:
+        nbits = (n + 7) // 8
+        values = payload.numel() - nbits
+        changed = _unpack_bits(payload[values:], n)
+        w[changed] = payload[:values].view(torch.int16)
+        return
+    raise ValueError(f"unknown delta kind {kind!r} (accepted: {sorted(KINDS)})")
+
+
+_BIT = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    n = mask.numel()
+    padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=mask.device)
+    padded[:n] = mask
+    return (padded.view(-1, 8) * _BIT.to(mask.device)).sum(1, dtype=torch.uint8)  # [n/8]
+
+
+def _unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
+    expanded = bits.unsqueeze(1).bitwise_and(_BIT.to(bits.device)).ne(0)  # [n/8, 8]
+    return expanded.reshape(-1)[:n]
