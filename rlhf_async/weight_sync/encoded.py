@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_async.weight_sync import delta
+from rlhf_async.weight_sync.delta import FULL, checksum, decode, encode
 from rlhf_async.weight_sync.group import BroadcastGroup
 
 HEADER_BYTES = 3 * 8
@@ -21,9 +21,9 @@ def send_bucket(group: BroadcastGroup, data: torch.Tensor, prev: torch.Tensor,
     """Encode `data` (the new bucket bytes) against `prev` (this bucket's bytes of the
     base version, updated to `data` here), broadcast header and payload; returns the works
     (they own their tensors) and the bytes put on the wire."""
-    kind, payload = delta.encode(prev, data)
-    header = torch.tensor([kind, payload.numel(), delta.checksum(data)], dtype=torch.int64)
-    if kind == delta.FULL:
+    kind, payload = encode(prev, data)
+    header = torch.tensor([kind, payload.numel(), checksum(data)], dtype=torch.int64)
+    if kind == FULL:
         payload = payload.clone()  # `data` may be a reused buffer or the live weights
     prev.copy_(data)
     works = [(group.broadcast(header.to(data.device)), f"header of {label}"),
@@ -38,7 +38,7 @@ def receive_bucket(group: BroadcastGroup, base: torch.Tensor, has_base: bool,
     header = torch.empty(3, dtype=torch.int64, device=base.device)
     group.wait(group.broadcast(header), f"header of {label}")
     kind, nbytes, check = (int(v) for v in header.cpu())
-    if kind == delta.FULL:
+    if kind == FULL:
         if nbytes != base.numel():
             group.wait(group.broadcast(torch.empty(nbytes, dtype=torch.uint8,
                                                    device=base.device)), label)
@@ -50,9 +50,9 @@ def receive_bucket(group: BroadcastGroup, base: torch.Tensor, has_base: bool,
         if not has_base:
             return None  # the caller reports the missing base once
         try:
-            delta.decode(kind, payload, base)
+            decode(kind, payload, base)
         except (ValueError, IndexError, RuntimeError) as exc:
             return f"{label}: undecodable delta ({exc})"
-    if has_base and delta.checksum(base) != check:
+    if has_base and checksum(base) != check:
         return f"{label}: checksum differs after applying the delta"
     return None
