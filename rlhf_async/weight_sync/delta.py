@@ -9,7 +9,10 @@ the smallest of three forms is sent:
 - FULL: the raw bytes (the fallback whenever a delta would not be smaller);
 - GAPS: the new words + uint8 gaps between their positions; a word of the grid
   every 255 positions is always included (re-sent unchanged) so no gap exceeds 255;
-- MASK: the new words + one bit per word (wins above ~1/16 of the words changed).
+- MASK: the new words + one bit per word (wins above ~1/16 of the words changed);
+- STEP: two bits per word (same / +1 / -1 / listed) + the listed new words: most values
+  that change in a small optimizer step move by one unit in the last place, which is +-1
+  on the 16-bit word.
 
 The receiver writes the new words over its copy of the previous bytes: the result is the
 new bucket bit for bit. A checksum of the new bytes travels with every encoded bucket, so a
@@ -21,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-FULL, GAPS, MASK = 0, 1, 2
-KINDS = {FULL: "full", GAPS: "gaps", MASK: "mask"}
+FULL, GAPS, MASK, STEP = 0, 1, 2, 3
+KINDS = {FULL: "full", GAPS: "gaps", MASK: "mask", STEP: "step"}
 GRID = 255  # largest gap a uint8 holds
 
 
@@ -51,8 +54,15 @@ def encode(prev: torch.Tensor, new: torch.Tensor) -> tuple[int, torch.Tensor]:
     keep = changed | grid
     kept = int(keep.sum())
     gaps_bytes = 3 * kept
-    if min(mask_bytes, gaps_bytes) >= new.numel():
+    step = new_w - old_w  # [n], wraps like the bits do
+    listed = changed & (step != 1) & (step != -1)
+    step_bytes = (n + 3) // 4 + 2 * int(listed.sum())
+    if min(mask_bytes, gaps_bytes, step_bytes) >= new.numel():
         return FULL, new
+    if step_bytes < min(mask_bytes, gaps_bytes):
+        code = (step == 1).to(torch.uint8) + 2 * (step == -1).to(torch.uint8)
+        code[listed] = 3
+        return STEP, torch.cat([new_w[listed].view(torch.uint8), _pack_pairs(code)])
     if gaps_bytes <= mask_bytes:
         idx = keep.nonzero().squeeze(1)  # [kept] sorted word positions
         gaps = torch.diff(idx, prepend=idx.new_full((1,), -1)).to(torch.uint8)  # 1..255
@@ -79,6 +89,13 @@ def decode(kind: int, payload: torch.Tensor, base: torch.Tensor) -> None:
         changed = _unpack_bits(payload[values:], n)
         w[changed] = payload[:values].view(torch.int16)
         return
+    if kind == STEP:
+        ncodes = (n + 3) // 4
+        values = payload.numel() - ncodes
+        code = _unpack_pairs(payload[values:], n)
+        w += (code == 1).to(torch.int16) - (code == 2).to(torch.int16)
+        w[code == 3] = payload[:values].view(torch.int16)
+        return
     raise ValueError(f"unknown delta kind {kind!r} (accepted: {sorted(KINDS)})")
 
 
@@ -97,3 +114,17 @@ def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
 def _unpack_bits(bits: torch.Tensor, n: int) -> torch.Tensor:
     expanded = bits.unsqueeze(1).bitwise_and(_BIT.to(bits.device)).ne(0)  # [n/8, 8]
     return expanded.reshape(-1)[:n]
+
+
+def _pack_pairs(code: torch.Tensor) -> torch.Tensor:
+    """2-bit codes (0..3), four to a byte, code i of each four at bits 2i."""
+    n = code.numel()
+    padded = torch.zeros((n + 3) // 4 * 4, dtype=torch.uint8, device=code.device)
+    padded[:n] = code
+    q = padded.view(-1, 4)  # [n/4, 4]
+    return q[:, 0] | (q[:, 1] << 2) | (q[:, 2] << 4) | (q[:, 3] << 6)
+
+
+def _unpack_pairs(packed: torch.Tensor, n: int) -> torch.Tensor:
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(1) >> shifts) & 3).reshape(-1)[:n]  # [n]

@@ -9,21 +9,23 @@ import torch
 from rlhf_async.weight_sync import delta
 
 
-def _step(t: torch.Tensor, frac: float, g: torch.Generator) -> torch.Tensor:
+def _step(t: torch.Tensor, frac: float, g: torch.Generator, scale: float) -> torch.Tensor:
     """A small AdamW-like step touching about `frac` of the values."""
     hit = torch.rand(t.shape, generator=g) < frac
-    bump = (torch.randn(t.shape, generator=g) * 3e-2).to(t.dtype)
+    bump = (torch.randn(t.shape, generator=g) * scale).to(t.dtype)
     return torch.where(hit, t + bump * t.abs().clamp_min(1e-3), t)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("frac", [0.0, 0.01, 0.2, 0.9])
-def test_round_trip_is_bit_identical_over_versions(dtype: torch.dtype, frac: float) -> None:
+@pytest.mark.parametrize("scale", [3e-2, 4e-3])  # the smaller: mostly one ulp (STEP form)
+def test_round_trip_is_bit_identical_over_versions(dtype: torch.dtype, frac: float,
+                                                   scale: float) -> None:
     g = torch.Generator().manual_seed(1)
     w = torch.randn(3001, generator=g).to(dtype)
     held = w.clone()  # the receiver's copy
     for _ in range(4):
-        new = _step(w, frac, g)
+        new = _step(w, frac, g, scale)
         prev = torch.cat([w.view(torch.uint8), torch.zeros(62, dtype=torch.uint8)])
         nxt = torch.cat([new.view(torch.uint8), torch.zeros(62, dtype=torch.uint8)])
         kind, payload = delta.encode(prev, nxt)
@@ -42,9 +44,18 @@ def test_form_chosen_by_size() -> None:
     kind, payload = delta.encode(prev, same)
     assert kind == delta.GAPS and payload.numel() == 3 * (n // 2 // 255)  # only the grid
     dense = prev.clone()
-    dense[::8] = 1  # every 4th word changed: a bit per word beats 3 bytes a word
+    dense[::8] = 7  # every 4th word changed by 7: a bit per word beats 3 bytes a word
     kind, payload = delta.encode(prev, dense)
     assert kind == delta.MASK and payload.numel() == n // 2 // 8 + 2 * (n // 8)
+    ulps = prev.clone()
+    ulps[::4] = 1  # every other word one unit up
+    ulps[2::8] = 255  # and every 4th word one down (0x00ff -> wraps in the low byte)
+    ulps[3::8] = 255  # (0xffff = -1)
+    kind, payload = delta.encode(prev, ulps)
+    assert kind == delta.STEP and payload.numel() == n // 2 // 4
+    base = prev.clone()
+    delta.decode(kind, payload, base)
+    assert torch.equal(base, ulps)
     everything = torch.ones(n, dtype=torch.uint8)
     kind, payload = delta.encode(prev, everything)
     assert kind == delta.FULL and payload.numel() == n
