@@ -22,7 +22,7 @@ from nodes.common.context import NodeContext, load_context, message_errors
 from nodes.common.stage import StageClock
 from nodes.trainer.assembler import BatchAssembler
 from nodes.trainer.group import Op, TrainerGroup
-from rlhf_async.config import collective_backend, weight_sync_backend
+from rlhf_async.config import collective_backend, weight_sync_backend, weight_sync_delta
 from rlhf_async.engines.process_group import free_port
 from rlhf_async.metrics import MetricsWriter, truncate_jsonl
 from rlhf_async.modeling.rollout import RolloutBatch
@@ -65,7 +65,7 @@ from rlhf_async.strategies.training import (
 )
 from rlhf_async.task import make_task
 from rlhf_async.task.evaluation import StepLogs
-from rlhf_async.weight_sync import WeightSyncError, make_sender
+from rlhf_async.weight_sync import WeightSyncError, make_sender, tied_names
 from rlhf_async.wire.protocol import Message
 
 STRATEGY = "separation"
@@ -119,7 +119,10 @@ class Trainer:
         self.node, self.job, self.cfg, self.group = node, job, job.cfg, group
         self.learner, self.policy, self.ckpt_dir = learner, policy, ckpt_dir
         self.sender = make_sender(weight_sync_backend(self.cfg), device=job.device,
-                                  bucket_mb=self.cfg.weight_sync.bucket_mb)
+                                  bucket_mb=self.cfg.weight_sync.bucket_mb,
+                                  delta=weight_sync_delta(self.cfg))
+        # tied weights (lm_head = embeddings) travel once; merged LoRA weights are copies
+        self.tied = {} if "actor" in learner.adapted else tied_names(learner.actor)
         # the actor must not change while a broadcast reads it, and the trainer ranks must
         # run their collectives in one order: every use of the learner holds this lock
         self.lock = asyncio.Lock()
@@ -172,6 +175,8 @@ class Trainer:
                     _train_step, self.group, self.learner, full, self.job.device)))
             # stopping: the checkpoint holds these weights; the generators are done
             sync = await self._publish() if not self.node.stopping else WeightSync()
+            if sync.bytes:
+                metrics.update(self._sync_metrics())
             # after the publish: the generators go on meanwhile
             metrics.update(await asyncio.to_thread(self.logs.after_step, step, full,
                                                    self.learner))
@@ -227,6 +232,13 @@ class Trainer:
         self.group.lead(Op.FINISH)  # the followers join the gather
         save_final_policy(self.cfg, self.learner, policy_dir, STRATEGY)
 
+    def _sync_metrics(self) -> dict[str, float]:
+        """What the last publication put on the wire against a full update's bytes."""
+        s = self.sender
+        return {"weight_sync/full_bytes": float(s.last_full_bytes),
+                "weight_sync/delta_ratio": s.last_sent_bytes / max(1, s.last_full_bytes),
+                "weight_sync/full_fallbacks": float(s.full_fallbacks)}
+
     async def _publish(self, force: bool = False) -> WeightSync:
         """Broadcast the actor to every generator when a publication is due (or forced);
         the send reads the live parameters: callers hold the lock."""
@@ -236,7 +248,7 @@ class Trainer:
             return WeightSync()
         version = learner.version // every
         layout = learner.weight_layout()  # names, dtypes, shapes: nothing gathered yet
-        plan = sender.plan(layout, version)
+        plan = sender.plan(layout, version, self.tied)
         await self.node.send_event(Published(plan, self.lineage), weight_version=version)
         t0 = time.perf_counter()
 
@@ -250,8 +262,7 @@ class Trainer:
             self.node.log.warning("publish_failed", version=version, error=str(e))
             await self.node.send_event(WeightSyncFailed(str(e), version))
             return WeightSync(time.perf_counter() - t0)
-        nbytes = sum(t.numel() * t.element_size() for t in layout.values())
-        return WeightSync(time.perf_counter() - t0, nbytes)
+        return WeightSync(time.perf_counter() - t0, sender.last_sent_bytes)
 
 
 async def _join(node: Node, group: TrainerGroup, job: NodeContext) -> None:

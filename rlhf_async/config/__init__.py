@@ -22,10 +22,12 @@ from rlhf_async.config.schema import (
     collective_backend,
     to_dict,
     weight_sync_backend,
+    weight_sync_delta,
 )
 
 __all__ = ["AlgoConfig", "ConfigError", "CriticConfig", "GenerationConfig", "JobConfig",
            "LoraConfig", "ModelConfig", "PlacementConfig", "RayConfig", "RewardModelConfig",
            "RunConfig", "RuntimeConfig", "SFTConfig", "TaskConfig", "TrainConfig",
            "WeightSyncConfig", "collective_backend", "config_from_dict", "load_config",
-           "parse_override", "to_dict", "weight_sync_backend"]
+           "parse_override", "to_dict", "weight_sync_backend",
+           "weight_sync_delta"]

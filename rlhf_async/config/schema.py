@@ -214,6 +214,10 @@ class WeightSyncConfig:
                        choices=("auto", "gloo", "nccl"))
     timeout_s: float = opt(60.0, "limit for joining the group and for each transfer (s)",
                            gt=0.0)
+    delta: str = opt("auto", "send only the changed values to generators holding the last "
+                     "version (full after a restart or regroup); auto = on with nccl, off "
+                     "with gloo, where encoding costs more than it saves (bench/README.md)",
+                     choices=("auto", "on", "off"))
 
 
 @dataclass
@@ -317,6 +321,13 @@ def weight_sync_backend(cfg: JobConfig) -> str:
     if cfg.weight_sync.backend != "auto":
         return cfg.weight_sync.backend
     return collective_backend(cfg.placement.device)
+
+
+def weight_sync_delta(cfg: JobConfig) -> bool:
+    """Whether weight updates go as deltas: `weight_sync.delta`, with auto resolved."""
+    if cfg.weight_sync.delta != "auto":
+        return cfg.weight_sync.delta == "on"
+    return weight_sync_backend(cfg) == "nccl"
 
 
 def collective_backend(device: str) -> str:

@@ -20,6 +20,12 @@ Sequence (the coordinator owns the rendezvous; ZeroMQ messages are the caller's)
                                                    version = w.load_into(model)  # atomic
     generator restarted: coordinator bumps the epoch, everyone calls connect(spec.with_epoch(e+1))
 
+Delta updates (`make_sender(..., delta=True)`): the sender keeps a copy of the last sent
+bytes and, while the group's incarnation and layout stay the same, sends each bucket as only
+its changed 16-bit words (`delta.py`); receivers rebuild the bytes exactly in their staging
+buffer. A receiver without the base raises WeightSyncBaseMismatch (nothing applied); the
+regroup that follows makes the next update full. Tied weights travel once (plan aliases).
+
 connect/send/receive block: from asyncio code run them with `asyncio.to_thread`. After any
 WeightSyncError in a transfer the group's state is unknown: rebuild it under a new epoch.
 """
@@ -30,7 +36,12 @@ from rlhf_async.weight_sync.broadcast import (
     TorchBroadcastReceiver,
     TorchBroadcastSender,
 )
-from rlhf_async.weight_sync.errors import WeightSyncError, WeightSyncPlanError, WeightSyncTimeout
+from rlhf_async.weight_sync.errors import (
+    WeightSyncBaseMismatch,
+    WeightSyncError,
+    WeightSyncPlanError,
+    WeightSyncTimeout,
+)
 from rlhf_async.weight_sync.interface import (
     WeightReceiver,
     WeightSender,
@@ -40,6 +51,7 @@ from rlhf_async.weight_sync.interface import (
     register_backend,
 )
 from rlhf_async.weight_sync.module import load_into_module, weights_of
+from rlhf_async.weight_sync.plan import tied_names
 from rlhf_async.weight_sync.spec import GroupSpec
 
 __all__ = [
@@ -50,6 +62,7 @@ __all__ = [
     "TorchBroadcastSender",
     "WeightReceiver",
     "WeightSender",
+    "WeightSyncBaseMismatch",
     "WeightSyncError",
     "WeightSyncPlanError",
     "WeightSyncTimeout",
@@ -58,5 +71,6 @@ __all__ = [
     "make_receiver",
     "make_sender",
     "register_backend",
+    "tied_names",
     "weights_of",
 ]

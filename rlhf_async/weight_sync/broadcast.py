@@ -11,13 +11,19 @@ NCCL (CUDA tensors); only the device of the buffers and the backend object diffe
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import structlog
 import torch
 
-from rlhf_async.weight_sync.errors import WeightSyncError, WeightSyncPlanError
+from rlhf_async.weight_sync.encoded import receive_bucket, send_bucket
+from rlhf_async.weight_sync.errors import (
+    WeightSyncBaseMismatch,
+    WeightSyncError,
+    WeightSyncPlanError,
+)
 from rlhf_async.weight_sync.group import BroadcastGroup, open_store
 from rlhf_async.weight_sync.module import load_into_module
 from rlhf_async.weight_sync.plan import (
@@ -25,6 +31,7 @@ from rlhf_async.weight_sync.plan import (
     Layout,
     as_bytes,
     build_layout,
+    delta_of,
     pack_bucket,
     parse_plan,
     pieces_per_bucket,
@@ -94,9 +101,11 @@ class _Stream:
 
     def __init__(self, group: BroadcastGroup, layout: Layout,
                  pieces: list[list[tuple[int, int, int, int]]], buffers: list[torch.Tensor],
-                 version: int) -> None:
+                 version: int, prev: torch.Tensor | None = None, encode: bool = False) -> None:
         self.group, self.layout, self.pieces, self.buffers = group, layout, pieces, buffers
         self.version = version
+        self.prev, self.encode = prev, encode  # the base's bytes; send deltas against it
+        self.sent_bytes = 0
         self.k = self.i = self.j = 0  # next slot to arrive; next bucket; next piece of it
         self.slot = 0  # the bucket buffer to pack next
         self.slot_work: list[tuple[torch.distributed.Work, str] | None] = [None, None]
@@ -125,7 +134,7 @@ class _Stream:
             if len(pieces) == 1 and pieces[0][2] - pieces[0][1] == size:
                 # The bucket lies inside one tensor: send its bytes in place, no copy.
                 k, src_lo, src_hi, _ = pieces[0]
-                in_place.append((self.group.broadcast(sources[k][src_lo:src_hi]), label))
+                in_place += self._emit(sources[k][src_lo:src_hi], label)
                 self.i += 1
                 continue
             busy = self.slot_work[self.slot]
@@ -136,12 +145,26 @@ class _Stream:
             self.j += len(ready)
             if self.j < len(pieces):
                 break  # the rest of this bucket comes with the next group
-            on_wire = (self.group.broadcast(self.buffers[self.slot][:size]), label)
-            self.slot_work[self.slot] = on_wire
-            self.pending.append(on_wire)
+            works = self._emit(self.buffers[self.slot][:size], label)
+            self.slot_work[self.slot] = works[-1]
+            self.pending += works
             self.slot, self.i, self.j = self.slot ^ 1, self.i + 1, 0
         for work, what in in_place:
             self.group.wait(work, what)
+
+    def _emit(self, data: torch.Tensor, label: str) -> list[tuple[torch.distributed.Work, str]]:
+        """Put bucket `self.i`'s bytes on the wire: raw, or encoded against the base; the
+        base copy (when kept) becomes these bytes."""
+        lo, size = self.layout.buckets[self.i]
+        if self.encode:
+            assert self.prev is not None
+            works, nbytes = send_bucket(self.group, data, self.prev[lo : lo + size], label)
+            self.sent_bytes += nbytes
+            return works
+        if self.prev is not None:
+            self.prev[lo : lo + size].copy_(data)
+        self.sent_bytes += size
+        return [(self.group.broadcast(data), label)]
 
     def finish(self) -> None:
         if self.k != len(self.layout.slots):
@@ -160,8 +183,10 @@ class TorchBroadcastSender:
         *,
         device: torch.device | str | None = None,
         bucket_mb: float = DEFAULT_BUCKET_MB,
+        delta: bool = False,
     ) -> None:
         self.backend = backend
+        self.delta = delta
         self.device = _default_device(backend, device)
         _check_device(backend, self.device)
         if not bucket_mb > 0:
@@ -174,6 +199,14 @@ class TorchBroadcastSender:
         self._layout: Layout | None = None
         self._pieces: list[list[tuple[int, int, int, int]]] = []
         self._buffers: list[torch.Tensor] = []
+        # delta: a copy of the last sent version's bytes (one model in the shadow dtype)
+        self._prev: torch.Tensor | None = None
+        self._prev_id: str | None = None  # the update those bytes are; None: none complete
+        self._updates = 0  # sends begun: with the nonce, names each update
+        self._nonce = uuid.uuid4().hex[:12]  # a restarted trainer's ids are new
+        self.full_fallbacks = 0  # updates sent whole though delta is on (after the first)
+        self.last_sent_bytes = 0  # on the wire in the last send (headers included)
+        self.last_full_bytes = 0  # what a full update of the same weights is
 
     def prepare(self, spec: GroupSpec) -> GroupSpec:
         """Host the rendezvous store (once); returns the spec with the real port to ship."""
@@ -189,16 +222,24 @@ class TorchBroadcastSender:
         if self._group is not None:
             self._group.close()
             self._group = None
+        self._prev_id = None  # a regrouped receiver may hold anything: next update is full
         assert self._store is not None
         self._group = BroadcastGroup(self._store, spec, 0, self.device)
 
-    def plan(self, tensors: Mapping[str, torch.Tensor], version: int) -> dict[str, Any]:
-        """Plan of one update, to ship to every receiver before (or while) calling `send`."""
+    def plan(self, tensors: Mapping[str, torch.Tensor], version: int,
+             tied: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Plan of one update, to ship to every receiver before (or while) calling `send`.
+        `tied` (alias -> source, see `tied_names`) names tied weights the meta tensors of a
+        layout cannot show; they travel once. With delta on, the update is a delta against
+        the last one sent when every receiver holds it (same group incarnation and layout)."""
         group = self._require_group()
-        layout = build_layout(tensors, self.bucket_bytes)
+        layout = build_layout(tensors, self.bucket_bytes, tied)
         if self._layout is None or layout.signature != self._layout.signature:
             self._layout, self._pieces = layout, pieces_per_bucket(layout)
-        return plan_dict(self._layout, version, group.spec.group_name)
+            self._prev_id = None
+        base = self._prev_id if self.delta else None
+        return plan_dict(self._layout, version, group.spec.group_name,
+                         update_id=f"{self._nonce}.{self._updates}", base=base)
 
     def send(
         self,
@@ -213,22 +254,45 @@ class TorchBroadcastSender:
         group, layout = self._require_group(), self._layout
         if layout is None or plan.get("group") != group.spec.group_name:
             raise WeightSyncPlanError("send() needs a plan made by this sender's plan()")
+        update_id, base = delta_of(plan)
+        if base is not None and base != self._prev_id:
+            raise WeightSyncPlanError("send() got a delta plan whose base is not the last "
+                                      "update sent: make a new plan")
+        aliases = dict(layout.aliases)
         if isinstance(tensors, Mapping):
+            tensors = {k: t for k, t in tensors.items() if k not in aliases}
             _check_matches(layout, tensors)  # every problem at once, before any transfer
         self._ensure_buffers(min(self.bucket_bytes, layout.total_bytes))
-        stream = _Stream(group, layout, self._pieces, self._buffers, plan["version"])
+        prev = self._ensure_prev(layout.total_bytes)
+        stream = _Stream(group, layout, self._pieces, self._buffers, plan["version"], prev,
+                         encode=base is not None)
+        self._prev_id = None  # the base copy is being overwritten
+        self._updates += 1
         with torch.no_grad():
             for part in [tensors] if isinstance(tensors, Mapping) else tensors:
-                stream.add({k: t.to(self.device) for k, t in part.items()})
+                stream.add({k: t.to(self.device) for k, t in part.items() if k not in aliases})
             stream.finish()
+        self._prev_id = update_id if self.delta else None
+        self.full_fallbacks += int(self.delta and base is None and self._updates > 1)
         self.largest_group_bytes = stream.largest_group_bytes
-        log.debug("weights_sent", version=plan["version"], bytes=layout.total_bytes,
+        self.last_sent_bytes, self.last_full_bytes = stream.sent_bytes, layout.total_bytes
+        log.debug("weights_sent", version=plan["version"], bytes=stream.sent_bytes,
+                  full_bytes=layout.total_bytes, delta=base is not None,
                   buckets=len(self._pieces), largest_group_bytes=stream.largest_group_bytes)
+
+    def _ensure_prev(self, nbytes: int) -> torch.Tensor | None:
+        if not self.delta:
+            return None
+        if self._prev is None or self._prev.numel() != nbytes:
+            self._prev = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+            self._prev_id = None
+        return self._prev
 
     def _ensure_buffers(self, nbytes: int) -> None:
         if self._buffers and self._buffers[0].numel() >= nbytes:
             return
-        self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in "ab"]
+        # zeroed: alignment gaps keep the same bytes every update, so a delta skips them
+        self._buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=self.device) for _ in "ab"]
         self.buffers_allocated += 1
 
     def _require_group(self) -> BroadcastGroup:
@@ -254,6 +318,7 @@ class TorchBroadcastReceiver:
         self._store_addr: tuple[str, int] | None = None
         self._group: BroadcastGroup | None = None
         self._staging: torch.Tensor | None = None
+        self._held: str | None = None  # id of the update the staging buffer holds whole
 
     def connect(self, spec: GroupSpec, rank: int) -> None:
         """Join the group as `rank` (>= 1); blocks until every rank joined or times out.
@@ -285,19 +350,40 @@ class TorchBroadcastReceiver:
                 f"plan is for weight-sync group '{group_name}', this receiver is in "
                 f"'{group.spec.group_name}'"
             )
+        update_id, base = delta_of(plan)
+        held = self._held
+        has_base = base is not None and base == held
+        if not has_base:
+            self._held = None  # a full update, or a delta this receiver cannot apply
         staging = self._ensure_staging(layout.total_bytes)
         buckets = layout.buckets
-        works = [group.broadcast(staging[lo : lo + size]) for lo, size in buckets]
-        for i, work in enumerate(works):
-            group.wait(work, f"receive of bucket {i + 1}/{len(buckets)} (v{version})")
+        labels = [f"receive of bucket {i + 1}/{len(buckets)} (v{version})"
+                  for i in range(len(buckets))]
+        if base is None:
+            works = [group.broadcast(staging[lo : lo + size]) for lo, size in buckets]
+            for work, label in zip(works, labels, strict=True):
+                group.wait(work, label)
+        else:  # every bucket is taken, even a useless one, so the collective stays in step
+            self._held = None
+            found = [receive_bucket(group, staging[lo : lo + size], has_base, label)
+                        for (lo, size), label in zip(buckets, labels, strict=True)]
+            problems = [p for p in found if p is not None]
+            if not has_base or problems:
+                raise WeightSyncBaseMismatch(
+                    f"delta update v{version} is against update {base}, this receiver held "
+                    f"{held or 'none'}"
+                    + (f" ({'; '.join(problems)})" if problems else "")
+                    + ": nothing applied, a full update is needed")
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        self._held = update_id or None
         return ReceivedWeights(version, views(staging, layout))
 
     def _ensure_staging(self, nbytes: int) -> torch.Tensor:
         if self._staging is None or self._staging.numel() < nbytes:
             self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self.buffers_allocated += 1
+            self._held = None
         return self._staging
 
     def close(self) -> None:

@@ -13,3 +13,8 @@ class WeightSyncTimeout(WeightSyncError):
 
 class WeightSyncPlanError(WeightSyncError, ValueError):
     """A group spec or plan is malformed, or the weights do not fit the target model."""
+
+
+class WeightSyncBaseMismatch(WeightSyncError):
+    """A delta update arrived at a receiver that does not hold its base (or whose bytes
+    differ from it): nothing was applied; the group must be rebuilt and a full update sent."""

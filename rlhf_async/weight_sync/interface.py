@@ -28,10 +28,14 @@ class WeightSender(Protocol):
     model is gathered ~`bucket_bytes` at a time."""
 
     bucket_bytes: int
+    last_sent_bytes: int  # on the wire in the last send
+    last_full_bytes: int  # a full update of the same weights (tied weights once)
+    full_fallbacks: int  # updates sent whole though delta was on (after the first)
 
     def prepare(self, spec: GroupSpec) -> GroupSpec: ...
     def connect(self, spec: GroupSpec) -> None: ...
-    def plan(self, tensors: Mapping[str, torch.Tensor], version: int) -> dict[str, Any]: ...
+    def plan(self, tensors: Mapping[str, torch.Tensor], version: int,
+             tied: Mapping[str, str] | None = None) -> dict[str, Any]: ...
     def send(
         self,
         tensors: Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]],

@@ -54,6 +54,7 @@ class Layout:
     slots: tuple[TensorSlot, ...]
     bucket_bytes: int
     total_bytes: int
+    aliases: tuple[tuple[str, str], ...] = ()  # (alias, slot name): a tied weight, sent once
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -62,16 +63,18 @@ class Layout:
         return [(lo, min(b, self.total_bytes - lo)) for lo in range(0, self.total_bytes, b)]
 
     @property
-    def signature(self) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
-        return tuple((s.name, s.dtype, s.shape) for s in self.slots)
+    def signature(self) -> tuple[tuple[Any, ...], ...]:
+        return tuple((s.name, s.dtype, s.shape) for s in self.slots) + self.aliases
 
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def build_layout(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> Layout:
-    """Lay `tensors` out in insertion order."""
+def build_layout(tensors: Mapping[str, torch.Tensor], bucket_bytes: int,
+                 tied: Mapping[str, str] | None = None) -> Layout:
+    """Lay `tensors` out in insertion order; a tensor that is another's storage (or named
+    in `tied` as alias -> source, for meta tensors) takes no bytes, only an alias."""
     if bucket_bytes < ALIGN or bucket_bytes % ALIGN:
         raise WeightSyncPlanError(f"bucket size must be a positive multiple of {ALIGN} bytes")
     slots, offset = [], 0
@@ -80,16 +83,57 @@ def build_layout(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> Layo
         raise WeightSyncPlanError(
             f"unsupported dtypes for weight sync: {', '.join(bad)} (accepted: {', '.join(DTYPES)})"
         )
+    aliases = _aliases(tensors, tied or {})
     for name, t in tensors.items():
+        if name in aliases:
+            continue
         nbytes = t.numel() * t.element_size()
         slots.append(TensorSlot(name, t.dtype, tuple(t.shape), offset, nbytes))
         offset = _align(offset + nbytes)
-    return Layout(tuple(slots), bucket_bytes, offset)
+    return Layout(tuple(slots), bucket_bytes, offset, tuple(aliases.items()))
 
 
-def plan_dict(layout: Layout, version: int, group: str) -> dict[str, Any]:
-    """The msgpack-able plan shipped to receivers over ZeroMQ."""
+def _aliases(tensors: Mapping[str, torch.Tensor], tied: Mapping[str, str]) -> dict[str, str]:
+    """alias -> the first name of the same tensor (same storage, offset, shape, strides)."""
+    out: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    for name, t in tensors.items():
+        source = tied.get(name)
+        if source is not None and source in tensors and source not in tied:
+            out[name] = source
+            continue
+        if t.device.type == "meta" or t.numel() == 0:
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape),
+               t.stride())
+        if key in seen:
+            out[name] = seen[key]
+        else:
+            seen[key] = name
+    return out
+
+
+def tied_names(module: torch.nn.Module) -> dict[str, str]:
+    """alias -> source of the module's tied state-dict entries (e.g. lm_head.weight ->
+    model.embed_tokens.weight), by tensor identity, so it works for sharded parameters."""
+    out: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) in first:
+            out[name] = first[id(t)]
+        else:
+            first[id(t)] = name
+    return out
+
+
+def plan_dict(layout: Layout, version: int, group: str, *, update_id: str = "",
+              base: str | None = None) -> dict[str, Any]:
+    """The msgpack-able plan shipped to receivers over ZeroMQ. `update_id` names this
+    update; `base` (a delta update) names the update the receivers must hold."""
     return {
+        "id": update_id,
+        "base": base,
+        "aliases": [list(a) for a in layout.aliases],
         "format": PLAN_FORMAT,
         "version": version,
         "group": group,
@@ -116,7 +160,11 @@ def parse_plan(plan: Mapping[str, Any]) -> tuple[int, str, Layout]:
         version, group = int(plan["version"]), str(plan["group"])
         bucket_bytes, total = int(plan["bucket_bytes"]), int(plan["total_bytes"])
         slots = tuple(_parse_slot(entry) for entry in plan["tensors"])
-        layout = Layout(slots, bucket_bytes, total)
+        aliases = tuple((str(a), str(b)) for a, b in plan.get("aliases", ()))
+        names = {s.name for s in slots}
+        if any(b not in names or a in names for a, b in aliases):
+            raise ValueError("an alias must name a tensor of the plan and not be one")
+        layout = Layout(slots, bucket_bytes, total, aliases)
         if version < 0 or bucket_bytes < ALIGN or bucket_bytes % ALIGN:
             raise ValueError("version must be >= 0 and bucket_bytes a multiple of 64")
         expected = build_layout_from_slots(slots, bucket_bytes)
@@ -129,6 +177,12 @@ def parse_plan(plan: Mapping[str, Any]) -> tuple[int, str, Layout]:
     except (KeyError, TypeError, ValueError) as exc:
         raise WeightSyncPlanError(f"malformed weight-sync plan: {exc!r}") from None
     return version, group, layout
+
+
+def delta_of(plan: Mapping[str, Any]) -> tuple[str, str | None]:
+    """(this update's id, the id of the update a delta is against, or None: full)."""
+    base = plan.get("base")
+    return str(plan.get("id", "")), None if base is None else str(base)
 
 
 def _parse_slot(entry: Mapping[str, Any]) -> TensorSlot:
@@ -188,8 +242,10 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def views(staging: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
-    """Typed views of every tensor inside a received byte stream (no copy)."""
-    return {
+    """Typed views of every tensor inside a received byte stream (no copy); an alias is
+    the same view as its source."""
+    out = {
         s.name: staging[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
         for s in layout.slots
     }
+    return out | {alias: out[source] for alias, source in layout.aliases}
