@@ -18,7 +18,8 @@ from torch import Tensor
 
 REQUIRED = ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
             "behaviour_logprobs", "sample_ids", "group_ids")
-OPTIONAL = ("rewards", "ref_logprobs", "hidden_scores", "env_rewards", "token_versions")
+OPTIONAL = ("rewards", "ref_logprobs", "hidden_scores", "env_rewards", "token_versions",
+            "teacher_logprobs")
 # response_mask values: a token the policy sampled (trained on), an environment's token of a
 # multi-turn episode (context the policy reads, never trained on), padding
 POLICY, ENV, PAD = 1, 2, 0
@@ -88,6 +89,7 @@ class RolloutBatch:
     # [B, R] long: the weight version that sampled each token, -1 on padding (partial
     # rollouts: a generation that took new weights mid-way; `version` is then the oldest)
     token_versions: Tensor | None = None
+    teacher_logprobs: Tensor | None = None  # [B, R] float32 distillation's teacher (scorer)
 
     @property
     def loss_mask(self) -> Tensor:
@@ -144,7 +146,8 @@ class RolloutBatch:
         want = {"prompt_ids": (B, P), "prompt_mask": (B, P), "response_ids": (B, R),
                 "response_mask": (B, R), "behaviour_logprobs": (B, R), "sample_ids": (B,),
                 "group_ids": (B,), "rewards": (B,), "ref_logprobs": (B, R),
-                "hidden_scores": (B,), "env_rewards": (B,), "token_versions": (B, R)}
+                "hidden_scores": (B,), "env_rewards": (B,), "token_versions": (B, R),
+                "teacher_logprobs": (B, R)}
         problems = []
         for name, shape in want.items():
             t = getattr(self, name)
