@@ -1,4 +1,5 @@
-"""Scorer node: reward model + reference model. Adds rewards and reference log-probs."""
+"""Scorer node: reward model + reference model (+ a distillation teacher). Adds rewards,
+reference log-probs (and the teacher's)."""
 
 from __future__ import annotations
 
@@ -23,11 +24,13 @@ from rlhf_async.strategies.separation.protocol import (
 from rlhf_async.task import make_task, reward_mix
 from rlhf_async.task.artefacts import load_reward, load_sft
 from rlhf_async.task.reward_fn import RewardFunctionError
+from rlhf_async.task.teacher import load_teacher
 
 
 async def main(node: Node) -> None:
     job = load_context(node)
     reward_model, reference = await asyncio.to_thread(_models, job)  # heartbeats go on
+    teacher = await asyncio.to_thread(load_teacher, job.cfg, job.device, job.precision)
     task = make_task(job.cfg)
     T, mix = job.cfg.generation.temperature, reward_mix(job.cfg, task)
     packed = job.cfg.train.max_tokens_per_microbatch > 0  # the trainer packs: so do we
@@ -50,7 +53,8 @@ async def main(node: Node) -> None:
         try:
             scored = await clock.busy(node.watchdog.run(
                 "score", job.cfg.runtime.step_deadline_s, asyncio.to_thread(
-                    score, reward_model, reference, batch.to(job.device), T, mix, packed)))
+                    score, reward_model, reference, batch.to(job.device), T, mix, packed,
+                    teacher)))
         except RewardFunctionError as e:  # the user's reward: the same on any restart
             await fail(node, "; ".join(e.problems))
             return

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from safetensors import SafetensorError, safe_open
 
-from rlhf_async.config.presets import resolve, with_critic
+from rlhf_async.config.presets import distills, resolve, with_critic
 from rlhf_async.config.schema import REASONING_GYM, JobConfig
 
 
@@ -285,6 +285,7 @@ def _algo_checks(cfg: JobConfig) -> list[str]:
     if a.is_cap > 0 and a.mismatch != "none":
         out.append("algo.is_cap: the older name of algo.mismatch = 'tis' with that cap; set "
                    "algo.mismatch and algo.mismatch_cap only")
+    out.extend(distill_problems(cfg))
     if cfg.train.warmup_steps >= cfg.train.steps and cfg.train.lr_schedule != "constant":
         out.append(f"train.warmup_steps: {cfg.train.warmup_steps} leaves no step of the "
                    f"{cfg.train.lr_schedule} schedule (train.steps = {cfg.train.steps})")
@@ -307,7 +308,8 @@ def _text_task_checks(cfg: JobConfig) -> list[str]:
     if t.reasoning_gym and not gym:
         out.append(f"task.reasoning_gym: configures a reasoning-gym dataset; task.prompts "
                    f"is {t.prompts!r}, not '{REASONING_GYM}<dataset>'")
-    if not t.reward and not cfg.reward_model.path and not t.env and not gym:
+    if not t.reward and not cfg.reward_model.path and not t.env and not gym \
+            and not distills(cfg.algo):
         out.append("task.reward: task.name = 'text' needs 'module.path:function', "
                    "'path/to/file.py:function' or a reward server 'http://HOST:PORT/PATH' "
                    "(or a reward_model.path, or a task.env whose steps give the reward)")
@@ -375,4 +377,16 @@ def model_dir_problems(key: str, path: str) -> list[str]:
                 pass
         except (OSError, SafetensorError) as e:
             out.append(f"{key}: {f} is damaged (truncated, or not safetensors): {e}")
+    return out
+
+
+def distill_problems(cfg: JobConfig) -> list[str]:
+    """A distillation term needs its teacher (whose vocabulary `task/teacher.py` checks)."""
+    a, out = cfg.algo, []
+    if distills(a) and not cfg.teacher.path:
+        why = "algo.name = 'distill'" if a.name == "distill" else "algo.distill_coef > 0"
+        out.append(f"teacher.path: {why} needs a teacher: a causal LM directory or a cached "
+                   "hub id on the student's tokenizer")
+    elif cfg.teacher.path:
+        out.extend(model_dir_problems("teacher.path", cfg.teacher.path))
     return out

@@ -15,7 +15,8 @@ import re
 from pathlib import Path
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-MODEL_KEYS = (("model", "path"), ("reward_model", "path"), ("critic", "path"))
+MODEL_KEYS = (("model", "path"), ("reward_model", "path"), ("critic", "path"),
+              ("teacher", "path"))
 DATA_KEYS = (("task", "prompts"), ("sft", "data"), ("reward_model", "data"))
 
 

@@ -13,7 +13,8 @@ reward for ppo, rloo and reinforce_pp (InstructGPT), with k1; none for cispo (Mi
 
 The advantage's baseline is the preset's alone (it is what names an algorithm):
 gae (PPO's critic), group_mean (GRPO and its descendants), leave_one_out (RLOO), none
-(REINFORCE++: the reward minus the KL still to come, normalised over the batch).
+(REINFORCE++: the reward minus the KL still to come, normalised over the batch), distill
+(on-policy distillation: no reward at all; the teacher's per-token term, `rl/distill.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 from rlhf_async.config.fields import opt
 
-BASELINES = ("gae", "group_mean", "leave_one_out", "none")
+BASELINES = ("gae", "group_mean", "leave_one_out", "none", "distill")
 DAPO_OVERLONG_FRACTION = 0.2  # DAPO's buffer: 4096 of 20480 tokens
 
 
@@ -126,8 +127,18 @@ def cispo(a: AlgoConfig) -> dict[str, Any]:
             "clip_low": 1.0, "clip_high": 0.28, "kl_mode": "none", "surrogate": "cispo"}
 
 
+def distill(a: AlgoConfig) -> dict[str, Any]:
+    """On-policy distillation (Agarwal et al. 2024, GKD, arXiv:2306.13649; Thinking Machines
+    2025, "On-Policy Distillation"): no reward and no critic; each token's advantage is the
+    negative reverse KL to `teacher.path` on the student's own sample, log pi_teacher(token)
+    - log pi_student(token) (x `algo.distill_coef`, 0 = 1), not normalised; the teacher is
+    the anchor, so no KL to the reference is penalised (measured only)."""
+    return {"baseline": "distill", "adv_norm": "none", "kl_mode": "none"}
+
+
 PRESETS: dict[str, Callable[[AlgoConfig], dict[str, Any]]] = {
-    f.__name__: f for f in (ppo, grpo, rloo, dapo, gspo, dr_grpo, reinforce_pp, cispo)}
+    f.__name__: f for f in (ppo, grpo, rloo, dapo, gspo, dr_grpo, reinforce_pp, cispo,
+                            distill)}
 
 
 def resolve(a: AlgoConfig) -> Recipe:
@@ -150,6 +161,16 @@ def resolve(a: AlgoConfig) -> Recipe:
         mismatch=mismatch, mismatch_cap=cap, kl_mode=kl_mode,
         kl_estimator=a.kl_estimator or ("k3" if kl_mode == "loss" else "k1"),
         surrogate=p.get("surrogate", "clip"), proximal=a.proximal)
+
+
+def distills(a: AlgoConfig) -> bool:
+    """Whether `a` trains on a teacher's per-token term (the preset, or `distill_coef`)."""
+    return a.name == "distill" or a.distill_coef > 0
+
+
+def distill_weight(a: AlgoConfig) -> float:
+    """The per-token distillation term's weight in the advantage (0 = none)."""
+    return a.distill_coef or (1.0 if a.name == "distill" else 0.0)
 
 
 def with_critic() -> list[str]:
@@ -244,3 +265,7 @@ class AlgoConfig:
                                  "Interleaving)")
     dynamic_sampling_max_tries: int = opt(3, "refill rounds per step at most (each one "
                                           "train.prompts_per_step new prompts)", ge=1)
+    distill_coef: float = opt(0.0, "weight of on-policy distillation's per-token term "
+                              "(log pi_teacher - log pi_student, teacher.path) added to the "
+                              "advantage of any algorithm; 0 = none (algo.name = 'distill': 1)",
+                              ge=0.0)

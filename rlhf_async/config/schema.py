@@ -111,6 +111,14 @@ class CriticConfig:
 
 
 @dataclass
+class TeacherConfig:
+    path: str = opt("", "on-policy distillation's teacher: a causal LM (a directory or a "
+                    "cached hub id) on the student's tokenizer and vocabulary, frozen, placed "
+                    "and held like the reference model (its dtype: placement.dtype's "
+                    "reference=); needed by algo.name = 'distill' and algo.distill_coef > 0")
+
+
+@dataclass
 class GenerationConfig:
     max_new_tokens: int = opt(8, "response length limit (tokens, EOS included); with an "
                               "environment, of each policy turn", ge=1)
@@ -306,6 +314,7 @@ class JobConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

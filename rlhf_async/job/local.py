@@ -56,6 +56,7 @@ from rlhf_async.task import Task, make_task
 from rlhf_async.task.artefacts import Artefacts, load_reward, load_sft, prepare_artefacts
 from rlhf_async.task.evaluation import evaluate
 from rlhf_async.task.remote_reward import RewardServerError
+from rlhf_async.task.teacher import check_teacher
 
 log = get_logger(component="job")
 
@@ -216,6 +217,7 @@ def _run_held(cfg: JobConfig, placement: Placement, task: Task, out: IO[str] | N
     t0 = time.perf_counter()
     try:
         with on_stop_signals(_stop_now):  # before RL there is nothing to checkpoint
+            check_teacher(cfg)  # before the SFT stage: a teacher on another vocabulary
             art = prepare_artefacts(cfg, task)
             if share is not None:  # the launched job's other ranks start from these
                 share(art, start_step, run_dir)

@@ -69,12 +69,12 @@ class EnvError(RuntimeError):
 
 
 def _where(e: BaseException) -> str:
-    """' (at file.py:LINE in fn)': the innermost frame of the exception's traceback."""
+    """' (at file.py:LINE)': the innermost frame of the exception's traceback."""
     frames = traceback.extract_tb(e.__traceback__)
     if not frames:
         return ""
     f = frames[-1]
-    return f" (at {f.filename}:{f.lineno} in {f.name})"
+    return f" (at {f.filename}:{f.lineno})"
 
 
 class _Warnings:

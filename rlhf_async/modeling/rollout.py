@@ -19,7 +19,7 @@ from torch import Tensor
 REQUIRED = ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
             "behaviour_logprobs", "sample_ids", "group_ids")
 OPTIONAL = ("rewards", "ref_logprobs", "hidden_scores", "env_rewards", "token_versions",
-            "episode_ends")
+            "episode_ends", "teacher_logprobs")
 # response_mask values: a token the policy sampled (trained on), an environment's token of a
 # multi-turn episode (context the policy reads, never trained on), padding
 POLICY, ENV, PAD = 1, 2, 0
@@ -91,6 +91,7 @@ class RolloutBatch:
     token_versions: Tensor | None = None
     # [B] long: how each multi-turn episode ended, an index into `modeling.episodes.ENDS`
     episode_ends: Tensor | None = None
+    teacher_logprobs: Tensor | None = None  # [B, R] float32 distillation's teacher (scorer)
 
     @property
     def loss_mask(self) -> Tensor:
@@ -148,7 +149,7 @@ class RolloutBatch:
                 "response_mask": (B, R), "behaviour_logprobs": (B, R), "sample_ids": (B,),
                 "group_ids": (B,), "rewards": (B,), "ref_logprobs": (B, R),
                 "hidden_scores": (B,), "env_rewards": (B,), "token_versions": (B, R),
-                "episode_ends": (B,)}
+                "episode_ends": (B,), "teacher_logprobs": (B, R)}
         problems = []
         for name, shape in want.items():
             t = getattr(self, name)

@@ -1,11 +1,8 @@
 """The trainer's role: training copies of actor (+ critic) and one update per global batch
-(PPO, or a critic-free `algo.name`: config/presets.py) (`Learner.train_step`).
-
-The other two roles are `modeling.generation.generate` and `rl.scoring.score`; all three
-take and return plain data (`RolloutBatch`), so any of them can sit behind a queue. When
-torch.distributed is initialised, `Learner` treats its batch as this rank's shard of a
-global batch: every normaliser and statistic is global, gradients are summed over ranks,
-so N ranks produce the same update as one rank holding the whole batch.
+(`algo.name`'s recipe, config/presets.py; `Learner.train_step`). The other roles
+(`modeling.generation.generate`, `rl.scoring.score`) also take and return plain data
+(`RolloutBatch`). Under torch.distributed the batch is this rank's shard of a
+global one: normalisers and statistics are global, gradients summed over ranks.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_async.config import AlgoConfig, LoraConfig, TrainConfig
-from rlhf_async.config.presets import resolve
+from rlhf_async.config.presets import distill_weight, resolve
 from rlhf_async.engines import TrainingBackend, make_training_backend
 from rlhf_async.engines.lora import add_adapters, merged_weights
 from rlhf_async.modeling.collectives import all_reduce_sum
@@ -28,6 +25,7 @@ from rlhf_async.modeling.packing import ResponseView
 from rlhf_async.modeling.precision import FP32, Precision
 from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.rl import algorithms as A
+from rlhf_async.rl.distill import distill_advantages, reverse_kl_per_token
 from rlhf_async.rl.guards import require_finite
 from rlhf_async.rl.microbatches import MicroBatcher, minibatch_rows
 from rlhf_async.rl.step_stats import global_stats, mismatch_stats
@@ -222,7 +220,9 @@ class Learner:
             old_lp, b.ref_logprobs, rc.kl_estimator) * m
         kl_r = self.kl_coef if rc.kl_mode == "reward" and kl is not None else 0.0
         ret = None
-        if rc.baseline in ("gae", "none"):  # per token: the KL still to come, per token
+        if rc.baseline == "distill":  # no reward: the teacher's term below is all of it
+            adv = m.new_zeros(m.shape)
+        elif rc.baseline in ("gae", "none"):  # per token: the KL still to come, per token
             r = A.token_rewards(b.rewards, m.new_zeros(m.shape) if kl is None else kl, m, kl_r)
             if rc.baseline == "gae":
                 assert values is not None  # PPO always has a critic
@@ -235,6 +235,10 @@ class Learner:
                                        rc.adv_norm == "group", penalty=penalty)[:, None] * m
         if rc.adv_norm == "batch":
             adv = A.whiten(adv, m, all_reduce_sum)
+        if distill_weight(algo):  # after normalising, as the term is already per token
+            assert b.teacher_logprobs is not None  # checked by train_step
+            adv = adv + distill_advantages(b.teacher_logprobs, b.behaviour_logprobs, m,
+                                           distill_weight(algo))
         require_finite("an advantage", adv, b.step, "a reward or value out of range?",
                        b.sample_ids)
         return adv, ret, kl
@@ -348,6 +352,8 @@ class Learner:
         metrics (identical on every rank)."""
         if batch.rewards is None or batch.ref_logprobs is None:
             raise ValueError("train_step needs a scored batch (rewards and ref_logprobs)")
+        if distill_weight(self.algo) and batch.teacher_logprobs is None:
+            raise ValueError("distillation needs the teacher's log-probs (teacher.path)")
         b, m = batch, batch.loss_mask
         lrs = self.lrs()
         for name, backend in self.backends().items():
@@ -385,6 +391,8 @@ class Learner:
                                  **mismatch_stats(b, old_lp, self.recipe.ratio_level,
                                                  self.recipe.mismatch_cap), **grad_norms, **lrs,
                                  "version": self.version, "kl_coef": self.kl_coef}
+        if b.teacher_logprobs is not None:
+            out["teacher_reverse_kl"] = reverse_kl_per_token(b)
         if self.algo.kl_target > 0:  # from the global KL: every rank moves it alike
             self.kl_coef = A.adaptive_kl_coef(self.kl_coef, out["kl"], self.algo.kl_target,
                                               self.algo.kl_horizon, floor=self.algo.kl_coef)

@@ -39,6 +39,7 @@ class RewardMix:
     overlong_penalty: float = 0.0
     overlong_buffer: int = 1
     max_new_tokens: int = 0
+    unrewarded: bool = False  # distillation: with neither model nor rule, rewards are 0
 
     def __post_init__(self) -> None:
         if self.rule is None and self.rule_weight:
@@ -76,6 +77,9 @@ class RewardMix:
         elif self.rule is not None:
             hidden = self.rule(batch.prompt_ids, batch.response_ids, batch.response_mask)
         if rm_scores is None:
+            if hidden is None and self.unrewarded:
+                zeros = torch.zeros(len(batch))
+                return zeros, zeros.clone()
             if hidden is None:
                 raise ValueError("rewards need a reward model or a rule reward")
             return hidden.clone(), hidden
@@ -89,25 +93,30 @@ class RewardMix:
 
 @torch.no_grad()
 def score(reward_model: ScalarHeadModel | None, reference: nn.Module, batch: RolloutBatch,
-          temperature: float, mix: RewardMix, packed: bool = False) -> RolloutBatch:
-    """Add rewards [B], reference log-probs [B, R] and hidden scores [B] (see RewardMix).
+          temperature: float, mix: RewardMix, packed: bool = False,
+          teacher: nn.Module | None = None) -> RolloutBatch:
+    """Add rewards [B], reference log-probs [B, R] and hidden scores [B] (see RewardMix),
+    and with a distillation `teacher` its log-probs [B, R] as the reference's.
     `packed` (with `train.max_tokens_per_microbatch`): the forwards run on the rows' real
     tokens packed end to end (`modeling/packing.py`) where both models keep packed
     sequences apart, not on rows padded to the longest: the same numbers to float
     rounding, without the padding's compute on a long tail of lengths."""
     started = mix.start(batch)  # a reward server's answer comes while the forwards run
-    models = [reference] if reward_model is None else [reference, reward_model]
+    lms = [reference] if teacher is None else [reference, teacher]
+    models = lms if reward_model is None else [*lms, reward_model]
     if packed and all(packs(m) for m in models):
         view = packed_view(batch)
-        ref_lp = view.restore(A.gather_logprobs(view.logits(reference), view.targets,
-                                                temperature)) * batch.loss_mask
+        lps = [view.restore(A.gather_logprobs(view.logits(lm), view.targets, temperature))
+               * batch.loss_mask for lm in lms]
         rm = None if reward_model is None else \
             reward_model(view.input_ids, None, view.position_ids)[view.last]
     else:
         args = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
-        logits = response_logits(reference, *args)
-        ref_lp = A.gather_logprobs(logits, batch.response_ids, temperature) * batch.loss_mask
+        lps = [A.gather_logprobs(response_logits(lm, *args), batch.response_ids, temperature)
+               * batch.loss_mask for lm in lms]
         rm = None if reward_model is None else sequence_scores(reward_model, *args)
+    ref_lp = lps[0]
     rewards, hidden = mix.combine(rm, batch, started)
     return batch.replace(rewards=rewards.to(ref_lp.device), ref_logprobs=ref_lp,
-                         hidden_scores=hidden.to(ref_lp.device))
+                         hidden_scores=hidden.to(ref_lp.device),
+                         teacher_logprobs=None if teacher is None else lps[1])

@@ -31,6 +31,7 @@ from rlhf_async.strategies.placement import (
 from rlhf_async.strategies.pricing import Pricing, in_turn
 from rlhf_async.task import Task, reward_mix
 from rlhf_async.task.artefacts import Artefacts, load_reward
+from rlhf_async.task.teacher import load_teacher
 
 
 def preset(cfg: PlacementConfig, recipe: Recipe, over: Overrides) -> Placement:
@@ -64,11 +65,11 @@ def full_scorer(cfg: JobConfig, art: Artefacts, task: Task, actor: nn.Module, ra
     reference = precision.hold("reference", frozen_copy(actor))
     rm = load_reward(art)
     reward_model = None if rm is None else precision.hold("reward", freeze(rm).to(device))
-    mix = reward_mix(cfg, task)
+    mix, teacher = reward_mix(cfg, task), load_teacher(cfg, device, precision)
 
     def scorer(batch: RolloutBatch) -> RolloutBatch:
         return score(reward_model, reference, batch, cfg.generation.temperature, mix,
-                     packed=cfg.train.max_tokens_per_microbatch > 0)
+                     packed=cfg.train.max_tokens_per_microbatch > 0, teacher=teacher)
     return scorer
 
 

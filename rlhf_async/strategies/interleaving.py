@@ -50,6 +50,7 @@ from rlhf_async.strategies.placement import (
 from rlhf_async.strategies.pricing import Pricing, StepCosts, in_turn
 from rlhf_async.task import Task, reward_mix
 from rlhf_async.task.artefacts import Artefacts, load_reward
+from rlhf_async.task.teacher import load_teacher
 
 GATHERED = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 
@@ -94,10 +95,12 @@ def _gather_rows(t: Tensor, sizes: list[int]) -> Tensor:
 @torch.no_grad()
 def score_interleaved(batch: RolloutBatch, sizes: list[int], reward_model: ScalarHeadModel | None,
                       reference: nn.Module | None, owners: Owners, temperature: float,
-                      mix: RewardMix, rule_reward: bool = False) -> RolloutBatch:
+                      mix: RewardMix, rule_reward: bool = False, teacher: nn.Module | None = None,
+                      distils: bool = False) -> RolloutBatch:
     """Add rewards [B] and reference log-probs [B, R] to this rank's rows; every rank calls
     it (the same two collectives on all), owners do the forward passes. With `rule_reward`
-    (no reward model anywhere) each rank's own rows get their rule scores (`mix`)."""
+    (no reward model anywhere) each rank's own rows get their rule scores (`mix`). With
+    `distils` the reference's owners also hold the `teacher` and add its log-probs [B, R]."""
     rank = dist.get_rank()
     started = mix.start(batch)  # a reward server's answer comes while the forwards run
     P = batch.prompt_ids.shape[1]
@@ -107,8 +110,10 @@ def score_interleaved(batch: RolloutBatch, sizes: list[int], reward_model: Scala
     cols = {"prompt_ids": (0, P), "prompt_mask": (P, 2 * P),
             "response_ids": (2 * P, 2 * P + R), "response_mask": (2 * P + R, 2 * P + 2 * R)}
     n = full.shape[0]
-    # [N, 1 + R]: reward | ref log-probs, on the rows' device (NCCL reduces device tensors)
-    both = torch.zeros((n, 1 + R), dtype=torch.float32, device=full.device)
+    # [N, 1 + R (+ R)]: reward | ref log-probs (| teacher's), on the rows' device (NCCL
+    # reduces device tensors)
+    both = torch.zeros((n, 1 + R * (2 if distils else 1)), dtype=torch.float32,
+                       device=full.device)
     rows = share(n, owners.reward, rank)
     if reward_model is not None and rows.stop > rows.start:
         args = [full[rows, a:b] for a, b in cols.values()]
@@ -117,13 +122,19 @@ def score_interleaved(batch: RolloutBatch, sizes: list[int], reward_model: Scala
     if reference is not None and rows.stop > rows.start:
         args = [full[rows, a:b] for a, b in cols.values()]
         logits = response_logits(reference, *args).float()  # [n_i, R, V]
-        both[rows, 1:] = A.gather_logprobs(logits, args[2], temperature) * loss_mask(args[3])
+        both[rows, 1:1 + R] = A.gather_logprobs(logits, args[2], temperature) * \
+            loss_mask(args[3])
+        if teacher is not None:
+            logits = response_logits(teacher, *args).float()  # [n_i, R, V]
+            both[rows, 1 + R:] = A.gather_logprobs(logits, args[2], temperature) * \
+                loss_mask(args[3])
     # exactly one owner wrote each entry, so summing zeros is exact
     dist.all_reduce(both, op=dist.ReduceOp.SUM)
     mine = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
     rewards, hidden = mix.combine(None if rule_reward else both[mine, 0], batch, started)
     return batch.replace(rewards=rewards.contiguous(),
-                         ref_logprobs=both[mine, 1:].contiguous(), hidden_scores=hidden)
+                         ref_logprobs=both[mine, 1:1 + R].contiguous(), hidden_scores=hidden,
+                         teacher_logprobs=both[mine, 1 + R:].contiguous() if distils else None)
 
 
 @dataclass(frozen=True)
@@ -138,6 +149,7 @@ class InterleavedScorer:
         o = self.owners
         reference = precision.hold("reference", frozen_copy(actor)) \
             if rank in o.reference else None
+        teacher = load_teacher(cfg, device, precision) if rank in o.reference else None
         trained_rm = load_reward(art) if rank in o.reward else None  # None: a rule reward
         reward_model = precision.hold("reward", freeze(trained_rm).to(device)) \
             if trained_rm is not None else None
@@ -146,7 +158,8 @@ class InterleavedScorer:
 
         def scorer(batch: RolloutBatch) -> RolloutBatch:
             return score_interleaved(batch, sizes, reward_model, reference, o,
-                                     cfg.generation.temperature, mix, task.rule_reward)
+                                     cfg.generation.temperature, mix, task.rule_reward,
+                                     teacher, bool(cfg.teacher.path))
         return scorer
 
 

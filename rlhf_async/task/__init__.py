@@ -13,7 +13,7 @@ from typing import Protocol
 from torch import Tensor
 
 from rlhf_async.config import JobConfig
-from rlhf_async.config.presets import overlong_buffer, resolve
+from rlhf_async.config.presets import distills, overlong_buffer, resolve
 from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.generation import Decode, SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch
@@ -64,7 +64,7 @@ def reward_mix(cfg: JobConfig, task: Task) -> RewardMix:
                      cfg.task.reward_weight, overlap=is_url(cfg.task.reward),
                      overlong_penalty=resolve(cfg.algo).overlong_penalty,
                      overlong_buffer=overlong_buffer(cfg.algo, g.max_new_tokens),
-                     max_new_tokens=g.max_new_tokens)
+                     max_new_tokens=g.max_new_tokens, unrewarded=distills(cfg.algo))
 
 
 def sampling_params(cfg: JobConfig, task: Task) -> SamplingParams:

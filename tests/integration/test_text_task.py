@@ -165,4 +165,4 @@ def test_a_bug_in_the_users_environment_stops_the_run_naming_it(files, tmp_path,
         job.run(cfg)
     text = str(e.value)
     assert "step() raised KeyError: 'missing'" in text, text
-    assert "buggy_env.py:10 in step" in text and "restart" not in text, text
+    assert "buggy_env.py:10)" in text and "restart" not in text, text

@@ -203,7 +203,7 @@ def test_an_environment_exception_names_its_type_message_and_line():
         run_episodes(tiny_lm(), _prompts(), _params(spec), spec, seed=3, step=1, version=0)
     line = RaisingEnv.step.__code__.co_firstlineno + 1
     assert "step() raised ZeroDivisionError: division by zero" in str(err.value)
-    assert f"test_episodes.py:{line} in step" in str(err.value)
+    assert f"test_episodes.py:{line})" in str(err.value)
 
 
 def _ends(b):

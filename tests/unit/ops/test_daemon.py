@@ -267,7 +267,7 @@ def test_a_failed_jobs_error_reaches_the_job_list_whole(tmp_path, monkeypatch, c
     store = d.prepare()
     d.handle({"op": "submit", "overrides": []})
     store.close()
-    want = "algo.name: 'dpo' is not one of 'ppo', 'grpo', 'rloo', 'dapo', 'gspo', 'dr_grpo', 'reinforce_pp', 'cispo'"
+    want = "algo.name: 'dpo' is not one of 'ppo', 'grpo', 'rloo', 'dapo', 'gspo', 'dr_grpo', 'reinforce_pp', 'cispo', 'distill'"
 
     async def scenario() -> str:
         serving = asyncio.create_task(d.serve())
