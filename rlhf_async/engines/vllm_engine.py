@@ -15,12 +15,19 @@ update, preempts the running requests (their KV, computed under the old weights,
 dropped with the whole prefix cache and recomputed under the new ones on resume), and
 resumes. vLLM has no per-token weight version: we stamp it, every token with the version
 served when its output arrived, which the drained pause boundary makes exact.
+
+vLLM's client lives on an event loop of its own (`_ClientLoop`, a daemon thread): AsyncLLM
+binds its output task and queues to the loop that first drives it, and our callers come
+from several (the generator node's loop for requests and commits, worker threads for
+`connect`); a client first driven from a short-lived loop would never deliver an output
+again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +44,28 @@ log = structlog.get_logger(component="vllm_engine")
 WORKER_EXTENSION = "rlhf_async.engines.vllm_worker.WeightSyncWorker"
 TRANSFER_BACKEND = "rlhf_bucketed"  # vllm_transfer.BACKEND (that module imports vllm)
 _DRAIN_POLLS = 10_000  # event-loop turns a drain may take before it is an error
+
+
+class _ClientLoop:
+    """One event loop on a daemon thread that every call into vLLM's client runs on."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-client",
+                                       daemon=True)
+        self.thread.start()
+
+    def call(self, coro: Any) -> Any:
+        """Run `coro` there and block this thread (never the client loop) for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    async def run(self, coro: Any) -> Any:
+        """Run `coro` there and await it from another loop (cancelling it cancels it)."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
 
 
 class VLLMEngine:
@@ -66,11 +95,16 @@ class VLLMEngine:
             "disable_log_stats": True}
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**{**kwargs, **engine_kwargs}))
+        args = AsyncEngineArgs(**{**kwargs, **engine_kwargs})
+
+        async def make() -> Any:  # on the client loop, which its output task binds to
+            return AsyncLLM.from_engine_args(args)
+
+        self._client = _ClientLoop()
+        self.llm = self._client.call(make())
         self._version = 0
         self._aborted: set[str] = set()
-        self._commit_lock = asyncio.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = _running_loop()
+        self._commit_lock = asyncio.Lock()  # used on the client loop only
 
     @property
     def version(self) -> int:
@@ -90,12 +124,14 @@ class VLLMEngine:
 
     async def generate(self, request: Request) -> Completion:
         """Tokens with their processed log-probs and the weight version that sampled each."""
+        return await self._client.run(self._generate(request))  # type: ignore[no-any-return]
+
+    async def _generate(self, request: Request) -> Completion:
         if request.stop_strings:
             raise ValueError("the vLLM engine cannot match stop strings (it runs without a "
                              "tokenizer); end responses with stop ids instead")
         from vllm.inputs import TokensPrompt
 
-        self._loop = asyncio.get_running_loop()
         comp = Completion(request.request_id)
         if request.max_new_tokens <= 0:
             return comp
@@ -121,12 +157,18 @@ class VLLMEngine:
 
     async def abort(self, request_id: str) -> None:
         self._aborted.add(request_id)
-        await self.llm.abort(request_id)
+        await self._client.run(self.llm.abort(request_id))
 
     async def pause(self) -> None:
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        await self._client.run(self._pause())
 
     async def resume(self) -> None:
+        await self._client.run(self._resume())
+
+    async def _pause(self) -> None:
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def _resume(self) -> None:
         await self.llm.resume_generation()
 
     def connect(self, spec: Any, rank: int) -> Any:
@@ -140,7 +182,7 @@ class VLLMEngine:
             raise ValueError(f"weight-sync group backend {d.get('backend')!r} differs from the "
                              f"engine's sync_backend {self.sync_backend!r}")
         request = WeightTransferInitRequest(init_info={"spec": d, "first_rank": rank})
-        return self._run(self.llm.init_weight_transfer_engine(request))
+        return self._client.call(self.llm.init_weight_transfer_engine(request))
 
     def stage(self, plan: Mapping[str, Any]) -> Any:
         """The workers receive inside the update call (vLLM runs it between two steps), so
@@ -148,12 +190,14 @@ class VLLMEngine:
         return dict(plan)
 
     async def commit(self, staged: Any) -> int:
+        return await self._client.run(self._commit(staged))  # type: ignore[no-any-return]
+
+    async def _commit(self, staged: Any) -> int:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         version = int(staged["version"])
-        self._loop = asyncio.get_running_loop()
         async with self._commit_lock:
-            await self.pause()
+            await self._pause()
             try:
                 await self._drain()
                 await self.llm.start_weight_update()
@@ -165,7 +209,7 @@ class VLLMEngine:
                 # KV is dropped here, so their next tokens come from the new weights alone
                 await self.llm.reset_prefix_cache(reset_running_requests=True)
             finally:
-                await self.resume()
+                await self._resume()
         log.info("vllm_weights_committed", version=version)
         return version
 
@@ -190,29 +234,13 @@ class VLLMEngine:
             await asyncio.sleep(0)
         raise RuntimeError("vLLM outputs did not drain after pausing for a weight update")
 
-    def _run(self, coro: Any) -> Any:
-        """Run an engine coroutine from a thread: on the loop that drives the engine (vLLM's
-        client lives there) when it runs, else on a loop of its own (nothing submitted
-        yet, so nothing is bound to a loop)."""
-        loop = self._loop
-        if loop is not None and loop.is_running():
-            if _running_loop() is loop:
-                coro.close()
-                raise RuntimeError("VLLMEngine.connect blocks: call it in a thread "
-                                   "(asyncio.to_thread), not on the engine's event loop")
-            return asyncio.run_coroutine_threadsafe(coro, loop).result()
-        return asyncio.run(coro)
-
     async def close(self) -> None:
-        self.llm.shutdown()
+        async def shutdown() -> None:
+            self.llm.shutdown()
+
+        await self._client.run(shutdown())
         self.llm.shutdown = lambda *a, **k: None  # vLLM's __del__ would shut down again
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
+        self._client.stop()
 
 
 def _finish(reason: str | None, aborted: bool) -> Finish:
