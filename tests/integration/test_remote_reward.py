@@ -99,7 +99,7 @@ def test_a_server_failing_mid_run_stops_separation_with_a_checkpoint(tmp_path, c
     assert str(e.value) == (f"scorer0: task.reward: reward server {url} answered 503 Service "
                             "Unavailable: '{\"error\": \"judge model unloaded\"}' (the last "
                             "of 2 tries; task.reward_retries = 1) (the run stops, its newest "
-                            "checkpoint kept: once fixed, continue it with `rlhf-async resume "
+                            "checkpoint kept: once fixed, continue with `rlhf-async resume "
                             f"{tmp_path / 'flaky'}`)")
     done = [int(p.name[len(PREFIX):]) for p in (tmp_path / "flaky" / "checkpoints").iterdir()
             if p.name.startswith(PREFIX)]

@@ -284,7 +284,7 @@ class Driver:
                 return True
             case Failed(error=error):  # a restart would repeat it: stop with the cause
                 raise PipelineError(f"{node}: {error} (the run stops, its newest checkpoint "
-                                    "kept: once fixed, continue it with `rlhf-async resume "
+                                    "kept: once fixed, continue with `rlhf-async resume "
                                     f"{self.run_dir}`)")
             case NodeDead():
                 await self._node_dead(node, event)
