@@ -44,8 +44,10 @@ class SortDigitsTask:
 
     @staticmethod
     def show(tokens: list[int]) -> str:
-        """Tokens as the text samples.jsonl shows (`tokens_text`: "^3141|", "1134$")."""
-        return tokens_text(tokens)
+        """Tokens as the text samples.jsonl shows (`tokens_text`: "^3141|", "1134$"); an id
+        past the task's own (a user's model with a larger vocabulary) as "<id>"."""
+        n = len(TOKEN_CHARS)
+        return "".join(TOKEN_CHARS[t] if 0 <= t < n else f"<{t}>" for t in tokens)
     stop_ids: tuple[int, ...] = ()
 
     @staticmethod

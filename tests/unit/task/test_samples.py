@@ -20,3 +20,7 @@ def test_the_built_in_tasks_samples_are_text():
     [row] = sample_rows(batch, None, task, 1)
     assert row["prompt"] == "^314|" and row["response"] == "134"
     assert row["reward"] == 0.5 and row["sample_id"] == 7
+
+
+def test_ids_past_the_tasks_own_show_as_numbers():
+    assert SortDigitsTask.show([FIRST_DIGIT + 1, 40, EOS]) == "1<40>$"
