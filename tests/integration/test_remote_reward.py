@@ -22,6 +22,7 @@ from rlhf_async.cli.main import main as cli_main
 from rlhf_async.config import config_from_dict, load_config
 from rlhf_async.metrics import read_metrics
 from rlhf_async.rl.checkpoint import PREFIX
+from rlhf_async.strategies.base import UserCodeFailed
 from rlhf_async.strategies.separation.startup import PipelineError
 from rlhf_async.task.remote_reward import RewardServerError
 from rlhf_async.task.sort_digits import rule
@@ -126,12 +127,15 @@ def test_lock_step_keeps_what_it_trained_and_resumes_once_the_server_answers(tmp
                                                                              cache):
     run_dir, down = tmp_path / "flat", [True]
     with serving(_flaky_app(run_dir / "metrics.jsonl", 2, down)) as url:
-        with pytest.raises(RewardServerError) as e:
+        with pytest.raises(UserCodeFailed) as e:
             _run(tmp_path, cache, "flat", f"task.reward={json.dumps(url)}",
                  "task.reward_retries=1", "task.reward_backoff_s=0.01")
         assert str(e.value) == (f"task.reward: reward server {url} answered 503 Service "
                                 "Unavailable: '{\"error\": \"judge model unloaded\"}' (the "
-                                "last of 2 tries; task.reward_retries = 1)")
+                                "last of 2 tries; task.reward_retries = 1); the run stops with "
+                                f"its checkpoint {PREFIX}00000002: fix it, then continue with "
+                                f"`rlhf-async resume {run_dir}`")
+        assert isinstance(e.value.__cause__, RewardServerError)
         assert [p.name for p in (run_dir / "checkpoints").iterdir()
                 if p.name.startswith(PREFIX)] == [f"{PREFIX}{2:08d}"]
         down[0] = False  # back: the run goes on from step 2
