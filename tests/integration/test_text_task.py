@@ -13,8 +13,6 @@ import pytest
 from rlhf_async import job
 from rlhf_async.config import load_config
 from rlhf_async.metrics import read_metrics
-from rlhf_async.modeling.episodes import EnvError
-from rlhf_async.strategies.base import RankFailed
 from rlhf_async.strategies.separation.startup import PipelineError
 from rlhf_async.task.text import heldout_split
 from tests.text_model import make_text_model
@@ -129,40 +127,3 @@ def test_a_reward_that_exits_in_the_scorer_stops_the_run_naming_it(files, tmp_pa
                                    "prompt "), e.value
     assert "restart" not in str(e.value)
 
-
-ENV_BUG = '''import os
-
-
-class Env:
-    async def reset(self, row):
-        return ""
-
-    async def step(self, action):
-        if os.getpid() != int(os.environ["ENV_TEST_PID"]) or os.environ["ENV_TEST_ALL"]:
-            return {}["missing"]
-        return "", 1.0, True
-'''
-
-
-@pytest.mark.parametrize("strategy", ["flattening", "separation"])
-def test_a_bug_in_the_users_environment_stops_the_run_naming_it(files, tmp_path, monkeypatch,
-                                                                strategy):
-    # separation: the job process (its own evaluation) steps fine, the generator node fails
-    (tmp_path / "buggy_env.py").write_text(ENV_BUG)
-    monkeypatch.setenv("ENV_TEST_PID", str(os.getpid()))
-    monkeypatch.setenv("ENV_TEST_ALL", "1" if strategy == "flattening" else "")
-    cfg = load_config(None, [
-        f"model.path={json.dumps(str(files / 'model'))}", "task.name=text",
-        f"task.prompts={json.dumps(str(files / 'prompts.jsonl'))}",
-        f"task.env={json.dumps(str(tmp_path / 'buggy_env.py') + ':Env')}",
-        "task.max_prompt_tokens=32", "generation.max_episode_tokens=12", "train.steps=2",
-        "generation.max_new_tokens=4", "train.prompts_per_step=4", "algo.group_size=2",
-        "algo.name=grpo", "run.eval_prompts=16", "run.plot=false", "run.progress=false",
-        f"run.output_dir={json.dumps(str(tmp_path))}", f"run.name={strategy}",
-        f"placement.strategy={strategy}", "placement.devices=2",
-        "runtime.restart_limit=3"])
-    with pytest.raises((EnvError, PipelineError, RankFailed)) as e:
-        job.run(cfg)
-    text = str(e.value)
-    assert "step() raised KeyError: 'missing'" in text, text
-    assert "buggy_env.py:10)" in text and "restart" not in text, text
