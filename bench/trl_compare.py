@@ -11,18 +11,15 @@ token-level loss normalisation, one optimizer step per batch, grad clip 1.0, Ada
 defaults and fp32 (TRL's default bf16 autocast is turned off; `--trl-bf16` adds a row with
 it, `--bf16` that row and ours in bf16: every model in bf16, generation in fp32
 ("gen-fp32"), and Separation's scorer beside the trainer ("scorer@trainer")). TRL gets
-every core as torch threads in one
-process (its normal CPU use); ours runs as a user runs it (`job.run`) with each strategy on
-every core. Reported: completions/s and completion tokens/s over the steady steps (warm-up
+every core as torch threads in one process (its normal CPU use); ours runs as a user runs
+it (`job.run`) with each strategy on every core. Reported: completions/s and completion tokens/s over the steady steps (warm-up
 excluded), the whole RL phase's wall time (process start and model loading included for
 ours; TRL's `train()`), and the wall-clock until the hidden score (the task's true score;
 rolling mean of 3 training batches) first reaches the target.
 
-`--new-tokens N` is the generation-heavy regime: both sides generate N tokens per
-completion (EOS is allowed only as the N-th: min new tokens N - 1; the task's own answer is
-7), so generation dominates the step; the reward model then scores all N tokens and the
-hidden score stops being a learning signal (throughput only). Needs the `bench` extra
-(`pip install -e .[bench]`). Writes bench/results/trl_compare.json.
+`--new-tokens N`, generation-heavy: both sides generate N tokens (EOS only as the N-th; the
+task's answer is 7), the reward model scores all N and the hidden score is no learning
+signal (throughput only). Needs the `bench` extra. Writes bench/results/trl_compare.json.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def _schema_server(action: dict) -> HTTPServer:
             self.wfile.write(body)
 
         def log_message(self, *args):
-            pass
+            """No request log on the test's stderr."""
 
     server = HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
