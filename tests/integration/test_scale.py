@@ -11,6 +11,7 @@ import json
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,7 +48,7 @@ async def _through_daemon(state: Path, run_dir: Path, request: dict) -> dict:
     server = await asyncio.start_unix_server(daemon._client, path=str(daemon.paths.socket))
     try:
         reader, writer = await asyncio.open_unix_connection(str(daemon.paths.socket))
-        writer.write(json.dumps({**request, "id": job.id}).encode() + b"\n")
+        writer.write(json.dumps({**request, "id": job.id, "timeout": 60}).encode() + b"\n")
         reply = json.loads(await reader.readline())
         writer.close()
     finally:
@@ -56,7 +57,7 @@ async def _through_daemon(state: Path, run_dir: Path, request: dict) -> dict:
     return reply
 
 
-def _scale_at(run_dir: Path, plan: list[tuple[int, Scale | dict]], stop: threading.Event,
+def _scale_at(run_dir: Path, plan: list[tuple[int, Any]], stop: threading.Event,
               done: list) -> None:
     """Send each scale once `step` steps are trained (a dict: through the daemon); what
     each answered (or the refusal) goes to `done`."""

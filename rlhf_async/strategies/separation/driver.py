@@ -303,6 +303,9 @@ class Driver:
                 f"{self.cfg.runtime.restart_limit} restarts in a row; the run stops with a "
                 f"checkpoint: continue it with `rlhf-async resume {self.run_dir}`")
         self.down.add(node)
+        # a node dying while it joins may hold prompts it pulled while loading: its restart
+        # hands them back like any other's
+        self.joining.discard(node)
         self.counts["restarts"] += 1
         log.warning("node_down", node=node, role=self.roles[node], reason=dead.reason)
         if self.roles[node] == "generator":

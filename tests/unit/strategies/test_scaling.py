@@ -17,7 +17,12 @@ from rlhf_async.control.reshape import ReshapeError, Scale, plan_reshape
 from rlhf_async.runtime.messages import Peers, tag
 from rlhf_async.runtime.spec import NodeSpec
 from rlhf_async.strategies.registry import runnable_placement
-from rlhf_async.strategies.separation.protocol import Loaded, Published, WeightSyncPrepare
+from rlhf_async.strategies.separation.protocol import (
+    Loaded,
+    NodeDead,
+    Published,
+    WeightSyncPrepare,
+)
 from rlhf_async.strategies.separation.scaling import Scaler, persist, reshaped
 from rlhf_async.wire.transport import Endpoint
 from tests.unit.strategies.test_driver import LINEAGE, FakeCoord, Harness
@@ -157,5 +162,24 @@ def test_a_new_scorer_is_every_generators_peer_and_a_new_generator_joins_once_lo
         with pytest.raises(ReshapeError, match="not enough free"):
             await scaler.scale(Scale(generators=3))
         assert scaler.placement.by_role("generator")[-1].node_id == "gen1"  # unchanged
+        h.task.cancel()  # type: ignore[union-attr]
+    asyncio.run(main())
+
+
+def test_a_new_generator_that_dies_while_loading_hands_back_the_chunks_it_pulled(tmp_path):
+    """Its prompts socket connects when its process starts: chunks reach it before it has
+    loaded. Killed then, its restart sends the dispatched chunks again (the trainer drops
+    duplicates); a stall at step 4 in a run with such a kill is what this fixed."""
+    async def main() -> None:
+        h, _, scaler = _scaler(tmp_path, _placement([]))
+        await h.start()
+        await scaler.scale(Scale(generators=2))
+        dispatched = sorted(k for k, s in h.driver.chunk_state.items() if s.value == "dispatched")
+        assert dispatched
+        sent = len(h.prompts.sent)
+        await h.send("gen1", NodeDead("killed", will_restart=True))
+        await h.send("gen1", Loaded())
+        assert sorted(h.prompts.sent[sent:]) == dispatched
+        assert h.driver.generators == ["gen0", "gen1"] and h.driver.counts["restarts"] == 1
         h.task.cancel()  # type: ignore[union-attr]
     asyncio.run(main())
