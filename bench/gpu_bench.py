@@ -8,6 +8,8 @@ Sections (each records its numbers or the reason it could not run, never aborts 
   and sampling (bench/vllm_engine_tps.py); without vllm, our torch sampler alone.
 - weight_sync: seconds to broadcast a ~1B-parameter state dict through our bucketed sender
   (NCCL between two GPUs when there are two; else gloo from GPU memory through the host).
+- decode_rows: milliseconds per decode step against rows decoding together (SmolLM2 shape).
+- delta: encode + decode seconds of a delta weight update of SmolLM2-135M's size.
 - ppo_step: seconds per RL step of the built-in task, Flattening vs Separation.
 """
 
@@ -131,12 +133,15 @@ def ppo_step(dry: bool, device: str) -> dict[str, Any]:
              "reward_model.steps=20", "train.steps=3", "train.prompts_per_step=8"] if dry else
             ["model.hidden=512", "model.layers=8", "model.heads=8", "sft.steps=50",
              "reward_model.steps=50", "train.steps=6", "train.prompts_per_step=64"])
-    out: dict[str, Any] = {}
+    # one GPU: the trainer and the generator share it and sync through gloo (NCCL refuses)
+    gpus = 2 if device == "cpu" else min(2, torch.cuda.device_count())
+    out: dict[str, Any] = {"separation_devices": gpus}
     with tempfile.TemporaryDirectory() as d:
         base = [*size, "run.plot=false", "run.progress=false", "run.eval_prompts=16", "reward_model.heldout_pairs=64", "algo.group_size=2", f"run.output_dir={json.dumps(d)}", f"run.cache_dir={json.dumps(d + '/c')}", f"placement.device={device}"]
         for name, extra in (("flattening", []),
                             ("separation", ["placement.strategy=separation",
-                                            "placement.devices=2", "algo.max_staleness=1"])):
+                                            f"placement.devices={gpus}",
+                                            "algo.max_staleness=1"])):
             cfg = load_config(None, [*base, f"run.name={name}", *extra])
             summary = job.run(cfg)
             recs = read_metrics(Path(d) / name / "metrics.jsonl")
@@ -144,6 +149,80 @@ def ppo_step(dry: bool, device: str) -> dict[str, Any]:
                                             + r["time_train"]) for r in recs]
             out[f"{name}_step_s"] = sum(steps) / max(1, len(steps))
             out[f"{name}_samples_per_s"] = summary["rl_samples_per_s"]
+    return out
+
+
+def decode_rows(dry: bool, device: str) -> dict[str, Any]:
+    """Milliseconds per decode step against the rows decoding together (SmolLM2-135M's
+    shape, random weights, bf16 on a GPU): flat in rows is where continuous batching and
+    partial rollouts pay."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from rlhf_async.modeling.generation import sample
+
+    shape = (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, vocab_size=512) if dry else
+             dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                  num_attention_heads=9, num_key_value_heads=3, vocab_size=49152))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        **shape, max_position_embeddings=2048, tie_word_embeddings=True, pad_token_id=0,
+        eos_token_id=1, bos_token_id=2)).to(device, torch.float32 if dry else torch.bfloat16)
+    tokens, prompt = (8, 8) if dry else (128, 64)
+    sp = SamplingParams(max_new_tokens=tokens, eos_id=1, pad_id=0, min_new_tokens=tokens - 1)
+    out: dict[str, Any] = {"new_tokens": tokens, "prompt_tokens": prompt, "rows": {}}
+    for rows in ((1, 4) if dry else (1, 16, 64, 256, 512)):
+        ids = torch.randint(3, shape["vocab_size"], (rows, prompt), device=device)
+        u = torch.rand(rows, tokens, dtype=torch.float64, device=device)
+        times = []
+        for _ in range(1 if dry else 3):
+            _sync(device)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                sample(model, ids, torch.ones_like(ids), sp, u)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        best = min(times)
+        out["rows"][str(rows)] = {"ms_per_step": best / tokens * 1e3,
+                                  "tokens_per_s": rows * tokens / best}
+    return out
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def delta(dry: bool, device: str) -> dict[str, Any]:
+    """Encode + decode seconds of a delta weight update of SmolLM2-135M's size (bf16 words)
+    with a share of the words moved by one unit in the last place and a few rewritten."""
+    from rlhf_async.weight_sync import delta as codec
+
+    n = 1 << 20 if dry else 134_515_008  # SmolLM2-135M's parameters, tied weights once
+    g = torch.Generator(device=device).manual_seed(0)
+    prev = torch.randn(n, generator=g, device=device).to(torch.bfloat16).view(torch.uint8)
+    out: dict[str, Any] = {"full_bytes": prev.numel()}
+    for share in (0.02, 0.3):
+        new = prev.clone()
+        w = codec.words(new)
+        w[torch.rand(n, generator=g, device=device) < share] += 1
+        w[torch.rand(n, generator=g, device=device) < share / 20] ^= 0x0F0F
+        for _ in range(2):  # the first pass warms the kernels
+            _sync(device)
+            t0 = time.perf_counter()
+            kind, payload = codec.encode(prev, new)
+            _sync(device)
+            t1 = time.perf_counter()
+            base = prev.clone()
+            _sync(device)
+            t2 = time.perf_counter()
+            codec.decode(kind, payload, base)
+            _sync(device)
+            t3 = time.perf_counter()
+        out[f"changed_{share}"] = {"kind": codec.KINDS[kind], "bytes": payload.numel(),
+                                   "of_full": payload.numel() / prev.numel(),
+                                   "encode_s": t1 - t0, "decode_s": t3 - t2,
+                                   "bit_identical": bool(torch.equal(base, new))}
     return out
 
 
@@ -155,8 +234,8 @@ def main() -> None:
     device = "cpu" if a.dry_run or not torch.cuda.is_available() else "cuda"
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device == "cuda"
                            else "cpu", "dry_run": a.dry_run}
-    for name, fn in (("generation", generation), ("weight_sync", weight_sync),
-                     ("ppo_step", ppo_step)):
+    for name, fn in (("generation", generation), ("decode_rows", decode_rows),
+                     ("delta", delta), ("weight_sync", weight_sync), ("ppo_step", ppo_step)):
         res[name] = _section(name, fn, a.dry_run, device)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")

@@ -63,6 +63,10 @@ class ReceivedWeights:
 
 
 def _default_device(backend: str, device: torch.device | str | None) -> torch.device:
+    if backend == "gloo":
+        # gloo moves host memory: a CUDA model's weights are packed into (and loaded from)
+        # CPU buffers, the way two processes sharing one GPU (which NCCL refuses) sync
+        return torch.device("cpu")
     if device is not None:
         return torch.device(device)
     if backend == "nccl":
@@ -73,8 +77,6 @@ def _default_device(backend: str, device: torch.device | str | None) -> torch.de
 def _check_device(backend: str, device: torch.device) -> None:
     if backend == "nccl" and device.type != "cuda":
         raise WeightSyncError(f"backend 'nccl' needs a CUDA device, got {device}")
-    if backend == "gloo" and device.type != "cpu":
-        raise WeightSyncError(f"backend 'gloo' is used with CPU tensors here, got {device}")
 
 
 def _check_matches(layout: Layout, tensors: Mapping[str, torch.Tensor], start: int = 0) -> None:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import time
@@ -19,6 +20,7 @@ from typing import Any
 from rlhf_async.config import JobConfig, to_dict, weight_sync_backend
 from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.control.reshape import Scale
+from rlhf_async.log import get_logger
 from rlhf_async.runtime import NodeSpec, run_loop
 from rlhf_async.runtime.ipc_dir import make_ipc_dir
 from rlhf_async.runtime.launcher import LocalLauncher
@@ -44,6 +46,7 @@ from rlhf_async.wire.transport import Endpoint, Transport
 ENTRIES = {"trainer": "nodes.trainer.main:main", "generator": "nodes.generator.main:main",
            "scorer": "nodes.scorer.main:main"}
 NODE_MODULES = tuple(entry.partition(":")[0] for entry in ENTRIES.values())
+log = get_logger(component="pipeline")
 
 
 def _device(cfg: JobConfig, proc: ProcessPlacement) -> str:
@@ -112,6 +115,22 @@ def build_specs(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placem
                               # ~10% in a 10-minute soak; two arenas kept it flat
                               env={"MALLOC_ARENA_MAX": "2", **env}))
     return specs, prompts
+
+
+def sync_backend(cfg: JobConfig, placement: Placement) -> JobConfig:
+    """`weight_sync.backend = auto` on GPUs where two ranks of the weight-sync group share a
+    GPU (the trainer and a generator on one device; NCCL refuses that): gloo, staged through
+    host memory. Nodes read the backend from the config this returns."""
+    if cfg.weight_sync.backend != "auto" or cfg.placement.device != "cuda":
+        return cfg
+    ranks = [set(p.devices) for p in [*placement.by_role("trainer")[:1],
+                                      *placement.by_role("generator")]]
+    if not any(a & b for i, a in enumerate(ranks) for b in ranks[i + 1:]):
+        return cfg
+    log.info("weight_sync_backend", backend="gloo",
+             why="the trainer and a generator share a GPU, which NCCL refuses")
+    return dataclasses.replace(cfg, weight_sync=dataclasses.replace(cfg.weight_sync,
+                                                                   backend="gloo"))
 
 
 def chunks_per_step(cfg: JobConfig, placement: Placement) -> int:
@@ -198,6 +217,7 @@ def run(cfg: JobConfig, placement: Placement, art: Artefacts, run_dir: Path,
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     sock_dir = make_ipc_dir()  # named by our pid: a killed run's is swept later
+    cfg = sync_backend(cfg, placement)
     t0 = time.perf_counter()
     try:
         result = run_loop(_run(cfg, art, run_dir, placement, sock_dir, start_step))
