@@ -7,6 +7,7 @@ subprocess by test_deepspeed.py: DeepSpeed owns a process group and env for its 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -24,10 +25,13 @@ def main(backend: str, zero_stage: int, grad_accum: int, algo: str, ckpt: str) -
     torch.set_num_threads(1)
     task = SortDigitsTask(TaskConfig())
     sp = SamplingParams(max_new_tokens=7, eos_id=EOS, pad_id=PAD)
+    # on a GPU (tests/gpu) the models live there before DeepSpeed wraps them, as in a job
+    device = "cuda" if os.environ.get("DS_ACCELERATOR") == "cuda" else "cpu"
     actor = load_actor(ModelConfig(hidden=32, heads=2, layers=1), VOCAB_SIZE, task.special,
-                       seed=0)
-    ref, rm = frozen_copy(actor), frozen_copy(scalar_model_from_actor(actor, seed=1))
-    critic = scalar_model_from_actor(actor, seed=2) if algo == "ppo" else None
+                       seed=0).to(device)
+    ref = frozen_copy(actor)
+    rm = frozen_copy(scalar_model_from_actor(actor, seed=1).to(device))
+    critic = scalar_model_from_actor(actor, seed=2).to(device) if algo == "ppo" else None
     # a learning rate that changes every step: each engine must take it
     train = TrainConfig(backend=backend, zero_stage=zero_stage, grad_accum=grad_accum,
                         epochs=2, minibatches=2, steps=4, lr_schedule="cosine",
@@ -36,7 +40,7 @@ def main(backend: str, zero_stage: int, grad_accum: int, algo: str, ckpt: str) -
     out = []
 
     def step(s: int) -> None:
-        pb = task.prompt_batch(0, "train", s, 4, 2)
+        pb = task.prompt_batch(0, "train", s, 4, 2).to(device)
         b = score(rm, ref, generate(learner.actor, pb, sp, 0, s, learner.version), 1.0,
                   RewardMix(task.hidden_scores))
         out.append(learner.train_step(b))
