@@ -30,7 +30,8 @@ from rlhf_async.engines.torch_train import TorchTrainBackend
 
 __all__ = ["ENGINES", "TRAINING_BACKENDS", "Capabilities", "Completion", "Engine",
            "GenerationEngine", "MissingExtraError", "Request", "TrainingBackend",
-           "engine_class", "make_engine", "make_training_backend", "require_extra"]
+           "engine_capabilities", "engine_class", "make_engine", "make_training_backend",
+           "require_extra"]
 
 TRAINING_BACKENDS = ("torch", "deepspeed")
 
@@ -93,7 +94,17 @@ def engine_class(name: str) -> type[GenerationEngine]:
     entry = ENGINES[name]
     if entry.extra is not None:
         require_extra(name, entry.extra, entry.extra)
-    module, cls = entry.path.split(":")
+    return _engine_type(name)
+
+
+def engine_capabilities(name: str) -> Capabilities:
+    """What the generation engine `name` can do, whether or not its optional package is
+    installed here (a plan may be for another machine)."""
+    return _engine_type(name).capabilities
+
+
+def _engine_type(name: str) -> type[GenerationEngine]:
+    module, cls = ENGINES[name].path.split(":")
     return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
 
 
