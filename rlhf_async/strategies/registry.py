@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from rlhf_async.config import AlgoConfig, GenerationConfig, JobConfig, PlacementConfig
+from rlhf_async.config import AlgoConfig, JobConfig, PlacementConfig
 from rlhf_async.config.presets import resolve
 from rlhf_async.engines import ENGINES, MissingExtraError, engine_capabilities, engine_class
 from rlhf_async.strategies import flattening, interleaving
@@ -71,14 +71,9 @@ def runner_problems(cfg: JobConfig, placement: Placement) -> list[str]:
     a generation engine that needs generator processes, then the strategy's own limits
     (which see the placement with the job's engines filled in)."""
     engines = with_engines(placement, cfg.train.backend, cfg.generation.backend)
-    problems = []
-    # the lock-step strategies generate with the keyed sampler itself, no engine
-    if cfg.generation.backend != GenerationConfig().backend and \
-            engines.model("shadow_actor") is None:
-        problems.append(f"generation.backend: {cfg.generation.backend} runs in generator "
-                        f"processes (a shadow actor, as in separation); placement.strategy "
-                        f"= {placement.strategy} generates with torch")
-    problems += engine_problems(cfg)
+    # (the lock-step strategies run a generation engine other than the default beside
+    # each rank's trainer: strategies/colocated.py)
+    problems = engine_problems(cfg)
     own = STRATEGIES[placement.strategy].runner_problems(cfg, engines)
     return problems + [p for p in own if p not in problems]
 
