@@ -16,6 +16,11 @@ dropped with the whole prefix cache and recomputed under the new ones on resume)
 resumes. vLLM has no per-token weight version: we stamp it, every token with the version
 served when its output arrived, which the drained pause boundary makes exact.
 
+Colocated beside a lock-step rank's trainer (`strategies/colocated.py`), the weights come
+from that process instead (`stage_tensors`): `commit` loads them through our worker
+extension under the same drained pause; `sleep`/`wake` free and restore the GPU memory
+around training (vLLM's sleep mode, enabled on CUDA only).
+
 vLLM's client lives on an event loop of its own (`_ClientLoop`, a daemon thread): AsyncLLM
 binds its output task and queues to the loop that first drives it, and our callers come
 from several (the generator node's loop for requests and commits, worker threads for
