@@ -45,13 +45,17 @@ class Engine:
     path: str
     extra: str | None = None
     tensor_parallel: bool = False
+    # on CPUs: the environment variable that binds a tensor-parallel engine's workers to
+    # cores ("0|1": one core each, '|' between workers); None: the engine binds none
+    cpu_bind_env: str | None = None
 
 
 # The generation engines (`generation.backend`). A new engine is one module implementing
 # `GenerationEngine` and one line here.
 ENGINES: dict[str, Engine] = {
     "torch": Engine("rlhf_async.engines.torch_engine:TorchEngine"),
-    "vllm": Engine("rlhf_async.engines.vllm_engine:VLLMEngine", "vllm", tensor_parallel=True),
+    "vllm": Engine("rlhf_async.engines.vllm_engine:VLLMEngine", "vllm", tensor_parallel=True,
+                   cpu_bind_env="VLLM_CPU_OMP_THREADS_BIND"),
 }
 
 
