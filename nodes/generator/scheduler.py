@@ -1,5 +1,6 @@
 """The generator's request scheduler: a prompt chunk becomes one engine request per row,
-and the completions are reassembled into the chunk's `RolloutBatch`.
+and the completions are reassembled into the chunk's `RolloutBatch` (the requests and the
+assembly are `engines/requests.py`'s, which colocated lock-step ranks use too).
 
 Each row's request is keyed by `request_seed(run seed, step, sample id, segment)`, so its
 tokens do not depend on which rows share the engine's batch, and on the torch engine they
@@ -21,53 +22,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
-
 from nodes.generator.inflight import Span, Weights
 from rlhf_async.engines import Completion, GenerationEngine, Request
+from rlhf_async.engines.requests import assemble, chunk_requests, turn_request
 from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.episodes import Episode, env_loop, episode_batch, play
-from rlhf_async.modeling.generation import Generated, SamplingParams, request_seed, rollout_batch
+from rlhf_async.modeling.generation import SamplingParams, request_seed
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.strategies.separation.protocol import ChunkId
-
-
-def chunk_requests(prompts: PromptBatch, params: SamplingParams, seed: int, step: int,
-                   tag: str, salt: str) -> list[tuple[int, Request]]:
-    """(sample id, its request) for each row of `prompts`; request ids `tag`/sample id."""
-    out = []
-    for ids, mask, sid in zip(prompts.prompt_ids.tolist(), prompts.prompt_mask.tolist(),
-                              prompts.sample_ids.tolist(), strict=True):
-        prompt = tuple(t for t, m in zip(ids, mask, strict=True) if m)
-        out.append((int(sid), Request(f"{tag}/{sid}", prompt, params.max_new_tokens,
-                                      request_seed(seed, step, int(sid)),
-                                      params.min_new_tokens, params.stop_ids,
-                                      params.stop_strings, salt)))
-    return out
-
-
-def assemble(prompts: PromptBatch, done: list[Completion], params: SamplingParams, step: int,
-             version: int, partial: bool) -> RolloutBatch:
-    """The chunk's rollout from its rows' completions (in row order): responses [B, R]
-    right-padded, behaviour log-probs (0 on padding), and with `partial` the per-token
-    versions (-1 on padding; the rollout's version its oldest token's)."""
-    B, R = len(done), params.max_new_tokens
-    g = Generated(torch.full((B, R), params.pad_id, dtype=torch.long),
-                  torch.zeros((B, R), dtype=torch.long), torch.zeros((B, R), dtype=torch.float32),
-                  torch.full((B, R), -1, dtype=torch.long))
-    for i, c in enumerate(done):
-        n = len(c.token_ids)
-        if n > R or len(c.logprobs) != n or len(c.versions) != n:
-            raise RuntimeError(f"request {c.request_id}: {n} tokens, {len(c.logprobs)} "
-                               f"log-probs, {len(c.versions)} versions (at most {R} each)")
-        g.response_ids[i, :n] = torch.tensor(c.token_ids, dtype=torch.long)
-        g.response_mask[i, :n] = 1
-        g.logprobs[i, :n] = torch.tensor(c.logprobs, dtype=torch.float32)
-        g.token_versions[i, :n] = torch.tensor(c.versions, dtype=torch.long)
-    dev = prompts.prompt_ids.device
-    g = Generated(*(t.to(dev) for t in (g.response_ids, g.response_mask, g.logprobs,
-                                        g.token_versions)))
-    return rollout_batch(prompts, g, step, version, partial)
 
 
 class Scheduler:
@@ -134,11 +96,8 @@ class Scheduler:
 
                 async def requests(k: int, eps: list[Episode], sids: list[int],
                                    ) -> list[tuple[list[int], list[float], bool]]:
-                    reqs = [Request(f"{tag}/{sid}/{k}", tuple(e.prompt + e.tokens),
-                                    min(p.max_new_tokens, E - len(e.tokens)),
-                                    request_seed(self.seed, cid.step, sid, turn=k),
-                                    p.min_new_tokens, p.stop_ids, p.stop_strings,
-                                    f"{start[1]}:{start[0]}")
+                    reqs = [turn_request(tag, k, e, sid, p, E, self.seed, cid.step,
+                                         f"{start[1]}:{start[0]}")
                             for e, sid in zip(eps, sids, strict=True)]
                     done = await asyncio.gather(*(self._row(sid, cid.step, r, k)
                                                   for sid, r in zip(sids, reqs, strict=True)))

@@ -49,11 +49,11 @@ def cross_checks(cfg: JobConfig) -> list[str]:
                    "by tokens: set one (grad_accum = 1, or max_tokens_per_microbatch = 0)")
     if cfg.model.path:
         out.extend(model_dir_problems("model.path", cfg.model.path))
-    for key, engine, extra in (("train.backend", cfg.train.backend, "deepspeed"),
-                               ("generation.backend", cfg.generation.backend, "vllm")):
-        if engine == extra and importlib.util.find_spec(extra) is None:
-            out.append(f"{key}: {extra} is not installed (pip install 'rlhf-async[{extra}]'); "
-                       "accepted here: torch")
+    # (a generation engine's extra is checked with the rest of what that engine can do:
+    # strategies.registry.engine_problems)
+    if cfg.train.backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        out.append("train.backend: deepspeed is not installed (pip install "
+                   "'rlhf-async[deepspeed]'); accepted here: torch")
     out.extend(_scalar_model_checks(cfg))
     out.extend(_lora_checks(cfg))
     out.extend(_ray_checks(cfg))
@@ -238,8 +238,8 @@ def context_problem(cfg: JobConfig, prompt: int, prompt_key: str) -> str | None:
 
 
 def _stop_string_checks(cfg: JobConfig) -> list[str]:
-    """Stop strings are matched on decoded text: by our torch sampler, with the text task's
-    tokenizer (the vLLM engine runs without a tokenizer, so it could not match them)."""
+    """Stop strings are matched on decoded text, with the text task's tokenizer (whether the
+    generation engine can match them is its capability: strategies.registry)."""
     key, out = "generation.stop_strings", []
     if "" in cfg.generation.stop_strings:
         out.append(f"{key}: holds an empty string, which would end every response at its "
@@ -247,10 +247,6 @@ def _stop_string_checks(cfg: JobConfig) -> list[str]:
     if cfg.task.name != "text":
         out.append(f"{key}: task.name = {cfg.task.name!r} has no text to match them in; "
                    "they need task.name = 'text' (here: generation.stop_token_ids)")
-    if cfg.generation.backend == "vllm":
-        out.append(f"{key}: generation.backend = 'vllm' runs without a tokenizer and "
-                   "cannot match them; set generation.backend = 'torch' (or use "
-                   "generation.stop_token_ids)")
     return out
 
 

@@ -136,9 +136,10 @@ class GenerationConfig:
     stop_strings: list[str] = opt([], "strings that end a response at the token completing "  # noqa: RUF009
                                   "one (kept in it; task.name = 'text')")
     # the names of `engines.ENGINES` (the registry; a test keeps the two equal)
-    backend: str = opt("torch", "generation engine of separation's generators (the "
-                       "request-level interface of engines/interface.py); vllm needs the "
-                       "[vllm] extra", choices=("torch", "vllm"))
+    backend: str = opt("torch", "generation engine (the request-level interface of "
+                       "engines/interface.py): separation's generators, or beside each "
+                       "flattening/interleaving rank when not torch; vllm needs the [vllm] "
+                       "extra", choices=("torch", "vllm"))
     dtype: str = opt("", "what Flattening and Interleaving generate in (the actor's own "
                      "weights, under autocast); '' = the actor's dtype (placement.dtype). On "
                      "CPU narrow models generate faster in fp32 while they train in bf16 "

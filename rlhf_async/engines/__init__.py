@@ -30,7 +30,8 @@ from rlhf_async.engines.torch_train import TorchTrainBackend
 
 __all__ = ["ENGINES", "TRAINING_BACKENDS", "Capabilities", "Completion", "Engine",
            "GenerationEngine", "MissingExtraError", "Request", "TrainingBackend",
-           "engine_class", "make_engine", "make_training_backend", "require_extra"]
+           "engine_capabilities", "engine_class", "make_engine", "make_training_backend",
+           "require_extra"]
 
 TRAINING_BACKENDS = ("torch", "deepspeed")
 
@@ -44,13 +45,17 @@ class Engine:
     path: str
     extra: str | None = None
     tensor_parallel: bool = False
+    # on CPUs: the environment variable that binds a tensor-parallel engine's workers to
+    # cores ("0|1": one core each, '|' between workers); None: the engine binds none
+    cpu_bind_env: str | None = None
 
 
 # The generation engines (`generation.backend`). A new engine is one module implementing
 # `GenerationEngine` and one line here.
 ENGINES: dict[str, Engine] = {
     "torch": Engine("rlhf_async.engines.torch_engine:TorchEngine"),
-    "vllm": Engine("rlhf_async.engines.vllm_engine:VLLMEngine", "vllm", tensor_parallel=True),
+    "vllm": Engine("rlhf_async.engines.vllm_engine:VLLMEngine", "vllm", tensor_parallel=True,
+                   cpu_bind_env="VLLM_CPU_OMP_THREADS_BIND"),
 }
 
 
@@ -93,7 +98,17 @@ def engine_class(name: str) -> type[GenerationEngine]:
     entry = ENGINES[name]
     if entry.extra is not None:
         require_extra(name, entry.extra, entry.extra)
-    module, cls = entry.path.split(":")
+    return _engine_type(name)
+
+
+def engine_capabilities(name: str) -> Capabilities:
+    """What the generation engine `name` can do, whether or not its optional package is
+    installed here (a plan may be for another machine)."""
+    return _engine_type(name).capabilities
+
+
+def _engine_type(name: str) -> type[GenerationEngine]:
+    module, cls = ENGINES[name].path.split(":")
     return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
 
 

@@ -15,6 +15,9 @@ version now served. An engine that cannot keep requests across an update says so
 capabilities (`keep_on_update = False`); the node then aborts and resubmits them with the
 generated prefix.
 
+A colocated lock-step rank (Flattening, Interleaving) hands its engine the trained weights
+in process instead (`stage_tensors`, then `commit`), and lets it sleep while it trains.
+
 A new engine is one module implementing `GenerationEngine` plus one line in `ENGINES`
 (`engines/__init__.py`).
 """
@@ -24,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+from torch import Tensor
 
 Finish = Literal["stop", "length", "abort"]
 
@@ -80,7 +85,11 @@ class GenerationEngine(Protocol):
     async def resume(self) -> None: ...
     def connect(self, spec: Any, rank: int) -> Any: ...  # join the weight-sync group
     def stage(self, plan: Mapping[str, Any]) -> Any: ...  # receive an update (blocking)
+    # an update from this process's tensors (a colocated trainer's, checkpoint names)
+    def stage_tensors(self, tensors: Mapping[str, Tensor], version: int) -> Any: ...
     async def commit(self, staged: Any) -> int: ...  # apply at a decode boundary -> version
+    async def sleep(self) -> None: ...  # free generation memory while a colocated rank trains
+    async def wake(self) -> None: ...  # before generating again
     @property
     def version(self) -> int: ...  # the weight version served now
     async def close(self) -> None: ...

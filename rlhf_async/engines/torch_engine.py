@@ -148,8 +148,18 @@ class TorchEngine:
         got = self.receiver.receive(plan)
         return got.version, {k: v.clone() for k, v in got.tensors.items()}
 
+    def stage_tensors(self, tensors: Mapping[str, Tensor], version: int,
+                      ) -> tuple[int, dict[str, Tensor]]:
+        return version, {k: v.detach().clone() for k, v in tensors.items()}
+
     async def commit(self, staged: tuple[int, dict[str, Tensor]]) -> int:
         return int(await self._ask("commit", staged))
+
+    async def sleep(self) -> None:
+        """Nothing to free: a row's KV cache lives only while it decodes."""
+
+    async def wake(self) -> None:
+        """(see `sleep`)"""
 
     @property
     def version(self) -> int:

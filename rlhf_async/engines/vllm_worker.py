@@ -14,6 +14,7 @@ and the model's `load_weights` keeps the shard it owns.
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import torch
@@ -54,6 +55,12 @@ class WeightSyncWorker:
         got = receiver.receive(plan)
         self._rlhf_load(list(got.tensors.items()))
         return int(got.version)
+
+    def rlhf_load(self, blob: bytes) -> None:
+        """Weights sent with the call (a colocated trainer's state dict, `torch.save`d)
+        into the live model."""
+        tensors = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        self._rlhf_load(list(tensors.items()))
 
     def _rlhf_load(self, items: list[tuple[str, torch.Tensor]]) -> None:
         """Checkpoint-format (HF-named) tensors into the live model. Where the runner has

@@ -47,6 +47,7 @@ from rlhf_async.strategies.registry import (
     AUTO,
     STRATEGIES,
     build_placement,
+    missing_engine_problems,
     runnable_placement,
     runner_problems,
 )
@@ -153,6 +154,7 @@ def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
                         "generation.partial_rollout = false)")
     if placement is not None:
         problems += [p for p in runner_problems(cfg, placement) if p not in problems]
+    problems += missing_engine_problems(cfg)
     if problems or placement is None:
         raise PlacementError(problems)
     return cfg, placement

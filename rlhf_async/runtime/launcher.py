@@ -20,6 +20,7 @@ A local node starts one of two ways (`runtime.node_start`):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import multiprocessing
 import multiprocessing.forkserver
@@ -76,6 +77,18 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def kill_group(pid: int | None) -> None:
+    """SIGKILL what is left of a node's process group: the processes it started (vLLM's
+    engine core and workers) outlive a node killed by a signal. A node leads its own
+    session, so the group's id is its pid, which the kernel does not hand out again while
+    any process of the group lives: this reaches the node's processes only (called when
+    the node is killed or found dead, before its pid could be reused)."""
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
 class LocalProcess:
     """A node running on this host (a thin async wrapper over Popen)."""
 
@@ -97,6 +110,7 @@ class LocalProcess:
     def kill(self) -> None:
         if self.popen.poll() is None:
             self.popen.kill()
+        kill_group(self.pid)
 
 
 class ForkedProcess:
@@ -121,6 +135,7 @@ class ForkedProcess:
     def kill(self) -> None:
         if self.poll() is None:
             self.process.kill()
+        kill_group(self.pid)
 
 
 def write_spec(spec: NodeSpec, run_dir: Path) -> Path:

@@ -31,7 +31,7 @@ from rlhf_async.log import get_logger
 from rlhf_async.metrics import MetricsWriter, Progress
 from rlhf_async.modeling.episodes import EnvError, rollout
 from rlhf_async.modeling.precision import Precision, check_device
-from rlhf_async.modeling.rollout import RolloutBatch
+from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.rl.checkpoint import (
     CheckpointError,
     load_shared,
@@ -41,6 +41,7 @@ from rlhf_async.rl.dynamic_sampling import dynamic_sample, refill_prompts
 from rlhf_async.rl.learner import Learner
 from rlhf_async.runtime.launcher import adopt, can_fork, fork_server
 from rlhf_async.strategies.base import JobStopped, RankFailed, RunResult
+from rlhf_async.strategies.colocated import colocated_engine
 from rlhf_async.strategies.training import (
     build_learner,
     load_actor,
@@ -131,13 +132,21 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
     params, seed, G = sampling_params(cfg, task), cfg.run.seed, cfg.algo.group_size
     generating = generation_precision(cfg, precision)
     check_device(generating, device)
+    engine = colocated_engine(cfg, art, params, device, generating)
+    if engine is not None and start_step:  # resumed: the engine serves the SFT policy
+        engine.update(learner)
+
+    def generate(prompts: PromptBatch, step: int) -> RolloutBatch:
+        if engine is not None:
+            return engine.rollout(prompts, params, seed, step)
+        with generating.compute("actor", device):
+            return rollout(actor, prompts, params, seed, step, learner.version)
     for step in range(start_step, cfg.train.steps):
         prompts = task.prompt_batch(seed, "train", step, cfg.train.prompts_per_step, G)
         mine = prompts.split(G, world)[rank].to(device)  # [B/world, P], whole groups
         t0 = time.perf_counter()
         try:
-            with generating.compute("actor", device):
-                batch = rollout(actor, mine, params, seed, step, learner.version)
+            batch = generate(mine, step)
             t1 = time.perf_counter()
             batch = scorer(batch)
         except (RewardServerError, EnvError):
@@ -147,11 +156,14 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
         t2 = time.perf_counter()
         counts: dict[str, float] = {}
         if cfg.algo.dynamic_sampling:  # groups of equal rewards out, new groups in
-            batch, counts = _refilled(cfg, task, actor, scorer, batch, step, rank, world,
-                                      generating, learner.version)
+            batch, counts = _refilled(cfg, task, generate, scorer, batch, step, rank, world)
             counts["time_refill"] = time.perf_counter() - t2
             t2 = time.perf_counter()
+        if engine is not None:
+            engine.sleep()
         metrics = {**learner.train_step(batch), **counts}
+        if engine is not None:  # the next rollout samples the weights just trained
+            engine.update(learner)
         t3 = time.perf_counter()
         if logs is not None:  # samples.jsonl; the held-out evaluation when due
             metrics.update(logs.after_step(step, batch, learner))
@@ -166,34 +178,34 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
             if logs is not None:
                 logs.close()
             learner.close()
+            if engine is not None:
+                engine.close()
             return False
     progress.close()
     if logs is not None:
         logs.close()
+    if engine is not None:
+        engine.close()
     _finish(cfg, learner, run_dir, writer, strategy)
     if stop is not None and rank == 0:
         stop.finished.set()
     return True
 
 
-def _refilled(cfg: JobConfig, task: Task, actor: nn.Module, scorer: Scorer,
-              first: RolloutBatch, step: int, rank: int, world: int, generating: Precision,
-              version: int) -> tuple[RolloutBatch, dict[str, float]]:
+def _refilled(cfg: JobConfig, task: Task, generate: Callable[[PromptBatch, int], RolloutBatch],
+              scorer: Scorer, first: RolloutBatch, step: int, rank: int, world: int,
+              ) -> tuple[RolloutBatch, dict[str, float]]:
     """algo.dynamic_sampling (`rl/dynamic_sampling.py`): this rank's rows of the step's
     groups whose rewards vary, refilled round by round (each generated and scored as a
     step is: every rank takes part in every round)."""
     G, P = cfg.algo.group_size, cfg.train.prompts_per_step
     device = first.prompt_ids.device
-    params = sampling_params(cfg, task)
 
     def refill(round_: int) -> RolloutBatch:
         prompts = refill_prompts(
             lambda purpose, key: task.prompt_batch(cfg.run.seed, purpose, key, P, G),
             cfg.train.steps, step, round_, cfg.algo.dynamic_sampling_max_tries, G)
-        mine = prompts.split(G, world)[rank].to(device)
-        with generating.compute("actor", device):
-            batch = rollout(actor, mine, params, cfg.run.seed, step, version)
-        return scorer(batch)
+        return scorer(generate(prompts.split(G, world)[rank].to(device), step))
     return dynamic_sample(first, refill, P, cfg.algo.dynamic_sampling_max_tries)
 
 

@@ -7,8 +7,11 @@ it to one of these before anything runs.
 
 from __future__ import annotations
 
-from rlhf_async.config import AlgoConfig, GenerationConfig, JobConfig, PlacementConfig
+import importlib.util
+
+from rlhf_async.config import AlgoConfig, JobConfig, PlacementConfig
 from rlhf_async.config.presets import resolve
+from rlhf_async.engines import ENGINES, MissingExtraError, engine_capabilities, engine_class
 from rlhf_async.strategies import flattening, interleaving
 from rlhf_async.strategies.base import Strategy
 from rlhf_async.strategies.placement import (
@@ -68,13 +71,9 @@ def runner_problems(cfg: JobConfig, placement: Placement) -> list[str]:
     a generation engine that needs generator processes, then the strategy's own limits
     (which see the placement with the job's engines filled in)."""
     engines = with_engines(placement, cfg.train.backend, cfg.generation.backend)
-    problems = []
-    # the lock-step strategies generate with the keyed sampler itself, no engine
-    if cfg.generation.backend != GenerationConfig().backend and \
-            engines.model("shadow_actor") is None:
-        problems.append(f"generation.backend: {cfg.generation.backend} runs in generator "
-                        f"processes (a shadow actor, as in separation); placement.strategy "
-                        f"= {placement.strategy} generates with torch")
+    # (the lock-step strategies run a generation engine other than the default beside
+    # each rank's trainer: strategies/colocated.py)
+    problems = engine_problems(cfg)
     own = STRATEGIES[placement.strategy].runner_problems(cfg, engines)
     return problems + [p for p in own if p not in problems]
 
@@ -88,3 +87,26 @@ def runnable_placement(cfg: JobConfig) -> Placement:
     if problems or placement is None:
         raise PlacementError(problems)
     return placement
+
+
+def engine_problems(cfg: JobConfig) -> list[str]:
+    """What the configured generation engine cannot do, asked of its capabilities (never
+    of its name): match stop strings, where the job has them."""
+    g = cfg.generation
+    if g.stop_strings and not engine_capabilities(g.backend).stop_strings:
+        able = [n for n in ENGINES if engine_capabilities(n).stop_strings]
+        return [f"generation.stop_strings: generation.backend = {g.backend!r} cannot match "
+                f"stop strings (its engine runs without a tokenizer); use "
+                f"generation.stop_token_ids, or generation.backend = {' | '.join(able)}"]
+    return []
+
+
+def missing_engine_problems(cfg: JobConfig) -> list[str]:
+    """Before a run here: the generation engine's optional package is installed."""
+    try:
+        engine_class(cfg.generation.backend)
+    except MissingExtraError as e:
+        here = [n for n, x in ENGINES.items()
+                if x.extra is None or importlib.util.find_spec(x.extra) is not None]
+        return [f"generation.backend: {e}; accepted here: {', '.join(here)}"]
+    return []

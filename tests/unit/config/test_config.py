@@ -92,15 +92,14 @@ def test_prompt_plus_response_must_fit_the_models_context(tmp_path):
                                   "generation.max_new_tokens=24"]).model.path == str(model)
 
 
-def test_stop_strings_need_the_text_task_the_torch_backend_and_no_empty_one():
+def test_stop_strings_need_the_text_task_and_no_empty_one():
+    # (an engine that cannot match them: tests/unit/strategies/test_engine_problems.py)
     with pytest.raises(ConfigError) as ei:
-        load_config(None, ['generation.stop_strings=["</answer>", ""]',
-                           "generation.backend=vllm"])
+        load_config(None, ['generation.stop_strings=["</answer>", ""]'])
     probs = [p for p in ei.value.problems if p.startswith("generation.stop_strings: ")]
-    assert len(probs) == 3, ei.value.problems
+    assert len(probs) == 2, ei.value.problems
     assert "holds an empty string" in probs[0]
     assert "task.name = 'sort_digits' has no text" in probs[1] and "task.name = 'text'" in probs[1]
-    assert "set generation.backend = 'torch'" in probs[2]
     assert load_config(None, []).generation.stop_strings == []
 
 

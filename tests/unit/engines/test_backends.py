@@ -9,6 +9,8 @@ import torch
 
 from rlhf_async.config import ConfigError, load_config
 from rlhf_async.engines import MissingExtraError, make_training_backend
+from rlhf_async.planning.planner import prepare_run
+from rlhf_async.strategies.placement import PlacementError
 
 
 @pytest.fixture
@@ -29,8 +31,15 @@ def test_config_reports_missing_extras_once_each(no_extras):
         load_config(None, ["train.backend=deepspeed", "generation.backend=vllm",
                            "train.zero_stage=4"])
     text = str(e.value)
-    assert "rlhf-async[deepspeed]" in text and "rlhf-async[vllm]" in text
+    assert "rlhf-async[deepspeed]" in text and "rlhf-async[vllm]" not in text
     assert "train.zero_stage" in text and "accepted" in text
+    # the generation engine's, with what that engine can do, before the run starts
+    with pytest.raises(PlacementError) as p:
+        prepare_run(load_config(None, ["generation.backend=vllm",
+                                       "placement.strategy=separation", "placement.devices=2"]))
+    assert p.value.problems == ["generation.backend: backend 'vllm' needs the 'vllm' package, "
+                                "which is not installed: pip install 'rlhf-async[vllm]'; "
+                                "accepted here: torch"]
 
 
 def test_unknown_training_backend():
