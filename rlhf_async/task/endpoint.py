@@ -29,6 +29,7 @@ from rlhf_async.task.agent_session import RequestError, Session
 
 log = get_logger(component="endpoint")
 MODEL = "policy"  # the name /models lists
+KEEPALIVE_S = 2.0
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
@@ -56,7 +57,9 @@ class Endpoint:
         app.router.add_get("/s/{sid}/v1/models", self._models)
         app.router.add_post("/s/{sid}/v1/chat/completions", self._chat)
         app.router.add_post("/s/{sid}/v1/completions", self._complete)
-        runner = web.AppRunner(app, access_log=None)
+        # idle keep-alive connections closed soon: an agent that never closes its client
+        # would otherwise hold a socket per episode until the garbage collector runs
+        runner = web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_S)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

@@ -26,8 +26,13 @@ TOOLS = [{"type": "function", "function": {
 CALL = '<tool_call>\n{"name": "calc", "arguments": {"expr": "2+3"}}\n</tool_call>'
 
 
-def _client(base_url: str) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+def _closing(agent):
+    """The agent given an `openai` client on its episode's base URL, closed after it (an
+    unclosed client's sockets are left to the garbage collector)."""
+    async def run(base_url, row):
+        async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+            return await agent(client, row)
+    return run
 
 
 def _run(tok, agent, replies, prompts=("what is two plus three",), timeout_s=20.0,
@@ -79,8 +84,8 @@ def test_a_three_turn_chat_records_exactly_the_templates_tokens(make):
     replies = ["the answer is five", "it is twenty four", "six"]
     final: list = []
 
-    async def agent(base_url, row):
-        client = _client(base_url)
+    @_closing
+    async def agent(client, row):
         msgs = [{"role": "system", "content": "you are a helpful assistant ."},
                 {"role": "user", "content": "what is two plus three"}]
         for q in ["and what about four times six", "thanks , one more : seven minus one", None]:
@@ -109,8 +114,8 @@ def test_an_agent_that_rewrites_its_history_opens_a_new_segment_counted():
     tok = chatml_tokenizer()
     final: list = []
 
-    async def agent(base_url, row):
-        client = _client(base_url)
+    @_closing
+    async def agent(client, row):
         msgs = [{"role": "user", "content": "what is two plus three"}]
         r = await client.chat.completions.create(model="policy", messages=msgs)
         # a summarising agent: the first question and answer replaced by a summary
@@ -134,8 +139,8 @@ def test_a_tool_call_round_trips_through_the_template():
     final: list = []
     seen: list = []
 
-    async def agent(base_url, row):
-        client = _client(base_url)
+    @_closing
+    async def agent(client, row):
         msgs = [{"role": "user", "content": "what is two plus three"}]
         r = await client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS)
         m = r.choices[0].message
@@ -173,7 +178,8 @@ def test_tool_call_blocks_that_are_not_calls_stay_text():
 def test_failing_agents_fail_their_episodes_and_the_others_go_on():
     tok = chatml_tokenizer()
 
-    async def agent(base_url, row):
+    @_closing
+    async def agent(client, row):
         kind = row["prompt"]
         if kind == "six":
             raise ValueError("my agent's bug")
@@ -181,7 +187,7 @@ def test_failing_agents_fail_their_episodes_and_the_others_go_on():
             await asyncio.sleep(30)  # hangs past task.agent_timeout_s
         if kind == "it is twenty four":
             return 1.0  # never calls the policy
-        r = await _client(base_url).chat.completions.create(
+        r = await client.chat.completions.create(
             model="policy", messages=[{"role": "user", "content": kind}])
         return {"reward": 2.0, "answer": r.choices[0].message.content}
 
@@ -198,8 +204,8 @@ def test_unserved_requests_are_clear_400s():
     tok = chatml_tokenizer()
     errors: list[str] = []
 
-    async def agent(base_url, row):
-        client = _client(base_url)
+    @_closing
+    async def agent(client, row):
         msgs = [{"role": "user", "content": "six"}]
         for kwargs in ({"stream": True}, {"n": 2}, {"messages": [{"role": "robot"}]}):
             try:
