@@ -10,8 +10,9 @@ import pytest
 import torch
 from openai import AsyncOpenAI, BadRequestError
 
+from bench.agent_endpoint import Setup
 from rlhf_async.modeling.environment import EpisodeSpec
-from rlhf_async.modeling.episodes import Episode, env_loop, episode_batch, play
+from rlhf_async.modeling.episodes import ENDS, Episode, env_loop, episode_batch, play
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import ENV, POLICY, PromptBatch
 from rlhf_async.task.agent import AgentEpisodes
@@ -221,3 +222,36 @@ def test_unserved_requests_are_clear_400s():
     assert ep.reward == 2.0 and ep.end == "done"
     assert "streaming is not served" in errors[0] and "one choice" in errors[1]
     assert "role one of system" in errors[2]
+
+
+def test_completions_continue_text_and_token_ids_without_retokenising():
+    tok = chatml_tokenizer()
+    seen: list = []
+
+    @_closing
+    async def agent(client, row):
+        r = await client.completions.create(model="policy", prompt="what is two")
+        text = "what is two" + r.choices[0].text + " plus three"
+        r = await client.completions.create(model="policy", prompt=text)
+        seen.append(text + r.choices[0].text)
+        ids = list(tok("six", add_special_tokens=False).input_ids)
+        await client.completions.create(model="policy", prompt=ids)  # another history
+        return 1.0
+
+    (ep,), _, calls = _run(tok, agent, [" is", " five", "six"])
+    assert ep.segments == 2 and [k for k, _ in calls] == [0, 1, 2]
+    assert seen == ["what is two is plus three five"]
+    six = list(tok("six", add_special_tokens=False).input_ids)
+    assert ep.prompt + ep.tokens == [*six, *six, tok.eos_token_id]
+
+
+def test_an_agent_records_the_same_tokens_as_the_environment_episode():
+    """The same conversation as a `task.env` episode and as an agent's calls, sampled by a
+    real (tiny) model with the same keys: the same token ids, turn by turn."""
+    s = Setup(4)
+    env, agent = s.run("env"), s.run("agent")
+    assert env.episode_ends is not None and set(env.episode_ends.tolist()) == {ENDS.index("done")}
+    assert int((env.response_mask == POLICY).sum()) > 3 * 4  # three turns of real tokens
+    assert torch.equal(env.response_ids, agent.response_ids)
+    assert torch.equal(env.response_mask, agent.response_mask)
+    assert torch.allclose(env.behaviour_logprobs, agent.behaviour_logprobs)
