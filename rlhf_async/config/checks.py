@@ -96,8 +96,8 @@ def _length_tail_checks(cfg: JobConfig) -> list[str]:
 
 
 def has_env(cfg: JobConfig) -> bool:
-    """Whether the job's rollouts are multi-turn episodes with an environment."""
-    return cfg.task.name == "calculator" or bool(cfg.task.env)
+    """Whether the job's rollouts are multi-turn episodes with an environment or agent."""
+    return cfg.task.name == "calculator" or bool(cfg.task.env) or bool(cfg.task.agent)
 
 
 def _episode_checks(cfg: JobConfig) -> list[str]:
@@ -111,6 +111,12 @@ def _episode_checks(cfg: JobConfig) -> list[str]:
         out.append(f"task.env: task.name = 'calculator' runs its own environment; got "
                    f"{t.env!r} (accepted: '' or 'calculator'; your own needs task.name = "
                    "'text')")
+    if t.agent and t.name != "text":
+        out.append(f"task.agent: {t.agent!r}: task.name = {t.name!r} has its own episodes; "
+                   "an agent needs task.name = 'text'")
+    if t.agent and t.env:
+        out.append(f"task.agent: {t.agent!r} beside task.env = {t.env!r}: an episode is run "
+                   "by one of them (the agent talks to the policy itself); set only one")
     return out
 
 
@@ -132,8 +138,8 @@ def _partial_rollout_checks(cfg: JobConfig) -> list[str]:
                    "to it)")
     if has_env(cfg):
         out.append("generation.partial_rollout: not supported with multi-turn episodes "
-                   "(task.env / task.name = 'calculator'): each turn is its own generation; "
-                   "set generation.partial_rollout = false")
+                   "(task.env / task.agent / task.name = 'calculator'): each turn is its "
+                   "own generation; set generation.partial_rollout = false")
     return out
 
 
@@ -144,7 +150,8 @@ def _eval_checks(cfg: JobConfig) -> list[str]:
     if r.keep_best and not r.eval_every:
         out.append("run.keep_best: needs run.eval_every > 0 (the policies it ranks are "
                    "the ones evaluated during the run)")
-    no_rule = cfg.task.name == "text" and not cfg.task.reward and not cfg.task.env
+    no_rule = cfg.task.name == "text" and not cfg.task.reward and not cfg.task.env \
+        and not cfg.task.agent
     if r.best_metric == "hidden_score" and no_rule:
         out.append("run.best_metric: 'hidden_score' is task.reward's score, and this text "
                    "task has none; accepted here: reward (or empty)")
@@ -304,15 +311,19 @@ def _text_task_checks(cfg: JobConfig) -> list[str]:
     if t.reasoning_gym and not gym:
         out.append(f"task.reasoning_gym: configures a reasoning-gym dataset; task.prompts "
                    f"is {t.prompts!r}, not '{REASONING_GYM}<dataset>'")
-    if not t.reward and not cfg.reward_model.path and not t.env and not gym \
+    if not t.reward and not cfg.reward_model.path and not t.env and not t.agent and not gym \
             and not distills(cfg.algo):
         out.append("task.reward: task.name = 'text' needs 'module.path:function', "
                    "'path/to/file.py:function' or a reward server 'http://HOST:PORT/PATH' "
-                   "(or a reward_model.path, or a task.env whose steps give the reward)")
+                   "(or a reward_model.path, or a task.env whose steps give the reward, or "
+                   "a task.agent that returns it)")
     if t.reward and t.env:
         out.append(f"task.reward: {t.reward!r} would never be called: with task.env the "
                    "episode's reward is the sum of its environment's step rewards; remove "
                    "task.reward (score the response inside the environment's step)")
+    if t.reward and t.agent:
+        out.append(f"task.reward: {t.reward!r} would never be called: with task.agent the "
+                   "episode's reward is what the agent returns; remove task.reward")
     if t.reward_weight and not (t.reward and cfg.reward_model.path):
         out.append("task.reward_weight: adds task.reward's score to reward_model.path's; "
                    "it needs both (without a reward model the rule is the whole reward)")

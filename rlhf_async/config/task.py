@@ -82,6 +82,16 @@ class TaskConfig:
                    "step(action) -> (observation, reward, done)) or a built-in name "
                    "(calculator); its rewards are the episode's rule reward. calculator: "
                    "its own")
+    agent: str = opt("", "text: an agent, 'file.py:run' or 'module.path:run': async "
+                     "run(base_url, row) -> reward (a number, or a dict with 'reward'), "
+                     "called once per episode with the row (its 'prompt' text, 'seed' and "
+                     "columns); it talks to the policy through any OpenAI-compatible client "
+                     "at base_url (/chat/completions with tools, /completions, /models), "
+                     "at most task.max_turns calls; what the policy generated is trained "
+                     "on. Not beside task.env")
+    agent_timeout_s: float = opt(300.0, "longest one agent episode (task.agent) may take "
+                                 "(s); past it the episode is cancelled and counted "
+                                 "(episodes/timeout), and the run goes on", gt=0.0)
     reasoning_gym: dict[str, Any] = opt({}, "text with task.prompts = "  # noqa: RUF009
                                         "'reasoning_gym:<dataset>': the dataset's config "
                                         "(e.g. {size = 500, seed = 1, ...its difficulty "

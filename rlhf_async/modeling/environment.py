@@ -11,7 +11,7 @@ web request).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,3 +42,6 @@ class EpisodeSpec:
     max_tokens: int  # tokens of an episode after its prompt (both sides), the response width
     timeout_s: float  # longest one reset/step call may take; past it the episode ends
     name: str = "env"  # for logs and errors
+    # runs the episodes itself (an agent's, `task/agent.py`): called as `play` is, with the
+    # same policy turn; None = `play`'s reset/step loop over `make_env`'s environments
+    driver: Callable[..., Awaitable[list[Any]]] | None = None

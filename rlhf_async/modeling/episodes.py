@@ -55,8 +55,9 @@ T = TypeVar("T")
 # out of tokens (generation.max_new_tokens, or the episode's max_episode_tokens) before it
 # ended, or an observation did not fit: there is no complete action to show the environment,
 # so the episode ends there with the reward it has; timeout: a reset/step call took longer
-# than task.env_timeout_s.
-ENDS = ("done", "max_turns", "truncated", "timeout")
+# than task.env_timeout_s (an agent's episode: longer than task.agent_timeout_s); failed: an
+# agent (`task.agent`) raised, returned no reward or never called the policy.
+ENDS = ("done", "max_turns", "truncated", "timeout", "failed")
 
 
 class EnvError(RuntimeError):
@@ -68,7 +69,7 @@ class EnvError(RuntimeError):
         super().__init__(f"task.env: {message}")
 
 
-def _where(e: BaseException) -> str:
+def where(e: BaseException) -> str:
     """' (at file.py:LINE)': the innermost frame of the exception's traceback."""
     frames = traceback.extract_tb(e.__traceback__)
     if not frames:
@@ -93,6 +94,11 @@ class _Warnings:
 
 
 _WARN = _Warnings()
+
+
+def warn(event: str, env: str, **fields: Any) -> None:
+    """A warning about a user's environment or agent, repeats counted (`_Warnings`)."""
+    _WARN.warn(event, env, **fields)
 
 
 class _EnvLoop:
@@ -135,6 +141,7 @@ class Episode:
     reward: float = 0.0
     done: bool = False
     end: str = "max_turns"  # how it ended (ENDS); max_turns until something else ends it
+    segments: int = 0  # an agent's: token histories it ran (a rewritten history opens one)
 
     def finish(self, how: str) -> None:
         self.done, self.end = True, how
@@ -156,7 +163,7 @@ async def _call(spec: EpisodeSpec, what: str, aw: Awaitable[Any]) -> tuple[bool,
         return False, None
     except Exception as e:  # whatever the user's environment raises
         raise EnvError(f"{spec.name!r}: {what}() raised {type(e).__name__}: {e}"
-                       f"{_where(e)}") from e
+                       f"{where(e)}") from e
 
 
 def _checked_reset(spec: EpisodeSpec, out: Any) -> str:
@@ -202,15 +209,20 @@ async def _step_all(spec: EpisodeSpec, eps: list[Episode], actions: list[str]) -
 
 def _observe(spec: EpisodeSpec, ep: Episode, observation: str, stops: tuple[int, ...]) -> None:
     """Append an observation's tokens, or end the episode when they do not fit."""
-    delta = spec.render(observation)
-    # a turn that ended in a stop token the template also closes the turn with keeps one
-    if delta and ep.kinds and ep.kinds[-1] == POLICY and ep.tokens[-1] in stops \
-            and delta[0] == ep.tokens[-1]:
-        delta = delta[1:]
+    delta = after_turn(ep, spec.render(observation), stops)
     if len(ep.tokens) + len(delta) >= spec.max_tokens:
         ep.finish("truncated")  # no room for the observation and a reply to it
         return
     ep.add(delta, ENV)
+
+
+def after_turn(ep: Episode, delta: list[int], stops: tuple[int, ...]) -> list[int]:
+    """`delta` (a template's tokens after a policy turn) as appended to `ep`: a turn that
+    ended in a stop token the template also closes the turn with keeps one."""
+    if delta and ep.kinds and ep.kinds[-1] == POLICY and ep.tokens[-1] in stops \
+            and delta[0] == ep.tokens[-1]:
+        return delta[1:]
+    return delta
 
 
 # One policy turn over the episodes still running: (turn index, the episodes, their sample
@@ -269,17 +281,31 @@ def run_episodes(actor: nn.Module, prompts: PromptBatch, params: SamplingParams,
     return episode_batch(prompts, eps, spec.max_tokens, params.pad_id, version, step)
 
 
+def episode_rows(prompts: PromptBatch, spec: EpisodeSpec, seed: int, step: int,
+                 ) -> list[tuple[int, list[int], dict[str, Any]]]:
+    """(sample id, prompt tokens, the row its episode opens with) per row of `prompts`;
+    the row's "seed" keyed by (seed, step, sample id)."""
+    out = []
+    for p, m, sid in zip(prompts.prompt_ids.tolist(), prompts.prompt_mask.tolist(),
+                         prompts.sample_ids.tolist(), strict=True):
+        prompt = [t for t, k in zip(p, m, strict=True) if k]
+        out.append((int(sid), prompt,
+                    {**spec.row(prompt), "seed": key_seed(seed, "env", step, int(sid))}))
+    return out
+
+
 async def play(prompts: PromptBatch, params: SamplingParams, spec: EpisodeSpec, seed: int,
                step: int, turn: PolicyTurn) -> list[Episode]:
     """One episode per row of `prompts`, its policy turns taken by `turn`; its environment
-    seeded by (seed, step, sample id)."""
+    seeded by (seed, step, sample id). A spec with a `driver` (an agent's episodes,
+    `task/agent.py`) runs them its own way over the same `turn`."""
+    if spec.driver is not None:
+        return list(await spec.driver(prompts, params, spec, seed, step, turn))
     ids = [int(s) for s in prompts.sample_ids]
     eps, rows = [], []
-    for p, m, sid in zip(prompts.prompt_ids.tolist(), prompts.prompt_mask.tolist(), ids,
-                         strict=True):
-        prompt = [t for t, k in zip(p, m, strict=True) if k]
+    for _, prompt, row in episode_rows(prompts, spec, seed, step):
         eps.append(Episode(prompt, spec.make_env()))
-        rows.append({**spec.row(prompt), "seed": key_seed(seed, "env", step, sid)})
+        rows.append(row)
     for e, (ok, obs) in zip(eps, await _reset_all(spec, eps, rows), strict=True):
         if not ok:
             e.finish("timeout")
@@ -318,8 +344,10 @@ async def play(prompts: PromptBatch, params: SamplingParams, spec: EpisodeSpec, 
 
 def episode_batch(prompts: PromptBatch, eps: list[Episode], width: int, pad_id: int, version: int,
            step: int) -> RolloutBatch:
-    """The episodes' rollout: each response `width` wide, `response_mask` POLICY / ENV."""
-    B = len(eps)
+    """The episodes' rollout: each response `width` wide, `response_mask` POLICY / ENV; a
+    row's prompt its episode's (an agent's may render its own, at most the batch's width)."""
+    B, P = len(eps), prompts.prompt_ids.shape[1]
+    ids, pmask = prompts.prompt_ids.clone().cpu(), prompts.prompt_mask.clone().cpu()
     resp = torch.full((B, width), pad_id, dtype=torch.long)
     kinds = torch.zeros((B, width), dtype=torch.long)
     lps = torch.zeros((B, width), dtype=torch.float32)
@@ -328,13 +356,19 @@ def episode_batch(prompts: PromptBatch, eps: list[Episode], width: int, pad_id: 
         resp[i, :n], kinds[i, :n] = torch.tensor(e.tokens, dtype=torch.long), \
             torch.tensor(e.kinds, dtype=torch.long)
         lps[i, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
+        if e.prompt != ids[i][pmask[i].bool()].tolist():
+            ids[i], pmask[i] = pad_id, 0
+            ids[i, P - len(e.prompt):], pmask[i, P - len(e.prompt):] = torch.tensor(e.prompt), 1
     device = prompts.prompt_ids.device
-    return RolloutBatch(prompts.prompt_ids, prompts.prompt_mask, resp.to(device),
+    segments = torch.tensor([e.segments for e in eps], dtype=torch.long).to(device) \
+        if all(e.segments for e in eps) else None
+    return RolloutBatch(ids.to(device), pmask.to(device), resp.to(device),
                         kinds.to(device), lps.to(device), prompts.sample_ids, prompts.group_ids,
                         version=version, step=step,
                         env_rewards=torch.tensor([e.reward for e in eps]).to(device),
                         episode_ends=torch.tensor([ENDS.index(e.end) for e in eps],
-                                                  dtype=torch.long).to(device))
+                                                  dtype=torch.long).to(device),
+                        episode_segments=segments)
 
 
 def rollout(actor: nn.Module, prompts: PromptBatch, params: SamplingParams, seed: int,

@@ -19,7 +19,7 @@ from torch import Tensor
 REQUIRED = ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
             "behaviour_logprobs", "sample_ids", "group_ids")
 OPTIONAL = ("rewards", "ref_logprobs", "hidden_scores", "env_rewards", "token_versions",
-            "episode_ends", "teacher_logprobs")
+            "episode_ends", "teacher_logprobs", "episode_segments")
 # response_mask values: a token the policy sampled (trained on), an environment's token of a
 # multi-turn episode (context the policy reads, never trained on), padding
 POLICY, ENV, PAD = 1, 2, 0
@@ -92,6 +92,9 @@ class RolloutBatch:
     # [B] long: how each multi-turn episode ended, an index into `modeling.episodes.ENDS`
     episode_ends: Tensor | None = None
     teacher_logprobs: Tensor | None = None  # [B, R] float32 distillation's teacher (scorer)
+    # [B] long: an agent's episode: the token histories it ran (>1: the agent rewrote its
+    # history; the row holds the last one)
+    episode_segments: Tensor | None = None
 
     @property
     def loss_mask(self) -> Tensor:
@@ -149,7 +152,7 @@ class RolloutBatch:
                 "response_mask": (B, R), "behaviour_logprobs": (B, R), "sample_ids": (B,),
                 "group_ids": (B,), "rewards": (B,), "ref_logprobs": (B, R),
                 "hidden_scores": (B,), "env_rewards": (B,), "token_versions": (B, R),
-                "episode_ends": (B,), "teacher_logprobs": (B, R)}
+                "episode_ends": (B,), "teacher_logprobs": (B, R), "episode_segments": (B,)}
         problems = []
         for name, shape in want.items():
             t = getattr(self, name)
@@ -157,7 +160,7 @@ class RolloutBatch:
                 continue
             if tuple(t.shape) != shape:
                 problems.append(f"{name}: shape {tuple(t.shape)}, expected {shape}")
-            integer = name.endswith(("_ids", "_mask", "_versions", "_ends"))
+            integer = name.endswith(("_ids", "_mask", "_versions", "_ends", "_segments"))
             if integer != (not t.is_floating_point()):
                 kind = "integer" if integer else "float"
                 problems.append(f"{name}: dtype {t.dtype} is not {kind}")

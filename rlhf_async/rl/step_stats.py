@@ -25,6 +25,8 @@ def global_stats(b: RolloutBatch, kl: Tensor, adv: Tensor, sums: dict[str, Tenso
     if b.episode_ends is not None:  # how many episodes ended each way (counts, not means)
         for code, how in enumerate(ENDS):
             per_sample[f"episodes/{how}"] = (b.episode_ends == code).float()
+    if b.episode_segments is not None:  # agents that rewrote their history (a new segment)
+        per_sample["episodes/new_segments"] = (b.episode_segments - 1).clamp(min=0).float()
     vec = torch.stack([v.sum() for v in per_sample.values()] + list(sums.values())
                       + [m.new_tensor(float(len(b)))])
     vec = all_reduce_sum(vec.double())

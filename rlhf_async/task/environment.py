@@ -48,11 +48,7 @@ def load_env(spec: str) -> Callable[[], Env]:
         raise ConfigError([f"task.env: {spec!r} is neither a built-in environment "
                            f"({', '.join(sorted(BUILTIN))}) nor 'file.py:Class' / "
                            "'module.path:Class'"])
-    try:
-        cls = load_reward_fn(spec)
-    except RewardFunctionError as e:
-        raise ConfigError([p.replace("task.reward:", "task.env:", 1) for p in e.problems]) \
-            from None
+    cls = load_named(spec, "task.env")
     missing = [m for m in ("reset", "step")
                if not inspect.iscoroutinefunction(getattr(cls, m, None))]
     if not inspect.isclass(cls) or missing:
@@ -63,6 +59,16 @@ def load_env(spec: str) -> Callable[[], Env]:
     return cls  # type: ignore[return-value]  # checked above: an Env class
 
 
+def load_named(spec: str, key: str) -> Any:
+    """What 'file.py:name' / 'module.path:name' names (imported as `task.reward` is); its
+    problems as one ConfigError under `key`."""
+    try:
+        return load_reward_fn(spec)
+    except RewardFunctionError as e:
+        raise ConfigError([p.replace("task.reward:", f"{key}:", 1) for p in e.problems]) \
+            from None
+
+
 def template_delta(tok: PreTrainedTokenizerBase, role: str = "tool", *, chat: bool = True,
                    ) -> Callable[[str], list[int]]:
     """observation -> the tokens the chat template adds for it after a policy turn (plain
@@ -70,19 +76,29 @@ def template_delta(tok: PreTrainedTokenizerBase, role: str = "tool", *, chat: bo
     if not chat or not getattr(tok, "chat_template", None):
         return lambda observation: list(tok(f"\n{observation}\n",
                                             add_special_tokens=False).input_ids)
+    delta = chat_delta(tok)
+    return lambda observation: delta([{"role": role, "content": observation}])
+
+
+def chat_delta(tok: PreTrainedTokenizerBase, tools: list[Any] | None = None,
+               key: str = "task.env") -> Callable[[list[dict[str, Any]]], list[int]]:
+    """messages -> the tokens the chat template adds for them after a policy turn (the
+    turn's closing markup, the messages, the next generation prompt), with `tools` given
+    to the template as a whole conversation's would be; `key` names the config key in the
+    error of a template that drops the assistant's turn."""
 
     def render(chat: list[dict[str, Any]], generation: bool) -> str:
-        return str(tok.apply_chat_template(chat, tokenize=False,
+        return str(tok.apply_chat_template(chat, tools=tools, tokenize=False,
                                            add_generation_prompt=generation))
 
     base = [{"role": "user", "content": _USER}, {"role": "assistant", "content": _BOT}]
     before = render(base, False)
     if _BOT not in before:
-        raise ConfigError(["task.env: the chat template drops the assistant's turn, so an "
-                           "environment's reply cannot be placed after it"])
+        raise ConfigError([f"{key}: the chat template drops the assistant's turn, so what "
+                           "follows a policy turn cannot be placed after it"])
 
-    def delta(observation: str) -> list[int]:
-        text = render([*base, {"role": role, "content": observation}], True)
+    def delta(messages: list[dict[str, Any]]) -> list[int]:
+        text = render([*base, *messages], True)
         cut = text.index(_BOT) + len(_BOT)
         return list(tok(text[cut:], add_special_tokens=False).input_ids)
 

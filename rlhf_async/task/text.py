@@ -33,6 +33,7 @@ from rlhf_async.config.checks import context_problem
 from rlhf_async.modeling.determinism import key_seed
 from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.rollout import PromptBatch
+from rlhf_async.task.agent_session import NO_ENV
 from rlhf_async.task.dataset import load_rows
 from rlhf_async.task.environment import load_env, template_delta
 from rlhf_async.task.gym_data import GymScore, is_gym, read_gym
@@ -47,6 +48,18 @@ from rlhf_async.task.tokens import (
 )
 
 HELDOUT_ONE_IN = 8
+
+
+def agent_episodes(t: TaskConfig, tok: PreTrainedTokenizerBase) -> Any:
+    """`task.agent`'s episode driver (the endpoint needs aiohttp, imported only here)."""
+    try:
+        from rlhf_async.task.agent import AgentEpisodes, load_agent
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "aiohttp":
+            raise
+        raise ConfigError(["task.agent: the agent endpoint needs aiohttp: pip install "
+                           "'rlhf-async[agent]'"]) from None
+    return AgentEpisodes(load_agent(t.agent), tok, bool(getattr(tok, "chat_template", None)))
 
 
 def read_prompts(t: TaskConfig) -> tuple[list[Prompt], list[dict[str, Any]]]:
@@ -173,7 +186,8 @@ class TextTask:
         self.prompts, self.columns = read_prompts(t)
         self.rule = load_rule(t, "task.prompts") if t.reward or not is_gym(t.prompts) \
             else GymScore(t)
-        self.has_rule = self.rule is not None or bool(t.env)  # an env's rewards are its rule
+        # an environment's (an agent's) rewards are its rule
+        self.has_rule = self.rule is not None or bool(t.env) or bool(t.agent)
         self.rule_reward = not cfg.reward_model.path  # no reward model: the rule is it
         for key, path in (("reward_model.path", cfg.reward_model.path),
                           ("critic.path", cfg.critic.path)):
@@ -197,13 +211,19 @@ class TextTask:
         self.env = load_env(t.env) if t.env else None
         if self.env is not None:  # a tokenizer without a chat template: stopped before work
             template_delta(self.tokenizer)
+        self.agent = agent_episodes(t, self.tokenizer) if t.agent else None
         self.max_turns, self.env_timeout_s = t.max_turns, t.env_timeout_s
         self.max_episode_tokens = cfg.generation.max_episode_tokens
 
     stop_ids: tuple[int, ...] = ()
 
     def episode_spec(self) -> EpisodeSpec | None:
-        """With `task.env`: its episodes, observations as the chat template's tool turns."""
+        """With `task.env`: its episodes, observations as the chat template's tool turns;
+        with `task.agent`: the agent's, through the endpoint (`task/agent.py`)."""
+        if self.agent is not None:
+            return EpisodeSpec(lambda: NO_ENV, self.env_row, lambda _: [], self.decode,
+                               self.max_turns, self.max_episode_tokens,
+                               self.cfg.agent_timeout_s, self.cfg.agent, self.agent)
         if self.env is None:
             return None
         render = template_delta(self.tokenizer, chat=self.cfg.chat_template)

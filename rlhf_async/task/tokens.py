@@ -68,8 +68,9 @@ def prompt_text(prompt: Prompt) -> str:
 
 
 def encode_prompt(tok: PreTrainedTokenizerBase, prompt: Prompt, chat_template: bool,
-                  ) -> list[int]:
-    """A prompt's token ids, ending where the response starts."""
+                  tools: list[Any] | None = None) -> list[int]:
+    """A prompt's token ids, ending where the response starts (`tools`: the tool schemas
+    the chat template renders, as OpenAI's `tools=`)."""
     if isinstance(prompt, str) and not chat_template:
         return list(tok(prompt).input_ids)
     if not getattr(tok, "chat_template", None):
@@ -77,7 +78,8 @@ def encode_prompt(tok: PreTrainedTokenizerBase, prompt: Prompt, chat_template: b
                             "template; set task.chat_template = false (prompts given as "
                             "chats need one)")])
     chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(chat, tools=tools, tokenize=False,
+                                   add_generation_prompt=True)
     return list(tok(text, add_special_tokens=False).input_ids)
 
 

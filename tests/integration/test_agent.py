@@ -1,0 +1,72 @@
+"""`task.agent` end to end: an `openai`-client agent trains a few steps under Flattening and
+Separation through the endpoint; its failures are counted and the run goes on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlhf_async import job
+from rlhf_async.config import load_config
+from rlhf_async.metrics import read_metrics
+from tests.text_model import make_text_model
+
+pytestmark = [pytest.mark.timeout(300)]
+
+PROMPTS = ["name a fruit .", "name a colour .", "list three animal .", "what is the sky ?",
+           "give one fruit .", "name a big animal .", "what colour is the sea ?"]
+# two policy turns; rewards "yes"; the sky question is a bug in the agent
+AGENT = '''
+from openai import AsyncOpenAI
+
+
+async def run(base_url, row):
+    if row["prompt"].startswith("what is"):
+        raise KeyError("sky")
+    async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+        msgs = [{"role": "user", "content": row["prompt"]}]
+        r = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=3)
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content},
+                 {"role": "user", "content": "yes or no ?"}]
+        r = await client.chat.completions.create(model="policy", messages=msgs)
+    return {"reward": float("yes" in (r.choices[0].message.content or ""))}
+'''
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("agent")
+    (d / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    (d / "agent.py").write_text(AGENT)
+    make_text_model(d / "model")
+    return d
+
+
+def _cfg(files, tmp_path, name, *overrides):
+    return load_config(None, [
+        f"model.path={json.dumps(str(files / 'model'))}", "task.name=text",
+        f"task.prompts={json.dumps(str(files / 'prompts.jsonl'))}",
+        f"task.agent={json.dumps(str(files / 'agent.py') + ':run')}",
+        "generation.max_new_tokens=4", "generation.max_episode_tokens=16",
+        "task.max_prompt_tokens=32", "train.steps=2", "train.prompts_per_step=4",
+        "algo.group_size=2", "algo.name=grpo", "run.eval_prompts=2", "run.plot=false",
+        "run.progress=false", f"run.output_dir={json.dumps(str(tmp_path))}",
+        f"run.name={name}", *overrides])
+
+
+@pytest.mark.parametrize("strategy", ["flattening", "separation"])
+def test_an_openai_client_agent_trains_and_its_failures_are_counted(files, tmp_path,
+                                                                     strategy):
+    more = ["placement.devices=2", "algo.max_staleness=0"] if strategy == "separation" \
+        else []
+    job.run(_cfg(files, tmp_path, strategy, f"placement.strategy={strategy}", *more))
+    records = read_metrics(tmp_path / strategy / "metrics.jsonl")
+    assert len(records) == 2
+    ends = {k: sum(r[k] for r in records) for k in records[0] if k.startswith("episodes/")}
+    assert ends["episodes/done"] + ends["episodes/truncated"] > 0
+    assert ends["episodes/failed"] > 0  # the sky question's episodes, and the run went on
+    assert ends["episodes/new_segments"] == 0
+    assert sum(ends[f"episodes/{k}"] for k in ("done", "truncated", "failed", "timeout",
+                                               "max_turns")) == 16
+    assert all(r["response_length"] > 0 for r in records)

@@ -1,0 +1,257 @@
+"""Agents through the OpenAI-compatible endpoint (`task.agent`): the `openai` client over
+HTTP, a scripted policy turn in place of a model, and what each episode records."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+from openai import AsyncOpenAI, BadRequestError
+
+from bench.agent_endpoint import Setup
+from rlhf_async.modeling.environment import EpisodeSpec
+from rlhf_async.modeling.episodes import ENDS, Episode, env_loop, episode_batch, play
+from rlhf_async.modeling.generation import SamplingParams
+from rlhf_async.modeling.rollout import ENV, POLICY, PromptBatch
+from rlhf_async.task.agent import AgentEpisodes
+from rlhf_async.task.agent_session import NO_ENV, parse_tool_calls
+from rlhf_async.task.tokens import encode_prompt
+from tests.chat_tokenizers import chatml_tokenizer, llama3_tokenizer
+
+pytestmark = [pytest.mark.timeout(60)]
+TOOLS = [{"type": "function", "function": {
+    "name": "calc", "description": "evaluates arithmetic",
+    "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}}]
+CALL = '<tool_call>\n{"name": "calc", "arguments": {"expr": "2+3"}}\n</tool_call>'
+
+
+def _closing(agent):
+    """The agent given an `openai` client on its episode's base URL, closed after it (an
+    unclosed client's sockets are left to the garbage collector)."""
+    async def run(base_url, row):
+        async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+            return await agent(client, row)
+    return run
+
+
+def _run(tok, agent, replies, prompts=("what is two plus three",), timeout_s=20.0,
+         width=None):
+    """Each row's episode; the policy answers turn k with replies[k] + its end token."""
+    end = tok.eos_token_id
+    rows = [encode_prompt(tok, p, True) for p in prompts]
+    P = width or max(len(r) for r in rows)
+    ids = torch.full((len(rows), P), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, P - len(r):], mask[i, P - len(r):] = torch.tensor(r), 1
+    batch = PromptBatch(ids, mask, torch.arange(len(rows)), torch.arange(len(rows)))
+    calls: list[tuple[int, int]] = []
+
+    async def turn(k, eps, sids):
+        calls.extend((k, s) for s in sids)
+        out = []
+        for _ in eps:
+            toks = [*tok(replies[k], add_special_tokens=False).input_ids, end]
+            out.append((toks, [-0.5] * len(toks), True))
+        return out
+
+    texts = {tuple(r): p for r, p in zip(rows, prompts, strict=True)}
+    spec = EpisodeSpec(lambda: NO_ENV, lambda t: {"prompt": texts[tuple(t)]}, lambda _: [],
+                       lambda t: tok.decode(t, skip_special_tokens=True), 5, 400, timeout_s,
+                       "agent.py:run", AgentEpisodes(agent, tok, True))
+    params = SamplingParams(64, end, tok.pad_token_id, episode=spec)
+    eps = env_loop().run(play(batch, params, spec, 0, 0, turn))
+    return eps, batch, calls
+
+
+def _whole(tok, messages, tools=None) -> list[int]:
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False)
+    return list(tok(text, add_special_tokens=False).input_ids)
+
+
+def _assert_records_the_conversation(tok, ep: Episode, messages, tools=None):
+    """The episode's tokens are the template's tokens of the whole conversation (up to
+    the whitespace the template puts after the last turn's end token)."""
+    got, whole = ep.prompt + ep.tokens, _whole(tok, messages, tools)
+    assert got == whole[:len(got)]
+    assert tok.decode(whole[len(got):]).strip() == ""
+
+
+@pytest.mark.parametrize("make", [chatml_tokenizer, llama3_tokenizer])
+def test_a_three_turn_chat_records_exactly_the_templates_tokens(make):
+    tok = make()
+    replies = ["the answer is five", "it is twenty four", "six"]
+    final: list = []
+
+    @_closing
+    async def agent(client, row):
+        msgs = [{"role": "system", "content": "you are a helpful assistant ."},
+                {"role": "user", "content": "what is two plus three"}]
+        for q in ["and what about four times six", "thanks , one more : seven minus one", None]:
+            r = await client.chat.completions.create(model="policy", messages=msgs)
+            msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+            if q:
+                msgs.append({"role": "user", "content": q})
+        final.extend(msgs)
+        return 1.0
+
+    (ep,), _, calls = _run(tok, agent, replies)
+    assert [m["content"] for m in final if m["role"] == "assistant"] == replies
+    assert ep.end == "done" and ep.reward == 1.0 and ep.segments == 1 and calls == [
+        (0, 0), (1, 0), (2, 0)]
+    _assert_records_the_conversation(tok, ep, final)
+    policy = [t for t, k in zip(ep.tokens, ep.kinds, strict=True) if k == POLICY]
+    want = [t for r in replies for t in [*tok(r, add_special_tokens=False).input_ids,
+                                         tok.eos_token_id]]
+    assert policy == want
+    assert [lp for lp, k in zip(ep.logprobs, ep.kinds, strict=True) if k == POLICY] == \
+        [-0.5] * len(want)
+    assert all(lp == 0.0 for lp, k in zip(ep.logprobs, ep.kinds, strict=True) if k == ENV)
+
+
+def test_an_agent_that_rewrites_its_history_opens_a_new_segment_counted():
+    tok = chatml_tokenizer()
+    final: list = []
+
+    @_closing
+    async def agent(client, row):
+        msgs = [{"role": "user", "content": "what is two plus three"}]
+        r = await client.chat.completions.create(model="policy", messages=msgs)
+        # a summarising agent: the first question and answer replaced by a summary
+        msgs = [{"role": "user", "content": "the answer is five . what about four times six"}]
+        r = await client.chat.completions.create(model="policy", messages=msgs)
+        final.extend([*msgs, {"role": "assistant", "content": r.choices[0].message.content}])
+        return 0.5
+
+    (ep,), batch, _ = _run(tok, agent, ["the answer is five", "it is twenty four"])
+    assert ep.segments == 2 and ep.end == "done"
+    _assert_records_the_conversation(tok, ep, final)  # the row is the last segment
+    b = episode_batch(batch, [ep], 400, tok.pad_token_id, 0, 0)
+    assert b.episode_segments is not None and b.episode_segments.tolist() == [2]
+    row = b.prompt_ids[0][b.prompt_mask[0].bool()].tolist() + \
+        b.response_ids[0][b.response_mask[0] > 0].tolist()
+    assert row == ep.prompt + ep.tokens
+
+
+def test_a_tool_call_round_trips_through_the_template():
+    tok = chatml_tokenizer()
+    final: list = []
+    seen: list = []
+
+    @_closing
+    async def agent(client, row):
+        msgs = [{"role": "user", "content": "what is two plus three"}]
+        r = await client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS)
+        m = r.choices[0].message
+        seen.append((r.choices[0].finish_reason, m.tool_calls))
+        msgs.append(m.model_dump(exclude_none=True))
+        call = m.tool_calls[0]
+        result = str(eval(json.loads(call.function.arguments)["expr"]))
+        msgs.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        r = await client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS)
+        msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+        final.extend(msgs)
+        return 1.0
+
+    (ep,), _, _ = _run(tok, agent, [CALL, "the answer is five"])
+    finish, calls = seen[0]
+    assert finish == "tool_calls" and len(calls) == 1
+    assert calls[0].function.name == "calc"
+    assert json.loads(calls[0].function.arguments) == {"expr": "2+3"}
+    assert ep.segments == 1
+    whole = [{**m, "tool_calls": [{"type": "function", "function": {
+        "name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
+        for c in m.get("tool_calls", [])]} if m.get("tool_calls") else m for m in final]
+    _assert_records_the_conversation(tok, ep, whole, TOOLS)
+    tool_turn = tok.decode([t for t, k in zip(ep.tokens, ep.kinds, strict=True) if k == ENV])
+    assert "<tool_response>\n5\n</tool_response>" in tool_turn
+
+
+def test_tool_call_blocks_that_are_not_calls_stay_text():
+    assert parse_tool_calls("hi " + CALL) == ("hi", [{"type": "function", "function": {
+        "name": "calc", "arguments": '{"expr": "2+3"}'}}])
+    assert parse_tool_calls("<tool_call>not json</tool_call>") == \
+        ("<tool_call>not json</tool_call>", [])
+
+
+def test_failing_agents_fail_their_episodes_and_the_others_go_on():
+    tok = chatml_tokenizer()
+
+    @_closing
+    async def agent(client, row):
+        kind = row["prompt"]
+        if kind == "six":
+            raise ValueError("my agent's bug")
+        if kind == "the answer is five":
+            await asyncio.sleep(30)  # hangs past task.agent_timeout_s
+        if kind == "it is twenty four":
+            return 1.0  # never calls the policy
+        r = await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": kind}])
+        return {"reward": 2.0, "answer": r.choices[0].message.content}
+
+    prompts = ("six", "the answer is five", "it is twenty four", "what is two plus three")
+    eps, batch, _ = _run(tok, agent, ["six"], prompts=prompts, timeout_s=1.0)
+    assert [e.end for e in eps] == ["failed", "timeout", "failed", "done"]
+    assert [e.reward for e in eps] == [0.0, 0.0, 0.0, 2.0]
+    assert all(e.tokens == [] for e in eps[:3]) and eps[3].tokens
+    b = episode_batch(batch, eps, 400, tok.pad_token_id, 0, 0)
+    assert torch.equal(b.prompt_ids, batch.prompt_ids)  # failed rows keep their prompt
+
+
+def test_unserved_requests_are_clear_400s():
+    tok = chatml_tokenizer()
+    errors: list[str] = []
+
+    @_closing
+    async def agent(client, row):
+        msgs = [{"role": "user", "content": "six"}]
+        for kwargs in ({"stream": True}, {"n": 2}, {"messages": [{"role": "robot"}]}):
+            try:
+                await client.chat.completions.create(**{"model": "policy",
+                                                        "messages": msgs, **kwargs})
+            except BadRequestError as e:
+                errors.append(str(e))
+        models = await client.models.list()
+        r = await client.completions.create(model="policy", prompt="what is two")
+        return float(len(models.data) + len(r.choices))
+
+    (ep,), _, _ = _run(tok, agent, ["six"])
+    assert ep.reward == 2.0 and ep.end == "done"
+    assert "streaming is not served" in errors[0] and "one choice" in errors[1]
+    assert "role one of system" in errors[2]
+
+
+def test_completions_continue_text_and_token_ids_without_retokenising():
+    tok = chatml_tokenizer()
+    seen: list = []
+
+    @_closing
+    async def agent(client, row):
+        r = await client.completions.create(model="policy", prompt="what is two")
+        text = "what is two" + r.choices[0].text + " plus three"
+        r = await client.completions.create(model="policy", prompt=text)
+        seen.append(text + r.choices[0].text)
+        ids = list(tok("six", add_special_tokens=False).input_ids)
+        await client.completions.create(model="policy", prompt=ids)  # another history
+        return 1.0
+
+    (ep,), _, calls = _run(tok, agent, [" is", " five", "six"])
+    assert ep.segments == 2 and [k for k, _ in calls] == [0, 1, 2]
+    assert seen == ["what is two is plus three five"]
+    six = list(tok("six", add_special_tokens=False).input_ids)
+    assert ep.prompt + ep.tokens == [*six, *six, tok.eos_token_id]
+
+
+def test_an_agent_records_the_same_tokens_as_the_environment_episode():
+    """The same conversation as a `task.env` episode and as an agent's calls, sampled by a
+    real (tiny) model with the same keys: the same token ids, turn by turn."""
+    s = Setup(4)
+    env, agent = s.run("env"), s.run("agent")
+    assert env.episode_ends is not None and set(env.episode_ends.tolist()) == {ENDS.index("done")}
+    assert int((env.response_mask == POLICY).sum()) > 3 * 4  # three turns of real tokens
+    assert torch.equal(env.response_ids, agent.response_ids)
+    assert torch.equal(env.response_mask, agent.response_mask)
+    assert torch.allclose(env.behaviour_logprobs, agent.behaviour_logprobs)
