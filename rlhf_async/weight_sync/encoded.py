@@ -23,8 +23,8 @@ def send_bucket(group: BroadcastGroup, data: torch.Tensor, prev: torch.Tensor,
     (they own their tensors) and the bytes put on the wire."""
     kind, payload = encode(prev, data)
     header = torch.tensor([kind, payload.numel(), checksum(data)], dtype=torch.int64)
-    if kind == FULL:
-        payload = payload.clone()  # `data` may be a reused buffer or the live weights
+    # FULL: `data` may be a reused buffer or the live weights; STEP was deflated on the CPU
+    payload = payload.clone() if kind == FULL else payload.to(data.device)
     prev.copy_(data)
     works = [(group.broadcast(header.to(data.device)), f"header of {label}"),
              (group.broadcast(payload), label)]

@@ -37,28 +37,72 @@ def test_round_trip_is_bit_identical_over_versions(dtype: torch.dtype, frac: flo
         w = new
 
 
-def test_form_chosen_by_size() -> None:
-    n = 1 << 16
-    prev = torch.zeros(n, dtype=torch.uint8)
-    same = prev.clone()
-    kind, payload = delta.encode(prev, same)
-    assert kind == delta.GAPS and payload.numel() == 3 * (n // 2 // 255)  # only the grid
-    dense = prev.clone()
-    dense[::8] = 7  # every 4th word changed by 7: a bit per word beats 3 bytes a word
-    kind, payload = delta.encode(prev, dense)
-    assert kind == delta.MASK and payload.numel() == n // 2 // 8 + 2 * (n // 8)
-    ulps = prev.clone()
-    ulps[::4] = 1  # every other word one unit up
-    ulps[2::8] = 255  # and every 4th word one down (0x00ff -> wraps in the low byte)
-    ulps[3::8] = 255  # (0xffff = -1)
-    kind, payload = delta.encode(prev, ulps)
-    assert kind == delta.STEP and payload.numel() == n // 2 // 4
+def _round_trip(prev: torch.Tensor, new: torch.Tensor) -> tuple[int, torch.Tensor]:
+    kind, payload = delta.encode(prev, new)
     base = prev.clone()
     delta.decode(kind, payload, base)
-    assert torch.equal(base, ulps)
-    everything = torch.ones(n, dtype=torch.uint8)
-    kind, payload = delta.encode(prev, everything)
-    assert kind == delta.FULL and payload.numel() == n
+    assert torch.equal(base, new)
+    return kind, payload
+
+
+def test_codes_by_hand() -> None:
+    prev = torch.tensor([0, 0, 0, 0, 0, 0x7FFF, 0, 0], dtype=torch.int16)
+    new = torch.tensor([1, -1, 0, 5, 0, -0x8000, 0x7FFF, -0x8000], dtype=torch.int16)
+    code, listed = delta.step_codes(prev.view(torch.uint8), new.view(torch.uint8))
+    # +1 / -1 / same / listed 5 / same / 0x7fff -> 0x8000 is +1 on the wrapped word /
+    # the two extremes of the difference are listed
+    assert code.tolist() == [2, 0, 1, 3, 1, 2, 3, 3]
+    assert listed.tolist() == [5, 0x7FFF, -0x8000]
+    packed = delta._pack_pairs(code)
+    assert packed.tolist() == [2 | 0 << 2 | 1 << 4 | 3 << 6, 1 | 2 << 2 | 3 << 4 | 3 << 6]
+    assert torch.equal(delta._unpack_pairs(packed, 8), code)
+    _round_trip(prev.view(torch.uint8), new.view(torch.uint8))
+
+
+def test_unchanged_bucket_is_almost_free() -> None:
+    prev = torch.randn(1 << 16).to(torch.bfloat16).view(torch.uint8)
+    kind, payload = _round_trip(prev, prev.clone())
+    assert kind == delta.STEP and payload.numel() < prev.numel() / 500
+
+
+def test_one_ulp_steps_cost_about_their_entropy() -> None:
+    g = torch.Generator().manual_seed(2)
+    prev = torch.randn(1 << 18, generator=g).to(torch.bfloat16)
+    step = (torch.rand(prev.shape, generator=g) < 0.05).to(torch.int16)  # 5% move one ulp
+    new = prev.view(torch.int16) + step * torch.where(torch.rand(prev.shape, generator=g) < 0.5,
+                                                      1, -1).to(torch.int16)
+    kind, payload = _round_trip(prev.view(torch.uint8), new.view(torch.uint8))
+    # entropy of {95%, 2.5%, 2.5%} is 0.34 bits a word; deflate of 4 codes a byte ~0.5
+    full = 2 * prev.numel()
+    assert kind == delta.STEP and 0.34 / 16 * full < payload.numel() < 0.7 / 16 * full
+
+
+@pytest.mark.parametrize("nbytes", [8198, 8200])
+def test_everything_changed_falls_back_to_full(nbytes: int) -> None:
+    g = torch.Generator().manual_seed(4)  # random bytes: no form can be smaller
+    prev = torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
+    new = torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
+    kind, payload = _round_trip(prev, new)
+    assert kind == delta.FULL and payload.data_ptr() == new.data_ptr()
+
+
+def test_everything_one_ulp_up_is_still_a_small_delta() -> None:
+    prev = torch.randn(4096).to(torch.float16)
+    new = (prev.view(torch.int16) + 1).view(torch.uint8)
+    kind, payload = _round_trip(prev.view(torch.uint8), new)
+    assert kind == delta.STEP and payload.numel() < new.numel() / 50
+
+
+def test_corrupt_payload_is_a_value_error() -> None:
+    prev = torch.zeros(4096, dtype=torch.uint8)
+    new = prev.clone()
+    new[::64] = 1
+    kind, payload = delta.encode(prev, new)
+    assert kind == delta.STEP
+    with pytest.raises(ValueError, match="corrupt step payload"):
+        delta.decode(kind, payload[: payload.numel() // 2], prev.clone())
+    with pytest.raises(ValueError, match="does not fit"):
+        delta.decode(kind, payload, torch.zeros(8192, dtype=torch.uint8))
 
 
 def test_checksum_sees_a_swapped_pair() -> None:

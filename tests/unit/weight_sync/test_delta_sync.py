@@ -18,6 +18,7 @@ from rlhf_async.weight_sync import (
     TorchBroadcastReceiver,
     TorchBroadcastSender,
 )
+from rlhf_async.weight_sync.encoded import HEADER_BYTES
 from rlhf_async.weight_sync.errors import WeightSyncBaseMismatch
 from rlhf_async.weight_sync.plan import build_layout, tied_names
 
@@ -106,6 +107,26 @@ def test_versions_arrive_bit_identical_and_smaller(group: _Group, frac: float) -
         if version > 1:
             assert group.sender.last_sent_bytes < full
     assert group.sender.full_fallbacks == 0
+
+
+def test_update_that_changes_every_byte_goes_whole(group: _Group) -> None:
+    g = torch.Generator().manual_seed(7)
+    ws = _weights(g)
+    group.update(ws, 1)
+    for name, t in ws.items():  # random bytes: no delta is smaller than the bucket
+        if name != "head":
+            t.view(torch.uint8).view(-1).copy_(torch.randint(0, 256, (t.numel() * t.element_size(),),
+                                                    generator=g, dtype=torch.uint8))
+    plan, got = group.update(ws, 2)
+    assert plan["base"] is not None  # a delta update whose buckets all went FULL
+    buckets = build_layout(ws, group.sender.bucket_bytes).buckets  # 7 x 2048 bytes + 128
+    assert [size for _, size in buckets] == [2048] * 7 + [128]
+    # the seven full ones go whole; the last holds 28 random bytes, the rest is padding
+    sent = group.sender.last_sent_bytes
+    assert 7 * (2048 + HEADER_BYTES) + HEADER_BYTES < sent <= 14464 + 8 * HEADER_BYTES
+    for received in got:
+        for name, t in ws.items():
+            assert torch.equal(received.tensors[name].view(torch.uint8), t.view(torch.uint8))
 
 
 def test_tied_weight_counted_once(group: _Group) -> None:
