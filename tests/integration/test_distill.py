@@ -48,8 +48,9 @@ def test_distillation_matches_flattening_in_every_strategy(tmp_path, cache, teac
                                                            one_thread):
     distil = ["algo.name=distill", f"teacher.path={teacher}", "train.steps=2"]
     flat = _run(tmp_path, cache, "flat", *distil)
+    # the teacher on the scorer, on a device of its own (on CPU slots: the same one)
     sep = _run(tmp_path, cache, "sep", *distil, "placement.strategy=separation",
-               "placement.devices=2", "algo.max_staleness=0")
+               "placement.devices=2", "algo.max_staleness=0", "placement.teacher=[1]")
     inter = _run(tmp_path, cache, "inter", *distil, "placement.strategy=interleaving",
                  "placement.devices=2", "train.prompts_per_step=8")
     keys = ["policy_loss", "reward", "teacher_reverse_kl", "entropy", "response_length",
