@@ -115,7 +115,8 @@ class TeacherConfig:
     path: str = opt("", "on-policy distillation's teacher: a causal LM (a directory or a "
                     "cached hub id) on the student's tokenizer and vocabulary, frozen, placed "
                     "and held like the reference model (its dtype: placement.dtype's "
-                    "reference=; devices of its own: placement.teacher); needed by algo.name = 'distill' and algo.distill_coef > 0")
+                    "reference=; devices of its own: placement.teacher); needed by "
+                    "algo.name = 'distill' and algo.distill_coef > 0")
 
 
 @dataclass
