@@ -1,6 +1,12 @@
 """Does the default recipe learn on every seed? SFT vs final hidden score per algo.name.
 
     .venv/bin/python bench/eval_seeds.py [--seeds 0 1 ... 7] [--algos ppo grpo dapo ...] [override ...]
+    .venv/bin/python bench/eval_seeds.py --algos ppo --variant sync: \
+        --variant k1p:placement.strategy=separation,algo.max_staleness=1,algo.proximal=true
+
+`--variant LABEL:KEY=VALUE,...` (repeatable) runs every algorithm once per variant with those
+overrides on top; rows are labelled `algo/LABEL` and each variant's mean is compared with the
+first variant's (the baseline) seed by seed.
 
 Each seed trains (or reuses from the cache) its own SFT policy and reward model; every run
 is the default `rlhf-async run` job with `algo.name` and `run.seed` set, as a user runs it.
@@ -36,19 +42,33 @@ def smoothed(values: list[float], k: int = SMOOTH) -> list[float]:
     return [statistics.mean(values[max(0, i - k + 1): i + 1]) for i in range(len(values))]
 
 
-def one_run(algo: str, seed: int, stamp: str, overrides: list[str]) -> dict:
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """`LABEL:KEY=VALUE,KEY=VALUE` -> (LABEL, overrides); `LABEL:` has none."""
+    label, sep, rest = text.partition(":")
+    if not sep or not label or "/" in label:
+        raise argparse.ArgumentTypeError(
+            f"--variant {text!r}: expected LABEL:KEY=VALUE,... (LABEL without '/')")
+    overrides = [o for o in rest.split(",") if o]
+    if bad := [o for o in overrides if "=" not in o]:
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: {bad[0]!r} is not KEY=VALUE")
+    return label, overrides
+
+
+def one_run(algo: str, seed: int, stamp: str, overrides: list[str], label: str = "") -> dict:
+    name = f"{algo}/{label}" if label else algo
     cfg = load_config(None, [f"algo.name={algo}", f"run.seed={seed}",
-                             f"run.name=eval-{stamp}-{algo}-s{seed}", "run.progress=false",
-                             "run.plot=false", *overrides])
+                             f"run.name=eval-{stamp}-{name.replace('/', '-')}-s{seed}",
+                             "run.progress=false", "run.plot=false", *overrides])
+    load = os.getloadavg()[0]
     s = run(cfg)
     records = read_metrics(Path(s["run_dir"]) / "metrics.jsonl")
     curve = smoothed([r["hidden_score"] for r in records])
     kl = [r["kl"] for r in records]
-    return {"algo": algo, "seed": seed, "sft": s["sft_hidden_score"],
+    return {"algo": name, "seed": seed, "sft": s["sft_hidden_score"],
             "final": s["final_hidden_score"], "peak": max(curve),
             "final_kl": statistics.mean(kl[-SMOOTH:]), "rm_accuracy": s["rm_accuracy"],
             "rl_seconds": s["rl_seconds"], "wall_seconds": s["wall_seconds"],
-            "curve": curve, "kl_curve": kl}
+            "load": [load, os.getloadavg()[0]], "curve": curve, "kl_curve": kl}
 
 
 CURVES = ("curve", "kl_curve")
@@ -64,7 +84,8 @@ def write_results(rows: list[dict], out: Path, curves_out: Path, head: dict) -> 
 
 
 def table(rows: list[dict]) -> str:
-    out = [f"{'algo':5} {'seed':>4} {'SFT':>6} {'final':>6} {'gain':>7} {'peak':>6} "
+    width = max([5, *(len(r["algo"]) for r in rows)])
+    out = [f"{'algo':{width}} {'seed':>4} {'SFT':>6} {'final':>6} {'gain':>7} {'peak':>6} "
            f"{'KL':>6} {'RM acc':>6}  note"]
     for r in rows:
         note = []
@@ -72,7 +93,7 @@ def table(rows: list[dict]) -> str:
             note.append("WORSE than SFT")
         if r["peak"] - r["final"] > COLLAPSE:
             note.append(f"collapsed ({r['peak'] - r['final']:.2f} below peak)")
-        out.append(f"{r['algo']:5} {r['seed']:>4} {r['sft']:>6.3f} {r['final']:>6.3f} "
+        out.append(f"{r['algo']:{width}} {r['seed']:>4} {r['sft']:>6.3f} {r['final']:>6.3f} "
                    f"{r['final'] - r['sft']:>+7.3f} {r['peak']:>6.3f} {r['final_kl']:>6.2f} "
                    f"{r['rm_accuracy']:>6.3f}  {', '.join(note)}")
     for algo in dict.fromkeys(r["algo"] for r in rows):
@@ -86,7 +107,25 @@ def table(rows: list[dict]) -> str:
                    f"{statistics.mean(gain):+.3f} +- {sd:.3f}; {better}/{len(sel)} seeds "
                    f"above SFT, {collapsed} collapsed; mean final KL "
                    f"{statistics.mean(r['final_kl'] for r in sel):.2f}")
+    out.extend(versus_baseline(rows))
     return "\n".join(out)
+
+
+def versus_baseline(rows: list[dict]) -> list[str]:
+    """Each variant's final score minus the first variant's of the same algorithm on the
+    same seeds (only rows labelled `algo/LABEL`)."""
+    labelled = [r for r in rows if "/" in r["algo"]]
+    out = []
+    for algo in dict.fromkeys(r["algo"].split("/")[0] for r in labelled):
+        names = list(dict.fromkeys(r["algo"] for r in labelled if r["algo"].startswith(algo + "/")))
+        base = {r["seed"]: r["final"] for r in labelled if r["algo"] == names[0]}
+        for name in names[1:]:
+            diff = [r["final"] - base[r["seed"]] for r in labelled
+                    if r["algo"] == name and r["seed"] in base]
+            if diff:
+                out.append(f"{name} - {names[0]}: mean {statistics.mean(diff):+.3f} over "
+                           f"{len(diff)} seeds (min {min(diff):+.3f}, max {max(diff):+.3f})")
+    return out
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -112,26 +151,34 @@ def main() -> int:
     ap.add_argument("--algos", nargs="+", default=["ppo", "grpo"])
     ap.add_argument("--out", default="bench/results/eval_seeds.json")
     ap.add_argument("--curves-out", help="default: runs/<--out's name>_curves.json")
+    ap.add_argument("--variant", type=parse_variant, action="append", default=[],
+                    help="LABEL:KEY=VALUE,... extra overrides; every algorithm runs once per "
+                         "variant (the first is the baseline the others are compared with)")
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.steps=50")
     args = ap.parse_args()
     stamp, load0, t0 = time.strftime("%Y%m%d-%H%M%S"), os.getloadavg(), time.perf_counter()
+    variants = args.variant or [("", [])]
+    out = Path(args.out)
+    curves_out = traces_path(out, args.curves_out, "curves")
+    head: dict = {"overrides": args.overrides, "variants": dict(variants)}
     rows = []
     for seed in args.seeds:
         for algo in args.algos:
-            rows.append(one_run(algo, seed, stamp, args.overrides))
-            r = rows[-1]
-            print(f"{algo} seed {seed}: SFT {r['sft']:.3f} -> final {r['final']:.3f} (peak "
-                  f"{r['peak']:.3f}, KL {r['final_kl']:.2f}) in {r['wall_seconds']:.0f}s",
-                  file=sys.stderr, flush=True)
+            for label, extra in variants:
+                rows.append(one_run(algo, seed, stamp, [*args.overrides, *extra], label))
+                r = rows[-1]
+                print(f"{r['algo']} seed {seed}: SFT {r['sft']:.3f} -> final {r['final']:.3f} "
+                      f"(peak {r['peak']:.3f}, KL {r['final_kl']:.2f}) in "
+                      f"{r['wall_seconds']:.0f}s, load {r['load'][0]:.1f}-{r['load'][1]:.1f}",
+                      file=sys.stderr, flush=True)
+                # after every run: a long sweep stopped part way keeps what it measured
+                write_results(rows, out, curves_out, {**head, "load": [load0[0], None]})
     load1 = os.getloadavg()
     text = table(rows)
     print(text)
     print(f"load average at start {load0[0]:.1f}, at end {load1[0]:.1f}; "
           f"{time.perf_counter() - t0:.0f}s for {len(rows)} runs")
-    out = Path(args.out)
-    curves_out = traces_path(out, args.curves_out, "curves")
-    write_results(rows, out, curves_out,
-                  {"overrides": args.overrides, "load": [load0[0], load1[0]]})
+    write_results(rows, out, curves_out, {**head, "load": [load0[0], load1[0]]})
     plot(rows, out.with_suffix(".png"), "default recipe" + (
         f" + {' '.join(args.overrides)}" if args.overrides else ""))
     return 0

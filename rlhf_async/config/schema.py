@@ -115,7 +115,8 @@ class TeacherConfig:
     path: str = opt("", "on-policy distillation's teacher: a causal LM (a directory or a "
                     "cached hub id) on the student's tokenizer and vocabulary, frozen, placed "
                     "and held like the reference model (its dtype: placement.dtype's "
-                    "reference=); needed by algo.name = 'distill' and algo.distill_coef > 0")
+                    "reference=; devices of its own: placement.teacher); needed by "
+                    "algo.name = 'distill' and algo.distill_coef > 0")
 
 
 @dataclass
@@ -269,6 +270,11 @@ class PlacementConfig:
     critic: list[int] = opt([], "explicit device ids for the critic")  # noqa: RUF009
     reward: list[int] = opt([], "explicit device ids for the reward model")  # noqa: RUF009
     reference: list[int] = opt([], "explicit device ids for the reference model")  # noqa: RUF009
+    teacher: list[int] = opt([], "explicit device ids for the distillation teacher "  # noqa: RUF009
+                             "(teacher.path; separation: scorer i holds it on "
+                             "teacher[i mod n] instead of its own device, e.g. a teacher "
+                             "larger than the reference on a GPU of its own); empty = with "
+                             "the reference")
     generator: list[int] = opt([], "explicit device ids for generator shadows (separation)")  # noqa: RUF009
     generators: int = opt(0, "generator replicas (separation); 0 = one per device of the "
                           "generator group", ge=0)

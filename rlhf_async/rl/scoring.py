@@ -96,13 +96,36 @@ def score(reward_model: ScalarHeadModel | None, reference: nn.Module, batch: Rol
           temperature: float, mix: RewardMix, packed: bool = False,
           teacher: nn.Module | None = None) -> RolloutBatch:
     """Add rewards [B], reference log-probs [B, R] and hidden scores [B] (see RewardMix),
-    and with a distillation `teacher` its log-probs [B, R] as the reference's.
+    and with a distillation `teacher` its log-probs [B, R] as the reference's; a teacher on
+    another device than the batch (`placement.teacher`) scores a copy of it there.
     `packed` (with `train.max_tokens_per_microbatch`): the forwards run on the rows' real
     tokens packed end to end (`modeling/packing.py`) where both models keep packed
     sequences apart, not on rows padded to the longest: the same numbers to float
     rounding, without the padding's compute on a long tail of lengths."""
     started = mix.start(batch)  # a reward server's answer comes while the forwards run
-    lms = [reference] if teacher is None else [reference, teacher]
+    home = batch.response_ids.device
+    apart = teacher is not None and _device(teacher) != home
+    lms = [reference] if teacher is None or apart else [reference, teacher]
+    lps, rm = _forwards(lms, reward_model, batch, temperature, packed)
+    if teacher is not None and apart:
+        there = batch.to(_device(teacher))
+        lps += [lp.to(home) for lp in _forwards([teacher], None, there, temperature, packed)[0]]
+    ref_lp = lps[0]
+    rewards, hidden = mix.combine(rm, batch, started)
+    return batch.replace(rewards=rewards.to(ref_lp.device), ref_logprobs=ref_lp,
+                         hidden_scores=hidden.to(ref_lp.device),
+                         teacher_logprobs=None if teacher is None else lps[1])
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _forwards(lms: list[nn.Module], reward_model: ScalarHeadModel | None,
+              batch: RolloutBatch, temperature: float, packed: bool
+              ) -> tuple[list[Tensor], Tensor | None]:
+    """Each of `lms`' log-probs [B, R] of the responses (0 off the policy's tokens) and the
+    reward model's scores [B] (None without one), on the batch's device."""
     models = lms if reward_model is None else [*lms, reward_model]
     if packed and all(packs(m) for m in models):
         view = packed_view(batch)
@@ -110,13 +133,8 @@ def score(reward_model: ScalarHeadModel | None, reference: nn.Module, batch: Rol
                * batch.loss_mask for lm in lms]
         rm = None if reward_model is None else \
             reward_model(view.input_ids, None, view.position_ids)[view.last]
-    else:
-        args = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
-        lps = [A.gather_logprobs(response_logits(lm, *args), batch.response_ids, temperature)
-               * batch.loss_mask for lm in lms]
-        rm = None if reward_model is None else sequence_scores(reward_model, *args)
-    ref_lp = lps[0]
-    rewards, hidden = mix.combine(rm, batch, started)
-    return batch.replace(rewards=rewards.to(ref_lp.device), ref_logprobs=ref_lp,
-                         hidden_scores=hidden.to(ref_lp.device),
-                         teacher_logprobs=None if teacher is None else lps[1])
+        return lps, rm
+    args = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+    lps = [A.gather_logprobs(response_logits(lm, *args), batch.response_ids, temperature)
+           * batch.loss_mask for lm in lms]
+    return lps, None if reward_model is None else sequence_scores(reward_model, *args)

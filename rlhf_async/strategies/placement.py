@@ -165,7 +165,7 @@ def with_reason(p: Placement, reason: str) -> Placement:
 def config_problems(cfg: PlacementConfig) -> list[str]:
     """Pinned device ids outside 0..devices-1."""
     out = []
-    for key in ("actor", "critic", "reward", "reference", "generator"):
+    for key in ("actor", "critic", "reward", "reference", "generator", "teacher"):
         bad = [d for d in getattr(cfg, key) if not 0 <= d < cfg.devices]
         if bad:
             out.append(f"placement.{key}: device ids {bad} outside 0..{cfg.devices - 1} "

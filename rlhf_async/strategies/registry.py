@@ -55,6 +55,11 @@ def build_placement(cfg: PlacementConfig, algo: str) -> tuple[Placement | None, 
     placement = strategy.preset(cfg, resolve(AlgoConfig(name=algo)), over)
     problems += validate(placement, strategy.roles)
     problems += strategy.placement_problems(cfg, placement)
+    if cfg.teacher and "scorer" not in strategy.roles:
+        problems.append(f"placement.teacher: {strategy.name} holds the teacher with the "
+                        "reference (every rank, or the reference's devices); devices of its "
+                        "own are for scorer processes: use placement.strategy = 'separation' "
+                        "or leave placement.teacher empty")
     return placement, problems
 
 

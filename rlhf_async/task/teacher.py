@@ -78,6 +78,17 @@ def check_teacher(cfg: JobConfig) -> None:
         raise ConfigError(problems)
 
 
+def teacher_device(cfg: JobConfig, device: torch.device, node_id: str) -> torch.device:
+    """Where Separation's scorer `node_id` (scorer<i>) holds the teacher: on GPUs
+    `placement.teacher[i mod n]` when given (a device of its own, as the reference's are
+    placed), else the scorer's own `device` (CPU slots are not pinned: one device)."""
+    own = cfg.placement.teacher
+    if not own or device.type != "cuda":
+        return device
+    index = node_id.removeprefix("scorer")
+    return torch.device(f"cuda:{own[int(index) % len(own)] if index.isdigit() else own[0]}")
+
+
 def load_teacher(cfg: JobConfig, device: torch.device,
                  precision: Precision) -> torch.nn.Module | None:
     """The frozen teacher on `device`, held in the reference model's dtype (it is placed

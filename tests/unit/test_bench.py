@@ -179,3 +179,22 @@ def test_eval_seeds_writes_curves_apart_from_the_rows(tmp_path):
         "load": [1.0, 1.0], "rows": [{"algo": "ppo", "seed": 3, "sft": 0.4, "final": 0.7}]}
     assert json.loads(curves.read_text())["rows"] == [
         {"algo": "ppo", "seed": 3, "curve": [0.4, 0.5], "kl_curve": [0.1, 0.2]}]
+
+
+def test_eval_seeds_variants_parse_and_compare_with_the_first():
+    import argparse
+
+    from bench.eval_seeds import parse_variant, versus_baseline
+
+    assert parse_variant("sync:") == ("sync", [])
+    assert parse_variant("k1p:algo.max_staleness=1,algo.proximal=true") == (
+        "k1p", ["algo.max_staleness=1", "algo.proximal=true"])
+    for bad in ("nolabel", ":a=1", "a/b:x=1", "k1:algo.proximal"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_variant(bad)
+    rows = [{"algo": f"ppo/{v}", "seed": s, "final": f} for v, s, f in (
+        ("sync", 0, 0.70), ("sync", 1, 0.60), ("k1p", 0, 0.65), ("k1p", 1, 0.64))]
+    # k1p - sync: -0.05 and +0.04 -> mean -0.005
+    assert versus_baseline(rows) == [
+        "ppo/k1p - ppo/sync: mean -0.005 over 2 seeds (min -0.050, max +0.040)"]
+    assert versus_baseline([{"algo": "ppo", "seed": 0, "final": 0.7}]) == []

@@ -129,6 +129,10 @@ def runner_problems(cfg: JobConfig, p: Placement) -> list[str]:
         out.append(f"placement.tensor_parallel: shadow_actor={tp} runs with the local launcher "
                    "only (a Ray bundle gives each node process one GPU); use "
                    "placement.launcher = 'local' or shadow_actor=1")
+    if cfg.placement.teacher and cfg.placement.launcher == "ray":
+        out.append("placement.teacher: a Ray bundle gives each node process one GPU, so the "
+                   "teacher stays on its scorer's; use placement.launcher = 'local' or leave "
+                   "placement.teacher empty")
     if cfg.placement.rebalance and cfg.placement.launcher == "ray":
         out.append("placement.rebalance: rebalances jobs on this machine only in this build; "
                    "use placement.launcher = 'local' or placement.rebalance = false")

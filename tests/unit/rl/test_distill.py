@@ -64,3 +64,40 @@ def test_distillation_without_teacher_logprobs_is_refused() -> None:
     lrn, _ = _learner("distill", 0.0)
     with pytest.raises(ValueError, match="teacher"):
         lrn.train_step(batch())
+
+
+def _scored(teacher_apart: bool, monkeypatch: pytest.MonkeyPatch):
+    """score() of a 2-row batch by a tiny reference and teacher; `teacher_apart`: the
+    teacher reports another device (cpu:1, a CPU stand-in for a GPU of its own), so it
+    scores a copy of the batch moved there and its log-probs come back. -> (the scored
+    batch, the devices batches were moved to, the models of each forward pass)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlhf_async.modeling.rollout import RolloutBatch
+    from rlhf_async.rl import scoring
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=16, n_embd=8, n_layer=1, n_head=2, n_positions=16)
+    ref, teacher = GPT2LMHeadModel(cfg).eval(), GPT2LMHeadModel(cfg).eval()
+    moved, passes = [], []
+    own_device, forwards, to = scoring._device, scoring._forwards, RolloutBatch.to
+    if teacher_apart:
+        monkeypatch.setattr(scoring, "_device", lambda m: torch.device("cpu", 1)
+                            if m is teacher else own_device(m))
+    monkeypatch.setattr(RolloutBatch, "to", lambda self, d: moved.append(d) or to(self, d))
+    monkeypatch.setattr(scoring, "_forwards", lambda lms, *a: passes.append(
+        ["teacher" if m is teacher else "reference" for m in lms]) or forwards(lms, *a))
+    b = batch().replace(prompt_ids=torch.tensor([[1, 2], [3, 4]]),
+                        prompt_mask=torch.ones(2, 2, dtype=torch.long))
+    mix = scoring.RewardMix(rule=lambda p, r, m: torch.zeros(len(p)))
+    return scoring.score(None, ref, b, 1.0, mix, teacher=teacher), moved, passes
+
+
+def test_teacher_on_a_device_of_its_own_scores_the_same(monkeypatch) -> None:
+    beside, moved, passes = _scored(False, monkeypatch)
+    assert moved == [] and passes == [["reference", "teacher"]]
+    apart, moved, passes = _scored(True, monkeypatch)
+    assert moved == [torch.device("cpu", 1)] and passes == [["reference"], ["teacher"]]
+    assert torch.equal(apart.teacher_logprobs, beside.teacher_logprobs)
+    assert torch.equal(apart.ref_logprobs, beside.ref_logprobs)
+    assert not torch.equal(apart.teacher_logprobs, apart.ref_logprobs)

@@ -6,12 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from rlhf_async.config import ConfigError, JobConfig
+from rlhf_async.config import ConfigError, JobConfig, PlacementConfig
 from rlhf_async.config.load import load_config
+from rlhf_async.strategies.registry import build_placement, runner_problems
 from rlhf_async.task.sort_digits import VOCAB_SIZE
-from rlhf_async.task.teacher import check_teacher, teacher_problems
+from rlhf_async.task.teacher import check_teacher, teacher_device, teacher_problems
 from tests.text_model import make_text_model
 
 
@@ -57,3 +59,29 @@ def test_distill_without_teacher_is_a_config_error() -> None:
     assert any(p.startswith("teacher.path:") for p in e.value.problems)
     with pytest.raises(ConfigError):
         load_config(None, ["algo.distill_coef=0.5"])
+
+
+def test_teacher_device_of_its_own_per_scorer() -> None:
+    cfg = JobConfig()
+    gpu, cpu = torch.device("cuda:1"), torch.device("cpu")
+    assert teacher_device(cfg, gpu, "scorer0") == gpu  # none given: the scorer's own
+    cfg.placement.teacher = [2, 3]
+    assert [teacher_device(cfg, gpu, f"scorer{i}") for i in range(3)] == [
+        torch.device("cuda:2"), torch.device("cuda:3"), torch.device("cuda:2")]
+    assert teacher_device(cfg, cpu, "scorer1") == cpu  # CPU slots are not pinned
+
+
+def test_placement_teacher_is_separation_s_and_in_range() -> None:
+    sep = PlacementConfig(strategy="separation", devices=3, teacher=[2])
+    assert build_placement(sep, "distill")[1] == []
+    out = build_placement(PlacementConfig(strategy="separation", devices=3, teacher=[3]),
+                          "distill")[1]
+    assert out == ["placement.teacher: device ids [3] outside 0..2 (placement.devices = 3)"]
+    for strategy in ("flattening", "interleaving"):
+        out = build_placement(PlacementConfig(strategy=strategy, devices=2, teacher=[1]),
+                              "distill")[1]
+        assert len(out) == 1 and out[0].startswith(f"placement.teacher: {strategy} holds")
+    ray = JobConfig(placement=PlacementConfig(strategy="separation", devices=3, teacher=[2],
+                                              launcher="ray"))
+    assert any(p.startswith("placement.teacher:") for p in runner_problems(
+        ray, build_placement(ray.placement, "distill")[0]))
