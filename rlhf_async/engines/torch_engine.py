@@ -42,6 +42,7 @@ from rlhf_async.modeling.generation import (
     completes_stop_string,
     stop_window,
 )
+from rlhf_async.modeling.prefix_kv import PrefixStore
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.weight_sync import GroupSpec, load_into_module, make_receiver
 
@@ -78,13 +79,13 @@ class TorchEngine:
     request submitted (the caller caps)."""
 
     name = "torch"
-    capabilities = Capabilities(keep_on_update=True, stop_strings=True, prefix_cache=False,
+    capabilities = Capabilities(keep_on_update=True, stop_strings=True, prefix_cache=True,
                                 tensor_parallel=False)
 
     def __init__(self, model_dir: str, params: SamplingParams, *, dtype: str = "float32",
                  tensor_parallel: int = 1, sync_backend: str = "gloo",
                  device: torch.device | str = "cpu", module: nn.Module | None = None,
-                 slots: int = 0) -> None:
+                 slots: int = 0, prefix_cache_mb: int = 512) -> None:
         if tensor_parallel != 1:
             raise ValueError("the torch generation engine keeps a whole copy (tensor_parallel "
                              f"1, got {tensor_parallel}); use an engine with tensor_parallel")
@@ -100,6 +101,7 @@ class TorchEngine:
         self.receiver = make_receiver(sync_backend, device=self.device)
         self._version = 0
         self._batch = ContinuousBatch(self.module, self.params, slots or None)
+        self.prefixes = PrefixStore(prefix_cache_mb << 20)  # the decode thread's
         self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         self._outbox: list[_Call] = []  # the caller loop's, until its next iteration
         self._live: dict[str, _Call] = {}  # request id -> its "add" call (decode thread's)
@@ -111,11 +113,11 @@ class TorchEngine:
 
     @classmethod
     def serving(cls, module: nn.Module, params: SamplingParams, *, sync_backend: str = "gloo",
-                slots: int = 0) -> TorchEngine:
+                slots: int = 0, prefix_cache_mb: int = 512) -> TorchEngine:
         """An engine over an already loaded `module` (held in its dtype)."""
         device = next(module.parameters()).device
         return cls("", params, sync_backend=sync_backend, device=device, module=module,
-                   slots=slots)
+                   slots=slots, prefix_cache_mb=prefix_cache_mb)
 
     # --- the interface (the caller's loop) ------------------------------------------------
 
@@ -243,8 +245,13 @@ class TorchEngine:
         one = torch.zeros(1, dtype=torch.long, device=self.device)
         prompts = PromptBatch(ids, torch.ones_like(ids), one, one)
         u = seeded_uniform(req.seed, (self.params.max_new_tokens,))[None]
+        salt = req.cache_salt
+        past = None if salt is None else self.prefixes.take(salt, req.prompt_ids,
+                                                            self._version)
         self._batch.add(req.request_id, prompts, u, torch.tensor([req.max_new_tokens]),
-                        torch.tensor([req.min_new_tokens]))
+                        torch.tensor([req.min_new_tokens]), [past],
+                        None if salt is None or not self.prefixes.budget else
+                        lambda _, kept: self.prefixes.put(salt, kept))
         self._live[req.request_id] = call
 
     def _abort(self, call: _Call) -> None:
@@ -273,6 +280,7 @@ class TorchEngine:
             return
         self._version = version
         self._batch.reload()
+        self.prefixes.drop_other_versions(version)
         call.answer(version)
 
     def _hand_back(self, rid: str, g: Generated, finish: Finish | None) -> None:

@@ -15,7 +15,9 @@ where it sits changes nothing. A finished row's slot is free until the next admi
 free slots leave the batch when it is at most half full and no prompt waits. When the
 columns run out, each row's valid columns are gathered right-aligned into the first ones
 (`_compact`), so every row attends over no more than the longest prompt plus response
-and a few columns of slack.
+and a few columns of slack. A row whose prompt starts with tokens whose KV was kept
+(`prefix_kv`: a multi-turn episode's earlier turns) has only the rest prefilled on top of
+that KV, and hands its own KV back when it ends.
 
 Sampling is `sample`'s: keyed uniforms per (sample, position), so a row's tokens do not
 depend on which rows share its batch or when it entered, and each token records the
@@ -27,6 +29,7 @@ Mistral with plain parameters).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +46,14 @@ from rlhf_async.modeling.generation import (
     scaled_logprobs,
     stop_window,
 )
-from rlhf_async.modeling.kv_cache import preallocated_cache
+from rlhf_async.modeling.kv_cache import (
+    add_rows,
+    compact_columns,
+    preallocated_cache,
+    select_rows,
+    set_buffers,
+)
+from rlhf_async.modeling.prefix_kv import Prefix, prefill_after, row_prefix, suffix_after
 from rlhf_async.modeling.rollout import PromptBatch
 
 
@@ -57,8 +67,14 @@ class _Chunk:
     out: Generated
     limits: Tensor  # [B] long: tokens each row may sample (<= R)
     mins: Tensor  # [B] long: tokens before a stop may be sampled
+    pasts: Sequence[Prefix | None]  # [B] KV kept for the start of each prompt
+    keep: Callable[[int, Prefix], None] | None  # takes each ended row's KV (row, prefix)
     admitted: int = 0
     finished: int = 0
+
+    def prompt(self, r: int) -> list[int]:
+        """Row r's prompt without its padding."""
+        return self.prompts.prompt_ids[r][self.prompts.prompt_mask[r] != 0].tolist()
 
 
 class ContinuousBatch:
@@ -74,6 +90,7 @@ class ContinuousBatch:
     min_t: Tensor  # [b] tokens before its stops may be sampled
     logits: Tensor  # [b, V] its next token's
     lv: Tensor  # [b] the weight version that computed `logits`
+    kv: Tensor  # [b] the weight version that computed all its KV, -1 when several did
     tokens: Tensor  # [b, R] its response so far, pad after
     logprobs: Tensor  # [b, R]
     versions: Tensor  # [b, R]
@@ -104,16 +121,20 @@ class ContinuousBatch:
         # columns, so few; each compaction is a copy of the cache
         self.slack = max(16, self.R // 4)
         self.waiting: deque[_Chunk] = deque()
-        self.fast = _fast_step(actor)
+        self.reload()
         self.stops = torch.tensor(params.stops, dtype=torch.long)
         self._empty()
 
     # --- what the caller sees -------------------------------------------------------------
 
     def add(self, key: Any, prompts: PromptBatch, uniforms: Tensor,
-            limits: Tensor | None = None, mins: Tensor | None = None) -> None:
+            limits: Tensor | None = None, mins: Tensor | None = None,
+            pasts: Sequence[Prefix | None] | None = None,
+            keep: Callable[[int, Prefix], None] | None = None) -> None:
         """Queue a chunk's prompts [B, P] (left-padded), uniforms [B, R], and per row at most
-        limits[b] tokens (R), no stop before mins[b] (params.min_new_tokens)."""
+        limits[b] tokens (R), no stop before mins[b] (params.min_new_tokens). pasts[b]: KV
+        kept for prompt b's first tokens (`prefix_kv`); `keep(b, prefix)` takes row b's KV
+        when it ends, unless its decode crossed a weight change."""
         B, R = len(prompts), self.R
         dev = prompts.prompt_ids.device
         out = Generated(torch.full((B, R), self.params.pad_id, dtype=torch.long, device=dev),
@@ -122,7 +143,8 @@ class ContinuousBatch:
                         torch.full((B, R), -1, dtype=torch.long, device=dev))
         limits = (torch.full((B,), R) if limits is None else limits.clamp(max=R)).long()
         mins = (torch.full((B,), self.params.min_new_tokens) if mins is None else mins).long()
-        self.waiting.append(_Chunk(key, prompts, uniforms.to(dev), out, limits, mins))
+        self.waiting.append(_Chunk(key, prompts, uniforms.to(dev), out, limits, mins,
+                                   pasts or [None] * B, keep))
 
     def cancel(self, key: Any) -> Generated | None:
         """Stop chunk `key`: its rows leave their slots, what they sampled kept, its waiting
@@ -151,8 +173,11 @@ class ContinuousBatch:
         return bool(self.waiting) or self.rows > 0
 
     def reload(self) -> None:
-        """The module's weights changed in place: remake the decode step (packed copies)."""
-        self.fast = _fast_step(self.actor)
+        """The module's weights changed in place: remake the decode step (packed copies),
+        long-lived: its weights packed once."""
+        step = decode_step(self.actor, PACK_MIN_STEPS)
+        assert step is not None  # checked in __init__
+        self.fast: DecodeStep = step
 
     @torch.no_grad()
     def step(self, version: int) -> list[tuple[Any, Generated]]:
@@ -185,7 +210,7 @@ class ContinuousBatch:
                 s, n = int(idx[i]), int(t[i])
                 ids = self.tokens[s, max(0, n - stop_window(p.stop_strings)): n].tolist()
                 done[i] = completes_stop_string(ids, p.stop_strings, p.decode)
-        handed = self._finish(idx[done].tolist())
+        handed = self._finish(idx[done].tolist(), keep=True)
         live = self._occupied()
         if not bool(live.any()):
             if not self.waiting:
@@ -202,6 +227,7 @@ class ContinuousBatch:
         self.mask[:, L] = 1  # every row, free ones too, attends at least to this column
         self.logits = self.fast(feed, self.pos, self.mask[:, : L + 1], self.cache)
         self.lv.fill_(version)
+        self.kv[live & (self.kv != version)] = -1  # its KV now from two weight versions
         self.L = L + 1
         self.mask[~live, L] = 0
         self.pos += live[:, None].long()
@@ -212,13 +238,18 @@ class ContinuousBatch:
         return torch.tensor([c is not None for c in self.owner], dtype=torch.bool,
                             device=self.t.device)
 
-    def _finish(self, slots: list[int]) -> list[tuple[Any, Generated]]:
-        """Copy the ended rows into their chunks and free their slots; the chunks whose
-        last row that was."""
+    def _finish(self, slots: list[int], keep: bool = False) -> list[tuple[Any, Generated]]:
+        """Copy the ended rows into their chunks and free their slots (with `keep`, their
+        KV to their chunk's `keep`); the chunks whose last row that was."""
         handed = []
         for s in slots:
             chunk, r, n = self.owner[s], int(self.row[s]), int(self.t[s])
             assert chunk is not None
+            if keep and chunk.keep is not None and int(self.kv[s]) >= 0:
+                kept = row_prefix(self.cache, self.mask[s, : self.L] != 0, s, chunk.prompt(r),
+                                  self.tokens[s, :n].tolist(), int(self.kv[s]))
+                if kept is not None:
+                    chunk.keep(r, kept)
             out = chunk.out
             out.response_ids[r] = self.tokens[s]
             out.response_mask[r, :n] = 1
@@ -234,16 +265,34 @@ class ContinuousBatch:
     # --- admission ------------------------------------------------------------------------
 
     def _admit(self, version: int) -> None:
-        """Prefill waiting prompts into the free slots (and new ones, up to `slots`)."""
-        free = [s for s, c in enumerate(self.owner) if c is None]
+        """Prefill waiting prompts into the free slots (and new ones, up to `slots`): the
+        rows with KV kept under these weights on top of it, the others in full (two calls
+        rather than one padded to the longest whole prompt)."""
+        take = self._admissible()
+        after = [suffix_after(c.pasts[r], c.prompt(r), version) for c, r in take]
+        if fresh := [x for x, rest in zip(take, after, strict=True) if rest is None]:
+            ids, m = self._prompts(fresh)  # [k, P]
+            pos = (m.cumsum(dim=1) - 1).clamp(min=0)
+            new, logits, ours = prefill(self.actor, ids, m, pos, ids.shape[1])
+            if not ours:
+                raise RuntimeError("continuous batching: the model returned its own KV cache")
+            self._place(fresh, new, logits, m, pos[:, -1], version)
+        if kept := [(x, a) for x, a in zip(take, after, strict=True) if a is not None]:
+            self._place([x for x, _ in kept], *prefill_after(
+                self.actor, [a[0] for _, a in kept], [a[1] for _, a in kept],
+                self.params.pad_id), version)
+
+    def _admissible(self) -> list[tuple[_Chunk, int]]:
+        """The waiting rows to admit now (chunk, row): none until enough slots are free."""
+        free = sum(c is None for c in self.owner)
         if self.slots is not None:
-            room = len(free) + self.slots - len(self.owner)
+            room = free + self.slots - len(self.owner)
             enough = room >= self.admit_min
         else:  # no cap: wait for a quarter of the rows decoding (or none decodes)
             room = sum(len(c.prompts) - c.admitted for c in self.waiting)
             enough = room >= max(1, self.rows // 4)
-        if not enough and len(free) < len(self.owner):
-            return  # a prefill is a model call: wait until it fills enough slots to pay
+        if not enough and free < len(self.owner):
+            return []  # a prefill is a model call: wait until it fills enough slots to pay
         take: list[tuple[_Chunk, int]] = []
         while self.waiting and len(take) < room:
             c = self.waiting[0]
@@ -252,18 +301,19 @@ class ContinuousBatch:
             c.admitted += k
             if c.admitted == len(c.prompts):
                 self.waiting.popleft()
-        if not take:
-            return
-        ids, m = self._prompts(take)  # [k, P]
-        pos = (m.cumsum(dim=1) - 1).clamp(min=0)
-        new, logits, ours = prefill(self.actor, ids, m, pos, ids.shape[1])
-        if not ours:
-            raise RuntimeError("continuous batching: the model returned its own KV cache")
-        P = ids.shape[1]
+        return take
+
+    def _place(self, take: list[tuple[_Chunk, int]], new: Any, logits: Tensor, m: Tensor,
+               last: Tensor, version: int) -> None:
+        """Rows `take` into free slots: their prefilled KV `new` [k, H, P, D] per layer
+        right-aligned at the cache's newest columns, mask m [k, P], the position of their
+        last prompt token `last` [k], their first logits [k, V]."""
+        P = m.shape[1]
         if self.cache is None:
             self._start(new.layers[0].keys, logits, P)
         elif P > self.L:
             self._compact(min_length=P)
+        free = [s for s, c in enumerate(self.owner) if c is None]
         slots = free[: len(take)] + self._grow(len(take) - len(free))
         s, L = torch.tensor(slots, device=self.t.device), self.L
         for main, layer in zip(self.cache.layers, new.layers, strict=True):
@@ -271,13 +321,13 @@ class ContinuousBatch:
             main.value_buffer[s, :, L - P: L] = layer.values
         self.mask[s] = 0
         self.mask[s, L - P: L] = m
-        self.pos[s] = pos[:, -1:] + 1
+        self.pos[s] = last[:, None] + 1
         self.t[s] = 0
         self.u[s] = torch.stack([c.uniforms[r] for c, r in take])
         self.limit[s] = torch.stack([c.limits[r] for c, r in take]).to(s.device)
         self.min_t[s] = torch.stack([c.mins[r] for c, r in take]).to(s.device)
         self.logits[s] = logits
-        self.lv[s] = version
+        self.lv[s] = self.kv[s] = version
         self.tokens[s], self.logprobs[s], self.versions[s] = self.params.pad_id, 0.0, -1
         for slot, (c, r) in zip(slots, take, strict=True):
             self.owner[slot] = c
@@ -311,26 +361,20 @@ class ContinuousBatch:
         self.cache = preallocated_cache(self.actor, self.C)
         for layer in self.cache.layers:
             layer.device, layer.is_initialized = dev, True
-            _set(layer, keys.new_zeros((0, H, self.C, D)), keys.new_zeros((0, H, self.C, D)),
-                 self.L)
-        R, V = self.R, logits.shape[-1]
-        self.row = torch.zeros(0, dtype=torch.long, device=dev)
-        self.t = torch.zeros(0, dtype=torch.long, device=dev)
-        self.pos = torch.zeros((0, 1), dtype=torch.long, device=dev)
-        self.u = torch.zeros((0, R), dtype=torch.float64, device=dev)
-        self.limit = torch.zeros(0, dtype=torch.long, device=dev)
-        self.min_t = torch.zeros(0, dtype=torch.long, device=dev)
-        self.logits = logits.new_zeros((0, V))
-        self.lv = torch.zeros(0, dtype=torch.long, device=dev)
-        self.tokens = torch.zeros((0, R), dtype=torch.long, device=dev)
-        self.logprobs = torch.zeros((0, R), dtype=torch.float32, device=dev)
-        self.versions = torch.zeros((0, R), dtype=torch.long, device=dev)
-        self.mask = torch.zeros((0, self.C), dtype=torch.long, device=dev)
+            set_buffers(layer, keys.new_zeros((0, H, self.C, D)),
+                        keys.new_zeros((0, H, self.C, D)), self.L)
+        R, V, long = self.R, logits.shape[-1], torch.long
+        shapes = {"pos": ((1,), long), "u": ((R,), torch.float64), "logits": ((V,), logits.dtype),
+                  "tokens": ((R,), long), "logprobs": ((R,), torch.float32),
+                  "versions": ((R,), long), "mask": ((self.C,), long)}
+        for name in self._ROWS:  # per slot; no slots yet
+            shape, dtype = shapes.get(name, ((), long))
+            setattr(self, name, torch.zeros((0, *shape), dtype=dtype, device=dev))
         self.stops = self.stops.to(dev)
         self.barred = self.stops[self.stops < V]
 
-    _ROWS = ("row", "t", "pos", "u", "limit", "min_t", "logits", "lv", "tokens", "logprobs",
-             "versions", "mask")
+    _ROWS = ("row", "t", "pos", "u", "limit", "min_t", "logits", "lv", "kv", "tokens",
+             "logprobs", "versions", "mask")
 
     def _grow(self, n: int) -> list[int]:
         """Add n free slots; their indices."""
@@ -340,10 +384,7 @@ class ContinuousBatch:
         for name in self._ROWS:
             x = getattr(self, name)
             setattr(self, name, torch.cat([x, x.new_zeros((n, *x.shape[1:]))]))
-        for layer in self.cache.layers:
-            k, v = layer.key_buffer, layer.value_buffer
-            _set(layer, torch.cat([k, k.new_zeros((n, *k.shape[1:]))]),
-                 torch.cat([v, v.new_zeros((n, *v.shape[1:]))]), self.L)
+        add_rows(self.cache, n, self.L)
         self.owner += [None] * n
         return list(range(b, b + n))
 
@@ -352,49 +393,12 @@ class ContinuousBatch:
         keep = live.nonzero().flatten()
         for name in self._ROWS:
             setattr(self, name, getattr(self, name)[keep])
-        for layer in self.cache.layers:
-            _set(layer, layer.key_buffer[keep], layer.value_buffer[keep], self.L)
+        select_rows(self.cache, keep, self.L)
         self.owner = [self.owner[i] for i in keep.tolist()]
         return live[keep]
 
     def _compact(self, min_length: int = 0) -> None:
         """Gather every row's valid columns right-aligned into the first ones (at least
         `min_length` of them), with `slack` more after them."""
-        b, L = len(self.owner), self.L
-        valid = self.mask[:, :L] != 0  # [b, L]
-        L2 = max(min_length, int(valid.sum(dim=1).max()) if b else 0)
-        C2 = max(self.C, L2 + self.slack)
-        # each row's columns, the masked ones first, the valid ones after them in order
-        order = torch.sort(valid.int(), dim=1, stable=True).indices  # [b, L]
-        if L2 <= L:
-            src, keep = order[:, L - L2:], valid.gather(1, order[:, L - L2:])
-        else:  # more columns than now: new masked ones in front
-            src = torch.cat([order.new_zeros((b, L2 - L)), order], dim=1)
-            keep = torch.cat([valid.new_zeros((b, L2 - L)), valid.gather(1, order)], dim=1)
-        for layer in self.cache.layers:
-            bufs = []
-            for buf in (layer.key_buffer, layer.value_buffer):
-                _, H, _, D = buf.shape
-                new = buf.new_zeros((b, H, C2, D))
-                new[:, :, :L2] = buf[:, :, :L].gather(2, src[:, None, :, None].expand(
-                    b, H, L2, D))
-                bufs.append(new)
-            _set(layer, bufs[0], bufs[1], L2)
-        self.mask = self.mask.new_zeros((b, C2))
-        self.mask[:, :L2] = keep.long()
-        self.L, self.C = L2, C2
-
-
-def _fast_step(actor: nn.Module) -> DecodeStep:
-    """The functional decode step, long-lived: its weights packed once (checked to exist
-    when the batch is made)."""
-    step = decode_step(actor, PACK_MIN_STEPS)
-    if step is None:
-        raise RuntimeError("continuous batching: the model has no functional decode step")
-    return step
-
-
-def _set(layer: Any, keys: Tensor, values: Tensor, length: int) -> None:
-    """A cache layer over buffers [b, H, C, D], of which the first `length` columns filled."""
-    layer.key_buffer, layer.value_buffer, layer.capacity = keys, values, keys.shape[2]
-    layer.keys, layer.values = keys[:, :, :length], values[:, :, :length]
+        self.mask, self.L, self.C = compact_columns(self.cache, self.mask[:, : self.L] != 0,
+                                                    self.C, min_length, self.slack)

@@ -83,3 +83,54 @@ def preallocated_cache(model: nn.Module, capacity: int) -> Any | None:
         return None
     cache.layers = [BufferLayer(capacity) for _ in cache.layers]
     return cache
+
+
+# --- a batch's cache as rows and columns (continuous batching) ---------------------------
+
+
+def set_buffers(layer: Any, keys: Tensor, values: Tensor, length: int) -> None:
+    """A cache layer over buffers [b, H, C, D], of which the first `length` columns filled."""
+    layer.key_buffer, layer.value_buffer, layer.capacity = keys, values, keys.shape[2]
+    layer.keys, layer.values = keys[:, :, :length], values[:, :, :length]
+
+
+def add_rows(cache: Any, n: int, length: int) -> None:
+    """n more rows of zeros in every layer."""
+    for layer in cache.layers:
+        k, v = layer.key_buffer, layer.value_buffer
+        set_buffers(layer, torch.cat([k, k.new_zeros((n, *k.shape[1:]))]),
+                    torch.cat([v, v.new_zeros((n, *v.shape[1:]))]), length)
+
+
+def select_rows(cache: Any, keep: Tensor, length: int) -> None:
+    """Only rows `keep` [k] (one index copy of every layer)."""
+    for layer in cache.layers:
+        set_buffers(layer, layer.key_buffer[keep], layer.value_buffer[keep], length)
+
+
+def compact_columns(cache: Any, valid: Tensor, capacity: int, min_length: int,
+                    slack: int) -> tuple[Tensor, int, int]:
+    """Gather every row's `valid` [b, L] columns right-aligned into the first ones (at
+    least `min_length` of them), into buffers with `slack` columns more (at least
+    `capacity`). Returns (the new mask [b, C2], its L2 filled columns, C2)."""
+    b, L = valid.shape
+    L2 = max(min_length, int(valid.sum(dim=1).max()) if b else 0)
+    C2 = max(capacity, L2 + slack)
+    # each row's columns, the masked ones first, the valid ones after them in order
+    order = torch.sort(valid.int(), dim=1, stable=True).indices  # [b, L]
+    if L2 <= L:
+        src, keep = order[:, L - L2:], valid.gather(1, order[:, L - L2:])
+    else:  # more columns than now: new masked ones in front
+        src = torch.cat([order.new_zeros((b, L2 - L)), order], dim=1)
+        keep = torch.cat([valid.new_zeros((b, L2 - L)), valid.gather(1, order)], dim=1)
+    for layer in cache.layers:
+        bufs = []
+        for buf in (layer.key_buffer, layer.value_buffer):
+            _, H, _, D = buf.shape
+            new = buf.new_zeros((b, H, C2, D))
+            new[:, :, :L2] = buf[:, :, :L].gather(2, src[:, None, :, None].expand(b, H, L2, D))
+            bufs.append(new)
+        set_buffers(layer, bufs[0], bufs[1], L2)
+    mask = torch.zeros((b, C2), dtype=torch.long, device=valid.device)
+    mask[:, :L2] = keep.long()
+    return mask, L2, C2

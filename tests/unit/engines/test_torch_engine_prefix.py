@@ -1,0 +1,122 @@
+"""The torch engine keeps an episode's KV across its turns: the same tokens as a full
+re-prefill every turn, and never KV of weights it no longer serves."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from rlhf_async.engines import Completion, Request
+from rlhf_async.engines.torch_engine import TorchEngine
+from rlhf_async.modeling.generation import SamplingParams, request_seed
+
+EOS, PAD = 3, 0
+PARAMS = SamplingParams(max_new_tokens=10, eos_id=EOS, pad_id=PAD, temperature=0.8)
+ENV = (9, 10, 11)  # an environment turn's tokens
+
+
+def _lm(seed: int = 0) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=128, n_embd=32, n_layer=2,
+                                      n_head=2, bos_token_id=1, eos_token_id=EOS,
+                                      pad_token_id=PAD)).eval()
+
+
+async def _turn(engine: TorchEngine, sid: int, k: int, conv: list[int],
+                salt: str = "sft:0") -> Completion:
+    return await engine.generate(Request(f"{sid}/{k}", tuple(conv), PARAMS.max_new_tokens,
+                                         request_seed(0, 1, sid, turn=k), cache_salt=salt))
+
+
+async def _episode(engine: TorchEngine, sid: int, prompt: list[int], turns: int = 3,
+                   ) -> list[Completion]:
+    """`turns` policy turns, each prompted with the whole conversation so far."""
+    conv, out = list(prompt), []
+    for k in range(turns):
+        got = await _turn(engine, sid, k, conv)
+        out.append(got)
+        conv += got.token_ids + list(ENV)
+    return out
+
+
+def _played(prefix_cache_mb: int) -> tuple[list[list[Completion]], TorchEngine]:
+    engine = TorchEngine.serving(_lm(), PARAMS, prefix_cache_mb=prefix_cache_mb)
+
+    async def go():
+        try:  # three episodes at once, one starting late: fresh and kept rows admitted together
+            first = asyncio.ensure_future(_episode(engine, 0, [5, 6, 7]))
+            second = asyncio.ensure_future(_episode(engine, 1, [4, 4, 8, 2, 5]))
+            await asyncio.sleep(0.02)
+            return [await first, await second, await _episode(engine, 2, [6])]
+        finally:
+            await engine.close()
+    return asyncio.run(go()), engine
+
+
+def test_a_three_turn_episode_with_kept_kv_samples_what_a_full_prefill_samples():
+    kept, engine = _played(prefix_cache_mb=64)
+    full, plain = _played(prefix_cache_mb=0)
+    for ep_kept, ep_full in zip(kept, full, strict=True):
+        for a, b in zip(ep_kept, ep_full, strict=True):
+            assert a.token_ids == b.token_ids and a.finish == b.finish
+            # decode-step KV against one prefill pass: float rounding only
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    # every later turn of every episode reused its earlier turns' KV (all but the one
+    # token left to prefill per kept turn: its last sampled token, never fed)
+    assert engine.prefixes.hits == 3 * 2 and plain.prefixes.hits == 0
+    reused = sum(len(p) + sum(len(c.token_ids) + len(ENV) for c in ep[:k]) - len(ENV) - 1
+                 for ep, p in zip(kept, ([5, 6, 7], [4, 4, 8, 2, 5], [6]), strict=True)
+                 for k in (1, 2))
+    assert engine.prefixes.reused_tokens == reused
+
+
+def test_a_weight_update_between_turns_forces_a_full_prefill():
+    new = {k: v.clone() for k, v in _lm(1).state_dict().items()}
+
+    def play(prefix_cache_mb: int) -> tuple[list[Completion], TorchEngine]:
+        engine = TorchEngine.serving(_lm(), PARAMS, prefix_cache_mb=prefix_cache_mb)
+
+        async def go():
+            try:
+                conv, out = [5, 6, 7], []
+                for k in range(3):
+                    if k == 1:  # between turns 0 and 1: the KV of turn 0 is version 0's
+                        await engine.commit((1, new))
+                        assert len(engine.prefixes) == 0  # dropped at the commit
+                    got = await _turn(engine, 0, k, conv, salt="sft:0")
+                    out.append(got)
+                    conv += got.token_ids + list(ENV)
+                return out
+            finally:
+                await engine.close()
+        return asyncio.run(go()), engine
+
+    kept, engine = play(64)
+    full, _ = play(0)
+    assert [c.token_ids for c in kept] == [c.token_ids for c in full]
+    for a, b in zip(kept, full, strict=True):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert kept[1].versions == [1] * len(kept[1].token_ids)
+    # turn 1 prefilled in full (a miss); turn 2 reused turn 1's KV, computed by version 1
+    assert (engine.prefixes.hits, engine.prefixes.misses) == (1, 2)
+
+
+def test_kv_is_reused_only_under_its_own_salt_and_for_the_same_tokens():
+    engine = TorchEngine.serving(_lm(), PARAMS)
+
+    async def go():
+        try:
+            got = await _turn(engine, 0, 0, [5, 6, 7])
+            conv = [5, 6, 7, *got.token_ids, *ENV]
+            await _turn(engine, 0, 1, conv, salt="other:0")  # another lineage: a miss
+            diverged = [5, 6, 8, *got.token_ids, *ENV]
+            await _turn(engine, 0, 1, diverged)  # not its tokens: a miss
+            return await _turn(engine, 0, 1, conv)  # a hit
+        finally:
+            await engine.close()
+
+    asyncio.run(go())
+    assert (engine.prefixes.hits, engine.prefixes.misses) == (1, 3)
