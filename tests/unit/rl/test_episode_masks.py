@@ -62,5 +62,5 @@ def test_episode_ends_travel_and_are_counted_per_step():
     s = global_stats(again, torch.zeros(B, 3), torch.zeros(B, 3), {}, 1)
     assert {k: s[k] for k in s if k.startswith("episodes/")} == {
         "episodes/done": 1.0, "episodes/max_turns": 0.0, "episodes/truncated": 2.0,
-        "episodes/timeout": 1.0}  # counts, not fractions
+        "episodes/timeout": 1.0, "episodes/failed": 0.0}  # counts, not fractions
     assert s["reward"] == 0.25 and s["samples"] == 4.0
