@@ -15,7 +15,8 @@ run goes on: the row trains on nothing (reward 0, no tokens), and the first fail
 kind is logged with its type, message and file:line, then counts.
 
 Policy calls are batched: the calls waiting are sent as one policy turn per call index
-once every running agent waits on one, or `BATCH_WAIT_S` after the first.
+once every running agent waits on one, no call came for `BATCH_WAIT_S`, or `BATCH_MAX_S`
+after the oldest (an agent busy with a tool delays the others by that at most).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from rlhf_async.task.endpoint import endpoint
 from rlhf_async.task.environment import load_named
 
 Agent = Callable[[str, dict[str, Any]], Awaitable[Any]]
-BATCH_WAIT_S = 0.005
+BATCH_WAIT_S, BATCH_MAX_S = 0.005, 0.05
 
 
 class AgentFailed(Exception):
@@ -80,22 +81,29 @@ class _Batcher:
         self.turn, self.live = turn, live
         self.pending: list[tuple[int, Episode, int, asyncio.Future[Any]]] = []
         self.timer: asyncio.TimerHandle | None = None
+        self.since = 0.0  # when the oldest waiting call came
         self.running: set[asyncio.Future[None]] = set()  # held: the loop keeps weak refs
 
     async def call(self, k: int, ep: Episode, sid: int) -> tuple[list[int], list[float], bool]:
         fut = asyncio.get_running_loop().create_future()
+        if not self.pending:
+            self.since = asyncio.get_running_loop().time()
         self.pending.append((k, ep, sid, fut))
         self.poke()
         return await fut  # type: ignore[no-any-return]  # set by _run
 
     def poke(self) -> None:
-        """Flush when every running agent waits; else in BATCH_WAIT_S at most."""
+        """Flush when every running agent waits, when no call came for BATCH_WAIT_S, or
+        BATCH_MAX_S after the first call waiting."""
         if not self.pending:
             return
-        if len(self.pending) >= self.live():
+        loop = asyncio.get_running_loop()
+        if len(self.pending) >= self.live() or loop.time() - self.since >= BATCH_MAX_S:
             self.flush()
-        elif self.timer is None:
-            self.timer = asyncio.get_running_loop().call_later(BATCH_WAIT_S, self.flush)
+            return
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = loop.call_later(BATCH_WAIT_S, self.flush)
 
     def flush(self) -> None:
         if self.timer is not None:
