@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -121,10 +122,12 @@ class _Batcher:
             outs = await self.turn(k, [c[1] for c in calls], [c[2] for c in calls])
         except Exception as e:  # the generation failed: every caller's request does
             for c in calls:
-                c[3].set_exception(e)
+                if not c[3].done():  # a caller gone (its agent cancelled) no longer waits
+                    c[3].set_exception(e)
             return
         for c, out in zip(calls, outs, strict=True):
-            c[3].set_result(out)
+            if not c[3].done():
+                c[3].set_result(out)
 
 
 def _reward(out: Any) -> float:
@@ -141,7 +144,7 @@ class AgentEpisodes:
 
     agent: Agent
     tok: PreTrainedTokenizerBase
-    chat: bool  # the tokenizer has a chat template and task.chat_template is on
+    chat: bool  # the tokenizer has a chat template (else /chat/completions is refused)
 
     async def __call__(self, prompts: PromptBatch, params: SamplingParams, spec: EpisodeSpec,
                        seed: int, step: int, turn: PolicyTurn) -> list[Episode]:
@@ -192,15 +195,23 @@ class AgentEpisodes:
                  timeout_s=spec.timeout_s)
         except AgentFailed as e:
             end = "failed"
-            warn("agent episode failed", spec.name, error=str(e))
+            warn("agent episode failed without raising", spec.name, error=str(e))
         except Exception as e:  # whatever the user's agent raises
             end = "failed"
             warn("agent episode failed", spec.name,
-                 error=f"run() raised {type(e).__name__}: {e}{where(e)}")
+                 error=f"run() raised {type(e).__name__}: {e}{self._where(e)}")
         ep = session.segments[-1].episode if session.segments else Episode([], NO_ENV)
         ep.reward, ep.segments = reward, max(1, len(session.segments))
         ep.finish(end)
         return ep
+
+
+    def _where(self, e: BaseException) -> str:
+        """' (at file.py:LINE)': the innermost frame in the agent's own file (an error the
+        client raised is reported where the agent called it), else the innermost."""
+        mine = getattr(getattr(self.agent, "__code__", None), "co_filename", None)
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == mine]
+        return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else where(e)
 
 
 async def _call(agent: Agent, url: str, row: dict[str, Any]) -> Any:
