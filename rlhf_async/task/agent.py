@@ -83,6 +83,7 @@ class _Batcher:
         self.pending: list[tuple[int, Episode, int, asyncio.Future[Any]]] = []
         self.timer: asyncio.TimerHandle | None = None
         self.since = 0.0  # when the oldest waiting call came
+        self.error: Exception | None = None  # a generation that failed (the run stops)
         self.running: set[asyncio.Future[None]] = set()  # held: the loop keeps weak refs
 
     async def call(self, k: int, ep: Episode, sid: int) -> tuple[list[int], list[float], bool]:
@@ -121,6 +122,7 @@ class _Batcher:
         try:
             outs = await self.turn(k, [c[1] for c in calls], [c[2] for c in calls])
         except Exception as e:  # the generation failed: every caller's request does
+            self.error = self.error or e
             for c in calls:
                 if not c[3].done():  # a caller gone (its agent cancelled) no longer waits
                     c[3].set_exception(e)
@@ -172,8 +174,11 @@ class AgentEpisodes:
                 server.close(key)
                 running[0] -= 1
                 batcher.poke()  # the agents left may all be waiting now
-        return list(await asyncio.gather(*(one(s, *r) for s, r
-                                           in zip(sessions, rows, strict=True))))
+        eps = list(await asyncio.gather(*(one(s, *r) for s, r
+                                          in zip(sessions, rows, strict=True))))
+        if batcher.error is not None:  # not the agents' fault: never counted as theirs
+            raise batcher.error
+        return eps
 
     async def _episode(self, session: Session, url: str, row: dict[str, Any],
                        spec: EpisodeSpec) -> Episode:

@@ -267,3 +267,16 @@ def test_an_agent_records_the_same_tokens_as_the_environment_episode():
     assert torch.equal(env.response_ids, agent.response_ids)
     assert torch.equal(env.response_mask, agent.response_mask)
     assert torch.allclose(env.behaviour_logprobs, agent.behaviour_logprobs)
+
+
+def test_a_failing_generation_stops_the_run_rather_than_failing_the_agents():
+    tok = chatml_tokenizer()
+
+    @_closing
+    async def agent(client, row):
+        await client.chat.completions.create(model="policy", messages=[
+            {"role": "user", "content": "six"}])
+        return 1.0
+
+    with pytest.raises(IndexError):  # the scripted policy has no reply: the engine's error
+        _run(tok, agent, [])
