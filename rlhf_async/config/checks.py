@@ -117,6 +117,11 @@ def _episode_checks(cfg: JobConfig) -> list[str]:
     if t.agent and t.env:
         out.append(f"task.agent: {t.agent!r} beside task.env = {t.env!r}: an episode is run "
                    "by one of them (the agent talks to the policy itself); set only one")
+    if t.agent and t.agent_timeout_s >= cfg.runtime.step_deadline_s:
+        out.append(f"task.agent_timeout_s: {t.agent_timeout_s:g} must be under "
+                   f"runtime.step_deadline_s = {cfg.runtime.step_deadline_s:g}: a chunk of "
+                   "episodes waits for its slowest agent, and a generator past the step "
+                   "deadline is restarted as hung")
     return out
 
 

@@ -15,7 +15,8 @@ run goes on: the row trains on nothing (reward 0, no tokens), and the first fail
 kind is logged with its type, message and file:line, then counts.
 
 Policy calls are batched: the calls waiting are sent as one policy turn per call index
-once every running agent waits on one, or `BATCH_WAIT_S` after the first.
+once every running agent waits on one, no call came for `BATCH_WAIT_S`, or `BATCH_MAX_S`
+after the oldest (an agent busy with a tool delays the others by that at most).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +41,7 @@ from rlhf_async.task.endpoint import endpoint
 from rlhf_async.task.environment import load_named
 
 Agent = Callable[[str, dict[str, Any]], Awaitable[Any]]
-BATCH_WAIT_S = 0.005
+BATCH_WAIT_S, BATCH_MAX_S = 0.005, 0.05
 
 
 class AgentFailed(Exception):
@@ -80,22 +82,30 @@ class _Batcher:
         self.turn, self.live = turn, live
         self.pending: list[tuple[int, Episode, int, asyncio.Future[Any]]] = []
         self.timer: asyncio.TimerHandle | None = None
+        self.since = 0.0  # when the oldest waiting call came
+        self.error: Exception | None = None  # a generation that failed (the run stops)
         self.running: set[asyncio.Future[None]] = set()  # held: the loop keeps weak refs
 
     async def call(self, k: int, ep: Episode, sid: int) -> tuple[list[int], list[float], bool]:
         fut = asyncio.get_running_loop().create_future()
+        if not self.pending:
+            self.since = asyncio.get_running_loop().time()
         self.pending.append((k, ep, sid, fut))
         self.poke()
         return await fut  # type: ignore[no-any-return]  # set by _run
 
     def poke(self) -> None:
-        """Flush when every running agent waits; else in BATCH_WAIT_S at most."""
+        """Flush when every running agent waits, when no call came for BATCH_WAIT_S, or
+        BATCH_MAX_S after the first call waiting."""
         if not self.pending:
             return
-        if len(self.pending) >= self.live():
+        loop = asyncio.get_running_loop()
+        if len(self.pending) >= self.live() or loop.time() - self.since >= BATCH_MAX_S:
             self.flush()
-        elif self.timer is None:
-            self.timer = asyncio.get_running_loop().call_later(BATCH_WAIT_S, self.flush)
+            return
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = loop.call_later(BATCH_WAIT_S, self.flush)
 
     def flush(self) -> None:
         if self.timer is not None:
@@ -112,11 +122,14 @@ class _Batcher:
         try:
             outs = await self.turn(k, [c[1] for c in calls], [c[2] for c in calls])
         except Exception as e:  # the generation failed: every caller's request does
+            self.error = self.error or e
             for c in calls:
-                c[3].set_exception(e)
+                if not c[3].done():  # a caller gone (its agent cancelled) no longer waits
+                    c[3].set_exception(e)
             return
         for c, out in zip(calls, outs, strict=True):
-            c[3].set_result(out)
+            if not c[3].done():
+                c[3].set_result(out)
 
 
 def _reward(out: Any) -> float:
@@ -133,7 +146,7 @@ class AgentEpisodes:
 
     agent: Agent
     tok: PreTrainedTokenizerBase
-    chat: bool  # the tokenizer has a chat template and task.chat_template is on
+    chat: bool  # the tokenizer has a chat template (else /chat/completions is refused)
 
     async def __call__(self, prompts: PromptBatch, params: SamplingParams, spec: EpisodeSpec,
                        seed: int, step: int, turn: PolicyTurn) -> list[Episode]:
@@ -161,8 +174,11 @@ class AgentEpisodes:
                 server.close(key)
                 running[0] -= 1
                 batcher.poke()  # the agents left may all be waiting now
-        return list(await asyncio.gather(*(one(s, *r) for s, r
-                                           in zip(sessions, rows, strict=True))))
+        eps = list(await asyncio.gather(*(one(s, *r) for s, r
+                                          in zip(sessions, rows, strict=True))))
+        if batcher.error is not None:  # not the agents' fault: never counted as theirs
+            raise batcher.error
+        return eps
 
     async def _episode(self, session: Session, url: str, row: dict[str, Any],
                        spec: EpisodeSpec) -> Episode:
@@ -184,15 +200,23 @@ class AgentEpisodes:
                  timeout_s=spec.timeout_s)
         except AgentFailed as e:
             end = "failed"
-            warn("agent episode failed", spec.name, error=str(e))
+            warn("agent episode failed without raising", spec.name, error=str(e))
         except Exception as e:  # whatever the user's agent raises
             end = "failed"
             warn("agent episode failed", spec.name,
-                 error=f"run() raised {type(e).__name__}: {e}{where(e)}")
+                 error=f"run() raised {type(e).__name__}: {e}{self._where(e)}")
         ep = session.segments[-1].episode if session.segments else Episode([], NO_ENV)
         ep.reward, ep.segments = reward, max(1, len(session.segments))
         ep.finish(end)
         return ep
+
+
+    def _where(self, e: BaseException) -> str:
+        """' (at file.py:LINE)': the innermost frame in the agent's own file (an error the
+        client raised is reported where the agent called it), else the innermost."""
+        mine = getattr(getattr(self.agent, "__code__", None), "co_filename", None)
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == mine]
+        return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else where(e)
 
 
 async def _call(agent: Agent, url: str, row: dict[str, Any]) -> Any:

@@ -41,6 +41,10 @@ class RequestError(ValueError):
     """A request the endpoint refuses (answered 400 with this message)."""
 
 
+class PolicyFailed(RuntimeError):
+    """The policy's generation failed (the run stops with it; the call is answered 500)."""
+
+
 class _NoEnv:
     """An agent's episode has no `Env`: the agent is its environment."""
 
@@ -176,7 +180,10 @@ class Session:
             self.truncated = True  # generation.max_episode_tokens spent
             return [], "length"
         self.calls += 1
-        toks, lps, ended = await self.policy(self.calls - 1, ep)
+        try:
+            toks, lps, ended = await self.policy(self.calls - 1, ep)
+        except Exception as e:  # the engine's, not the agent's: reported by the driver
+            raise PolicyFailed(f"{type(e).__name__}: {e}") from e
         if isinstance(limit, int) and 0 < limit < len(toks):
             toks, lps, ended = toks[:limit], lps[:limit], False
         ep.add(toks, POLICY, lps)

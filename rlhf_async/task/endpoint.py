@@ -25,7 +25,7 @@ from aiohttp import web
 
 from rlhf_async.log import get_logger
 from rlhf_async.modeling.episodes import env_loop
-from rlhf_async.task.agent_session import RequestError, Session
+from rlhf_async.task.agent_session import PolicyFailed, RequestError, Session
 
 log = get_logger(component="endpoint")
 MODEL = "policy"  # the name /models lists
@@ -110,6 +110,10 @@ class Endpoint:
                          else session.completion(body))
         except RequestError as e:
             return _error(400, str(e))
+        except PolicyFailed as e:
+            return _error(500, f"the policy's generation failed: {e}", "server_error")
+        except Exception as e:  # the template or tokenizer refused these messages
+            return _error(400, f"could not render the request: {type(e).__name__}: {e}")
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         out.update(id=f"{prefix}-{request.match_info['sid']}-{session.calls}",
                    created=int(time.time()), model=str(body.get("model") or MODEL))

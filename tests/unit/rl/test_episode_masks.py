@@ -56,11 +56,13 @@ def test_episode_ends_travel_and_are_counted_per_step():
     b = RolloutBatch(torch.ones(B, 2, dtype=torch.long), torch.ones(B, 2, dtype=torch.long),
                      torch.ones(B, 3, dtype=torch.long), mask, torch.zeros(B, 3),
                      torch.arange(B), torch.arange(B), rewards=torch.tensor([1.0, 0, 0, 0]),
-                     episode_ends=ends)
+                     episode_ends=ends, episode_segments=torch.tensor([1, 3, 1, 2]))
     again = RolloutBatch.from_tensors(b.to_tensors(), b.meta())  # the wire keeps them
     assert torch.equal(again.episode_ends, ends)
+    assert again.episode_segments is not None and again.episode_segments.tolist() == [1, 3, 1, 2]
     s = global_stats(again, torch.zeros(B, 3), torch.zeros(B, 3), {}, 1)
     assert {k: s[k] for k in s if k.startswith("episodes/")} == {
         "episodes/done": 1.0, "episodes/max_turns": 0.0, "episodes/truncated": 2.0,
-        "episodes/timeout": 1.0, "episodes/failed": 0.0}  # counts, not fractions
+        "episodes/timeout": 1.0, "episodes/failed": 0.0,
+        "episodes/new_segments": 3.0}  # counts, not fractions; an agent's extra histories
     assert s["reward"] == 0.25 and s["samples"] == 4.0

@@ -33,6 +33,8 @@ def test_an_agent_runs_the_text_tasks_episodes(files):  # noqa: F811
                                "task.agent"),
     (["generation.partial_rollout=true", "placement.strategy=separation"],
      "partial_rollout: not supported with multi-turn episodes"),
+    (["task.agent_timeout_s=100", "runtime.step_deadline_s=60"],
+     "task.agent_timeout_s: 100 must be under runtime.step_deadline_s = 60"),
 ])
 def test_what_cannot_go_with_an_agent_is_refused(files, more, match):  # noqa: F811
     with pytest.raises(ConfigError, match=match):

@@ -4,11 +4,13 @@ HTTP, a scripted policy turn in place of a model, and what each episode records.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 import pytest
 import torch
 from openai import AsyncOpenAI, BadRequestError
+from structlog.testing import capture_logs
 
 from bench.agent_endpoint import Setup
 from rlhf_async.modeling.environment import EpisodeSpec
@@ -30,6 +32,7 @@ CALL = '<tool_call>\n{"name": "calc", "arguments": {"expr": "2+3"}}\n</tool_call
 def _closing(agent):
     """The agent given an `openai` client on its episode's base URL, closed after it (an
     unclosed client's sockets are left to the garbage collector)."""
+    @functools.wraps(agent)
     async def run(base_url, row):
         async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
             return await agent(client, row)
@@ -37,7 +40,7 @@ def _closing(agent):
 
 
 def _run(tok, agent, replies, prompts=("what is two plus three",), timeout_s=20.0,
-         width=None):
+         width=None, name="agent.py:run"):
     """Each row's episode; the policy answers turn k with replies[k] + its end token."""
     end = tok.eos_token_id
     rows = [encode_prompt(tok, p, True) for p in prompts]
@@ -60,7 +63,7 @@ def _run(tok, agent, replies, prompts=("what is two plus three",), timeout_s=20.
     texts = {tuple(r): p for r, p in zip(rows, prompts, strict=True)}
     spec = EpisodeSpec(lambda: NO_ENV, lambda t: {"prompt": texts[tuple(t)]}, lambda _: [],
                        lambda t: tok.decode(t, skip_special_tokens=True), 5, 400, timeout_s,
-                       "agent.py:run", AgentEpisodes(agent, tok, True))
+                       name, AgentEpisodes(agent, tok, True))
     params = SamplingParams(64, end, tok.pad_token_id, episode=spec)
     eps = env_loop().run(play(batch, params, spec, 0, 0, turn))
     return eps, batch, calls
@@ -193,7 +196,16 @@ def test_failing_agents_fail_their_episodes_and_the_others_go_on():
         return {"reward": 2.0, "answer": r.choices[0].message.content}
 
     prompts = ("six", "the answer is five", "it is twenty four", "what is two plus three")
-    eps, batch, _ = _run(tok, agent, ["six"], prompts=prompts, timeout_s=1.0)
+    with capture_logs() as logs:
+        eps, batch, _ = _run(tok, agent, ["six"], prompts=prompts, timeout_s=1.0,
+                             name="failing.py:run")
+    errors = {e["event"]: str(e.get("error")) for e in logs}
+    line = agent.__wrapped__.__code__.co_firstlineno + 4  # the raise (after a decorator)
+    assert errors["agent episode failed"] == \
+        f"run() raised ValueError: my agent's bug (at {__file__}:{line})"
+    assert errors["agent episode failed without raising"].startswith(
+        "returned without calling the policy")
+    assert any(e["event"].startswith("agent episode timed out") for e in logs)
     assert [e.end for e in eps] == ["failed", "timeout", "failed", "done"]
     assert [e.reward for e in eps] == [0.0, 0.0, 0.0, 2.0]
     assert all(e.tokens == [] for e in eps[:3]) and eps[3].tokens
@@ -255,3 +267,16 @@ def test_an_agent_records_the_same_tokens_as_the_environment_episode():
     assert torch.equal(env.response_ids, agent.response_ids)
     assert torch.equal(env.response_mask, agent.response_mask)
     assert torch.allclose(env.behaviour_logprobs, agent.behaviour_logprobs)
+
+
+def test_a_failing_generation_stops_the_run_rather_than_failing_the_agents():
+    tok = chatml_tokenizer()
+
+    @_closing
+    async def agent(client, row):
+        await client.chat.completions.create(model="policy", messages=[
+            {"role": "user", "content": "six"}])
+        return 1.0
+
+    with pytest.raises(IndexError):  # the scripted policy has no reply: the engine's error
+        _run(tok, agent, [])
