@@ -22,7 +22,7 @@ Sequence (the coordinator owns the rendezvous; ZeroMQ messages are the caller's)
 
 Delta updates (`make_sender(..., delta=True)`): the sender keeps a copy of the last sent
 bytes and, while the group's incarnation and layout stay the same, sends each bucket as only
-its changed 16-bit words (`delta.py`); receivers rebuild the bytes exactly in their staging
+the changes of its 16-bit words (`delta.py`); receivers rebuild the bytes exactly in their staging
 buffer. A receiver without the base raises WeightSyncBaseMismatch (nothing applied); the
 regroup that follows makes the next update full. Tied weights travel once (plan aliases).
 

@@ -31,7 +31,8 @@ import torch
 
 FULL, STEP = 0, 3  # the wire's numbers for the forms
 KINDS = {FULL: "full", STEP: "step"}
-LISTED = 3  # the code of a word whose difference is listed
+SAME, LISTED = 1, 3  # the codes of an unchanged word and of one whose difference is listed
+_SAME4 = 0b01010101  # a byte of four unchanged words
 _LEVEL, _WBITS = 1, -15  # raw deflate, no zlib header: the bucket header says what it is
 
 
@@ -62,7 +63,7 @@ def encode(prev: torch.Tensor, new: torch.Tensor) -> tuple[int, torch.Tensor]:
     STEP payload is on the CPU, a FULL one is `new` itself."""
     code, listed = step_codes(prev, new)
     raw = torch.cat([listed.view(torch.uint8), _pack_pairs(code)]).cpu()  # [2L + n/4]
-    packed = _deflate(raw.numpy().tobytes())
+    packed = _deflate(raw.numpy().data)
     if len(packed) >= new.numel():
         return FULL, new
     return STEP, torch.frombuffer(bytearray(packed), dtype=torch.uint8)
@@ -79,23 +80,29 @@ def decode(kind: int, payload: torch.Tensor, base: torch.Tensor) -> None:
     w = words(base)
     n = w.numel()
     try:
-        raw = zlib.decompress(payload.cpu().numpy().tobytes(), _WBITS)
+        raw = zlib.decompress(payload.cpu().numpy().data, _WBITS)
     except zlib.error as exc:
         raise ValueError(f"corrupt step payload ({exc})") from exc
-    ncodes = (n + 3) // 4
-    values = len(raw) - ncodes
+    values = len(raw) - (n + 3) // 4
     if values < 0 or values % 2:
         raise ValueError(f"step payload of {len(raw)} bytes does not fit {n} words")
     data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(base.device)
-    code = _unpack_pairs(data[values:], n)  # [n]
+    packed = data[values:]  # [n/4]
+    # only the bytes holding a change are unpacked: four "same" codes are 0b01010101
+    hit = (packed != _SAME4).nonzero().squeeze(1)  # [m]
+    code = _unpack_pairs(packed[hit], 4 * hit.numel())  # [4m]
+    moved = (code != SAME).nonzero().squeeze(1)  # [k]; the padding past n is "same" too
+    code, pos = code[moved], hit[moved // 4] * 4 + moved % 4  # [k] in word order
     listed = code == LISTED
-    if int(listed.sum()) * 2 != values:
-        raise ValueError(f"step payload lists {values // 2} words, its codes {int(listed.sum())}")
-    w += code.to(torch.int16) - 1  # the steps; a listed word gets +2, taken back below
-    w[listed] += data[:values].view(torch.int16) - 2
+    if int(torch.count_nonzero(listed)) * 2 != values:
+        raise ValueError(f"step payload lists {values // 2} words, its codes "
+                         f"{int(torch.count_nonzero(listed))}")
+    vals = w[pos] + (code.to(torch.int16) - 1)  # the steps; a listed word got +2 ...
+    vals[listed] += data[:values].view(torch.int16) - 2  # ... taken back here
+    w[pos] = vals
 
 
-def _deflate(raw: bytes) -> bytes:
+def _deflate(raw: memoryview) -> bytes:
     z = zlib.compressobj(_LEVEL, zlib.DEFLATED, _WBITS, 9, zlib.Z_RLE)
     return z.compress(raw) + z.flush()
 
@@ -105,7 +112,7 @@ def _pack_pairs(code: torch.Tensor) -> torch.Tensor:
     moves the four bytes of an int32 to bits 24..31 (no carries: the terms below bit 24
     add up to less than 2**24)."""
     n = code.numel()
-    padded = torch.zeros((n + 3) // 4 * 4, dtype=torch.uint8, device=code.device)
+    padded = torch.full(((n + 3) // 4 * 4,), SAME, dtype=torch.uint8, device=code.device)
     padded[:n] = code
     x = padded.view(torch.int32)  # [n/4]; int32 products wrap, bits 24..31 stay exact
     return ((x * 0x01041040) >> 24).bitwise_and_(0xFF).to(torch.uint8)
