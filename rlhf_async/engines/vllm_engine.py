@@ -202,7 +202,7 @@ class VLLMEngine:
         blob (vLLM's RPC encoding turns tensors nested in arguments into plain lists)."""
         buf = io.BytesIO()
         torch.save({k: v.detach().to("cpu") for k, v in tensors.items()}, buf)
-        return {"version": version, "tensors": buf.getvalue()}
+        return {"version": version, "in_process": buf.getvalue()}
 
     async def commit(self, staged: Any) -> int:
         return await self._client.run(self._commit(staged))  # type: ignore[no-any-return]
@@ -230,8 +230,8 @@ class VLLMEngine:
             await self._pause()
             try:
                 await self._drain()
-                if "tensors" in staged:  # from this process: a colocated trainer's
-                    await self.llm.collective_rpc("rlhf_load", args=(staged["tensors"],))
+                if "in_process" in staged:  # a colocated trainer's (else a broadcast plan)
+                    await self.llm.collective_rpc("rlhf_load", args=(staged["in_process"],))
                 else:
                     await self.llm.start_weight_update()
                     await self.llm.update_weights(
