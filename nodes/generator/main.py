@@ -181,4 +181,5 @@ def _engine(job: NodeContext, tensor_parallel: int) -> GenerationEngine:
     dtype = str(job.precision.dtype("shadow_actor")).removeprefix("torch.")
     return make_engine(job.cfg.generation.backend, str(job.art.sft_dir), job.sampling,
                        dtype=dtype, tensor_parallel=tensor_parallel,
-                       sync_backend=weight_sync_backend(job.cfg), device=job.device)
+                       sync_backend=weight_sync_backend(job.cfg), device=job.device,
+                       prefix_cache_mb=job.cfg.generation.prefix_cache_mb)

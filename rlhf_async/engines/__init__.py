@@ -11,6 +11,7 @@ import their extra inside the engine, so importing them here needs none).
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -113,12 +114,16 @@ def _engine_type(name: str) -> type[GenerationEngine]:
 
 
 def make_engine(name: str, model_dir: str, params: Any, *, dtype: str, tensor_parallel: int,
-                sync_backend: str, device: Any) -> GenerationEngine:
+                sync_backend: str, device: Any, **settings: Any) -> GenerationEngine:
     """The generation engine `name` serving the policy in `model_dir` (version 0), loaded
-    in `dtype` ('float32', 'bfloat16', ...) over `tensor_parallel` devices."""
-    return engine_class(name)(model_dir, params, dtype=dtype,  # type: ignore[call-arg]
-                              tensor_parallel=tensor_parallel, sync_backend=sync_backend,
-                              device=device)
+    in `dtype` ('float32', 'bfloat16', ...) over `tensor_parallel` devices. `settings`:
+    engine-specific config keys (e.g. generation.prefix_cache_mb), each passed to the
+    engines whose constructor names it."""
+    cls = engine_class(name)
+    named = inspect.signature(cls).parameters
+    return cls(model_dir, params, dtype=dtype,  # type: ignore[call-arg]
+               tensor_parallel=tensor_parallel, sync_backend=sync_backend, device=device,
+               **{k: v for k, v in settings.items() if k in named})
 
 
 def make_training_backend(kind: str, module: nn.Module, *, lr: float, weight_decay: float,

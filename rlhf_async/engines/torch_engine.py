@@ -16,6 +16,11 @@ sampled it and keeps the log-prob it was sampled with.
 
 Weights are received by `weight_sync`'s receiver in `stage`, on the caller's thread while
 requests decode.
+
+A finished request's KV is kept by its `cache_salt` (`modeling.prefix_kv`, at most
+`prefix_cache_mb`): a later request with that salt whose prompt starts with its tokens (a
+multi-turn episode's next turn) prefills only the rest, as long as the weights that
+computed that KV are still the ones served; a commit drops what it kept.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM
 
 from rlhf_async.engines.interface import Capabilities, Completion, Finish, Request
+from rlhf_async.log import get_logger
 from rlhf_async.modeling.continuous import ContinuousBatch
 from rlhf_async.modeling.cpu_attention import cpu_attention
 from rlhf_async.modeling.determinism import seeded_uniform
@@ -46,6 +52,7 @@ from rlhf_async.modeling.prefix_kv import PrefixStore
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.weight_sync import GroupSpec, load_into_module, make_receiver
 
+log = get_logger(component="torch_engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -172,6 +179,9 @@ class TorchEngine:
             self._calls.put(_Call("stop", None))
             await asyncio.to_thread(self._thread.join)
         self.receiver.close()
+        kept = self.prefixes
+        log.info("kept_kv", turns_reusing=kept.hits, turns_prefilled_whole=kept.misses,
+                 tokens_not_prefilled=kept.reused_tokens, budget_mb=kept.budget >> 20)
 
     async def _ask(self, what: str, arg: Any) -> Any:
         if self._error is not None:

@@ -111,7 +111,8 @@ def prefill_after(actor: nn.Module, pasts: list[Prefix], ids: list[list[int]], p
 
 class PrefixStore:
     """Kept prefixes by cache salt, least recently used out first beyond `budget` bytes
-    (0: keep nothing). `take` hands a prefix over (its episode's next turn supersedes it)."""
+    (0: keep nothing). A prefix stays after `take`: the samples of a group often say the
+    same first turn (the same tool call), and each of their next turns reuses it."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
@@ -141,10 +142,11 @@ class PrefixStore:
                     prompt[: len(t)] == t and self._lru[salt, t].version == version),
                    key=len, default=None)
         n = 0 if best is None else min(len(best), len(prompt) - 1)
-        p = None if best is None or n < 1 else self._pop((salt, best))
-        if p is None:
+        if best is None or n < 1:
             self.misses += 1
             return None
+        self._lru.move_to_end((salt, best))
+        p = self._lru[salt, best]
         self.hits += 1
         self.reused_tokens += n
         if n == len(p.tokens):

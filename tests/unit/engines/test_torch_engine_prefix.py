@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from rlhf_async.engines import Completion, Request
+from rlhf_async.engines import Completion, Request, make_engine
 from rlhf_async.engines.torch_engine import TorchEngine
 from rlhf_async.modeling.generation import SamplingParams, request_seed
 
@@ -120,3 +120,14 @@ def test_kv_is_reused_only_under_its_own_salt_and_for_the_same_tokens():
 
     asyncio.run(go())
     assert (engine.prefixes.hits, engine.prefixes.misses) == (1, 3)
+
+
+def test_the_config_budget_reaches_the_torch_engine_and_other_engines_ignore_it(tmp_path):
+    _lm().save_pretrained(tmp_path)
+    engine = make_engine("torch", str(tmp_path), PARAMS, dtype="float32", tensor_parallel=1,
+                         sync_backend="gloo", device="cpu", prefix_cache_mb=3,
+                         a_setting_of_another_engine=1)
+    try:
+        assert engine.prefixes.budget == 3 << 20 and engine.capabilities.prefix_cache
+    finally:
+        asyncio.run(engine.close())

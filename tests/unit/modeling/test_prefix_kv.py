@@ -74,22 +74,26 @@ def test_the_store_hands_over_the_longest_kept_prefix_of_the_salt_and_version():
     assert store.take("a", (1, 2, 9, 9), version=2) is None  # no prefix of this version
     got = store.take("a", (1, 2, 3, 4, 5, 6), version=0)
     assert got is not None and got.tokens == (1, 2, 3, 4)  # not b's, not version 1's
-    assert store.take("a", (1, 2, 3, 4, 5, 6), version=0).tokens == (1, 2)  # handed over
-    assert store.take("a", (1, 2, 3, 4, 5, 6), version=0) is None
+    # it stays: another episode that said the same reuses it too
+    assert store.take("a", (1, 2, 3, 4, 7), version=0).tokens == (1, 2, 3, 4)
+    assert store.take("a", (1, 2, 7), version=0).tokens == (1, 2)
     assert store.take("a", (7, 2, 3, 4, 5, 6), version=1) is None  # diverged tokens
     # a prompt no longer than the prefix: its last token is left to prefill
     cut = store.take("a", (1, 2, 3, 4, 5), version=1)
     assert cut is not None and cut.tokens == (1, 2, 3, 4) and cut.keys[0].shape == (1, 4, 2)
     assert torch.equal(cut.keys[0], _prefix((1, 2, 3, 4, 5)).keys[0][:, :4])
-    assert (store.hits, store.misses, store.reused_tokens) == (3, 3, 4 + 2 + 4)
-    assert len(store) == 1 and store.nbytes == 16 * 5  # b's
+    assert (store.hits, store.misses, store.reused_tokens) == (4, 2, 4 + 4 + 2 + 4)
+    assert len(store) == 4 and store.nbytes == 16 * (2 + 4 + 5 + 5)
 
 
 def test_the_store_drops_the_least_recently_kept_beyond_its_budget_and_old_versions():
     store = PrefixStore(16 * 10)
     store.put("a", _prefix((1, 2, 3, 4)))
     store.put("b", _prefix((1, 2, 3, 4), version=1))
-    store.put("c", _prefix((5, 6, 7)))  # 11 tokens > 10: a goes
+    assert store.take("a", (1, 2, 3, 4, 5), version=0) is not None  # a used after b
+    store.put("c", _prefix((5, 6, 7)))  # 11 tokens > 10: b goes, the least recently used
+    assert store.take("b", (1, 2, 3, 4, 5), version=1) is None
+    store.put("b", _prefix((1, 2, 3, 4), version=1))  # and now a goes
     assert store.take("a", (1, 2, 3, 4, 5), version=0) is None
     assert store.nbytes == 16 * 7 and len(store) == 2
     store.put("d", _prefix(tuple(range(11))))  # larger than the whole budget: not kept
