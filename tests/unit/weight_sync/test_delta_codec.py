@@ -114,3 +114,17 @@ def test_checksum_sees_a_swapped_pair() -> None:
 def test_unknown_kind_is_an_error() -> None:
     with pytest.raises(ValueError, match="unknown delta kind"):
         delta.decode(7, torch.zeros(2, dtype=torch.uint8), torch.zeros(2, dtype=torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_round_trip_on_the_gpu_matches_the_cpu() -> None:
+    g = torch.Generator().manual_seed(8)
+    prev = torch.randn(1 << 16, generator=g).to(torch.bfloat16)
+    new = prev.view(torch.int16) + (torch.rand(prev.shape, generator=g) < 0.05).to(torch.int16)
+    new[::97] += 300  # some listed words
+    cpu = delta.encode(prev.view(torch.uint8), new.view(torch.uint8))
+    gpu = delta.encode(prev.view(torch.uint8).cuda(), new.view(torch.uint8).cuda())
+    assert gpu[0] == cpu[0] == delta.STEP and torch.equal(gpu[1], cpu[1])
+    base = prev.view(torch.uint8).cuda()
+    delta.decode(gpu[0], gpu[1].cuda(), base)
+    assert torch.equal(base.cpu(), new.view(torch.uint8))
