@@ -182,4 +182,7 @@ def _engine(job: NodeContext, tensor_parallel: int) -> GenerationEngine:
     return make_engine(job.cfg.generation.backend, str(job.art.sft_dir), job.sampling,
                        dtype=dtype, tensor_parallel=tensor_parallel,
                        sync_backend=weight_sync_backend(job.cfg), device=job.device,
-                       prefix_cache_mb=job.cfg.generation.prefix_cache_mb)
+                       # only an episode's next turn continues a finished request: single
+                       # responses would pay a copy of every row's KV for nothing
+                       prefix_cache_mb=job.cfg.generation.prefix_cache_mb
+                       if job.sampling.episode is not None else 0)

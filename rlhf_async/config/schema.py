@@ -161,12 +161,12 @@ class GenerationConfig:
                                     "its last row ends (long-tailed lengths)")
     batch_slots: int = opt(0, "continuous_batching: rows a generator decodes at once; 0 = "
                            "the rows of one chunk", ge=0)
-    prefix_cache_mb: int = opt(512, "torch engine: MiB of KV kept from finished requests "
-                               "(least recently used out first), so that a multi-turn "
-                               "episode's next turn prefills only its new tokens; KV is "
-                               "reused only under the weights that computed it (a commit "
-                               "drops it); 0 = off, every turn prefills its whole "
-                               "conversation", ge=0)
+    prefix_cache_mb: int = opt(512, "torch engine, multi-turn episodes (task.env): MiB of "
+                               "KV kept from finished turns (least recently used out "
+                               "first), so that an episode's next turn prefills only its "
+                               "new tokens; KV is reused only under the weights that "
+                               "computed it (a commit drops it); 0 = off, every turn "
+                               "prefills its whole conversation", ge=0)
 
 
 @dataclass

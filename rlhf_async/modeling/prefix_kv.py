@@ -17,7 +17,7 @@ cache salt, least recently used first out beyond a byte budget.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,7 +119,8 @@ class PrefixStore:
         self.nbytes = 0
         self.hits = self.misses = self.reused_tokens = 0
         self._lru: OrderedDict[tuple[str, tuple[int, ...]], Prefix] = OrderedDict()
-        self._salts: dict[str, set[tuple[int, ...]]] = {}  # salt -> its prefixes' tokens
+        # salt -> how many of its prefixes have each length: a lookup tries each length once
+        self._lengths: dict[str, Counter[int]] = {}
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -129,7 +130,7 @@ class PrefixStore:
             return
         self._pop((salt, prefix.tokens))
         self._lru[salt, prefix.tokens] = prefix
-        self._salts.setdefault(salt, set()).add(prefix.tokens)
+        self._lengths.setdefault(salt, Counter())[len(prefix.tokens)] += 1
         self.nbytes += prefix.nbytes
         while self.nbytes > self.budget:
             self._pop(next(iter(self._lru)))
@@ -138,15 +139,17 @@ class PrefixStore:
         """The longest kept prefix under `salt` that `prompt` starts with, computed by the
         weights of `version`, cut to leave the prompt's last token to prefill (its logits
         are the first response token's); None when there is none."""
-        best = max((t for t in self._salts.get(salt, ()) if len(t) <= len(prompt) and
-                    prompt[: len(t)] == t and self._lru[salt, t].version == version),
-                   key=len, default=None)
-        n = 0 if best is None else min(len(best), len(prompt) - 1)
-        if best is None or n < 1:
+        p = None
+        for length in sorted(self._lengths.get(salt, ()), reverse=True):  # longest first
+            p = self._lru.get((salt, prompt[:length])) if length <= len(prompt) else None
+            if p is not None and p.version == version:
+                break
+            p = None
+        n = 0 if p is None else min(len(p.tokens), len(prompt) - 1)
+        if p is None or n < 1:
             self.misses += 1
             return None
-        self._lru.move_to_end((salt, best))
-        p = self._lru[salt, best]
+        self._lru.move_to_end((salt, p.tokens))
         self.hits += 1
         self.reused_tokens += n
         if n == len(p.tokens):
@@ -163,8 +166,10 @@ class PrefixStore:
         p = self._lru.pop(key, None)
         if p is not None:
             self.nbytes -= p.nbytes
-            tokens = self._salts[key[0]]
-            tokens.discard(key[1])
-            if not tokens:
-                del self._salts[key[0]]
+            lengths, n = self._lengths[key[0]], len(key[1])
+            lengths[n] -= 1
+            if not lengths[n]:
+                del lengths[n]
+            if not lengths:
+                del self._lengths[key[0]]
         return p

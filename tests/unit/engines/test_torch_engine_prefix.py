@@ -131,3 +131,31 @@ def test_the_config_budget_reaches_the_torch_engine_and_other_engines_ignore_it(
         assert engine.prefixes.budget == 3 << 20 and engine.capabilities.prefix_cache
     finally:
         asyncio.run(engine.close())
+
+
+def test_a_request_whose_decode_crossed_a_commit_keeps_no_kv():
+    params = SamplingParams(max_new_tokens=40, eos_id=99, pad_id=PAD)  # no EOS: 40 tokens
+    engine = TorchEngine.serving(_lm(), params)
+    new = {k: v.clone() for k, v in _lm(1).state_dict().items()}
+
+    async def go():
+        try:
+            job = asyncio.ensure_future(engine.generate(Request(
+                "a", (5, 6, 7), 40, request_seed(0, 1, 0), cache_salt="s")))
+            while engine._batch.rows == 0:  # admitted: decoding under version 0
+                await asyncio.sleep(0.0005)
+            await engine.pause()
+            await engine.commit((1, new))
+            await engine.resume()
+            cut = await job
+            kept_after = len(engine.prefixes)
+            whole = await engine.generate(Request("b", (5, 6), 40, request_seed(0, 1, 1),
+                                                  cache_salt="s"))
+            return cut, kept_after, whole
+        finally:
+            await engine.close()
+
+    cut, kept_after, whole = asyncio.run(go())
+    assert {0, 1} <= set(cut.versions)  # its KV came from two weight versions
+    assert kept_after == 0
+    assert set(whole.versions) == {1} and len(engine.prefixes) == 1  # one version's: kept
