@@ -165,7 +165,8 @@ class TorchEngine:
         return int(await self._ask("commit", staged))
 
     async def sleep(self) -> None:
-        """Nothing to free: a row's KV cache lives only while it decodes."""
+        """Nothing to free: the lock-step strategies generate with the rank's own model, not
+        this engine, and KV kept for later turns goes at the next commit anyway."""
 
     async def wake(self) -> None:
         """(see `sleep`)"""
