@@ -111,9 +111,9 @@ def _episode_checks(cfg: JobConfig) -> list[str]:
         out.append(f"task.env: task.name = 'calculator' runs its own environment; got "
                    f"{t.env!r} (accepted: '' or 'calculator'; your own needs task.name = "
                    "'text')")
-    if t.agent and t.name != "text":
-        out.append(f"task.agent: {t.agent!r}: task.name = {t.name!r} has its own episodes; "
-                   "an agent needs task.name = 'text'")
+    if t.agent and t.name == "sort_digits":
+        out.append(f"task.agent: {t.agent!r}: task.name = 'sort_digits' has no episodes; "
+                   "accepted: task.name = 'text' (your prompts) or 'calculator'")
     if t.agent and t.env:
         out.append(f"task.agent: {t.agent!r} beside task.env = {t.env!r}: an episode is run "
                    "by one of them (the agent talks to the policy itself); set only one")

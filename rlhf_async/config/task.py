@@ -88,7 +88,9 @@ class TaskConfig:
                      "columns); it talks to the policy through any OpenAI-compatible client "
                      "at base_url (/chat/completions with tools, /completions, /models), "
                      "at most task.max_turns calls; what the policy generated is trained "
-                     "on. Not beside task.env")
+                     "on. Not beside task.env. calculator: the agent plays the built-in "
+                     "task's episodes (row {'prompt': '23*47', 'answer': ...}; the task's "
+                     "chat format, calc results as tool turns)")
     agent_timeout_s: float = opt(300.0, "longest one agent episode (task.agent) may take "
                                  "(s); past it the episode is cancelled and counted "
                                  "(episodes/timeout), and the run goes on", gt=0.0)

@@ -27,7 +27,7 @@ import threading
 import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import torch
@@ -250,7 +250,10 @@ def batch_turn(actor: nn.Module, params: SamplingParams, spec: EpisodeSpec, seed
             ctx = e.prompt + e.tokens
             ids[i, width - len(ctx):], mask[i, width - len(ctx):] = torch.tensor(ctx), 1
         device = next(actor.parameters()).device
-        g = sample(actor, ids.to(device), mask.to(device), params, u)
+        # R, not max_new_tokens: when every episode of the turn has less room (an agent's
+        # calls come in small batches) there are only R uniforms
+        g = sample(actor, ids.to(device), mask.to(device), replace(params, max_new_tokens=R),
+                   u)
         out = []
         for i, e in enumerate(eps):
             made, room = int((g.response_mask[i] > 0).sum()), E - len(e.tokens)

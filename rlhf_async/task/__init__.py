@@ -18,10 +18,10 @@ from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.generation import Decode, SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.rl.scoring import RewardMix
-from rlhf_async.task.calculator import CalculatorTask
+from rlhf_async.task.calculator import CalculatorTask, CalculatorTokenizer
 from rlhf_async.task.remote_reward import is_url
 from rlhf_async.task.sort_digits import EOS, PAD, VOCAB_SIZE, SortDigitsTask
-from rlhf_async.task.text import TextTask
+from rlhf_async.task.text import TextTask, agent_episodes
 
 __all__ = ["EOS", "PAD", "VOCAB_SIZE", "CalculatorTask", "SortDigitsTask", "Task", "make_task",
            "reward_mix", "sampling_params"]
@@ -51,8 +51,9 @@ def make_task(cfg: JobConfig) -> Task:
     function here; problems are a ConfigError)."""
     if cfg.task.name == "text":
         return TextTask(cfg)
-    if cfg.task.name == "calculator":
-        return CalculatorTask(cfg)
+    if cfg.task.name == "calculator":  # with task.agent, the agent plays its episodes
+        return CalculatorTask(cfg, agent_episodes(cfg.task, CalculatorTokenizer())
+                              if cfg.task.agent else None)
     return SortDigitsTask(cfg.task)
 
 

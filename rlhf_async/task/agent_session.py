@@ -156,7 +156,7 @@ class Session:
     chat: bool = True  # the tokenizer has a chat template (else /completions only)
     segments: list[Segment] = field(default_factory=list)
     calls: int = 0
-    truncated: bool = False  # a call found no room left for a reply
+    truncated: bool = False  # a reply ran out of tokens, or a call found no room left
 
     def _open(self, tokens: list[int], **match: Any) -> Segment:
         """A new segment over `tokens` (a whole conversation rendered once)."""
@@ -184,11 +184,12 @@ class Session:
             toks, lps, ended = await self.policy(self.calls - 1, ep)
         except Exception as e:  # the engine's, not the agent's: reported by the driver
             raise PolicyFailed(f"{type(e).__name__}: {e}") from e
+        # a turn that ran out of generation.max_new_tokens or the episode's tokens is
+        # truncated as an environment's episode's is (the agent's own max_tokens is not)
+        self.truncated = self.truncated or not ended
         if isinstance(limit, int) and 0 < limit < len(toks):
             toks, lps, ended = toks[:limit], lps[:limit], False
         ep.add(toks, POLICY, lps)
-        if not ended and len(ep.tokens) >= self.max_tokens:
-            self.truncated = True
         return toks, "stop" if ended else "length"
 
     async def chat_completion(self, body: dict[str, Any]) -> dict[str, Any]:

@@ -9,16 +9,21 @@ calls too rarely, and guesses; RL raises how often it calls, and with it the hel
 match (the hidden score).
 
 Tokens are characters (and the one token `calc(`); the model is the built-in tiny one.
+`CalculatorTokenizer` is the same tokens behind the tokenizer interface, its chat template
+the episode's format (a question, the policy's turns, the tool's results), so that an agent
+(`task.agent`) plays these episodes through the endpoint token for token as `CalculatorEnv`
+does in process.
 """
 
 from __future__ import annotations
 
 import random
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+from transformers import PreTrainedTokenizer
 
 from rlhf_async.config import JobConfig
 from rlhf_async.modeling.determinism import key_seed
@@ -39,7 +44,7 @@ _EXPR = re.compile(r"\d{1,6}([+*-]\d{1,6}){0,3}")
 def encode(text: str) -> list[int]:
     out, i = [], 0
     while i < len(text):
-        tok = "calc(" if text.startswith("calc(", i) else text[i]
+        tok = next((m for m in ("calc(", "\n>") if text.startswith(m, i)), text[i])
         if tok not in ID:
             raise ValueError(f"calculator: no token for {text[i]!r} in {text!r}")
         out.append(ID[tok])
@@ -58,6 +63,45 @@ def calc(expr: str) -> str:
         return "?"
     plain = re.sub(r"\d+", lambda m: str(int(m.group())), expr)  # no leading zeros
     return str(eval(plain, {"__builtins__": {}}, {}))  # digits and + - * only
+
+
+# a conversation in the episode's tokens: BOS question, then SEP before each policy turn,
+# OBS before each tool result (a system turn has no tokens here: refused)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'user' %}{{ '<s>' + m.content }}"
+    "{% elif m.role == 'tool' %}{{ '\\n>' + m.content }}"
+    "{% elif m.role == 'assistant' %}{{ '=' + m.content }}"
+    "{% else %}{{ raise_exception('the calculator has no ' + m.role + ' turn; send the "
+    "question as the user turn, calc results as tool turns') }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}={% endif %}")
+_SPECIAL = {PAD: "<pad>", BOS: "<s>", EOS: "</s>"}
+
+
+class CalculatorTokenizer(PreTrainedTokenizer):
+    """The calculator's tokens as a tokenizer with a chat template (see the module)."""
+
+    vocab: ClassVar[dict[str, int]] = {**{t: i for i, t in TEXT.items() if t},
+                                       **{t: i for i, t in _SPECIAL.items()}}
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(pad_token=_SPECIAL[PAD], bos_token=_SPECIAL[BOS],
+                         eos_token=_SPECIAL[EOS], chat_template=CHAT_TEMPLATE, **kwargs)
+
+    @property
+    def vocab_size(self) -> int:
+        return VOCAB_SIZE
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.vocab)
+
+    def _tokenize(self, text: str, **kwargs: Any) -> list[str]:
+        return [TEXT[t] for t in encode(text)]
+
+    def _convert_token_to_id(self, token: str) -> int:
+        return self.vocab[token]
+
+    def _convert_id_to_token(self, index: int) -> str:
+        return _SPECIAL.get(index) or TEXT.get(index) or _SPECIAL[PAD]
 
 
 class CalculatorEnv:
@@ -86,8 +130,9 @@ class CalculatorTask:
     stop_ids: tuple[int, ...] = (CLOSE,)  # a tool call ends at its `)`
     prompt_len = 1 + 5 + 1  # BOS a*b =
 
-    def __init__(self, cfg: JobConfig) -> None:
+    def __init__(self, cfg: JobConfig, driver: Any = None) -> None:
         self.cfg = cfg
+        self.driver = driver  # task.agent's episodes (`task/agent.py`), else CalculatorEnv's
 
     @property
     def decode(self) -> Any:
@@ -95,6 +140,10 @@ class CalculatorTask:
 
     def episode_spec(self) -> EpisodeSpec:
         t = self.cfg.task
+        if self.driver is not None:
+            return EpisodeSpec(CalculatorEnv, self.row, self.render, decode, t.max_turns,
+                               self.cfg.generation.max_episode_tokens, t.agent_timeout_s,
+                               t.agent, self.driver)
         return EpisodeSpec(CalculatorEnv, self.row, self.render, decode, t.max_turns,
                            self.cfg.generation.max_episode_tokens, t.env_timeout_s,
                            "calculator")

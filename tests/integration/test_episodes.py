@@ -5,6 +5,7 @@ episodes in flight loses none and trains none twice."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +37,22 @@ def test_separation_matches_flattening_with_an_environment(tmp_path, cache, one_
     assert len(flat) == len(sep) == 2
     for a, b in zip(flat, sep, strict=True):
         for k in ("policy_loss", "reward", "kl", "entropy", "response_length", "value_loss"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (a["step"], k)
+
+
+def test_the_calculator_agent_trains_as_the_built_in_episodes(tmp_path, cache, one_thread):
+    """examples/calculator_agent/builtin.py through the endpoint, two steps: the run the
+    built-in episode loop makes (same tokens, so the same losses and rewards)."""
+    agent = Path(__file__).parents[2] / "examples/calculator_agent/builtin.py"
+    job.run(_cfg(tmp_path, cache, "flat", "train.steps=2"))
+    job.run(_cfg(tmp_path, cache, "agent", "train.steps=2",
+                 f"task.agent={json.dumps(str(agent) + ':run')}"))
+    flat = read_metrics(tmp_path / "flat" / "metrics.jsonl")
+    agent_run = read_metrics(tmp_path / "agent" / "metrics.jsonl")
+    assert len(flat) == len(agent_run) == 2
+    for a, b in zip(flat, agent_run, strict=True):
+        for k in ("policy_loss", "reward", "kl", "response_length", "episodes/done",
+                  "episodes/truncated"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (a["step"], k)
 
 

@@ -41,9 +41,10 @@ def test_what_cannot_go_with_an_agent_is_refused(files, more, match):  # noqa: F
         cfg_for(files, _agent(files), *more, fn=None)
 
 
-def test_an_agent_needs_the_text_task(files):  # noqa: F811
-    with pytest.raises(ConfigError, match="an agent needs task.name = 'text'"):
-        load_config(None, ["task.name=calculator", _agent(files)])
+def test_an_agent_plays_the_text_or_the_calculator_tasks_episodes(files):  # noqa: F811
+    assert load_config(None, ["task.name=calculator", _agent(files)]).task.agent
+    with pytest.raises(ConfigError, match="'sort_digits' has no episodes"):
+        load_config(None, ["task.name=sort_digits", _agent(files)])
 
 
 @pytest.mark.parametrize(("spec", "match"), [
