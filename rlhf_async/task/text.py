@@ -45,7 +45,7 @@ from rlhf_async.task.tokens import (
     prompt_text,
     split_chat,
 )
-from rlhf_async.task.verifiers_env import VerifiersAgent, is_verifiers, read_verifiers
+from rlhf_async.task.verifiers_env import is_verifiers, read_verifiers
 
 HELDOUT_ONE_IN = 8
 
@@ -202,9 +202,7 @@ class TextTask:
         else:
             self.train_idx, self.eval_idx = heldout_split([split_key(p) for p in self.prompts])
         self.env = load_env(t.env) if t.env and not is_verifiers(t.env) else None
-        # an agent, run through the policy's endpoint as task.agent's are
-        self.verifiers = VerifiersAgent(t) if is_verifiers(t.env) else None
-        if self.verifiers is not None:
+        if is_verifiers(t.env):  # an agent (VerifiersAgent), run as task.agent's are
             raise ConfigError([f"task.env: {t.env!r}: a verifiers environment's episodes run "
                                "through the policy's OpenAI-compatible endpoint (task.agent), "
                                "which this build does not have"])
