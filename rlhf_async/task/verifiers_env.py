@@ -56,6 +56,12 @@ def is_verifiers(spec: str) -> bool:
     return spec.startswith(VERIFIERS)
 
 
+# what the fork server imports for a verifiers environment (seconds of CPU, which would
+# otherwise stall each node's heartbeats as it loads the task); not the environment's own
+# module: an error raised importing it would end the fork server, not report it
+PRELOAD = ("verifiers.v1",)
+
+
 def _loaders() -> Any:
     try:
         from verifiers.v1.utils import loaders
