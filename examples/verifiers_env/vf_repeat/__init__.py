@@ -1,4 +1,4 @@
-"""A tiny verifiers (v1) environment: repeat a word; see ../README.md."""
+"""A tiny verifiers (v1) environment: repeat a word (README.md beside this package)."""
 
 from vf_repeat.harness import ChatHarness
 from vf_repeat.taskset import RepeatTaskset
