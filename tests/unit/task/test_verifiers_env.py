@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from rlhf_async.config import ConfigError, TaskConfig, load_config
+from rlhf_async.config import ConfigError, JobConfig, TaskConfig, load_config
 from rlhf_async.task.text import read_prompts
 from rlhf_async.task.verifiers_env import VerifiersAgent, VerifiersEpisodeFailed, load
 from tests.served import serving
@@ -144,3 +144,24 @@ def test_the_config_checks_know_the_environment_gives_prompts_and_reward(tmp_pat
     with pytest.raises(ConfigError, match=r"task.verifiers: configures a verifiers "):
         load_config(None, [*base, "task.prompts=p.jsonl", "task.reward=r.py:f",
                            "task.verifiers={select = {limit = 2}}"])
+
+
+def test_an_error_in_the_environments_code_names_it_and_where(tmp_path, monkeypatch):
+    (tmp_path / "vf_broken.py").write_text(
+        "import verifiers.v1 as vf\n\n\n"
+        "class BrokenTaskset(vf.Taskset[vf.Task, vf.TasksetConfig]):\n"
+        "    def load(self):\n"
+        "        raise ValueError('no rows today')\n\n\n"
+        "__all__ = ['BrokenTaskset']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"loading the verifiers environment 'vf_broken' "
+                                          r"failed: ValueError: no rows today \(at .*"
+                                          r"vf_broken.py:6\)"):
+        load(TaskConfig(name="text", env="verifiers:vf_broken"))
+
+
+def test_the_fork_server_imports_verifiers_for_a_verifiers_environment():
+    from rlhf_async.task import task_preload
+
+    assert task_preload(JobConfig(task=_task())) == ("verifiers.v1",)
+    assert task_preload(JobConfig(task=TaskConfig(name="text", env="x.py:Env"))) == ()
