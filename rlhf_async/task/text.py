@@ -45,6 +45,7 @@ from rlhf_async.task.tokens import (
     prompt_text,
     split_chat,
 )
+from rlhf_async.task.verifiers_env import episodes as verifiers_episodes
 from rlhf_async.task.verifiers_env import is_verifiers, read_verifiers
 
 HELDOUT_ONE_IN = 8
@@ -202,13 +203,11 @@ class TextTask:
         else:
             self.train_idx, self.eval_idx = heldout_split([split_key(p) for p in self.prompts])
         self.env = load_env(t.env) if t.env and not is_verifiers(t.env) else None
-        if is_verifiers(t.env):  # an agent (VerifiersAgent), run as task.agent's are
-            raise ConfigError([f"task.env: {t.env!r}: a verifiers environment's episodes run "
-                               "through the policy's OpenAI-compatible endpoint (task.agent), "
-                               "which this build does not have"])
         if self.env is not None:  # a tokenizer without a chat template: stopped before work
             template_delta(self.tokenizer)
         self.max_turns, self.env_timeout_s = t.max_turns, t.env_timeout_s
+        if is_verifiers(t.env):  # its harness is an agent, run as task.agent's are
+            self.agent = verifiers_episodes(t, self.tokenizer)
         self.max_episode_tokens = cfg.generation.max_episode_tokens
 
     stop_ids: tuple[int, ...] = ()

@@ -269,3 +269,11 @@ class VerifiersAgent:
         if not traces:
             raise VerifiersEpisodeFailed(f"{self.name}: the episode has no trainable trace")
         return sum(x.reward for x in traces) / len(traces)
+
+
+def episodes(t: TaskConfig, tok: Any) -> Any:
+    """`task.env`'s episodes: `VerifiersAgent` driven as a `task.agent` is
+    (`AgentEpisodes`, task/agent.py: one endpoint session per episode)."""
+    from rlhf_async.task.agent import AgentEpisodes
+
+    return AgentEpisodes(VerifiersAgent(t), tok, bool(getattr(tok, "chat_template", None)))
