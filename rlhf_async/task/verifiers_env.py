@@ -15,13 +15,15 @@ own default is a remote Prime sandbox, which cannot reach a local endpoint).
   folded into the user's, as the harness does), ~1 in 8 held out by hash as any prompts
   file's; a row carries its task's index and key (a task is found by its prompt, so two
   tasks with one prompt are played as the first);
-- an episode (`VerifiersAgent`, an agent `async (base_url, row) -> reward` as `task.agent`
-  runs them): the env's `run_episode` on the row's task with its client at base_url; the
+- an episode (`VerifiersAgent`, an agent `async (base_url, row) -> reward`, driven by
+  `episodes` exactly as `task.agent`'s are: one endpoint session per episode, task/agent.py):
+  the env's `run_episode` on the row's task with its client at base_url; the
   reward is the mean over the episode's trainable traces of each one's weighted rewards
   (one trace for a single-agent env); an episode verifiers marks failed raises, so it is a
   failed episode (counted) with verifiers' error as its message.
 
-The package is an extra (`pip install 'rlhf-async[verifiers]'`), imported only here.
+The package is an extra (`pip install 'rlhf-async[verifiers]'`), imported only here (and
+by the fork server, `PRELOAD`).
 """
 
 from __future__ import annotations
