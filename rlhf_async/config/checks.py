@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 from safetensors import SafetensorError, safe_open
 
 from rlhf_async.config.presets import distills, resolve, with_critic
-from rlhf_async.config.schema import REASONING_GYM, JobConfig
+from rlhf_async.config.schema import REASONING_GYM, VERIFIERS, JobConfig
 
 
 def cross_checks(cfg: JobConfig) -> list[str]:
@@ -306,12 +306,22 @@ def _text_task_checks(cfg: JobConfig) -> list[str]:
     if not cfg.model.path:
         out.append("model.path: task.name = 'text' needs a local Hugging Face model "
                    "directory with a tokenizer")
-    if not t.prompts:
+    verifiers = t.env.startswith(VERIFIERS)  # its taskset gives the prompts
+    if verifiers and t.prompts:
+        out.append(f"task.prompts: {t.prompts!r} beside task.env = {t.env!r}: the verifiers "
+                   "environment's tasks are the prompts; remove task.prompts (task.verifiers' "
+                   "select = {...} picks tasks)")
+    elif not t.prompts and not verifiers:
         out.append("task.prompts: task.name = 'text' needs prompts: a data file (.jsonl, "
-                   ".json, .parquet, .arrow, .csv, .txt), a directory or a cached dataset id")
-    elif not Path(t.prompts).exists() and not t.prompts.startswith(REASONING_GYM):
+                   ".json, .parquet, .arrow, .csv, .txt), a directory or a cached dataset id "
+                   f"(or a task.env = '{VERIFIERS}<environment>' whose tasks are the prompts)")
+    elif t.prompts and not Path(t.prompts).exists() \
+            and not t.prompts.startswith(REASONING_GYM):
         out.append(f"task.prompts: {t.prompts!r} is neither a file nor a directory (nor "
                    f"'{REASONING_GYM}<dataset>')")
+    if t.verifiers and not verifiers:
+        out.append(f"task.verifiers: configures a verifiers environment; task.env is "
+                   f"{t.env!r}, not '{VERIFIERS}<environment>'")
     gym = t.prompts.startswith(REASONING_GYM)  # scored by the dataset's own score_answer
     if t.reasoning_gym and not gym:
         out.append(f"task.reasoning_gym: configures a reasoning-gym dataset; task.prompts "

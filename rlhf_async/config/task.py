@@ -10,7 +10,9 @@ from rlhf_async.config.fields import opt
 
 # task.prompts drawn from a generator rather than read from a path
 REASONING_GYM = "reasoning_gym:"
-
+# task.env run by an installed verifiers environment (task/verifiers_env.py): its tasks are
+# the prompts, its harness the agent, its rubric the reward
+VERIFIERS = "verifiers:"
 
 
 # A built-in task's own defaults, used where the config file and the overrides leave a key
@@ -77,7 +79,11 @@ class TaskConfig:
     reward_request_rows: int = opt(64, "task.reward server: responses per request at most "
                                    "(a larger batch is split; 0 = one request per batch)",
                                    ge=0)
-    env: str = opt("", "text: an environment for multi-turn episodes, 'file.py:Class' or "
+    env: str = opt("", "text: an environment for multi-turn episodes: an installed verifiers "
+                   "environment 'verifiers:<taskset id>' (its tasks are the prompts, its "
+                   "harness plays each episode through the policy's OpenAI-compatible "
+                   "endpoint, its rubric is the reward; see task.verifiers), an OpenEnv "
+                   "server 'openenv:<module:app or URL>', 'file.py:Class' or "
                    "'module.path:Class' (async reset(row) -> observation, async "
                    "step(action) -> (observation, reward, done)) or a built-in name "
                    "(calculator); its rewards are the episode's rule reward. calculator: "
@@ -98,6 +104,12 @@ class TaskConfig:
                                         "'reasoning_gym:<dataset>': the dataset's config "
                                         "(e.g. {size = 500, seed = 1, ...its difficulty "
                                         "knobs}); held-out prompts come from seed + 1")
+    verifiers: dict[str, Any] = opt({}, "text with task.env = "  # noqa: RUF009
+                                    "'verifiers:<taskset id>': the rest of verifiers' [env] "
+                                    "block (e.g. {taskset = {...its knobs}, agent = "
+                                    "{timeout = {rollout = 60}}}; a role without a runtime "
+                                    "runs in verifiers' subprocess runtime) and select = "
+                                    "{limit = N, shuffle = true, ...}: which tasks are read")
     max_turns: int = opt(3, "policy turns per episode (with an environment)", ge=1)
     env_timeout_s: float = opt(30.0, "longest one environment reset/step may take (s); past "
                                "it the episode ends there", gt=0.0)

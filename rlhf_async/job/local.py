@@ -52,7 +52,7 @@ from rlhf_async.runtime.ray_cluster import ray_cluster
 from rlhf_async.strategies.base import JobStopped, RunResult, Strategy, UserCodeFailed
 from rlhf_async.strategies.placement import Placement, with_engines
 from rlhf_async.strategies.registry import STRATEGIES
-from rlhf_async.task import Task, make_task
+from rlhf_async.task import Task, make_task, task_preload
 from rlhf_async.task.artefacts import Artefacts, load_reward, load_sft, prepare_artefacts
 from rlhf_async.task.evaluation import evaluate
 from rlhf_async.task.remote_reward import RewardServerError
@@ -101,7 +101,7 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None,
     # server would hold our stdout open until its imports are done)
     if cfg.runtime.node_start == "fork" and (nodes_here or ranks_here) and \
             not (resume and _finished(target)):
-        warm_fork_server(strategy.fork_preload if nodes_here else ())
+        warm_fork_server((strategy.fork_preload if nodes_here else ()) + task_preload(cfg))
     fresh = not resume and not target.exists()
     try:
         # one job per run directory, held before anything is written there (job/lock.py);

@@ -22,6 +22,8 @@ from rlhf_async.task.calculator import CalculatorTask, CalculatorTokenizer
 from rlhf_async.task.remote_reward import is_url
 from rlhf_async.task.sort_digits import EOS, PAD, VOCAB_SIZE, SortDigitsTask
 from rlhf_async.task.text import TextTask, agent_episodes
+from rlhf_async.task.verifiers_env import PRELOAD as VERIFIERS_PRELOAD
+from rlhf_async.task.verifiers_env import is_verifiers
 
 __all__ = ["EOS", "PAD", "VOCAB_SIZE", "CalculatorTask", "SortDigitsTask", "Task", "make_task",
            "reward_mix", "sampling_params"]
@@ -55,6 +57,12 @@ def make_task(cfg: JobConfig) -> Task:
         return CalculatorTask(cfg, agent_episodes(cfg.task, CalculatorTokenizer())
                               if cfg.task.agent else None)
     return SortDigitsTask(cfg.task)
+
+
+def task_preload(cfg: JobConfig) -> tuple[str, ...]:
+    """Modules the task imports as it loads that take long enough to stall a node's first
+    heartbeats (a verifiers environment: seconds): the fork server imports them once."""
+    return VERIFIERS_PRELOAD if is_verifiers(cfg.task.env) else ()
 
 
 def reward_mix(cfg: JobConfig, task: Task) -> RewardMix:

@@ -46,6 +46,8 @@ from rlhf_async.task.tokens import (
     prompt_text,
     split_chat,
 )
+from rlhf_async.task.verifiers_env import episodes as verifiers_episodes
+from rlhf_async.task.verifiers_env import is_verifiers, read_verifiers
 
 HELDOUT_ONE_IN = 8
 
@@ -67,6 +69,8 @@ def read_prompts(t: TaskConfig) -> tuple[list[Prompt], list[dict[str, Any]]]:
     reported in one ConfigError (the first 20)."""
     if is_gym(t.prompts):
         return read_gym(t)
+    if is_verifiers(t.env):
+        return read_verifiers(t)
     rows = load_rows(t.prompts, "task.prompts", t.split, text_column=t.prompt_key)
     prompts: list[Prompt] = []
     columns, problems = [], []
@@ -102,15 +106,19 @@ def longest_prompt(model_path: str, t: TaskConfig) -> int:
     if t.max_prompt_tokens:
         return t.max_prompt_tokens
     return _longest_in_data(model_path, t.prompts, t.split, t.prompt_key, t.messages_key,
-                            t.chat_template, json.dumps(t.reasoning_gym, sort_keys=True))
+                            t.chat_template, json.dumps(t.reasoning_gym, sort_keys=True),
+                            t.env if is_verifiers(t.env) else "",
+                            json.dumps(t.verifiers, sort_keys=True))
 
 
 @functools.lru_cache(maxsize=4)
 def _longest_in_data(model_path: str, prompts: str, split: str, prompt_key: str,
-                     messages_key: str, chat_template: bool, gym: str) -> int:
+                     messages_key: str, chat_template: bool, gym: str, verifiers_env: str,
+                     verifiers: str) -> int:
     t = TaskConfig(prompts=prompts, split=split, prompt_key=prompt_key,
                    messages_key=messages_key, chat_template=chat_template,
-                   reasoning_gym=json.loads(gym))
+                   reasoning_gym=json.loads(gym), env=verifiers_env,
+                   verifiers=json.loads(verifiers))
     tok = load_tokenizer(model_path)
     return max(len(encode_prompt(tok, p, chat_template)) for p in read_prompts(t)[0])
 
@@ -208,11 +216,13 @@ class TextTask:
             self.eval_idx = [i for i, h in enumerate(held) if h]
         else:
             self.train_idx, self.eval_idx = heldout_split([split_key(p) for p in self.prompts])
-        self.env = load_env(t.env) if t.env else None
+        self.env = load_env(t.env) if t.env and not is_verifiers(t.env) else None
         if self.env is not None:  # a tokenizer without a chat template: stopped before work
             template_delta(self.tokenizer)
         self.agent = agent_episodes(t, self.tokenizer) if t.agent else None
         self.max_turns, self.env_timeout_s = t.max_turns, t.env_timeout_s
+        if is_verifiers(t.env):  # its harness is an agent, run as task.agent's are
+            self.agent = verifiers_episodes(t, self.tokenizer)
         self.max_episode_tokens = cfg.generation.max_episode_tokens
 
     stop_ids: tuple[int, ...] = ()

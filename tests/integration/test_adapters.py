@@ -1,10 +1,12 @@
 """The standards' environments and datasets trained as they are, end to end (`job.run`,
-tiny model, 2 steps): a reasoning-gym dataset scored by its own scorer, under Flattening
-and Separation."""
+tiny model, 2 steps), under Flattening and Separation: a reasoning-gym dataset scored by
+its own scorer, an OpenEnv environment served for real, a verifiers environment."""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +79,27 @@ def test_an_openenv_environment_trains(model, tmp_path, strategy, guess_server):
         assert sum(m[f"episodes/{k}"] for k in ("done", "max_turns", "truncated",
                                                  "timeout")) == 8
         assert m["episodes/timeout"] == 0 and 0.0 <= m["hidden_score"] <= 1.0
+
+
+VF_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "verifiers_env"
+
+
+@pytest.mark.parametrize("strategy", ["flattening", "separation"])
+def test_a_verifiers_environment_trains(model, tmp_path, strategy, monkeypatch):
+    """The example verifiers environment (built with the verifiers package): its harness
+    calls the policy's endpoint, its rubric is the reward."""
+    pytest.importorskip("verifiers")
+    pytest.importorskip("rlhf_async.task.agent")  # the endpoint its harness calls
+    monkeypatch.syspath_prepend(str(VF_EXAMPLE))  # node processes: the fork server's path
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(VF_EXAMPLE), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    more = ["placement.devices=2", "algo.max_staleness=0"] if strategy == "separation" else []
+    _, metrics = _run(model, tmp_path, strategy, "task.env=verifiers:vf_repeat",
+                      'task.verifiers={taskset = {words = ["apple", "pear", "cat", "dog", '
+                      '"sky", "sea", "red", "blue", "green"]}}', "task.max_turns=1",
+                      "generation.max_episode_tokens=24", f"placement.strategy={strategy}",
+                      *more)
+    assert [m["step"] for m in metrics] == [0, 1]
+    for m in metrics:  # every episode played through to the rubric's score
+        assert m["episodes/done"] + m["episodes/truncated"] == 8
+        assert m["episodes/failed"] == 0 and 0.0 <= m["hidden_score"] <= 1.0
