@@ -69,6 +69,11 @@ def _step(proximal, b):
     return Learner(actor, None, a, t, seed=0).train_step(b), actor.theta.detach().clone()
 
 
+def test_on_by_default_which_acts_only_when_generation_runs_ahead():
+    # measured better than off at max_staleness 1 and 2 (bench/README.md, Decoupled PPO)
+    assert AlgoConfig().proximal and AlgoConfig(name="grpo").proximal
+
+
 def test_at_max_staleness_zero_it_is_todays_loss():
     b = _batch([[1, 1], [1, 1]], step=1)  # every token of the synchronous version
     on, theta_on = _step(True, b)
