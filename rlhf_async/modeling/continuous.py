@@ -1,11 +1,9 @@
 """Continuous batching: a finished row's slot takes the next waiting prompt at once.
 
-`generation.sample` decodes one batch until its longest response ends. With a long tail of
-lengths most rows end early and the batch runs on narrow for the few long ones, while a
-decode step's cost on a CPU is mostly fixed (bench/README.md: 0.74 ms a step for 4 rows,
-2.0 ms for 64, at 2x64). A `ContinuousBatch` keeps up to `slots` rows decoding: prompts of
-later chunks enter as earlier rows end, and a chunk is handed back as soon as its last row
-ends (`step`).
+`generation.sample` decodes one batch until its longest response ends; with a long tail of
+lengths it runs on narrow for the few long rows, though a decode step costs about the same
+for 4 rows as for 64. A `ContinuousBatch` keeps up to `slots` rows decoding: later chunks'
+prompts enter as rows end; a chunk is handed back when its last row ends (`step`).
 
 Layout. The rows share one KV cache whose columns are time: every decode step writes column
 L for every row. A row admitted at column L has its prompt's keys and values written
@@ -19,11 +17,9 @@ and a few columns of slack. A row whose prompt starts with tokens whose KV was k
 (`prefix_kv`: a multi-turn episode's earlier turns) has only the rest prefilled on top of
 that KV, and hands its own KV back when it ends.
 
-Sampling is `sample`'s: keyed uniforms per (sample, position), so a row's tokens do not
-depend on which rows share its batch or when it entered, and each token records the
-weight version that sampled it (weights change between two `step`s, as partial rollouts
-take them). Needs our preallocated cache and functional decode step (GPT-2, Llama, Qwen2,
-Mistral with plain parameters).
+Sampling is `sample`'s (keyed uniforms per sample and position: a row's tokens do not
+depend on its batch); each token records the weight version that sampled it. Needs our
+preallocated cache and functional decode step (GPT-2, Llama, Qwen2, Mistral).
 """
 
 from __future__ import annotations
