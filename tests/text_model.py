@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -36,3 +37,27 @@ def make_text_model(out: Path, chat_template: bool = True, positions: int = 64) 
         torch.manual_seed(0)
         GPT2LMHeadModel(cfg).save_pretrained(out, safe_serialization=True)
     return out
+
+
+PROMPTS = ["name a fruit .", "name a colour .", "list three animal .", "what is the sky ?",
+           "give one fruit .", "name a big animal .", "what colour is the sea ?"]
+
+
+def text_job_files(d: Path, code_file: str, code: str) -> Path:
+    """`d` with the prompts, the user's code (an environment or agent) and the tiny model:
+    what a text-task job with user code needs."""
+    (d / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    (d / code_file).write_text(code)
+    make_text_model(d / "model")
+    return d
+
+
+def text_job_overrides(files: Path, out: Path, name: str) -> list[str]:
+    """The overrides every short text-task job of the tests shares (GRPO, 2 steps of 4
+    prompts x 2): add the task's own (task.env / task.agent, token limits)."""
+    return [f"model.path={json.dumps(str(files / 'model'))}", "task.name=text",
+            f"task.prompts={json.dumps(str(files / 'prompts.jsonl'))}",
+            "generation.max_new_tokens=4", "task.max_prompt_tokens=32", "train.steps=2",
+            "train.prompts_per_step=4", "algo.group_size=2", "algo.name=grpo",
+            "run.plot=false", "run.progress=false", f"run.output_dir={json.dumps(str(out))}",
+            f"run.name={name}"]

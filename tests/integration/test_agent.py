@@ -10,12 +10,10 @@ import pytest
 from rlhf_async import job
 from rlhf_async.config import load_config
 from rlhf_async.metrics import read_metrics
-from tests.text_model import make_text_model
+from tests.text_model import text_job_files, text_job_overrides
 
 pytestmark = [pytest.mark.timeout(300)]
 
-PROMPTS = ["name a fruit .", "name a colour .", "list three animal .", "what is the sky ?",
-           "give one fruit .", "name a big animal .", "what colour is the sea ?"]
 # two policy turns; rewards "yes"; the sky question is a bug in the agent
 AGENT = '''
 from openai import AsyncOpenAI
@@ -36,23 +34,14 @@ async def run(base_url, row):
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("agent")
-    (d / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    (d / "agent.py").write_text(AGENT)
-    make_text_model(d / "model")
-    return d
+    return text_job_files(tmp_path_factory.mktemp("agent"), "agent.py", AGENT)
 
 
 def _cfg(files, tmp_path, name, *overrides):
     return load_config(None, [
-        f"model.path={json.dumps(str(files / 'model'))}", "task.name=text",
-        f"task.prompts={json.dumps(str(files / 'prompts.jsonl'))}",
+        *text_job_overrides(files, tmp_path, name),
         f"task.agent={json.dumps(str(files / 'agent.py') + ':run')}",
-        "generation.max_new_tokens=4", "generation.max_episode_tokens=16",
-        "task.max_prompt_tokens=32", "train.steps=2", "train.prompts_per_step=4",
-        "algo.group_size=2", "algo.name=grpo", "run.eval_prompts=2", "run.plot=false",
-        "run.progress=false", f"run.output_dir={json.dumps(str(tmp_path))}",
-        f"run.name={name}", *overrides])
+        "generation.max_episode_tokens=16", "run.eval_prompts=2", *overrides])
 
 
 @pytest.mark.parametrize("strategy", ["flattening", "separation"])

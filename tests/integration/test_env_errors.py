@@ -13,12 +13,10 @@ from rlhf_async import job
 from rlhf_async.config import load_config
 from rlhf_async.strategies.base import UserCodeFailed
 from rlhf_async.strategies.separation.startup import PipelineError
-from tests.text_model import make_text_model
+from tests.text_model import text_job_files, text_job_overrides
 
 pytestmark = [pytest.mark.timeout(300)]
 
-PROMPTS = ["name a fruit .", "name a colour .", "list three animal .", "what is the sky ?",
-           "give one fruit .", "name a big animal .", "what colour is the sea ?"]
 ENV = '''
 class Env:
     async def reset(self, row):
@@ -31,23 +29,15 @@ class Env:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("envtext")
-    (d / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    (d / "env.py").write_text(ENV)
-    make_text_model(d / "model")
-    return d
+    return text_job_files(tmp_path_factory.mktemp("envtext"), "env.py", ENV)
 
 
 def _cfg(files, tmp_path, name, *overrides):
     return load_config(None, [
-        f"model.path={json.dumps(str(files / 'model'))}", "task.name=text",
-        f"task.prompts={json.dumps(str(files / 'prompts.jsonl'))}",
+        *text_job_overrides(files, tmp_path, name),
         f"task.env={json.dumps(str(files / 'env.py') + ':Env')}",
-        "generation.max_new_tokens=4", "generation.max_episode_tokens=12",
-        "generation.stop_strings=[\".\"]", "task.max_prompt_tokens=32", "train.steps=2",
-        "train.prompts_per_step=4", "algo.group_size=2", "algo.name=grpo",
-        "run.eval_prompts=4", "run.plot=false", "run.progress=false",
-        f"run.output_dir={json.dumps(str(tmp_path))}", f"run.name={name}", *overrides])
+        "generation.max_episode_tokens=12", "generation.stop_strings=[\".\"]",
+        "run.eval_prompts=4", *overrides])
 
 
 def _what(files) -> str:
