@@ -20,16 +20,14 @@ from rlhf_async.task.calculator import calc
 
 MAX_TURNS = 3  # task.max_turns: the endpoint refuses a call past it
 # one HTTP client for every episode (agents run on one event loop): a new AsyncOpenAI with
-# its own costs ~0.1 s of CPU, as much as a whole episode of the tiny model. No keep-alive:
-# the endpoint closes idle connections after 2 s, and a pooled one it closes as a request
-# goes out fails that request (a new loopback connection costs far less than a retry)
+# its own costs ~0.1 s of CPU, as much as a whole episode of the tiny model
 _HTTP: list[httpx.AsyncClient] = []
 
 
 def client(base_url: str) -> AsyncOpenAI:
     if not _HTTP:
         _HTTP.append(httpx.AsyncClient(timeout=60.0, limits=httpx.Limits(
-            max_connections=None, max_keepalive_connections=0)))
+            max_connections=None)))
     return AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0,
                        http_client=_HTTP[0])
 

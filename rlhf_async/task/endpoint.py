@@ -13,6 +13,14 @@ What a call records is in `agent_session.py`. Sampling is the run's (`generation
 behaviour log-probs trained on are that sampler's), so a request's temperature, top_p
 and seed are not used; `max_tokens` caps the reply. Not served: `stream: true` and `n > 1`
 (answered 400, as is any malformed request, with what is accepted).
+
+Keep-alive: an idle connection stays open `KEEPALIVE_S`, longer than any common client
+keeps one in its pool (httpx 5 s, aiohttp 15 s, Go 90 s), so a client always retires a
+connection before the server closes it. A shorter limit races: a client checks a pooled
+connection is open, yields to its loop (busy with other agents), and writes its request
+after the server closed it; the request fails (`APIConnectionError`). An agent that never
+closes its clients leaves a connection per episode: past `MAX_IDLE` idle connections the
+oldest idle ones are closed.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -29,11 +39,43 @@ from rlhf_async.task.agent_session import PolicyFailed, RequestError, Session
 
 log = get_logger(component="endpoint")
 MODEL = "policy"  # the name /models lists
-KEEPALIVE_S = 2.0
+KEEPALIVE_S = 120.0
+MAX_IDLE = 256
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+
+
+class _Idle:
+    """The idle keep-alive connections, longest idle first (see the module)."""
+
+    def __init__(self) -> None:
+        self.conns: OrderedDict[asyncio.BaseTransport, None] = OrderedDict()
+
+    @web.middleware
+    async def middleware(self, request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                         ) -> web.StreamResponse:
+        conn = request.transport
+        if conn is not None:
+            self.conns.pop(conn, None)
+        try:
+            resp = await handler(request)
+            resp.headers["Keep-Alive"] = f"timeout={int(KEEPALIVE_S)}"
+            return resp
+        finally:
+            if conn is not None and not conn.is_closing():
+                self.conns[conn] = None
+                self._trim()
+
+    def _trim(self) -> None:
+        if len(self.conns) <= MAX_IDLE:
+            return
+        for gone in [c for c in self.conns if c.is_closing()]:  # closed by their clients
+            del self.conns[gone]
+        while len(self.conns) > MAX_IDLE:
+            self.conns.popitem(last=False)[0].close()
 
 
 class Endpoint:
@@ -44,6 +86,7 @@ class Endpoint:
         self._ids = itertools.count()
         self._runner: web.AppRunner | None = None
         self._starting = asyncio.Lock()
+        self.idle = _Idle()
         self.port = 0
 
     async def start(self) -> None:
@@ -53,12 +96,10 @@ class Endpoint:
                 await self._listen()
 
     async def _listen(self) -> None:
-        app = web.Application(client_max_size=64 * 2**20)
+        app = web.Application(client_max_size=64 * 2**20, middlewares=[self.idle.middleware])
         app.router.add_get("/s/{sid}/v1/models", self._models)
         app.router.add_post("/s/{sid}/v1/chat/completions", self._chat)
         app.router.add_post("/s/{sid}/v1/completions", self._complete)
-        # idle keep-alive connections closed soon: an agent that never closes its client
-        # would otherwise hold a socket per episode until the garbage collector runs
         runner = web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_S)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)

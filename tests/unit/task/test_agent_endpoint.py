@@ -7,6 +7,8 @@ import asyncio
 import functools
 import json
 
+import httpcore
+import httpx
 import pytest
 import torch
 from openai import AsyncOpenAI, BadRequestError
@@ -17,7 +19,8 @@ from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.episodes import ENDS, Episode, env_loop, episode_batch, play
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import ENV, POLICY, PromptBatch
-from rlhf_async.task.agent import AgentEpisodes
+from rlhf_async.task import endpoint as endpoint_module
+from rlhf_async.task.agent import AgentEpisodes, agent_loop
 from rlhf_async.task.agent_session import NO_ENV, parse_tool_calls
 from rlhf_async.task.tokens import encode_prompt
 from tests.chat_tokenizers import chatml_tokenizer, llama3_tokenizer
@@ -280,3 +283,71 @@ def test_a_failing_generation_stops_the_run_rather_than_failing_the_agents():
 
     with pytest.raises(IndexError):  # the scripted policy has no reply: the engine's error
         _run(tok, agent, [])
+
+
+class _LateWrites(httpcore.AsyncNetworkBackend):
+    """A network backend whose streams, once `late` is set, write `late` seconds after
+    the request took its pooled connection: an agent's loop busy with other agents."""
+
+    def __init__(self) -> None:
+        self.inner, self.late, self.connects = httpcore.AnyIOBackend(), 0.0, 0
+
+    async def connect_tcp(self, *args, **kwargs):
+        self.connects += 1
+        stream = await self.inner.connect_tcp(*args, **kwargs)
+        backend = self
+
+        class Late(httpcore.AsyncNetworkStream):
+            async def write(self, buffer, timeout=None):
+                if backend.late:
+                    await asyncio.sleep(backend.late)
+                    backend.late = 0.0
+                await stream.write(buffer, timeout)
+
+            def __getattr__(self, name):
+                return getattr(stream, name)
+
+        for name in ("read", "aclose", "start_tls", "get_extra_info"):
+            setattr(Late, name, lambda self, *a, _n=name, **k: getattr(stream, _n)(*a, **k))
+        return Late()
+
+
+def test_a_pooled_connection_is_not_closed_under_a_request_on_its_way():
+    """One keep-alive client shared by the agents: a request that takes a pooled
+    connection and goes out 2.5 s later (its loop busy) is answered on that connection."""
+    tok = chatml_tokenizer()
+    backend = _LateWrites()
+    transport = httpx.AsyncHTTPTransport()
+    transport._pool._network_backend = backend  # the pool's connections: `backend`'s
+
+    async def agent(base_url, row):
+        async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0,
+                               http_client=httpx.AsyncClient(transport=transport)) as c:
+            msgs = [{"role": "user", "content": "six"}]
+            await c.chat.completions.create(model="policy", messages=msgs)
+            backend.late = 2.5
+            r = await c.chat.completions.create(model="policy", messages=msgs)
+            return float(r.choices[0].message.content == "six")
+
+    (ep,), _, _ = _run(tok, agent, ["six", "six"])
+    assert (ep.end, ep.reward, backend.connects) == ("done", 1.0, 1)
+
+
+def test_clients_never_closed_leave_at_most_max_idle_connections(monkeypatch):
+    monkeypatch.setattr(endpoint_module, "MAX_IDLE", 2)
+    tok = chatml_tokenizer()
+    leaked: list[AsyncOpenAI] = []
+
+    async def agent(base_url, row):  # a client per episode, never closed
+        leaked.append(AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0))
+        await leaked[-1].chat.completions.create(model="policy", messages=[
+            {"role": "user", "content": row["prompt"]}])
+        return 1.0
+
+    eps, _, _ = _run(tok, agent, ["six"], prompts=("six", "five", "four", "three"))
+    assert [e.end for e in eps] == ["done"] * 4
+    server = env_loop().run(endpoint_module.endpoint())
+    assert len(server.idle.conns) == 2 and not any(c.is_closing() for c in server.idle.conns)
+    assert server._runner is not None and len(server._runner.server.connections) == 2
+    for client in leaked:
+        asyncio.run_coroutine_threadsafe(client.close(), agent_loop()).result()
