@@ -159,7 +159,7 @@ class AgentEpisodes:
             def policy(k: int, ep: Episode, sid: int = sid,
                        ) -> Awaitable[tuple[list[int], list[float], bool]]:
                 return batcher.call(k, ep, sid)
-            sessions.append(Session(self.tok, policy, spec.decode, params.stops,
+            sessions.append(Session(self.tok, policy, spec.decode, params,
                                     prompts.prompt_ids.shape[1], spec.max_tokens,
                                     spec.max_turns, self.chat))
 

@@ -13,11 +13,20 @@ Tools: the request's `tools` go to the template; a reply holding Hermes/Qwen-sty
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks is answered as
 `tool_calls`, and the agent's `role: tool` messages after it are environment tokens like
 any other message it adds.
+
+Sampling is the run's (`generation.*`): the behaviour log-probs trained on are that
+sampler's, and the trainer recomputes them at its temperature. A request asking for
+another distribution (`temperature`, `top_p`, `top_k`, `min_p`, penalties, `logit_bias`)
+is refused (400, naming the run's value) rather than silently sampled otherwise; one that
+names the run's values, or leaves them out, is served. `max_tokens` and `stop` cut the
+reply (what is kept is a prefix of what was sampled, so its log-probs stand); `seed` is
+not needed: the run's sampling is keyed by episode and call, reproducible as it is.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -26,6 +35,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_async.modeling.episodes import Episode, after_turn
+from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import ENV, POLICY
 from rlhf_async.task.environment import chat_delta
 from rlhf_async.task.tokens import encode_prompt
@@ -130,6 +140,35 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
     return "".join(kept).strip(), calls
 
 
+def sampling_problem(body: dict[str, Any], params: SamplingParams) -> str | None:
+    """Why the request's sampling is not the run's (None: it is, or it names none)."""
+    run = {"temperature": (params.temperature, "generation.temperature"),
+           "top_p": (params.top_p, "generation.top_p"),
+           "top_k": (params.top_k, "generation.top_k"), "min_p": (0.0, None),
+           "frequency_penalty": (0.0, None), "presence_penalty": (0.0, None),
+           "repetition_penalty": (1.0, None)}
+    for key, (value, knob) in run.items():
+        got = body.get(key)
+        if got is None or (key == "top_k" and got in (-1, 0) and value == 0):
+            continue
+        if not isinstance(got, int | float) or not math.isclose(got, value, rel_tol=1e-6):
+            where = f"{knob} = {value}" if knob else f"{value} (not configurable)"
+            return (f"{key}: this run samples with {where}, and trains on that sampler's "
+                    f"log-probs; send {key} = {value} or leave it out (got {got!r})")
+    if body.get("logit_bias"):
+        return "logit_bias: this run samples from the policy as it is; leave logit_bias out"
+    return None
+
+
+def stop_strings(stop: Any) -> list[str]:
+    """A request's `stop`: None, a string or a list of strings."""
+    if stop is None or isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return [s for s in stop if s]
+    raise RequestError(f"stop: expected a string or a list of strings, got {str(stop)[:80]!r}")
+
+
 @dataclass
 class Segment:
     """One token history: an `Episode` (its first render's tokens, at most the batch's
@@ -149,7 +188,7 @@ class Session:
     tok: PreTrainedTokenizerBase
     policy: Policy
     decode: Callable[[list[int]], str]
-    stops: tuple[int, ...]
+    params: SamplingParams  # the run's sampler
     width: int
     max_tokens: int
     max_calls: int
@@ -168,35 +207,53 @@ class Session:
         return seg
 
     def _extend(self, seg: Segment, new: list[int]) -> None:
-        seg.episode.add(after_turn(seg.episode, new, self.stops), ENV)
+        seg.episode.add(after_turn(seg.episode, new, self.params.stops), ENV)
 
-    async def _reply(self, seg: Segment, limit: Any) -> tuple[list[int], str]:
-        """The policy's next turn on `seg`: (its tokens, finish reason)."""
+    def check(self, body: dict[str, Any]) -> list[str]:
+        """The request's stop strings; a request for another sampler (see the module) or
+        a malformed `stop` refused before anything is recorded."""
+        problem = sampling_problem(body, self.params)
+        if problem is not None:
+            raise RequestError(problem)
+        return stop_strings(body.get("stop"))
+
+    async def _reply(self, seg: Segment, stops: list[str], limit: Any,
+                     ) -> tuple[list[int], str, str]:
+        """The policy's next turn on `seg`: (its tokens, their text, finish reason)."""
         if self.calls >= self.max_calls:
             raise RequestError(f"this episode has made its task.max_turns = {self.max_calls} "
                                "policy calls")
         ep = seg.episode
         if len(ep.tokens) >= self.max_tokens:
             self.truncated = True  # generation.max_episode_tokens spent
-            return [], "length"
+            return [], "", "length"
         self.calls += 1
         try:
             toks, lps, ended = await self.policy(self.calls - 1, ep)
         except Exception as e:  # the engine's, not the agent's: reported by the driver
             raise PolicyFailed(f"{type(e).__name__}: {e}") from e
         # a turn that ran out of generation.max_new_tokens or the episode's tokens is
-        # truncated as an environment's episode's is (the agent's own max_tokens is not)
-        self.truncated = self.truncated or not ended
+        # truncated as an environment's episode's is (the agent's max_tokens or stop is not)
+        ran_out = not ended
         if isinstance(limit, int) and 0 < limit < len(toks):
-            toks, lps, ended = toks[:limit], lps[:limit], False
+            toks, lps, ended, ran_out = toks[:limit], lps[:limit], False, False
+        text = self.decode(toks)
+        hits = [(text.find(s), s) for s in stops if s in text]
+        if hits:
+            at, stop = min(hits)
+            keep = next(i for i in range(1, len(toks) + 1)
+                        if len(self.decode(toks[:i])) >= at + len(stop))
+            toks, lps, ended, ran_out, text = toks[:keep], lps[:keep], True, False, text[:at]
+        self.truncated = self.truncated or ran_out
         ep.add(toks, POLICY, lps)
-        return toks, "stop" if ended else "length"
+        return toks, text, "stop" if ended else "length"
 
     async def chat_completion(self, body: dict[str, Any]) -> dict[str, Any]:
         """/chat/completions: the reply as a `chat.completion` message."""
         if not self.chat:
             raise RequestError("the policy's tokenizer has no chat template: use "
                                "/completions")
+        stops = self.check(body)
         msgs, tools = normal(body.get("messages")), body.get("tools") or None
         if tools is not None and not isinstance(tools, list):
             raise RequestError("tools: expected a list of {type: function, function: ...}")
@@ -207,10 +264,9 @@ class Session:
                 msgs[len(seg.messages):]))
         else:
             seg = self._open(encode_prompt(self.tok, msgs, True, tools), tools=tools)
-        toks, finish = await self._reply(seg, body.get("max_completion_tokens",
-                                                       body.get("max_tokens")))
-        content, calls = parse_tool_calls(self.decode(toks)) if tools else \
-            (self.decode(toks), [])
+        toks, text, finish = await self._reply(seg, stops, body.get(
+            "max_completion_tokens", body.get("max_tokens")))
+        content, calls = parse_tool_calls(text) if tools else (text, [])
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [{"id": f"call_{self.calls}_{i}", **c}
@@ -223,6 +279,7 @@ class Session:
 
     async def completion(self, body: dict[str, Any]) -> dict[str, Any]:
         """/completions: a text (or token ids) prompt continued."""
+        stops = self.check(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -242,8 +299,7 @@ class Session:
                 seg = self._open(list(prompt))
         else:
             raise RequestError("prompt: expected a string or a list of token ids")
-        toks, finish = await self._reply(seg, body.get("max_tokens"))
-        text = self.decode(toks)
+        toks, text, finish = await self._reply(seg, stops, body.get("max_tokens"))
         if seg.text is not None:
             seg.text = prompt + text  # type: ignore[operator]  # a str prompt here
         return {"object": "text_completion", "usage": self._usage(seg, toks),

@@ -10,9 +10,10 @@ their policy turns run). Each episode is a session with its own base URL,
     POST /completions         a text or token-id prompt -> its continuation
 
 What a call records is in `agent_session.py`. Sampling is the run's (`generation.*`: the
-behaviour log-probs trained on are that sampler's), so a request's temperature, top_p
-and seed are not used; `max_tokens` caps the reply. Not served: `stream: true` and `n > 1`
-(answered 400, as is any malformed request, with what is accepted).
+behaviour log-probs trained on are that sampler's): a request asking for another
+temperature, top_p, ... is answered 400 naming the run's; `max_tokens` and `stop` cut the
+reply. Not served: `stream: true` and `n > 1` (answered 400, as is any malformed request,
+with what is accepted).
 
 Keep-alive: an idle connection stays open `KEEPALIVE_S`, longer than any common client
 keeps one in its pool (httpx 5 s, aiohttp 15 s, Go 90 s), so a client always retires a
