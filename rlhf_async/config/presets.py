@@ -238,7 +238,7 @@ class AlgoConfig:
                                "penalty ramps; 0 = a fifth of max_new_tokens (DAPO's), at "
                                "least 1", ge=0)
     mismatch: str = opt("none", "correct the gap between the generator's (behaviour) and "
-                        "the trainer's log-probs of the same policy (vLLM, bf16; stale "
+                        "the trainer's log-probs of the same policy (another engine, bf16; stale "
                         "rollouts): tis = weight each token's loss by min(ratio, "
                         "mismatch_cap), mis = drop tokens (sequences, with ratio_level = "
                         "sequence) whose ratio is above mismatch_cap", choices=("none", "tis",

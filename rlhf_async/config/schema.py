@@ -120,6 +120,11 @@ class TeacherConfig:
                     "algo.name = 'distill' and algo.distill_coef > 0")
 
 
+# the names of `engines.ENGINES` (the registry; a test keeps the two equal): the config
+# layer sits below the engines, so it names them here, the one place outside engines/
+GENERATION_ENGINES = ("torch", "vllm")
+
+
 @dataclass
 class GenerationConfig:
     max_new_tokens: int = opt(8, "response length limit (tokens, EOS included); with an "
@@ -137,11 +142,10 @@ class GenerationConfig:
                                     "(kept in it, e.g. <|im_end|>)")
     stop_strings: list[str] = opt([], "strings that end a response at the token completing "  # noqa: RUF009
                                   "one (kept in it; task.name = 'text')")
-    # the names of `engines.ENGINES` (the registry; a test keeps the two equal)
     backend: str = opt("torch", "generation engine (the request-level interface of "
                        "engines/interface.py): separation's generators, or beside each "
                        "flattening/interleaving rank when not torch; vllm needs the [vllm] "
-                       "extra", choices=("torch", "vllm"))
+                       "extra", choices=GENERATION_ENGINES)
     dtype: str = opt("", "what Flattening and Interleaving generate in (the actor's own "
                      "weights, under autocast); '' = the actor's dtype (placement.dtype). On "
                      "CPU narrow models generate faster in fp32 while they train in bf16 "

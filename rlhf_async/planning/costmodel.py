@@ -38,8 +38,8 @@ ASSUMPTIONS = [
     "master); ZeRO-3 (train.backend = deepspeed, train.zero_stage = 3) over the training "
     "copies' data-parallel group when the unsharded states and activations of a device's "
     "models exceed 75% of its memory, else plain data parallelism; frozen models (reward, "
-    "reference) always whole, generators whole or tensor-parallel (vLLM), as this build's "
-    "runners hold them"),
+    "reference) always whole, generators whole or tensor-parallel (on an engine that spans "
+    "devices), as this build's runners hold them"),
     ("per step: prompt 512 tokens, 480 generated tokens (the paper's setting), 1024 samples, "
     "1 PPO epoch in 4 minibatches, no gradient accumulation; activation checkpointing: "
     "each layer's bf16 input kept, one layer's activations (16 values per token and hidden "

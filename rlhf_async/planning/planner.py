@@ -234,8 +234,8 @@ def _spanning() -> str:
 
 def sim_job(placement: PlacementConfig, work: Workload) -> JobConfig:
     """The job `plan --simulate` prices: PPO on `work` (one response per prompt) with this
-    placement, as `run` would get it (tensor-parallel generators on vLLM, the engine that
-    runs them)."""
+    placement, as `run` would get it (tensor-parallel generators on the first registered engine
+    that spans devices)."""
     over, _ = parse_overrides(placement)
     gen_tp = override_int(over, "shadow_actor", "tensor_parallel", 1)
     return JobConfig(

@@ -78,8 +78,8 @@ def _die_with_parent() -> None:
 
 
 def kill_group(pid: int | None) -> None:
-    """SIGKILL what is left of a node's process group: the processes it started (vLLM's
-    engine core and workers) outlive a node killed by a signal. A node leads its own
+    """SIGKILL what is left of a node's process group: the processes it started (a generation
+    engine's core and workers) outlive a node killed by a signal. A node leads its own
     session, so the group's id is its pid, which the kernel does not hand out again while
     any process of the group lives: this reaches the node's processes only (called when
     the node is killed or found dead, before its pid could be reused)."""
@@ -248,7 +248,7 @@ def _forked_node(spec_path: str, log_path: str, env: dict[str, str], cwd: str) -
     os.close(fd)
     adopt(env, cwd)
     # daemonic to the coordinator (ended at its exit), a normal process to itself: a node may
-    # start processes of its own (vLLM's workers)
+    # start processes of its own (a generation engine's workers)
     multiprocessing.current_process().daemon = False
     leave(main(["--spec", spec_path]))
 

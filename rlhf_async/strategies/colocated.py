@@ -1,5 +1,5 @@
 """A generation engine beside a lock-step rank's trainer (Flattening, Interleaving with
-`generation.backend` other than the default, e.g. vLLM).
+`generation.backend` other than the default).
 
 The default generates with the keyed sampler on the rank's actor module itself. With
 another engine each rank starts one over the SFT policy (one device, the rank's) and runs
@@ -7,8 +7,8 @@ its rollouts through the request-level interface (`engines/requests.py`, the cod
 generator node schedules too); after each training step the engine takes the rank's
 updated weights in process (`stage_tensors` + `commit`: no broadcast group), so every
 rollout is sampled by the weights the step before trained. While the rank scores and
-trains, the engine sleeps (on GPUs vLLM frees its KV cache and offloads its weights; on
-CPU it stays as it is, logged once).
+trains, the engine sleeps (on GPUs an engine that can frees its KV cache and offloads its
+weights; on CPU it stays as it is, logged once).
 """
 
 from __future__ import annotations

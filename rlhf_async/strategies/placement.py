@@ -51,7 +51,7 @@ class ModelPlacement:
     tensor_parallel: int
     runtime: str  # train | infer
     backend: str  # its engine: train.backend (torch | deepspeed) for training copies,
-    # generation.backend (torch | vllm) for the shadow actor, torch for the rest
+    # generation.backend (an `engines.ENGINES` name) for the shadow actor, torch for the rest
     dtype: str  # fp32 | bf16 | fp16
 
 
@@ -219,14 +219,16 @@ def with_engines(p: Placement, train: str, generate: str) -> Placement:
 
 def engine_problems(p: Placement, one_replica_per_device: bool = True) -> list[str]:
     """What this build's runners cannot execute (the plan itself may be valid): tensor
-    parallelism other than vLLM generators' (run `with_engines` first), a dtype the device
+    parallelism other than generators' on an engine that spans devices (run `with_engines`
+    first), a dtype the device
     cannot run (modeling/precision.py), and (when the runner keeps one copy per device)
     replica counts that differ from that."""
     out = []
     spans = [n for n, e in ENGINES.items() if e.tensor_parallel]  # engines over devices
     for m in p.models:
         if m.tensor_parallel > 1 and not (m.model == "shadow_actor" and m.backend in spans):
-            engine = ("; tensor-parallel generators run on vLLM (generation.backend = "
+            engine = ("; tensor-parallel generators need an engine that spans devices "
+                      "(generation.backend = "
                       f"{' | '.join(map(repr, spans))})") if m.model == "shadow_actor" else ""
             out.append(f"placement.tensor_parallel: {m.model}={m.tensor_parallel} is not run "
                        f"by this build's runners (they keep whole copies{engine}); use 1")

@@ -5,7 +5,7 @@ independent OS processes that may already own a default group (DDP among trainer
 tensor parallelism inside a generator). The weight-sync group has to exist beside those,
 be torn down and rebuilt when a generator restarts, and never touch the global registry.
 So we build the backend object directly (`ProcessGroupGloo` / `ProcessGroupNCCL` over a
-`PrefixStore`), the way vLLM's stateless groups do; each epoch gets its own store prefix
+`PrefixStore`), the way inference engines' stateless groups do; each epoch gets its own store prefix
 so a rebuilt group never reads keys of the dead one.
 
 Before creating the backend every rank writes a "joined" key and waits for all the others

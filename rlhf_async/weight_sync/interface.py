@@ -1,7 +1,7 @@
 """The small interface every weight-sync backend implements, and the registry by name.
 
 Why a registry: the trainer and generators pick the transfer by a config string ("gloo"
-on CPU, "nccl" on GPUs, later e.g. one that lives inside vLLM workers) without importing
+on CPU, "nccl" on GPUs, later e.g. one that lives inside an engine's own workers) without importing
 backend modules they cannot load on this machine.
 """
 

