@@ -182,7 +182,7 @@ class Trainer:
         metrics.update(token_version_metrics(full, self.policy.sync_version(step)))
         # the trainer's own log of what it trained, written before the checkpoint that
         # includes the step: exactly-once is counted from it
-        ids = full.sample_ids.tolist()
+        ids = list(dict.fromkeys(full.sample_ids.tolist()))  # an agent's segments share one
         self.samples_log.write({"step": step, "sample_ids": ids, "version": full.version,
                                 "metrics": metrics})
         # reported before the checkpoint: a crash in between makes the restarted trainer

@@ -93,7 +93,8 @@ class RolloutBatch:
     episode_ends: Tensor | None = None
     teacher_logprobs: Tensor | None = None  # [B, R] float32 distillation's teacher (scorer)
     # [B] long: an agent's episode: the token histories it ran (>1: the agent rewrote its
-    # history; the row holds the last one)
+    # history; the row holds the last one); 0: a row holding an earlier one of them, with
+    # its episode's sample id, group and reward (`modeling.episodes.episode_batch`)
     episode_segments: Tensor | None = None
 
     @property
@@ -190,9 +191,23 @@ class RolloutBatch:
         return RolloutBatch(**kwargs)
 
     def split(self, group_size: int, parts: int) -> list[RolloutBatch]:
-        """Contiguous parts of whole groups, cut as `PromptBatch.split` cuts prompts."""
-        bounds = split_bounds(len(self) // group_size, parts, group_size)
-        return [self.select(torch.arange(lo, hi)) for lo, hi in itertools.pairwise(bounds)]
+        """Contiguous parts of whole groups, cut as `PromptBatch.split` cuts prompts (over
+        the episodes' rows; an agent's earlier segments go with their group)."""
+        main = self.episode_index()
+        bounds = split_bounds(len(main) // group_size, parts, group_size)
+        if len(main) == len(self):
+            return [self.select(torch.arange(lo, hi)) for lo, hi in itertools.pairwise(bounds)]
+        groups = self.group_ids[main].tolist()
+        part = {g: k for k, (lo, hi) in enumerate(itertools.pairwise(bounds))
+                for g in groups[lo:hi]}
+        of = torch.tensor([part[g] for g in self.group_ids.tolist()])
+        return [self.select(torch.nonzero(of == k).flatten()) for k in range(len(bounds) - 1)]
+
+    def episode_index(self) -> Tensor:
+        """Indices of the rows that are episodes (not an agent's earlier segments)."""
+        if self.episode_segments is None:
+            return torch.arange(len(self))
+        return torch.nonzero(self.episode_segments.cpu() != 0).flatten()
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

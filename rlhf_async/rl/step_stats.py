@@ -22,9 +22,12 @@ def global_stats(b: RolloutBatch, kl: Tensor, adv: Tensor, sums: dict[str, Tenso
                   / m.sum(1).clamp(min=1)}
     if b.hidden_scores is not None:
         per_sample["hidden_score"] = b.hidden_scores.float()
+    # an agent's earlier segments (episode_segments 0) are rows, not episodes
+    episode = m.new_ones(len(b)) if b.episode_segments is None else \
+        (b.episode_segments != 0).float()
     if b.episode_ends is not None:  # how many episodes ended each way (counts, not means)
         for code, how in enumerate(ENDS):
-            per_sample[f"episodes/{how}"] = (b.episode_ends == code).float()
+            per_sample[f"episodes/{how}"] = (b.episode_ends == code).float() * episode
     if b.episode_segments is not None:  # agents that rewrote their history (a new segment)
         per_sample["episodes/new_segments"] = (b.episode_segments - 1).clamp(min=0).float()
     vec = torch.stack([v.sum() for v in per_sample.values()] + list(sums.values())
