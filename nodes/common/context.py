@@ -1,7 +1,9 @@
-"""What every RLHF node reads from its spec: the job config, artefact paths and device."""
+"""What every RLHF node reads from its spec: the job config, artefact paths and device,
+and the task they build."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.precision import Precision, check_device
 from rlhf_async.runtime import Node
 from rlhf_async.strategies.separation.protocol import ChunkFormatError
-from rlhf_async.task import make_task, sampling_params
+from rlhf_async.task import Task, make_task, sampling_params
 from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.wire.protocol import ProtocolError
 
@@ -25,9 +27,18 @@ class NodeContext:
     device: torch.device
     sampling: SamplingParams
     precision: Precision  # each model's dtype, from the placement
+    task: Task
 
 
-def load_context(node: Node) -> NodeContext:
+def _task(cfg: JobConfig) -> tuple[Task, SamplingParams]:
+    task = make_task(cfg)
+    return task, sampling_params(cfg, task)
+
+
+async def load_context(node: Node) -> NodeContext:
+    """The node's context. The task is built off the event loop: it imports the user's
+    modules (an agent, a reward, a verifiers environment: seconds), and the loop must go
+    on beating its heartbeats (`runtime.time_to_dead`) meanwhile."""
     hf_logging.disable_progress_bar()
     p = node.params
     cfg = config_from_dict(p["config"])
@@ -37,7 +48,8 @@ def load_context(node: Node) -> NodeContext:
         torch.cuda.set_device(device)
     precision = Precision(p.get("precision", {}))
     check_device(precision, device)
-    return NodeContext(cfg, art, device, sampling_params(cfg, make_task(cfg)), precision)
+    task, sampling = await asyncio.to_thread(_task, cfg)
+    return NodeContext(cfg, art, device, sampling, precision, task)
 
 
 def message_errors() -> tuple[type[Exception], ...]:

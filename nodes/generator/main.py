@@ -46,7 +46,7 @@ from rlhf_async.weight_sync import WeightSyncError
 
 
 async def main(node: Node) -> None:
-    job = load_context(node)
+    job = await load_context(node)
     # version 0 = the SFT policy; loaded off the loop so heartbeats go on
     engine = await asyncio.to_thread(_engine, job, int(node.params.get("tensor_parallel", 1)))
     gen = job.cfg.generation

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 from nodes.generator.inflight import Span, Weights
 from rlhf_async.engines import Completion, GenerationEngine, Request
-from rlhf_async.engines.requests import assemble, chunk_requests, turn_request
+from rlhf_async.engines.requests import PrefillTally, assemble, chunk_requests, turn_request
 from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.episodes import Episode, env_loop, episode_batch, play
 from rlhf_async.modeling.generation import SamplingParams, request_seed
@@ -88,7 +88,7 @@ class Scheduler:
         run on the process's environment loop (`env_loop`: one that blocks does not stop
         this node's heartbeats), the requests on this loop."""
         p, E = self.params, spec.max_tokens
-        here = asyncio.get_running_loop()
+        here, tally = asyncio.get_running_loop(), PrefillTally()
         with self.busy():
             async with self.weights.chunk() as span:
                 start = span.held[0]
@@ -101,6 +101,7 @@ class Scheduler:
                             for e, sid in zip(eps, sids, strict=True)]
                     done = await asyncio.gather(*(self._row(sid, cid.step, r, k)
                                                   for sid, r in zip(sids, reqs, strict=True)))
+                    tally.add(sids, done)
                     return [(c.token_ids, c.logprobs, c.finish == "stop") for c in done]
 
                 async def turn(k: int, eps: list[Episode], sids: list[int],
@@ -112,7 +113,7 @@ class Scheduler:
                         play(prompts, p, spec, self.seed, cid.step, turn), env_loop().loop))
                 finally:
                     self.weights.close(span, {start[0]})
-        return episode_batch(prompts, eps, E, p.pad_id, start[0], cid.step), span
+        return tally.onto(episode_batch(prompts, eps, E, p.pad_id, start[0], cid.step)), span
 
     async def _row(self, sid: int, step: int, req: Request, turn: int = 0) -> Completion:
         """One row's completion; under the row cap, when there is one."""
@@ -136,6 +137,7 @@ class Scheduler:
             total.logprobs += got.logprobs
             total.versions += got.versions
             total.finish = got.finish
+            total.prefill += got.prefill  # each resubmission prefills its prompt again
             left = first.max_new_tokens - len(total.token_ids)
             if got.finish != "abort" or left <= 0:
                 break

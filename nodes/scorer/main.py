@@ -21,19 +21,19 @@ from rlhf_async.strategies.separation.protocol import (
     rollout_from_message,
     rollout_message,
 )
-from rlhf_async.task import make_task, reward_mix
+from rlhf_async.task import reward_mix
 from rlhf_async.task.artefacts import load_reward, load_sft
 from rlhf_async.task.reward_fn import RewardFunctionError
 from rlhf_async.task.teacher import load_teacher, teacher_device
 
 
 async def main(node: Node) -> None:
-    job = load_context(node)
+    job = await load_context(node)
     reward_model, reference = await asyncio.to_thread(_models, job)  # heartbeats go on
     teacher = await asyncio.to_thread(load_teacher, job.cfg,
                                       teacher_device(job.cfg, job.device, node.node_id),
                                       job.precision)
-    task = make_task(job.cfg)
+    task = job.task
     T, mix = job.cfg.generation.temperature, reward_mix(job.cfg, task)
     packed = job.cfg.train.max_tokens_per_microbatch > 0  # the trainer packs: so do we
     inp, out = node.socket("rollouts"), node.socket("scored")

@@ -63,7 +63,6 @@ from rlhf_async.strategies.training import (
     save_final_policy,
     save_learner_checkpoint,
 )
-from rlhf_async.task import make_task
 from rlhf_async.task.evaluation import StepLogs
 from rlhf_async.weight_sync import WeightSyncError, make_sender, tied_names
 from rlhf_async.wire.protocol import Message
@@ -86,7 +85,7 @@ async def main(node: Node) -> None:
 
 
 async def _main(node: Node) -> None:
-    job = load_context(node)
+    job = await load_context(node)
     cfg = job.cfg
     group = TrainerGroup(int(node.params.get("rank", 0)), int(node.params.get("world", 1)),
                          cfg.algo.group_size)
@@ -133,7 +132,7 @@ class Trainer:
         truncate_jsonl(samples_path, start)  # steps after the checkpoint are trained again
         self.samples_log = MetricsWriter(samples_path)  # (the coordinator only reads it)
         # samples.jsonl and the held-out evaluation when due (run.log_samples, eval_every)
-        self.logs = StepLogs(self.cfg, make_task(self.cfg), job.art, ckpt_dir.parent, start,
+        self.logs = StepLogs(self.cfg, job.task, job.art, ckpt_dir.parent, start,
                              job.device)
 
     async def setup(self) -> None:
@@ -183,7 +182,7 @@ class Trainer:
         metrics.update(token_version_metrics(full, self.policy.sync_version(step)))
         # the trainer's own log of what it trained, written before the checkpoint that
         # includes the step: exactly-once is counted from it
-        ids = full.sample_ids.tolist()
+        ids = list(dict.fromkeys(full.sample_ids.tolist()))  # an agent's segments share one
         self.samples_log.write({"step": step, "sample_ids": ids, "version": full.version,
                                 "metrics": metrics})
         # reported before the checkpoint: a crash in between makes the restarted trainer

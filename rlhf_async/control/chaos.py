@@ -135,3 +135,32 @@ def kill_at_start(run_dir: str | Path, order: list[str], stop: threading.Event,
             continue
         killed.add(pid)
         victims.append((order[len(victims)], round(age, 2)))
+
+
+def kill_random(run_dir: str | Path, kills: int, every_steps: int, stop: threading.Event,
+                victims: list[tuple[str, int]], seed: int = 0) -> None:
+    """SIGKILL a random ready node every `every_steps` trained steps (from step 2), `kills`
+    times: whichever nodes the job has then (a scaled job's change). Appends (node, steps
+    trained) to `victims`."""
+    rng, run_dir, at = random.Random(seed), Path(run_dir), 2
+    while len(victims) < kills and not stop.is_set():
+        time.sleep(0.1)
+        metrics = run_dir / "metrics.jsonl"
+        steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        if steps < at:
+            continue
+        try:
+            nodes = _nodes(run_dir)
+        except Exception:  # the coordinator is busy or gone: try again
+            continue
+        ready = sorted((n, s["pid"]) for n, s in nodes.items()
+                       if s.get("state") == "ready" and s.get("pid"))
+        if not ready:
+            continue
+        node, pid = rng.choice(ready)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        victims.append((node, steps))
+        at = steps + every_steps

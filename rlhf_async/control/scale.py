@@ -6,7 +6,8 @@ generators=N scorers=M` and the daemon's `{"op": "scale", ...}` both come here.
 Refused with one `ReshapeError` (the job goes on unchanged): a run directory without a
 running job, a job that is not Separation (Flattening and Interleaving hold every model in
 one process per device: there is no generator process to add), and whatever the running
-coordinator refuses (counts below 1, too few free devices: control/reshape.py).
+coordinator refuses (counts below 1, too few free devices: control/reshape.py; on Ray, a
+cluster that cannot hold the new bundles: strategies/separation/on_ray.py).
 """
 
 from __future__ import annotations
@@ -49,11 +50,6 @@ def check_scalable(run_dir: Path) -> dict:
             "separation job only (flattening and interleaving hold every model in one "
             "process per device); to change its devices, stop it and resume it with "
             "another placement.devices")
-    if placement.get("launcher") == "ray":
-        raise ReshapeError(
-            f"{run_dir} runs on Ray (placement.launcher = 'ray'): this build scales jobs "
-            "on this machine only; to change its shape, stop it, set placement.generators "
-            "and placement.scorers in its config.json and resume it")
     try:
         info = read_coordinator_file(run_dir)
     except CoordinatorError:

@@ -25,12 +25,13 @@ from rlhf_async.engines.interface import (
     Capabilities,
     Completion,
     GenerationEngine,
+    Prefill,
     Request,
 )
 from rlhf_async.engines.torch_train import TorchTrainBackend
 
 __all__ = ["ENGINES", "TRAINING_BACKENDS", "Capabilities", "Completion", "Engine",
-           "GenerationEngine", "MissingExtraError", "Request", "TrainingBackend",
+           "GenerationEngine", "MissingExtraError", "Prefill", "Request", "TrainingBackend",
            "engine_capabilities", "engine_class", "make_engine", "make_training_backend",
            "require_extra"]
 

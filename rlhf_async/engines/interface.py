@@ -51,6 +51,29 @@ class Request:
     cache_salt: str | None = None
 
 
+@dataclass(frozen=True)
+class Prefill:
+    """What prefilling prompts cost: tokens computed, tokens whose KV a prefix cache
+    supplied (an episode's earlier turns, a group's shared prompt), and of the requests,
+    how many reused some KV (hits) and how many none (misses). Added over a row's requests
+    (turns, resubmissions), it is the row's `RolloutBatch.prefill_counts` (its columns
+    `PREFILL_COUNTS`, in this order)."""
+
+    prefilled: int = 0
+    reused: int = 0
+    hits: int = 0
+    misses: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, reused: int) -> Prefill:
+        """One request's: `reused` of its `prompt_tokens` came from the cache."""
+        return cls(prompt_tokens - reused, reused, int(reused > 0), int(reused == 0))
+
+    def __add__(self, other: Prefill) -> Prefill:
+        return Prefill(self.prefilled + other.prefilled, self.reused + other.reused,
+                       self.hits + other.hits, self.misses + other.misses)
+
+
 @dataclass
 class Completion:
     """What a request produced; the three lists are aligned, one entry per token."""
@@ -60,6 +83,7 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)  # behaviour log pi(token)
     versions: list[int] = field(default_factory=list)  # weight version per token
     finish: Finish = "length"  # "stop": EOS / stop id / stop string; "abort": cut short
+    prefill: Prefill = Prefill()  # its prompt's prefill, as the engine ran it
 
 
 @dataclass(frozen=True)

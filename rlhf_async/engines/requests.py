@@ -6,16 +6,22 @@ engine (continuous batching, in-flight updates: `nodes/generator/scheduler.py`);
 colocated lock-step rank runs them one batch at a time (`engine_rollout`).
 
 Each row's request is keyed by `request_seed(run seed, step, sample id, segment/turn)`,
-so its tokens do not depend on which rows share the engine's batch.
+so its tokens do not depend on which rows share the engine's batch. What prefilling each
+row's prompts cost (its requests' `Prefill`, summed) goes into the rollout as
+`prefill_counts`, counted per step as `kv/*`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
+from torch import Tensor
 
-from rlhf_async.engines.interface import Completion, GenerationEngine, Request
+from rlhf_async.engines.interface import Completion, GenerationEngine, Prefill, Request
 from rlhf_async.modeling.episodes import Episode, episode_batch, play
 from rlhf_async.modeling.generation import Generated, SamplingParams, request_seed, rollout_batch
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
@@ -56,7 +62,30 @@ def assemble(prompts: PromptBatch, done: list[Completion], params: SamplingParam
     dev = prompts.prompt_ids.device
     g = Generated(*(t.to(dev) for t in (g.response_ids, g.response_mask, g.logprobs,
                                         g.token_versions)))
-    return rollout_batch(prompts, g, step, version, partial)
+    counts = prefill_counts([c.prefill for c in done]).to(dev)
+    return rollout_batch(prompts, g, step, version, partial).replace(prefill_counts=counts)
+
+
+def prefill_counts(prefills: Sequence[Prefill]) -> Tensor:
+    """[B, 4] long: each row's `Prefill` as `RolloutBatch.prefill_counts`."""
+    return torch.tensor([dataclasses.astuple(p) for p in prefills],
+                        dtype=torch.long).reshape(len(prefills), -1)
+
+
+class PrefillTally:
+    """Each episode's prefill over its turns' requests, by sample id."""
+
+    def __init__(self) -> None:
+        self.rows: defaultdict[int, Prefill] = defaultdict(Prefill)
+
+    def add(self, sids: Sequence[int], done: Sequence[Completion]) -> None:
+        for sid, c in zip(sids, done, strict=True):
+            self.rows[sid] += c.prefill
+
+    def onto(self, batch: RolloutBatch) -> RolloutBatch:
+        """`batch` with its rows' counts (rows by sample id)."""
+        counts = prefill_counts([self.rows[s] for s in batch.sample_ids.tolist()])
+        return batch.replace(prefill_counts=counts.to(batch.sample_ids.device))
 
 
 def turn_request(tag: str, turn: int, ep: Episode, sid: int, params: SamplingParams,
@@ -81,7 +110,7 @@ async def engine_rollout(engine: GenerationEngine, prompts: PromptBatch,
         reqs = chunk_requests(prompts, params, seed, step, tag, salt)
         done = await asyncio.gather(*(engine.generate(r) for _, r in reqs))
         return assemble(prompts, list(done), params, step, version, partial=False)
-    spec = params.episode
+    spec, tally = params.episode, PrefillTally()
 
     async def turn(k: int, eps: list[Episode], sids: list[int],
                    ) -> list[tuple[list[int], list[float], bool]]:
@@ -89,6 +118,8 @@ async def engine_rollout(engine: GenerationEngine, prompts: PromptBatch,
             engine.generate(turn_request(tag, k, e, sid, params, spec.max_tokens, seed, step,
                                          salt))
             for e, sid in zip(eps, sids, strict=True)))
+        tally.add(sids, done)
         return [(c.token_ids, c.logprobs, c.finish == "stop") for c in done]
     eps = await play(prompts, params, spec, seed, step, turn)
-    return episode_batch(prompts, eps, spec.max_tokens, params.pad_id, version, step)
+    return tally.onto(episode_batch(prompts, eps, spec.max_tokens, params.pad_id, version,
+                                    step))

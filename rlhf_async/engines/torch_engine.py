@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM
 
-from rlhf_async.engines.interface import Capabilities, Completion, Finish, Request
+from rlhf_async.engines.interface import Capabilities, Completion, Finish, Prefill, Request
 from rlhf_async.log import get_logger
 from rlhf_async.modeling.continuous import ContinuousBatch
 from rlhf_async.modeling.cpu_attention import cpu_attention
@@ -112,6 +112,7 @@ class TorchEngine:
         self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         self._outbox: list[_Call] = []  # the caller loop's, until its next iteration
         self._live: dict[str, _Call] = {}  # request id -> its "add" call (decode thread's)
+        self._prefill: dict[str, Prefill] = {}  # request id -> its prompt's prefill (same)
         self._error: BaseException | None = None
         self._paused = False
         self._threads = torch.get_num_threads()  # the process's share of the cores
@@ -259,10 +260,14 @@ class TorchEngine:
         salt = req.cache_salt
         past = None if salt is None else self.prefixes.take(salt, req.prompt_ids,
                                                             self._version)
-        self._batch.add(req.request_id, prompts, u, torch.tensor([req.max_new_tokens]),
+        rid, n = req.request_id, len(req.prompt_ids)
+
+        def admitted(_: int, reused: int) -> None:  # the kept KV its prefill really used
+            self._prefill[rid] = Prefill.of(n, reused)
+        self._batch.add(rid, prompts, u, torch.tensor([req.max_new_tokens]),
                         torch.tensor([req.min_new_tokens]), [past],
                         None if salt is None or not self.prefixes.budget else
-                        lambda _, kept: self.prefixes.put(salt, kept))
+                        lambda _, kept: self.prefixes.put(salt, kept), admitted)
         self._live[req.request_id] = call
 
     def _abort(self, call: _Call) -> None:
@@ -296,13 +301,15 @@ class TorchEngine:
 
     def _hand_back(self, rid: str, g: Generated, finish: Finish | None) -> None:
         call = self._live.pop(rid, None)
+        prefill = self._prefill.pop(rid, Prefill())
         if call is None:
             return
         n = int(g.response_mask[0].sum())
         ids = g.response_ids[0, :n].tolist()
         call.answer(Completion(rid, ids, g.logprobs[0, :n].tolist(),
                                g.token_versions[0, :n].tolist(),
-                               finish or self._finish(ids, call.arg.max_new_tokens)))
+                               finish or self._finish(ids, call.arg.max_new_tokens),
+                               prefill))
 
     def _finish(self, ids: list[int], limit: int) -> Finish:
         """Why a handed-back response ended: a stop, or its token limit."""

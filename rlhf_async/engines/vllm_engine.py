@@ -41,7 +41,7 @@ import structlog
 import torch
 
 from rlhf_async.engines.extras import require_extra
-from rlhf_async.engines.interface import Capabilities, Completion, Finish, Request
+from rlhf_async.engines.interface import Capabilities, Completion, Finish, Prefill, Request
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.weight_sync import GroupSpec
 
@@ -147,6 +147,7 @@ class VLLMEngine:
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         reason: str | None = None
+        cached = 0  # prompt tokens its prefix cache supplied (0 until the first output)
         try:
             async for out in self.llm.generate(prompt, self._sampling(request),
                                                request.request_id):
@@ -157,10 +158,12 @@ class VLLMEngine:
                                   for t, lp in zip(new, o.logprobs or [], strict=True)]
                 comp.versions += [self._version] * len(new)
                 reason = o.finish_reason or reason
+                cached = max(cached, out.num_cached_tokens or 0)
         finally:
             aborted = request.request_id in self._aborted
             self._aborted.discard(request.request_id)
         comp.finish = _finish(reason, aborted)
+        comp.prefill = Prefill.of(len(request.prompt_ids), cached)
         return comp
 
     async def abort(self, request_id: str) -> None:

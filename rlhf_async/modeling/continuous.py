@@ -1,21 +1,20 @@
 """Continuous batching: a finished row's slot takes the next waiting prompt at once.
 
-`generation.sample` decodes one batch until its longest response ends; with a long tail of
-lengths it runs on narrow for the few long rows, though a decode step costs about the same
-for 4 rows as for 64. A `ContinuousBatch` keeps up to `slots` rows decoding: later chunks'
-prompts enter as rows end; a chunk is handed back when its last row ends (`step`).
+`generation.sample` decodes a batch until its longest response ends, narrow for a long
+tail, though a decode step costs about the same for 4 rows as for 64. A `ContinuousBatch`
+keeps up to `slots` rows decoding: later chunks' prompts enter as rows end; a chunk is
+handed back when its last row ends (`step`).
 
-Layout. The rows share one KV cache whose columns are time: every decode step writes column
-L for every row. A row admitted at column L has its prompt's keys and values written
-right-aligned into [L - P, L) of its slot and the columns before them masked; it keeps its
-own positions (rotary and learned position embeddings are applied before the cache), so
-where it sits changes nothing. A finished row's slot is free until the next admission;
-free slots leave the batch when it is at most half full and no prompt waits. When the
-columns run out, each row's valid columns are gathered right-aligned into the first ones
-(`_compact`), so every row attends over no more than the longest prompt plus response
-and a few columns of slack. A row whose prompt starts with tokens whose KV was kept
-(`prefix_kv`: a multi-turn episode's earlier turns) has only the rest prefilled on top of
-that KV, and hands its own KV back when it ends.
+Layout. The rows share one KV cache whose columns are time: each decode step writes column
+L of every row. A row admitted at column L has its prompt's KV right-aligned in [L - P, L)
+of its slot, the columns before masked, and keeps its own positions (rotary and learned
+position embeddings are applied before the cache), so where it sits changes nothing. A
+finished row's slot is free until the next admission; free slots leave when the batch is
+at most half full and no prompt waits. When the columns run out, each row's valid columns
+are gathered right-aligned into the first ones (`_compact`): a row attends over at most
+the longest prompt plus response and a few columns of slack. A row whose prompt starts
+with tokens whose KV was kept (`prefix_kv`: an episode's earlier turns) has only the rest
+prefilled on top of it (under the weights that computed it); it keeps its own KV at its end.
 
 Sampling is `sample`'s (keyed uniforms per sample and position: a row's tokens do not
 depend on its batch); each token records the weight version that sampled it. Needs our
@@ -65,6 +64,7 @@ class _Chunk:
     mins: Tensor  # [B] long: tokens before a stop may be sampled
     pasts: Sequence[Prefix | None]  # [B] KV kept for the start of each prompt
     keep: Callable[[int, Prefix], None] | None  # takes each ended row's KV (row, prefix)
+    on_admit: Callable[[int, int], None] | None  # (row, tokens of kept KV it was admitted on)
     admitted: int = 0
     finished: int = 0
 
@@ -126,11 +126,12 @@ class ContinuousBatch:
     def add(self, key: Any, prompts: PromptBatch, uniforms: Tensor,
             limits: Tensor | None = None, mins: Tensor | None = None,
             pasts: Sequence[Prefix | None] | None = None,
-            keep: Callable[[int, Prefix], None] | None = None) -> None:
+            keep: Callable[[int, Prefix], None] | None = None,
+            on_admit: Callable[[int, int], None] | None = None) -> None:
         """Queue a chunk's prompts [B, P] (left-padded), uniforms [B, R], and per row at most
         limits[b] tokens (R), no stop before mins[b] (params.min_new_tokens). pasts[b]: KV
-        kept for prompt b's first tokens (`prefix_kv`); `keep(b, prefix)` takes row b's KV
-        when it ends, unless its decode crossed a weight change."""
+        kept for prompt b's first tokens (`prefix_kv`; `on_admit(b, tokens)`: how many its
+        admission used); `keep(b, prefix)` takes row b's KV when it ends."""
         B, R = len(prompts), self.R
         dev = prompts.prompt_ids.device
         out = Generated(torch.full((B, R), self.params.pad_id, dtype=torch.long, device=dev),
@@ -140,7 +141,7 @@ class ContinuousBatch:
         limits = (torch.full((B,), R) if limits is None else limits.clamp(max=R)).long()
         mins = (torch.full((B,), self.params.min_new_tokens) if mins is None else mins).long()
         self.waiting.append(_Chunk(key, prompts, uniforms.to(dev), out, limits, mins,
-                                   pasts or [None] * B, keep))
+                                   pasts or [None] * B, keep, on_admit))
 
     def cancel(self, key: Any) -> Generated | None:
         """Stop chunk `key`: its rows leave their slots, what they sampled kept, its waiting
@@ -169,8 +170,7 @@ class ContinuousBatch:
         return bool(self.waiting) or self.rows > 0
 
     def reload(self) -> None:
-        """The module's weights changed in place: remake the decode step (packed copies),
-        long-lived: its weights packed once."""
+        """The module's weights changed in place: remake the decode step (its packed copies)."""
         step = decode_step(self.actor, PACK_MIN_STEPS)
         assert step is not None  # checked in __init__
         self.fast: DecodeStep = step
@@ -178,15 +178,12 @@ class ContinuousBatch:
     @torch.no_grad()
     def step(self, version: int) -> list[tuple[Any, Generated]]:
         """Admit waiting prompts into free slots (prefilled by the weights of `version`),
-        sample one token for every row (each records the version of the weights that
-        computed its logits), and feed the tokens of the rows still going through the
-        weights of `version`. Returns the
-        chunks whose last row ended, with their responses."""
+        sample a token for every row (each records the version that computed its logits),
+        feed the rows still going through those weights; the chunks whose last row ended."""
         self._admit(version)
-        occ = torch.tensor([c is not None for c in self.owner], dtype=torch.bool)
-        if not bool(occ.any()):
+        if not self.rows:
             return []
-        return self._step(occ, version)
+        return self._step(torch.tensor([c is not None for c in self.owner]), version)
 
     # --- one decode step ------------------------------------------------------------------
 
@@ -266,6 +263,9 @@ class ContinuousBatch:
         rather than one padded to the longest whole prompt)."""
         take = self._admissible()
         after = [suffix_after(c.pasts[r], c.prompt(r), version) for c, r in take]
+        for (c, r), a in zip(take, after, strict=True):
+            if c.on_admit is not None:
+                c.on_admit(r, 0 if a is None else len(a[0].tokens))
         if fresh := [x for x, rest in zip(take, after, strict=True) if rest is None]:
             ids, m = self._prompts(fresh)  # [k, P]
             pos = (m.cumsum(dim=1) - 1).clamp(min=0)

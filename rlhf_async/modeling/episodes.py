@@ -142,6 +142,7 @@ class Episode:
     done: bool = False
     end: str = "max_turns"  # how it ended (ENDS); max_turns until something else ends it
     segments: int = 0  # an agent's: token histories it ran (a rewritten history opens one)
+    earlier: list[Episode] = field(default_factory=list)  # the ones before this, trained too
 
     def finish(self, how: str) -> None:
         self.done, self.end = True, how
@@ -348,28 +349,34 @@ async def play(prompts: PromptBatch, params: SamplingParams, spec: EpisodeSpec, 
 def episode_batch(prompts: PromptBatch, eps: list[Episode], width: int, pad_id: int, version: int,
            step: int) -> RolloutBatch:
     """The episodes' rollout: each response `width` wide, `response_mask` POLICY / ENV; a
-    row's prompt its episode's (an agent's may render its own, at most the batch's width)."""
-    B, P = len(eps), prompts.prompt_ids.shape[1]
-    ids, pmask = prompts.prompt_ids.clone().cpu(), prompts.prompt_mask.clone().cpu()
+    row's prompt its episode's (an agent's may render its own, at most the batch's width).
+    An agent's earlier segments follow the episodes as rows of their own: the episode's
+    sample id, group, reward and end, `episode_segments` 0 (trained, not counted)."""
+    rows = [*enumerate(eps), *((i, s) for i, e in enumerate(eps) for s in e.earlier)]
+    src = torch.tensor([i for i, _ in rows], dtype=torch.long)
+    B, P = len(rows), prompts.prompt_ids.shape[1]
+    ids, pmask = prompts.prompt_ids.cpu()[src], prompts.prompt_mask.cpu()[src]
     resp = torch.full((B, width), pad_id, dtype=torch.long)
     kinds = torch.zeros((B, width), dtype=torch.long)
     lps = torch.zeros((B, width), dtype=torch.float32)
-    for i, e in enumerate(eps):
+    for r, (_, e) in enumerate(rows):
         n = len(e.tokens)
-        resp[i, :n], kinds[i, :n] = torch.tensor(e.tokens, dtype=torch.long), \
+        resp[r, :n], kinds[r, :n] = torch.tensor(e.tokens, dtype=torch.long), \
             torch.tensor(e.kinds, dtype=torch.long)
-        lps[i, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
-        if e.prompt != ids[i][pmask[i].bool()].tolist():
-            ids[i], pmask[i] = pad_id, 0
-            ids[i, P - len(e.prompt):], pmask[i, P - len(e.prompt):] = torch.tensor(e.prompt), 1
-    device = prompts.prompt_ids.device
-    segments = torch.tensor([e.segments for e in eps], dtype=torch.long).to(device) \
-        if all(e.segments for e in eps) else None
+        lps[r, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
+        if e.prompt != ids[r][pmask[r].bool()].tolist():
+            ids[r], pmask[r] = pad_id, 0
+            ids[r, P - len(e.prompt):], pmask[r, P - len(e.prompt):] = torch.tensor(e.prompt), 1
+    device, of = prompts.prompt_ids.device, [eps[i] for i, _ in rows]
+    segments = torch.tensor([e.segments if r < len(eps) else 0 for r, e in enumerate(of)],
+                            dtype=torch.long).to(device) if all(e.segments for e in eps) else None
     return RolloutBatch(ids.to(device), pmask.to(device), resp.to(device),
-                        kinds.to(device), lps.to(device), prompts.sample_ids, prompts.group_ids,
+                        kinds.to(device), lps.to(device),
+                        prompts.sample_ids[src.to(prompts.sample_ids.device)],
+                        prompts.group_ids[src.to(prompts.group_ids.device)],
                         version=version, step=step,
-                        env_rewards=torch.tensor([e.reward for e in eps]).to(device),
-                        episode_ends=torch.tensor([ENDS.index(e.end) for e in eps],
+                        env_rewards=torch.tensor([e.reward for e in of]).to(device),
+                        episode_ends=torch.tensor([ENDS.index(e.end) for e in of],
                                                   dtype=torch.long).to(device),
                         episode_segments=segments)
 

@@ -19,7 +19,11 @@ from torch import Tensor
 REQUIRED = ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
             "behaviour_logprobs", "sample_ids", "group_ids")
 OPTIONAL = ("rewards", "ref_logprobs", "hidden_scores", "env_rewards", "token_versions",
-            "episode_ends", "teacher_logprobs", "episode_segments")
+            "episode_ends", "teacher_logprobs", "episode_segments", "prefill_counts")
+# prefill_counts' columns: a row's prompt tokens prefilled and those whose KV a prefix cache
+# supplied, summed over its requests (an episode's turns), and how many of those requests
+# reused some KV (hits) and how many none (misses); `engines.Prefill`'s fields
+PREFILL_COUNTS = ("prefilled_tokens", "reused_tokens", "hits", "misses")
 # response_mask values: a token the policy sampled (trained on), an environment's token of a
 # multi-turn episode (context the policy reads, never trained on), padding
 POLICY, ENV, PAD = 1, 2, 0
@@ -93,8 +97,11 @@ class RolloutBatch:
     episode_ends: Tensor | None = None
     teacher_logprobs: Tensor | None = None  # [B, R] float32 distillation's teacher (scorer)
     # [B] long: an agent's episode: the token histories it ran (>1: the agent rewrote its
-    # history; the row holds the last one)
+    # history; the row holds the last one); 0: a row holding an earlier one of them, with
+    # its episode's sample id, group and reward (`modeling.episodes.episode_batch`)
     episode_segments: Tensor | None = None
+    # [B, 4] long: PREFILL_COUNTS of each row (a request-level engine's rollouts)
+    prefill_counts: Tensor | None = None
 
     @property
     def loss_mask(self) -> Tensor:
@@ -152,7 +159,8 @@ class RolloutBatch:
                 "response_mask": (B, R), "behaviour_logprobs": (B, R), "sample_ids": (B,),
                 "group_ids": (B,), "rewards": (B,), "ref_logprobs": (B, R),
                 "hidden_scores": (B,), "env_rewards": (B,), "token_versions": (B, R),
-                "episode_ends": (B,), "teacher_logprobs": (B, R), "episode_segments": (B,)}
+                "episode_ends": (B,), "teacher_logprobs": (B, R), "episode_segments": (B,),
+                "prefill_counts": (B, len(PREFILL_COUNTS))}
         problems = []
         for name, shape in want.items():
             t = getattr(self, name)
@@ -160,7 +168,8 @@ class RolloutBatch:
                 continue
             if tuple(t.shape) != shape:
                 problems.append(f"{name}: shape {tuple(t.shape)}, expected {shape}")
-            integer = name.endswith(("_ids", "_mask", "_versions", "_ends", "_segments"))
+            integer = name.endswith(("_ids", "_mask", "_versions", "_ends", "_segments",
+                                     "_counts"))
             if integer != (not t.is_floating_point()):
                 kind = "integer" if integer else "float"
                 problems.append(f"{name}: dtype {t.dtype} is not {kind}")
@@ -190,9 +199,23 @@ class RolloutBatch:
         return RolloutBatch(**kwargs)
 
     def split(self, group_size: int, parts: int) -> list[RolloutBatch]:
-        """Contiguous parts of whole groups, cut as `PromptBatch.split` cuts prompts."""
-        bounds = split_bounds(len(self) // group_size, parts, group_size)
-        return [self.select(torch.arange(lo, hi)) for lo, hi in itertools.pairwise(bounds)]
+        """Contiguous parts of whole groups, cut as `PromptBatch.split` cuts prompts (over
+        the episodes' rows; an agent's earlier segments go with their group)."""
+        main = self.episode_index()
+        bounds = split_bounds(len(main) // group_size, parts, group_size)
+        if len(main) == len(self):
+            return [self.select(torch.arange(lo, hi)) for lo, hi in itertools.pairwise(bounds)]
+        groups = self.group_ids[main].tolist()
+        part = {g: k for k, (lo, hi) in enumerate(itertools.pairwise(bounds))
+                for g in groups[lo:hi]}
+        of = torch.tensor([part[g] for g in self.group_ids.tolist()])
+        return [self.select(torch.nonzero(of == k).flatten()) for k in range(len(bounds) - 1)]
+
+    def episode_index(self) -> Tensor:
+        """Indices of the rows that are episodes (not an agent's earlier segments)."""
+        if self.episode_segments is None:
+            return torch.arange(len(self))
+        return torch.nonzero(self.episode_segments.cpu() != 0).flatten()
 
     def to(self, device: torch.device | str) -> RolloutBatch:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

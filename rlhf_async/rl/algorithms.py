@@ -340,6 +340,23 @@ def outcome_advantages(scores: Tensor, group_ids: Tensor, baseline: str,
     return (adv.double() / (_group_stats(scores, group_ids)[1] + eps)).to(scores.dtype)
 
 
+def episode_advantages(scores: Tensor, group_ids: Tensor, sample_ids: Tensor,
+                       segments: Tensor | None, baseline: str, group_norm: bool,
+                       penalty: Tensor | None = None) -> Tensor:
+    """`outcome_advantages` [B] of a batch where rows with `segments` 0 hold earlier
+    segments of an agent's episode (`RolloutBatch.episode_segments`): the group statistics
+    are the episodes' (each once), and such a row takes its episode's advantage (with its
+    own `penalty`)."""
+    if segments is None or bool((segments != 0).all()):
+        return outcome_advantages(scores, group_ids, baseline, group_norm, penalty=penalty)
+    main = torch.nonzero(segments != 0).flatten()
+    adv = outcome_advantages(scores[main], group_ids[main], baseline, group_norm,
+                             penalty=None if penalty is None else penalty[main])
+    row = {s: j for j, s in enumerate(sample_ids[main].tolist())}
+    src = torch.tensor([row[s] for s in sample_ids.tolist()], device=scores.device)
+    return adv[src] if penalty is None else adv[src] + penalty[main][src] - penalty
+
+
 def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int,
                      penalty: float) -> Tensor:
     """DAPO's soft overlong punishment [B]: 0 up to max_new_tokens - buffer tokens, then

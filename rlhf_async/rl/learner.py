@@ -231,8 +231,8 @@ class Learner:
                 adv, _ = A.gae(r, m.new_zeros(m.shape), m, 1.0, 1.0)
         else:
             penalty = None if kl is None else kl_r * kl.sum(dim=1)  # [B]
-            adv = A.outcome_advantages(b.rewards, b.group_ids, rc.baseline,
-                                       rc.adv_norm == "group", penalty=penalty)[:, None] * m
+            adv = A.episode_advantages(b.rewards, b.group_ids, b.sample_ids, b.episode_segments,
+                                       rc.baseline, rc.adv_norm == "group", penalty)[:, None] * m
         if rc.adv_norm == "batch":
             adv = A.whiten(adv, m, all_reduce_sum)
         if distill_weight(algo):  # after normalising, as the term is already per token

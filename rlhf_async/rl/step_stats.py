@@ -8,7 +8,7 @@ from torch import Tensor
 
 from rlhf_async.modeling.collectives import all_gather_1d, all_reduce_sum
 from rlhf_async.modeling.episodes import ENDS
-from rlhf_async.modeling.rollout import RolloutBatch
+from rlhf_async.modeling.rollout import PREFILL_COUNTS, RolloutBatch
 from rlhf_async.rl import algorithms as A
 
 
@@ -22,17 +22,26 @@ def global_stats(b: RolloutBatch, kl: Tensor, adv: Tensor, sums: dict[str, Tenso
                   / m.sum(1).clamp(min=1)}
     if b.hidden_scores is not None:
         per_sample["hidden_score"] = b.hidden_scores.float()
+    # an agent's earlier segments (episode_segments 0) are rows, not episodes
+    episode = m.new_ones(len(b)) if b.episode_segments is None else \
+        (b.episode_segments != 0).float()
     if b.episode_ends is not None:  # how many episodes ended each way (counts, not means)
         for code, how in enumerate(ENDS):
-            per_sample[f"episodes/{how}"] = (b.episode_ends == code).float()
+            per_sample[f"episodes/{how}"] = (b.episode_ends == code).float() * episode
     if b.episode_segments is not None:  # agents that rewrote their history (a new segment)
         per_sample["episodes/new_segments"] = (b.episode_segments - 1).clamp(min=0).float()
+    if b.prefill_counts is not None:  # prompt KV reused from a prefix cache (counts)
+        for j, name in enumerate(PREFILL_COUNTS):
+            per_sample[f"kv/{name}"] = b.prefill_counts[:, j].float()
     vec = torch.stack([v.sum() for v in per_sample.values()] + list(sums.values())
                       + [m.new_tensor(float(len(b)))])
     vec = all_reduce_sum(vec.double())
     count = vec[-1].clamp(min=1.0)
-    out = {k: float(vec[i] if k.startswith("episodes/") else vec[i] / count)
+    out = {k: float(vec[i] if k.startswith(("episodes/", "kv/")) else vec[i] / count)
            for i, k in enumerate(per_sample)}
+    if b.prefill_counts is not None:
+        prompt = out["kv/reused_tokens"] + out["kv/prefilled_tokens"]
+        out["kv/reused_frac"] = out["kv/reused_tokens"] / prompt if prompt else 0.0
     out.update({k: float(vec[len(per_sample) + i] / n_updates)
                 for i, k in enumerate(sums)})
     out["samples"] = float(vec[-1])

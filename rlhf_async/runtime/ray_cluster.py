@@ -21,8 +21,9 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_async.config import JobConfig
@@ -156,27 +157,34 @@ def ray_cluster(cfg: JobConfig) -> Iterator[list[Bundle]]:
 @contextlib.contextmanager
 def reserve(bundles: list[Bundle], strategy: str, timeout_s: float,
             name: str = "") -> Iterator[DeviceGroup]:
-    """The job's placement group, ready, for the block; removed afterwards. A group whose
-    resources are not free within `timeout_s` is a RayPlacementError (and removed)."""
+    """The job's placement group, ready, for the block; removed afterwards (with the
+    bundles a scale added, `DeviceGroup.grow`). A group whose resources are not free within
+    `timeout_s` is a RayPlacementError (and removed)."""
     check_fits(bundles, strategy)
     pg = placement_group(bundles, strategy=strategy, name=name)
+    group = DeviceGroup(pg, len(bundles), bundles[0], name)
     try:
-        if not pg.wait(timeout_seconds=timeout_s):
-            free = ray.available_resources()
-            need = {k: v * len(bundles) for k, v in bundles[0].items()}
-            short = {k: v - free.get(k, 0.0) for k, v in need.items() if free.get(k, 0.0) < v}
-            raise RayPlacementError(
-                f"the Ray cluster did not free this job's placement group "
-                f"({_what(bundles, strategy)}) in {timeout_s:g}s (ray.placement_timeout_s): "
-                f"free now {_text({k: free.get(k, 0.0) for k in need})}, missing "
-                f"{_text(short) if short else 'room on single nodes'}; other jobs hold the "
-                "rest")
-        group = DeviceGroup(pg)
+        _wait(pg, bundles, strategy, timeout_s)
         log.info("placement group ready", bundles=len(bundles), strategy=strategy,
                  nodes=sorted(set(group.nodes().values())))
         yield group
     finally:
-        remove_placement_group(pg)
+        for extra in [pg, *group.extra.values()]:
+            remove_placement_group(extra)
+
+
+def _wait(pg: PlacementGroup, bundles: list[Bundle], strategy: str, timeout_s: float) -> None:
+    """Until `pg` (of `bundles`) is placed; RayPlacementError past `timeout_s`."""
+    if pg.wait(timeout_seconds=timeout_s):
+        return
+    free = ray.available_resources()
+    need = {k: v * len(bundles) for k, v in bundles[0].items()}
+    short = {k: v - free.get(k, 0.0) for k, v in need.items() if free.get(k, 0.0) < v}
+    raise RayPlacementError(
+        f"the Ray cluster did not free this job's placement group "
+        f"({_what(bundles, strategy)}) in {timeout_s:g}s (ray.placement_timeout_s): "
+        f"free now {_text({k: free.get(k, 0.0) for k in need})}, missing "
+        f"{_text(short) if short else 'room on single nodes'}; other jobs hold the rest")
 
 
 def run_on_node(fn: Callable[..., Any], node_id: str, *args: Any) -> Any:
@@ -199,18 +207,70 @@ def free_ports(count: int) -> list[int]:
 
 @dataclass
 class DeviceGroup:
-    """The job's placement group: bundle i holds global device i."""
+    """The job's placement group: bundle i holds global device i (i < `size`); a device a
+    scale added beyond it (`grow`) has a one-bundle group of its own in `extra`, so a scale
+    down can give it back (`release`: Ray cannot shrink a placement group)."""
 
     pg: PlacementGroup
+    size: int = 0
+    bundle_shape: Bundle = field(default_factory=dict)
+    name: str = ""
+    extra: dict[int, PlacementGroup] = field(default_factory=dict)
+
+    def holds(self, device: int) -> bool:
+        return 0 <= device < self.size or device in self.extra
+
+    def bundle(self, device: int) -> tuple[PlacementGroup, int]:
+        """The placement group and bundle index holding `device`."""
+        return (self.extra[device], 0) if device in self.extra else (self.pg, device)
 
     def nodes(self) -> dict[int, str]:
-        """bundle -> id of the Ray node holding it."""
-        return dict(placement_group_table(self.pg)["bundles_to_node_id"])
+        """device -> id of the Ray node holding its bundle."""
+        out = dict(placement_group_table(self.pg)["bundles_to_node_id"])
+        for device, pg in self.extra.items():
+            out[device] = placement_group_table(pg)["bundles_to_node_id"][0]
+        return out
 
-    def address(self, bundle: int) -> str:
-        """The IP address of the Ray node holding `bundle`, as the other nodes reach it."""
-        node = self.nodes()[bundle]
+    def address(self, device: int) -> str:
+        """The IP address of the Ray node holding `device`'s bundle, as the other nodes
+        reach it."""
+        pg, index = self.bundle(device)
+        node = placement_group_table(pg)["bundles_to_node_id"][index]
         return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node)
+
+    def grow(self, devices: list[int], timeout_s: float) -> None:
+        """Reserve a bundle (the job's bundle shape) for each of `devices`, all or none:
+        RayPlacementError when the cluster cannot hold the job with them (at once) or does
+        not free them within `timeout_s`. Blocks: run it off the event loop."""
+        held = self.size + len(self.extra)
+        nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+        what = missing([self.bundle_shape] * (held + len(devices)), "PACK", nodes)
+        if what is not None:
+            raise RayPlacementError(
+                f"the Ray cluster cannot hold {len(devices)} more bundle(s) of "
+                f"{{{_text(self.bundle_shape)}}} (devices {devices}) beside the job's {held}: "
+                f"{what}")
+        added = {d: placement_group([dict(self.bundle_shape)], name=f"{self.name}+{d}")
+                 for d in devices}
+        try:
+            deadline = time.monotonic() + timeout_s
+            for pg in added.values():
+                _wait(pg, [self.bundle_shape] * len(devices), "beside the job's",
+                      max(0.0, deadline - time.monotonic()))
+        except BaseException:
+            for pg in added.values():
+                remove_placement_group(pg)
+            raise
+        self.extra.update(added)
+        log.info("placement group grown", devices=devices, nodes=[self.nodes()[d] for d in
+                                                                  devices])
+
+    def release(self, devices: list[int]) -> None:
+        """Give the bundles of `devices` (added by `grow`) back to the cluster."""
+        for d in devices:
+            remove_placement_group(self.extra.pop(d))
+        if devices:
+            log.info("placement group shrunk", devices=devices)
 
     def port_source(self, counts: dict[str, int]) -> Callable[[str], int]:
         """A function address -> a port free on that host, for `counts[address]` calls per

@@ -181,14 +181,20 @@ class RayProcess:
 
 class RayLauncher:
     """Launches each node through a NodeHost actor on its device's bundle of `group`.
-    `specs` are the job's nodes: processes sharing a GPU each get an equal share of it.
+    `specs` are the job's nodes: processes sharing a GPU each get an equal share of it;
+    a bundle is its device's in the job's group, or one a scale added (`DeviceGroup.bundle`).
     `on_move(node, {old: new})` hears of a node that had to bind on new addresses."""
 
     def __init__(self, group: DeviceGroup, specs: list[NodeSpec],
                  on_move: Callable[[str, dict[str, str]], None] | None = None) -> None:
         self.group, self.on_move = group, on_move
-        self.shares = Counter(device_index(s.device) for s in specs)
+        self.share_devices([device_index(s.device) for s in specs])
         self.host = ray.remote(NodeHost)
+
+    def share_devices(self, devices: list[int]) -> None:
+        """Each process's device from now on (a scale changes them): a later start on a
+        GPU device asks for an equal share of it."""
+        self.shares = Counter(devices)
 
     def launch(self, spec: NodeSpec, run_dir: Path,
                command: list[str] | None = None) -> RayProcess:
@@ -196,9 +202,10 @@ class RayLauncher:
         on that host, e.g. `-m rlhf_async run ...`), that process in the node's place."""
         bundle = device_index(spec.device)
         gpu = spec.device.startswith("cuda")
-        on_bundle = PlacementGroupSchedulingStrategy(self.group.pg,
-                                                     placement_group_bundle_index=bundle)
-        share = int(10_000 / self.shares[bundle]) / 10_000  # Ray counts in 1e-4 units
+        pg, index = self.group.bundle(bundle)
+        on_bundle = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
+        # Ray counts in 1e-4 units; a device a scale added has no share counted yet
+        share = int(10_000 / max(1, self.shares[bundle])) / 10_000
         actor = self.host.options(
             num_cpus=0, num_gpus=share if gpu else 0, max_restarts=0,
             scheduling_strategy=on_bundle,

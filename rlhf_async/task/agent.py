@@ -35,7 +35,7 @@ from rlhf_async.config import ConfigError
 from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.episodes import Episode, PolicyTurn, episode_rows, warn, where
 from rlhf_async.modeling.generation import SamplingParams
-from rlhf_async.modeling.rollout import PromptBatch
+from rlhf_async.modeling.rollout import POLICY, PromptBatch
 from rlhf_async.task.agent_session import NO_ENV, Session
 from rlhf_async.task.endpoint import endpoint
 from rlhf_async.task.environment import load_named
@@ -182,8 +182,9 @@ class AgentEpisodes:
 
     async def _episode(self, session: Session, url: str, row: dict[str, Any],
                        spec: EpisodeSpec) -> Episode:
-        """Run the agent to its reward; the session's last segment is the episode (a failed
-        one is replaced by an empty one over the row's prompt)."""
+        """Run the agent to its reward; the session's last segment is the episode, its
+        earlier ones `earlier` (a failed one is replaced by an empty one over the row's
+        prompt)."""
         done = asyncio.run_coroutine_threadsafe(_call(self.agent, url, row), agent_loop())
         end, reward = "done", 0.0
         try:
@@ -207,6 +208,9 @@ class AgentEpisodes:
                  error=f"run() raised {type(e).__name__}: {e}{self._where(e)}")
         ep = session.segments[-1].episode if session.segments else Episode([], NO_ENV)
         ep.reward, ep.segments = reward, max(1, len(session.segments))
+        # an agent that rewrote its history: each earlier segment with a policy turn is
+        # trained too, as a row of its own (`episode_batch`)
+        ep.earlier = [s.episode for s in session.segments[:-1] if POLICY in s.episode.kinds]
         ep.finish(end)
         return ep
 

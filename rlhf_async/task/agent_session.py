@@ -6,8 +6,9 @@ them, only the new messages are rendered, as the chat template's delta after the
 turn (`chat_delta`, the one `task.env` uses); the recorded tokens are never re-tokenised,
 so the ids trained on are the ids sampled and read. When they do not (the agent edited,
 dropped or summarised its history), the call opens a new segment: its whole conversation
-rendered at once, counted (`episodes/new_segments`). The row trained on is the last
-segment; earlier ones are dropped.
+rendered at once, counted (`episodes/new_segments`). Every segment is trained: the last
+is the episode's row, each earlier one a row of its own with the episode's reward and
+advantage (`episode_batch`).
 
 Tools: the request's `tools` go to the template; a reply holding Hermes/Qwen-style
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks is answered as

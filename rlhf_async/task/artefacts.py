@@ -75,10 +75,23 @@ def _model_identity(cfg: JobConfig) -> dict:
     return ident
 
 
+# task.* keys that shape how an RL episode runs or how it is rewarded, never the SFT's
+# demonstrations nor the reward model's pairs: an agent run reuses the same SFT. A key not
+# named here is in the cache key (a new one retrains rather than reuses a stale artefact).
+RL_ONLY_TASK_KEYS = frozenset({
+    "agent", "agent_timeout_s", "env", "env_timeout_s", "max_turns", "verifiers",
+    "reward_weight", "reward_timeout_s", "reward_retries", "reward_backoff_s",
+    "reward_max_in_flight", "reward_request_rows"})
+# the rule reward labels the reward model's pairs (sort_digits), not the SFT's data
+RM_ONLY_TASK_KEYS = frozenset({"reward", "reward_batched"})
+
+
 def stage_key(cfg: JobConfig, stage: str) -> str:
+    """The cache directory of `stage` ("sft" or "rm"): a hash of what shapes it."""
+    skip = RL_ONLY_TASK_KEYS if stage == "rm" else RL_ONLY_TASK_KEYS | RM_ONLY_TASK_KEYS
+    task = {k: v for k, v in dataclasses.asdict(cfg.task).items() if k not in skip}
     parts = {"v": ARTEFACT_VERSION, "code": _code_hash(), "seed": cfg.run.seed,
-             "model": _model_identity(cfg),
-             "task": dataclasses.asdict(cfg.task), "sft": dataclasses.asdict(cfg.sft)}
+             "model": _model_identity(cfg), "task": task, "sft": dataclasses.asdict(cfg.sft)}
     if stage == "rm":
         parts["rm"] = dataclasses.asdict(cfg.reward_model)
     blob = json.dumps(parts, sort_keys=True, default=str).encode()

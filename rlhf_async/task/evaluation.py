@@ -54,6 +54,7 @@ def evaluate(actor: torch.nn.Module, reward_model: ScalarHeadModel | None, task:
         # one batch: the evaluation is the same whatever the progress display
         b = rollout(actor, prompts.to(device), sampling_params(cfg, task), cfg.run.seed,
                      EVAL_STEP, 0)
+        b = b.select(b.episode_index())  # an agent's earlier segments are not episodes
         args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
         rm = None if reward_model is None else sequence_scores(reward_model, *args)
         reward, hidden = reward_mix(cfg, task).combine(rm, b)

@@ -10,11 +10,13 @@ import pytest
 from rlhf_async import job
 from rlhf_async.config import load_config
 from rlhf_async.metrics import read_metrics
+from tests.faults import trained_counts
 from tests.text_model import text_job_files, text_job_overrides
 
 pytestmark = [pytest.mark.timeout(300)]
 
-# two policy turns; rewards "yes"; the sky question is a bug in the agent
+# two policy turns; rewards "yes"; the sky question is a bug in the agent; on a "name ..."
+# prompt the agent drops its history before the second turn (a new segment, trained too)
 AGENT = '''
 from openai import AsyncOpenAI
 
@@ -27,6 +29,8 @@ async def run(base_url, row):
         r = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=3)
         msgs += [{"role": "assistant", "content": r.choices[0].message.content},
                  {"role": "user", "content": "yes or no ?"}]
+        if row["prompt"].startswith("name"):
+            msgs = msgs[-1:]
         r = await client.chat.completions.create(model="policy", messages=msgs)
     return {"reward": float("yes" in (r.choices[0].message.content or ""))}
 '''
@@ -55,7 +59,11 @@ def test_an_openai_client_agent_trains_and_its_failures_are_counted(files, tmp_p
     ends = {k: sum(r[k] for r in records) for k in records[0] if k.startswith("episodes/")}
     assert ends["episodes/done"] + ends["episodes/truncated"] > 0
     assert ends["episodes/failed"] > 0  # the sky question's episodes, and the run went on
-    assert ends["episodes/new_segments"] == 0
     assert sum(ends[f"episodes/{k}"] for k in ("done", "truncated", "failed", "timeout",
                                                "max_turns")) == 16
+    # each rewritten episode's first segment trained as a sample of its own
+    assert ends["episodes/new_segments"] > 0
+    assert sum(r["samples"] for r in records) == 16 + ends["episodes/new_segments"]
+    if strategy == "separation":
+        assert set(trained_counts(tmp_path / strategy).values()) == {1}
     assert all(r["response_length"] > 0 for r in records)

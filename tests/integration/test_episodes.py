@@ -38,6 +38,11 @@ def test_separation_matches_flattening_with_an_environment(tmp_path, cache, one_
     for a, b in zip(flat, sep, strict=True):
         for k in ("policy_loss", "reward", "kl", "entropy", "response_length", "value_loss"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-5), (a["step"], k)
+    # the generators' engine kept each episode's KV across its turns, counted per step
+    # (Flattening generates with the rank's own model: no engine, no counts)
+    assert any(r["kv/hits"] > 0 and r["kv/reused_tokens"] > 0 for r in sep)  # a 2nd turn
+    assert all(r["kv/hits"] + r["kv/misses"] >= r["samples"] for r in sep)  # a turn each
+    assert not any(k.startswith("kv/") for k in flat[0])
 
 
 def test_the_calculator_agent_trains_as_the_built_in_episodes(tmp_path, cache, one_thread):

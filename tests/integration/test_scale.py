@@ -113,12 +113,19 @@ def test_scale_up_and_down_mid_run_trains_each_prompt_once(tmp_path, cache):
     print("scale:", [(s, getattr(d, "counts", d), round(t, 2)) for s, d, t in done])
 
 
-def test_scale_of_a_flattening_job_is_refused(tmp_path):
+@pytest.mark.parametrize("strategy", ["flattening", "interleaving"])
+@pytest.mark.parametrize("scale", [Scale(generators=2), Scale(generators=1, scorers=1)])
+def test_scale_up_or_down_of_a_lockstep_job_is_refused(tmp_path, strategy, scale):
     run_dir = tmp_path / "flat"
     run_dir.mkdir()
-    (run_dir / "config.json").write_text(json.dumps({"placement": {"strategy": "flattening"}}))
-    with pytest.raises(ReshapeError, match="separation job only"):
-        run_loop(request_scale(run_dir, Scale(generators=2), timeout=5))
+    (run_dir / "config.json").write_text(json.dumps({"placement": {"strategy": strategy}}))
+    with pytest.raises(ReshapeError) as e:
+        run_loop(request_scale(run_dir, scale, timeout=5))
+    assert str(e.value) == (
+        f"{run_dir} runs placement.strategy = {strategy!r}: scale changes a running "
+        "separation job only (flattening and interleaving hold every model in one process "
+        "per device); to change its devices, stop it and resume it with another "
+        "placement.devices")
 
 
 def test_scale_of_a_run_dir_without_a_running_job_is_refused(tmp_path):

@@ -167,12 +167,14 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
                         stop_timeout=cfg.runtime.stop_grace_s + 5.0) as coord:
         coord.install_signal_handlers()
         prompts = transport.channel(Endpoint("push", prompts_addr, bind=True, hwm=64))
+
+        async def specs_for(p: Placement) -> list[NodeSpec]:  # a scaled job's
+            return build_specs(cfg, art, run_dir, p, sock_dir)[0]
+
         return await drive(cfg, coord, prompts, specs, roles, spec, gens, run_dir, start_step,
                            chunks_per_step(cfg, placement), generator_ranks(placement),
-                           lambda driver: Scaler(
-                               cfg, coord, driver, placement,
-                               lambda p: build_specs(cfg, art, run_dir, p, sock_dir)[0],
-                               lambda p: chunks_per_step(cfg, p), run_dir))
+                           lambda driver: Scaler(cfg, coord, driver, placement, specs_for,
+                                                 lambda p: chunks_per_step(cfg, p), run_dir))
 
 
 async def drive(cfg: JobConfig, coord: Coordinator, prompts: Any, specs: list[NodeSpec],

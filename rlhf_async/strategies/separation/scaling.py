@@ -12,6 +12,9 @@ The trainer never restarts and no prompt is lost or trained twice:
   (the trainer drops duplicates), like a dead node's, but no failure is counted;
 - the run directory's config.json and placement.txt follow, so `resume` continues with
   the new shape.
+Where the devices come from: on this machine, the placement's free devices; on Ray
+(`Devices`, on_ray.py) also new bundles, reserved before anything starts (a cluster that
+cannot hold them refuses the scale) and given back once a scale down leaves them unused.
 One scale at a time; a refused one (control/reshape.py) changes nothing.
 """
 
@@ -19,9 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 from rlhf_async.config import JobConfig
 from rlhf_async.control.coordinator import Coordinator, CoordinatorError
@@ -72,7 +76,7 @@ def persist(run_dir: Path, p: Placement) -> None:
     cfg = json.loads(path.read_text())
     gens, scorers = p.by_role("generator"), p.by_role("scorer")
     cfg["placement"].update(
-        generator=[d for q in gens for d in q.devices], generators=len(gens),
+        devices=p.num_devices, generator=[d for q in gens for d in q.devices], generators=len(gens),
         reward=[d for q in scorers for d in q.devices],
         reference=[d for q in scorers for d in q.devices], scorers=len(scorers))
     tmp = path.with_suffix(".json.tmp")
@@ -86,16 +90,31 @@ def rollouts_peers(specs: dict[str, NodeSpec]) -> list[str]:
     return [s.endpoints["rollouts"].address for s in specs.values() if s.role == "scorer"]
 
 
+class Devices(Protocol):
+    """Devices beyond the placement's, for a launcher that can reserve more (Ray)."""
+
+    async def reserve(self, old: Placement, new: Placement) -> None:
+        """Hold every device `new` uses before its new processes start (`old`'s are held);
+        ReshapeError, holding nothing more, when it cannot."""
+
+    async def settle(self, p: Placement) -> None:
+        """`p` is the job's shape now: give back what only earlier shapes used."""
+
+
 class Scaler:
     """Applies `Scale` commands to the running job (`coord.handle(Scale, scaler.scale)`).
-    `make_specs(placement)` gives every node's spec for a placement, `chunks_for` the
-    chunks a step's prompts are cut into (the runner's)."""
+    `make_specs(placement)` gives every node's spec for a placement (running nodes' as
+    they run), `chunks_for` the chunks a step's prompts are cut into (the runner's);
+    with `devices`, a scale may use devices past the placement's (Ray's new bundles)."""
 
     def __init__(self, cfg: JobConfig, coord: Coordinator, driver: Driver,
-                 placement: Placement, make_specs: Callable[[Placement], list[NodeSpec]],
-                 chunks_for: Callable[[Placement], int], run_dir: Path) -> None:
+                 placement: Placement,
+                 make_specs: Callable[[Placement], Awaitable[list[NodeSpec]]],
+                 chunks_for: Callable[[Placement], int], run_dir: Path,
+                 devices: Devices | None = None) -> None:
         self.cfg, self.coord, self.driver, self.placement = cfg, coord, driver, placement
         self.make_specs, self.chunks_for, self.run_dir = make_specs, chunks_for, run_dir
+        self.devices, self.base_devices = devices, placement.num_devices
         self.grace = 10.0  # a retired node's stop: it finishes its decode step, then exits
         self._lock = asyncio.Lock()
 
@@ -105,8 +124,20 @@ class Scaler:
             raise ReshapeError("the job is stopping; scale it after `rlhf-async resume`")
         procs = {q.node_id: (q.role, q.devices) for q in self.placement.processes}
         word = "GPU" if self.placement.device_kind == "cuda" else "CPU slot"
-        return plan_reshape(procs, self.placement.num_devices, scale.targets(),
-                            {"generator": generator_ranks(self.placement)}, word)
+        targets, width = scale.targets(), {"generator": generator_ranks(self.placement)}
+        room = self.placement.num_devices
+        if self.devices is not None:  # free devices first, then as many new as asked
+            room += sum(n * width.get(r, 1) for r, n in targets.items())
+        return plan_reshape(procs, room, targets, width, word)
+
+    def reshaped(self, plan: Reshape) -> Placement:
+        """The placement after `plan`; with `devices`, as many devices as it uses (never
+        fewer than the job started with)."""
+        new = reshaped(self.placement, plan)
+        if self.devices is None:
+            return new
+        top = max(d for q in new.processes for d in q.devices)
+        return replace(new, num_devices=max(self.base_devices, top + 1))
 
     async def scale(self, scale: Scale) -> Scaled:
         async with self._lock:
@@ -114,16 +145,25 @@ class Scaler:
             counts = {r: len(self.placement.by_role(r)) for r in ROLE_MODELS}
             if plan.empty:
                 return Scaled([], [], counts)
-            new = reshaped(self.placement, plan)
+            new = self.reshaped(plan)
             log.info("scaling", add={n: list(d) for n, (_, d) in plan.add.items()},
                      remove=list(plan.remove), counts=plan.counts)
-            specs = {s.node_id: s for s in self.make_specs(new)}
-            await self._start([specs[n] for n in plan.add])
+            if self.devices is not None:
+                await self.devices.reserve(self.placement, new)
+            try:
+                specs = {s.node_id: s for s in await self.make_specs(new)}
+                await self._start([specs[n] for n in plan.add])
+            except BaseException:
+                if self.devices is not None:
+                    await self.devices.settle(self.placement)
+                raise
             await self._repeer(specs)
             for node in plan.remove:
                 await self._retire(node)
             self.driver.chunks = self.chunks_for(new)
             self.placement = new
+            if self.devices is not None:
+                await self.devices.settle(new)
             persist(self.run_dir, new)
             counts = {r: len(new.by_role(r)) for r in ROLE_MODELS}
             log.info("scaled", counts=counts)

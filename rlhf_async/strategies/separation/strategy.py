@@ -134,9 +134,6 @@ def runner_problems(cfg: JobConfig, p: Placement) -> list[str]:
         out.append("placement.teacher: a Ray bundle gives each node process one GPU, so the "
                    "teacher stays on its scorer's; use placement.launcher = 'local' or leave "
                    "placement.teacher empty")
-    if cfg.placement.rebalance and cfg.placement.launcher == "ray":
-        out.append("placement.rebalance: rebalances jobs on this machine only in this build; "
-                   "use placement.launcher = 'local' or placement.rebalance = false")
     key = {"generator": "placement.generators", "scorer": "placement.scorers"}
     width = {"generator": tp, "scorer": 1}
     for q in p.processes:

@@ -12,15 +12,18 @@ from rlhf_async.runtime import NodeSpec
 
 
 def tcp_specs(specs: list[NodeSpec], prompts: str, where: dict[str, tuple[str, str]],
-              coordinator: str, next_port: Callable[[str], int]
-              ) -> tuple[list[NodeSpec], str]:
+              coordinator: str, next_port: Callable[[str], int],
+              known: dict[str, str] | None = None) -> tuple[list[NodeSpec], str]:
     """Give every bound ipc endpoint a tcp address on its node's host (`where`: node id ->
     (host address, device there); the prompts queue on the coordinator's), point every
-    connect at it, and set each node's device. Ports come from `next_port(host address)`."""
-    moved: dict[str, str] = {}
+    connect at it, and set each node's device. Ports come from `next_port(host address)`;
+    an address in `known` (ipc -> tcp: a running node's, when a scale adds nodes) keeps
+    its tcp address."""
+    moved: dict[str, str] = dict(known or {})
 
     def tcp(address: str, host_address: str) -> str:
-        moved[address] = f"tcp://{host_address}:{next_port(host_address)}"
+        if address not in moved:
+            moved[address] = f"tcp://{host_address}:{next_port(host_address)}"
         return moved[address]
 
     new_prompts = tcp(prompts, coordinator)

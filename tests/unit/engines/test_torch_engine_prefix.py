@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from rlhf_async.engines import Completion, Request, make_engine
+from rlhf_async.engines import Completion, Prefill, Request, make_engine
 from rlhf_async.engines.torch_engine import TorchEngine
 from rlhf_async.modeling.generation import SamplingParams, request_seed
 
@@ -159,3 +159,47 @@ def test_a_request_whose_decode_crossed_a_commit_keeps_no_kv():
     assert {0, 1} <= set(cut.versions)  # its KV came from two weight versions
     assert kept_after == 0
     assert set(whole.versions) == {1} and len(engine.prefixes) == 1  # one version's: kept
+
+
+def test_each_completion_says_what_its_prefill_reused():
+    kept, engine = _played(prefix_cache_mb=64)
+    full, _ = _played(prefix_cache_mb=0)
+    prompts = ([5, 6, 7], [4, 4, 8, 2, 5], [6])
+    for ep_kept, ep_full, prompt in zip(kept, full, prompts, strict=True):
+        conv = list(prompt)
+        for k, (a, b) in enumerate(zip(ep_kept, ep_full, strict=True)):
+            # turn k's prompt is the conversation; its earlier turns' KV (all but the last
+            # sampled token, never fed) was kept from turn k - 1
+            reused = 0 if k == 0 else len(conv) - len(ENV) - 1
+            assert a.prefill == Prefill.of(len(conv), reused)
+            assert b.prefill == Prefill(len(conv), 0, 0, 1)  # no cache: all prefilled
+            conv += a.token_ids + list(ENV)
+    total = sum((c.prefill for ep in kept for c in ep), Prefill())
+    assert (total.hits, total.misses) == (engine.prefixes.hits, engine.prefixes.misses)
+    assert total.reused == engine.prefixes.reused_tokens
+
+
+def test_kv_taken_before_a_commit_but_admitted_after_it_is_not_counted_as_reused():
+    """The weights changed between a request's lookup and its admission: its prompt is
+    prefilled in full, and its completion says so."""
+    new = {k: v.clone() for k, v in _lm(1).state_dict().items()}
+    engine = TorchEngine.serving(_lm(), PARAMS)
+
+    async def go():
+        try:
+            first = await _turn(engine, 0, 0, [5, 6, 7])
+            conv = [5, 6, 7, *first.token_ids, *ENV]
+            await engine.pause()
+            job = asyncio.ensure_future(_turn(engine, 0, 1, conv))  # looked up: version 0's
+            while engine.prefixes.hits == 0:  # its lookup ran (admission waits: paused)
+                await asyncio.sleep(0.001)
+            await engine.commit((1, new))
+            await engine.resume()
+            return conv, await job
+        finally:
+            await engine.close()
+
+    conv, second = asyncio.run(go())
+    assert engine.prefixes.hits == 1  # the lookup found it...
+    assert second.prefill == Prefill(len(conv), 0, 0, 1)  # ...its admission could not use it
+    assert set(second.versions) == {1}

@@ -66,3 +66,37 @@ def test_episode_ends_travel_and_are_counted_per_step():
         "episodes/timeout": 1.0, "episodes/failed": 0.0,
         "episodes/new_segments": 3.0}  # counts, not fractions; an agent's extra histories
     assert s["reward"] == 0.25 and s["samples"] == 4.0
+
+
+def test_an_agents_earlier_segment_trains_with_its_episodes_advantage_uncounted():
+    """Rows 0-3: episodes of groups 0 and 1 (two each); row 4: an earlier segment of row
+    2's episode (the agent rewrote its history), `episode_segments` 0."""
+    from rlhf_async.modeling.episodes import ENDS
+    from rlhf_async.rl.step_stats import global_stats
+
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0])
+    groups, sids = torch.tensor([0, 0, 1, 1, 1]), torch.tensor([0, 1, 2, 3, 2])
+    segments = torch.tensor([1, 1, 2, 1, 0])
+    adv = A.episode_advantages(rewards, groups, sids, segments, "group_mean", True)
+    # each group's episodes: mean 0.5, unbiased std sqrt(0.25 + 0.25) = 0.7071; the extra
+    # row counted would give group 1 mean 2/3 and row 2 (1/3) / 0.5774 = 0.5774
+    r = 0.5 / (0.5**0.5 + 1e-6)
+    assert torch.allclose(adv, torch.tensor([r, -r, r, -r, r]))
+    kl = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5])  # each row keeps its own KL penalty
+    adv = A.episode_advantages(rewards, groups, sids, segments, "group_mean", True, kl)
+    assert torch.allclose(adv, torch.tensor([r - 0.1, -r - 0.2, r - 0.3, -r - 0.4, r - 0.5]))
+    assert torch.equal(A.episode_advantages(rewards[:4], groups[:4], sids[:4], None,
+                                            "group_mean", True),
+                       A.outcome_advantages(rewards[:4], groups[:4], "group_mean", True))
+
+    B, mask = 5, torch.tensor([[POLICY, ENV, POLICY]] * 5)
+    b = RolloutBatch(torch.ones(B, 2, dtype=torch.long), torch.ones(B, 2, dtype=torch.long),
+                     torch.ones(B, 3, dtype=torch.long), mask, torch.zeros(B, 3), sids, groups,
+                     rewards=rewards, episode_segments=segments,
+                     episode_ends=torch.full((B,), ENDS.index("done")))
+    stats = global_stats(b, torch.zeros(B, 3), torch.zeros(B, 3), {}, 1)
+    assert stats["episodes/done"] == 4 and stats["episodes/new_segments"] == 1
+    assert stats["samples"] == 5  # trained: every row
+    parts = b.split(2, 2)  # whole groups: the earlier segment goes with group 1
+    assert [p.sample_ids.tolist() for p in parts] == [[0, 1], [2, 3, 2]]
+    assert b.episode_index().tolist() == [0, 1, 2, 3]

@@ -107,8 +107,11 @@ def _scaler(tmp_path: Any, placement: Any) -> tuple[Harness, ScalingCoord, Scale
     for client in h.driver.clients.values():
         client.plane = coord
     h.coord = coord
+    async def specs(p: Any) -> list[NodeSpec]:
+        return _specs(p)
+
     scaler = Scaler(SimpleNamespace(), coord, h.driver, placement,  # type: ignore[arg-type]
-                    _specs, lambda p: 2 * len(p.by_role("generator")), tmp_path)
+                    specs, lambda p: 2 * len(p.by_role("generator")), tmp_path)
     return h, coord, scaler
 
 
@@ -181,5 +184,55 @@ def test_a_new_generator_that_dies_while_loading_hands_back_the_chunks_it_pulled
         await h.send("gen1", Loaded())
         assert sorted(h.prompts.sent[sent:]) == dispatched
         assert h.driver.generators == ["gen0", "gen1"] and h.driver.counts["restarts"] == 1
+        h.task.cancel()  # type: ignore[union-attr]
+    asyncio.run(main())
+
+
+class Devices:
+    """Devices past the placement's, as on Ray: reserved before a start, given back after."""
+
+    def __init__(self, refuse: str = "") -> None:
+        self.refuse, self.calls = refuse, list[tuple]()
+
+    async def reserve(self, old: Any, new: Any) -> None:
+        self.calls.append(("reserve", old.num_devices, new.num_devices))
+        if self.refuse:
+            raise ReshapeError(self.refuse)
+
+    async def settle(self, p: Any) -> None:
+        self.calls.append(("settle", p.num_devices))
+
+
+def test_with_devices_a_scale_past_the_placement_reserves_new_ones_and_gives_them_back(
+        tmp_path):
+    """Three devices, all in use: gen1 goes on device 3, reserved before it starts; the
+    placement (and config.json) grows to 4 devices, and back to 3 after the scale down."""
+    async def main() -> None:
+        h, _, scaler = _scaler(tmp_path, _placement(["placement.devices=3"]))
+        scaler.devices = devices = Devices()
+        await h.start()
+        up = await scaler.scale(Scale(generators=2))
+        assert up.added == ["gen1"] and scaler.placement.by_role("generator")[1].devices == (3,)
+        assert devices.calls == [("reserve", 3, 4), ("settle", 4)]
+        assert json.loads((tmp_path / "config.json").read_text())["placement"]["devices"] == 4
+        await h.send("gen1", Loaded())
+        down = await scaler.scale(Scale(generators=1))
+        assert down.removed == ["gen1"] and devices.calls[-2:] == [("reserve", 4, 3),
+                                                                   ("settle", 3)]
+        assert json.loads((tmp_path / "config.json").read_text())["placement"]["devices"] == 3
+        h.task.cancel()  # type: ignore[union-attr]
+    asyncio.run(main())
+
+
+def test_devices_that_cannot_be_reserved_refuse_the_scale_and_nothing_starts(tmp_path):
+    async def main() -> None:
+        h, coord, scaler = _scaler(tmp_path, _placement(["placement.devices=3"]))
+        scaler.devices = Devices("the Ray cluster cannot hold 1 more bundle(s)")
+        await h.start()
+        before = scaler.placement
+        with pytest.raises(ReshapeError, match="cannot hold"):
+            await scaler.scale(Scale(generators=2, scorers=2))
+        assert coord.launched == [] and scaler.placement == before
+        assert "gen1" not in h.driver.roles
         h.task.cancel()  # type: ignore[union-attr]
     asyncio.run(main())

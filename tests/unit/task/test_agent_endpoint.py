@@ -131,14 +131,22 @@ def test_an_agent_that_rewrites_its_history_opens_a_new_segment_counted():
         final.extend([*msgs, {"role": "assistant", "content": r.choices[0].message.content}])
         return 0.5
 
-    (ep,), batch, _ = _run(tok, agent, ["the answer is five", "it is twenty four"])
-    assert ep.segments == 2 and ep.end == "done"
+    replies = ["the answer is five", "it is twenty four"]
+    (ep,), batch, _ = _run(tok, agent, replies)
+    assert ep.segments == 2 and ep.end == "done" and len(ep.earlier) == 1
     _assert_records_the_conversation(tok, ep, final)  # the row is the last segment
     b = episode_batch(batch, [ep], 400, tok.pad_token_id, 0, 0)
-    assert b.episode_segments is not None and b.episode_segments.tolist() == [2]
-    row = b.prompt_ids[0][b.prompt_mask[0].bool()].tolist() + \
-        b.response_ids[0][b.response_mask[0] > 0].tolist()
-    assert row == ep.prompt + ep.tokens
+    # both segments trained, each once: the episode's row, then the earlier segment's
+    assert b.episode_segments is not None and b.episode_segments.tolist() == [2, 0]
+    assert b.sample_ids.tolist() == [0, 0] and b.env_rewards.tolist() == [0.5, 0.5]
+    for i, (seg, reply) in enumerate(zip([ep, ep.earlier[0]], [replies[1], replies[0]],
+                                         strict=True)):
+        row = b.prompt_ids[i][b.prompt_mask[i].bool()].tolist() + \
+            b.response_ids[i][b.response_mask[i] > 0].tolist()
+        assert row == seg.prompt + seg.tokens
+        trained = b.response_ids[i][b.loss_mask[i] > 0].tolist()
+        assert trained == [*tok(reply, add_special_tokens=False).input_ids, tok.eos_token_id]
+    assert b.select(b.episode_index()).episode_segments.tolist() == [2]
 
 
 def test_a_tool_call_round_trips_through_the_template():

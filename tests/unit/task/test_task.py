@@ -76,6 +76,28 @@ def test_cache_keys_follow_the_config_that_shapes_each_stage():
     assert stage_key(base, "rm") == stage_key(rl_changed, "rm")
 
 
+def test_an_agent_or_environment_run_reuses_the_sft_and_reward_model():
+    from rlhf_async.config import load_config
+    from rlhf_async.task.artefacts import stage_key
+
+    calc = ["task.name=calculator"]
+    base = load_config(None, calc)
+    agent = load_config(None, [*calc, "task.agent=examples/calculator_agent/builtin.py:run",
+                               "task.agent_timeout_s=9", "task.max_turns=2"])
+    assert stage_key(base, "sft") == stage_key(agent, "sft")
+    digits = load_config(None, [])
+    for rl_only in (["task.env_timeout_s=5"], ["task.reward_weight=0.5"],
+                    ["task.reward_retries=5"]):
+        assert stage_key(digits, "sft") == stage_key(load_config(None, rl_only), "sft")
+        assert stage_key(digits, "rm") == stage_key(load_config(None, rl_only), "rm")
+    rule = load_config(None, ["task.reward=tests/unit/task/rewards.py:length"])
+    assert stage_key(digits, "sft") == stage_key(rule, "sft")
+    assert stage_key(digits, "rm") != stage_key(rule, "rm")  # the rule labels its pairs
+    longer = load_config(None, ["task.max_len=7"])
+    assert stage_key(digits, "sft") != stage_key(longer, "sft")
+    assert stage_key(base, "sft") != stage_key(digits, "sft")
+
+
 def test_preference_pairs_cover_what_a_drifting_policy_says():
     """The reward model sees empty and one-digit answers (hidden score 0) beside the rest:
     one that never saw them scored an empty answer highest, and PPO on seed 5 learned to
