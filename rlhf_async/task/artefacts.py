@@ -91,7 +91,9 @@ def stage_key(cfg: JobConfig, stage: str) -> str:
     skip = RL_ONLY_TASK_KEYS if stage == "rm" else RL_ONLY_TASK_KEYS | RM_ONLY_TASK_KEYS
     task = {k: v for k, v in dataclasses.asdict(cfg.task).items() if k not in skip}
     parts = {"v": ARTEFACT_VERSION, "code": _code_hash(), "seed": cfg.run.seed,
-             "model": _model_identity(cfg), "task": task, "sft": dataclasses.asdict(cfg.sft)}
+             "model": _model_identity(cfg), "task": task, "sft": dataclasses.asdict(cfg.sft),
+             # the calculator's demonstrations are cut to an episode's width
+             "episode_tokens": cfg.generation.max_episode_tokens}
     if stage == "rm":
         parts["rm"] = dataclasses.asdict(cfg.reward_model)
     blob = json.dumps(parts, sort_keys=True, default=str).encode()

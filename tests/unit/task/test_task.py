@@ -85,6 +85,8 @@ def test_an_agent_or_environment_run_reuses_the_sft_and_reward_model():
     agent = load_config(None, [*calc, "task.agent=examples/calculator_agent/builtin.py:run",
                                "task.agent_timeout_s=9", "task.max_turns=2"])
     assert stage_key(base, "sft") == stage_key(agent, "sft")
+    wider = load_config(None, [*calc, "generation.max_episode_tokens=40"])
+    assert stage_key(base, "sft") != stage_key(wider, "sft")  # demonstrations cut to width
     digits = load_config(None, [])
     for rl_only in (["task.env_timeout_s=5"], ["task.reward_weight=0.5"],
                     ["task.reward_retries=5"]):
