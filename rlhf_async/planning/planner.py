@@ -21,7 +21,7 @@ from rlhf_async.config import (
     TrainConfig,
 )
 from rlhf_async.config.reference import overrides
-from rlhf_async.engines import ENGINES
+from rlhf_async.engines import ENGINES, generation_engine
 from rlhf_async.log import get_logger
 from rlhf_async.planning.costmodel import (
     DEVICES,
@@ -145,6 +145,9 @@ def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
     auto = cfg.placement.strategy == AUTO
     if auto:
         cfg = resolve_auto(cfg)
+    # the generation engine chosen once, here: every process of the job reads this one
+    cfg = dataclasses.replace(cfg, generation=dataclasses.replace(
+        cfg.generation, backend=generation_engine(cfg)))
     placement, _, problems = _plan(cfg)
     if auto and cfg.generation.partial_rollout and STRATEGIES[cfg.placement.strategy].lock_step:
         overlapping = " or ".join(n for n, s in STRATEGIES.items() if not s.lock_step)

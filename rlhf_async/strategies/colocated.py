@@ -1,5 +1,5 @@
 """A generation engine beside a lock-step rank's trainer (Flattening, Interleaving with
-`generation.backend` other than the default).
+`generation.backend` other than our own engine, `engines.BUILTIN`).
 
 The default generates with the keyed sampler on the rank's actor module itself. With
 another engine each rank starts one over the SFT policy (one device, the rank's) and runs
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_async.config import GenerationConfig, JobConfig, weight_sync_backend
-from rlhf_async.engines import GenerationEngine, make_engine
+from rlhf_async.config import JobConfig, weight_sync_backend
+from rlhf_async.engines import BUILTIN, GenerationEngine, generation_engine, make_engine
 from rlhf_async.engines.requests import engine_rollout
 from rlhf_async.log import get_logger
 from rlhf_async.modeling.episodes import env_loop
@@ -67,13 +67,14 @@ class ColocatedEngine:
 def colocated_engine(cfg: JobConfig, art: Artefacts, params: SamplingParams,
                      device: torch.device, generating: Precision) -> ColocatedEngine | None:
     """The rank's engine over the SFT policy (version 0) in the actor's generation dtype;
-    None for the default engine (the keyed sampler on the actor itself)."""
-    if cfg.generation.backend == GenerationConfig().backend:
+    None for our own engine (the keyed sampler on the actor itself)."""
+    backend = generation_engine(cfg)
+    if backend == BUILTIN:
         return None
     dtype = str(generating.dtype("actor")).removeprefix("torch.")
-    engine = make_engine(cfg.generation.backend, str(art.sft_dir), params, dtype=dtype,
+    engine = make_engine(backend, str(art.sft_dir), params, dtype=dtype,
                          tensor_parallel=1, sync_backend=weight_sync_backend(cfg),
                          device=device)
-    log.info("colocated_engine", backend=cfg.generation.backend, device=str(device),
+    log.info("colocated_engine", backend=backend, device=str(device),
              dtype=dtype)
     return ColocatedEngine(engine)

@@ -11,7 +11,13 @@ import importlib.util
 
 from rlhf_async.config import AlgoConfig, JobConfig, PlacementConfig
 from rlhf_async.config.presets import resolve
-from rlhf_async.engines import ENGINES, MissingExtraError, engine_capabilities, engine_class
+from rlhf_async.engines import (
+    ENGINES,
+    MissingExtraError,
+    engine_capabilities,
+    engine_class,
+    generation_engine,
+)
 from rlhf_async.strategies import flattening, interleaving
 from rlhf_async.strategies.base import Strategy
 from rlhf_async.strategies.placement import (
@@ -75,7 +81,7 @@ def runner_problems(cfg: JobConfig, placement: Placement) -> list[str]:
     """What this build's runner for the placement's strategy cannot execute, all of it:
     a generation engine that needs generator processes, then the strategy's own limits
     (which see the placement with the job's engines filled in)."""
-    engines = with_engines(placement, cfg.train.backend, cfg.generation.backend)
+    engines = with_engines(placement, cfg.train.backend, generation_engine(cfg))
     # (the lock-step strategies run a generation engine other than the default beside
     # each rank's trainer: strategies/colocated.py)
     problems = engine_problems(cfg)
@@ -97,10 +103,10 @@ def runnable_placement(cfg: JobConfig) -> Placement:
 def engine_problems(cfg: JobConfig) -> list[str]:
     """What the configured generation engine cannot do, asked of its capabilities (never
     of its name): match stop strings, where the job has them."""
-    g = cfg.generation
-    if g.stop_strings and not engine_capabilities(g.backend).stop_strings:
+    g, backend = cfg.generation, generation_engine(cfg)
+    if g.stop_strings and not engine_capabilities(backend).stop_strings:
         able = [n for n in ENGINES if engine_capabilities(n).stop_strings]
-        return [f"generation.stop_strings: generation.backend = {g.backend!r} cannot match "
+        return [f"generation.stop_strings: generation.backend = {backend!r} cannot match "
                 f"stop strings (its engine runs without a tokenizer); use "
                 f"generation.stop_token_ids, or generation.backend = {' | '.join(able)}"]
     return []
@@ -109,7 +115,7 @@ def engine_problems(cfg: JobConfig) -> list[str]:
 def missing_engine_problems(cfg: JobConfig) -> list[str]:
     """Before a run here: the generation engine's optional package is installed."""
     try:
-        engine_class(cfg.generation.backend)
+        engine_class(generation_engine(cfg))
     except MissingExtraError as e:
         here = [n for n, x in ENGINES.items()
                 if x.extra is None or importlib.util.find_spec(x.extra) is not None]

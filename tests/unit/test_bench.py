@@ -1,5 +1,6 @@
 """bench helpers: time-to-target, steady throughput, time series, plots, TRL tokenizer, soak output."""
 
+import importlib.util
 import json
 
 import pytest
@@ -198,3 +199,22 @@ def test_eval_seeds_variants_parse_and_compare_with_the_first():
     assert versus_baseline(rows) == [
         "ppo/k1p - ppo/sync: mean -0.005 over 2 seeds (min -0.050, max +0.040)"]
     assert versus_baseline([{"algo": "ppo", "seed": 0, "final": 0.7}]) == []
+
+
+def test_engine_tps_measures_the_torch_engine_and_reports_an_engine_that_cannot_run(
+        tmp_path, monkeypatch):
+    """bench/vllm_engine_tps.py at a tiny size: our torch engine on the default model; an
+    engine that cannot serve (here vLLM, not installed in this venv) is that row's result."""
+    from bench import vllm_engine_tps
+
+    out = tmp_path / "tps.json"
+    monkeypatch.setattr("sys.argv", ["x", "--runs", "ours,torch", "--model", "default",
+                                     "--requests", "3", "--tokens", "4", "--out", str(out)])
+    real = importlib.util.find_spec  # no vLLM here, wherever the test runs
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "vllm" else real(name, *a))
+    vllm_engine_tps.main()
+    res = json.loads(out.read_text())
+    assert res["torch_tok_s"] > 0 and res["prompt_tokens"] == [8, 8]
+    assert "vllm" in res["ours_error"] and "ours_tok_s" not in res
+    assert "torch_over_ours" not in res

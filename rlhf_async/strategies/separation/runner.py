@@ -20,7 +20,7 @@ from typing import Any
 from rlhf_async.config import JobConfig, to_dict, weight_sync_backend
 from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.control.reshape import Scale
-from rlhf_async.engines import ENGINES
+from rlhf_async.engines import ENGINES, generation_engine
 from rlhf_async.log import get_logger
 from rlhf_async.runtime import NodeSpec, run_loop
 from rlhf_async.runtime.ipc_dir import make_ipc_dir
@@ -61,7 +61,7 @@ def _tensor_parallel(cfg: JobConfig, proc: ProcessPlacement) -> tuple[str, dict[
     the engine's `cpu_bind_env` (an engine's CPU build may ask for it where it cannot bind
     one NUMA node per worker; a binding the user set is kept)."""
     if cfg.placement.device != "cuda":
-        bind = ENGINES[cfg.generation.backend].cpu_bind_env
+        bind = ENGINES[generation_engine(cfg)].cpu_bind_env
         if bind is None or bind in os.environ:
             return _device(cfg, proc), {}
         cores = os.cpu_count() or 1

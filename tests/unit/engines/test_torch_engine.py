@@ -42,7 +42,7 @@ def _run(engine: TorchEngine, coro):
 def test_the_registry_names_every_engine_and_imports_one_when_chosen():
     assert set(ENGINES) >= {"torch", "vllm"}
     backend = next(f for f in fields(GenerationConfig) if f.name == "backend")
-    assert set(backend.metadata["choices"]) == set(ENGINES)  # what the config accepts
+    assert set(backend.metadata["choices"]) == {"auto", *ENGINES}  # what the config accepts
     assert engine_class("torch") is TorchEngine
     with pytest.raises(ValueError, match="accepted: torch"):
         engine_class("nope")
