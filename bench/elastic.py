@@ -12,8 +12,8 @@ rebalancing against the best static split (issue 45's two measured acceptance li
    two, and after the scale down, from the same run's step records; "no loss": every step
    trained once and every prompt of them exactly once, no restart counted.
 2. rebalance, on two jobs of different shape: `generation-bound` (as above) and
-   `training-bound` (short answers, two epochs a batch: the trainer bounds the step once
-   generation has enough devices). Each static split of K inference devices between
+   `training-bound` (the same with two epochs a batch: the trainer bounds the step once
+   generation has two devices). Each static split of K inference devices between
    generators and scorers is run (the trainer has a device of its own), then the job
    with `placement.rebalance = true` from a deliberately bad split (one generator, K-1
    scorers); its samples/s over the steps after its last move is compared with the best
@@ -40,7 +40,7 @@ import torch
 
 from bench.output import write_json
 from rlhf_async import job
-from rlhf_async.config import load_config
+from rlhf_async.config import JobConfig, load_config
 from rlhf_async.control.client import call_coordinator, read_coordinator_file
 from rlhf_async.control.reshape import ReshapeError, Scale
 from rlhf_async.control.scale import request_scale
@@ -53,12 +53,15 @@ from rlhf_async.runtime import run_loop
 LONG = ["task.min_len=3", "task.short_len=6", "task.max_len=96", "task.long_fraction=0.1",
         "generation.max_new_tokens=100", "model.max_positions=208",
         "train.max_tokens_per_microbatch=2048"]
-SHORT = ["task.min_len=3", "task.short_len=4", "task.max_len=8", "task.long_fraction=0.0",
-         "generation.max_new_tokens=12", "model.max_positions=32", "train.epochs=2"]
-CONFIGS = {"generation-bound": LONG, "training-bound": SHORT}
+# the same job with two epochs a batch: the trainer's step doubles, so once generation
+# has two devices the trainer bounds the step, and with one it still does not
+TRAIN = [*LONG, "train.epochs=2"]
+CONFIGS = {"generation-bound": LONG, "training-bound": TRAIN}
 SEP1 = ["placement.strategy=separation", "algo.max_staleness=1"]
-# (layers, hidden, heads, prompts per step, responses per prompt, SFT/RM steps)
-SIZES = {"full": (4, 256, 4, 16, 4, 120), "quick": (2, 64, 4, 4, 2, 15)}
+# (layers, hidden, heads, prompts per step, responses per prompt, SFT steps, RM steps):
+# the long-tail bench's 2x64 GPT-2; 128 rows a step, so a generator's chunk costs more
+# decode work than the trainer's packed step
+SIZES = {"full": (2, 64, 4, 32, 4, 150, 200), "quick": (2, 64, 4, 4, 2, 15, 15)}
 
 
 def load() -> list[float]:
@@ -71,16 +74,21 @@ def rate(records: list[dict]) -> float:
 
 
 def base(args: argparse.Namespace, devices: int, name: str) -> list[str]:
-    layers, hidden, heads, prompts, group, pre = SIZES["quick" if args.quick else "full"]
+    layers, hidden, heads, prompts, group, sft, rm = SIZES["quick" if args.quick else "full"]
     return [f"model.layers={layers}", f"model.hidden={hidden}", f"model.heads={heads}",
             "algo.name=grpo", f"algo.group_size={group}", "train.minibatches=1",
-            f"train.prompts_per_step={prompts}", f"sft.steps={pre}",
-            f"reward_model.steps={pre}", "reward_model.heldout_pairs=64",
+            f"train.prompts_per_step={prompts}", f"sft.steps={sft}",
+            f"reward_model.steps={rm}", "reward_model.heldout_pairs=64",
             f"run.eval_prompts={8 if args.quick else 32}", "run.plot=false",
             "run.progress=false", "run.checkpoint_every=0", f"run.output_dir={args.runs}",
             f"run.cache_dir={args.runs}/cache", *SEP1, f"placement.devices={devices}",
             f"placement.cpu_threads={max(1, args.cores // devices)}",
             f"run.name={name}-{time.time_ns()}", *args.overrides]
+
+
+def config(args: argparse.Namespace, devices: int, name: str, *over: str) -> JobConfig:
+    """A job of this bench: `base` with `over` (a shape, a split, its steps)."""
+    return load_config(None, [*base(args, devices, name), *over])
 
 
 def split(gens: int, inference: int) -> list[str]:
@@ -120,8 +128,7 @@ def exactly_once(run_dir: Path, records: list[dict]) -> dict[str, Any]:
 def scale_run(args: argparse.Namespace) -> dict[str, Any]:
     """Section 1: 1 -> 2 -> 1 generators in one generation-bound job."""
     steady = args.steps_per_phase
-    cfg = load_config(None, [*base(args, 4, "scale"), *LONG, *split(1, 2),
-                             "train.steps=100000"])  # stopped when measured
+    cfg = config(args, 4, "scale", *LONG, *split(1, 2), "train.steps=100000")  # stopped
     run_dir, marks, stop = run_dir_of(cfg), dict[str, Any](), threading.Event()
 
     def drive() -> None:
@@ -169,10 +176,10 @@ def scale_run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def static_run(args: argparse.Namespace, config: str, gens: int) -> dict[str, Any]:
+def static_run(args: argparse.Namespace, name: str, gens: int) -> dict[str, Any]:
     k = args.inference
-    cfg = load_config(None, [*base(args, k + 1, f"static{gens}"), *CONFIGS[config],
-                             *split(gens, k), f"train.steps={args.warmup + args.static_steps}"])
+    cfg = config(args, k + 1, f"static{gens}", *CONFIGS[name], *split(gens, k),
+                 f"train.steps={args.warmup + args.static_steps}")
     before_load = load()
     s = job.run(cfg)
     recs = read_metrics(Path(s["run_dir"]) / "metrics.jsonl")[args.warmup:]
@@ -181,52 +188,87 @@ def static_run(args: argparse.Namespace, config: str, gens: int) -> dict[str, An
     out = {"generators": gens, "scorers": k - gens, "samples_per_s": rate(recs),
            "utilisation": {k2: round(v, 3) for k2, v in util.items()},
            "loadavg_before": before_load, "loadavg_after": load()}
-    print(f"  {config}: static {gens} generator(s) + {k - gens} scorer(s): "
+    print(f"  {name}: static {gens} generator(s) + {k - gens} scorer(s): "
           f"{out['samples_per_s']:.1f} samples/s; load {before_load} -> {out['loadavg_after']}",
           flush=True)
     return out
 
 
-def rebalanced_run(args: argparse.Namespace, config: str) -> dict[str, Any]:
+def settled_from(recs: list[dict]) -> int:
+    """Where a rebalanced job's current shape starts to be measured: two steps after its
+    last change of shape (a node's util/* appears once it works, and is gone once it is
+    retired)."""
+    shapes = [frozenset(k for k in r if k.startswith("util/")) for r in recs]
+    changed = [i for i in range(1, len(recs)) if shapes[i] != shapes[i - 1]]
+    return changed[-1] + 2 if changed else 0
+
+
+def converged(recs: list[dict], measured: int) -> bool:
+    """The last decision kept the shape, came after its last change, and `measured` steps
+    of that shape are in."""
+    start = settled_from(recs)
+    last = [r for r in recs if "rebalance/moved" in r][-1:]
+    return bool(last) and last[0]["step"] >= start and not last[0]["rebalance/moved"] \
+        and len(recs) - start >= measured
+
+
+def rebalanced_run(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """From the bad split, with placement.rebalance on, until it has converged (stopped
+    then) or `--rebalance-steps` steps."""
     k = args.inference
-    cfg = load_config(None, [*base(args, k + 1, "rebalance"), *CONFIGS[config],
-                             *split(1, k), "placement.rebalance=true",
-                             f"placement.rebalance_every={args.rebalance_every}",
-                             f"train.steps={args.rebalance_steps}"])
+    cfg = config(args, k + 1, "rebalance", *CONFIGS[name], *split(1, k),
+                 "placement.rebalance=true", f"placement.rebalance_every={args.rebalance_every}",
+                 f"train.steps={args.rebalance_steps}")
+    run_dir, stop = run_dir_of(cfg), threading.Event()
+    measured = max(args.static_steps, args.rebalance_every + 1)
+
+    def watch() -> None:
+        if wait_until(run_dir, stop, lambda r: converged(r, measured)):
+            stop_job(run_dir)
+
+    thread = threading.Thread(target=watch)
     before_load = load()
-    s = job.run(cfg)
-    recs = read_metrics(Path(s["run_dir"]) / "metrics.jsonl")
+    thread.start()
+    try:
+        s = job.run(cfg)
+    finally:
+        stop.set()
+        thread.join()
+    recs = read_metrics(run_dir / "metrics.jsonl")
     decisions = [{"step": r["step"], **{k2.removeprefix("rebalance/"): round(v, 4)
                                         for k2, v in r.items() if k2.startswith("rebalance/")}}
                  for r in recs if "rebalance/gain" in r]
-    # measured from two steps after the last move's decision (its new node joined by then)
     moves = [d["step"] for d in decisions if d["moved"]]
-    start = max(args.warmup, (moves[-1] + 3) if moves else args.warmup)
-    tail = recs[start:]
-    shape = json.loads((Path(s["run_dir"]) / "config.json").read_text())["placement"]
+    tail = recs[max(args.warmup, settled_from(recs)):]
+    shape = json.loads((run_dir / "config.json").read_text())["placement"]
     out = {"from": {"generators": 1, "scorers": k - 1},
            "to": {"generators": shape["generators"], "scorers": shape["scorers"]},
            "samples_per_s_after_last_move": rate(tail) if tail else 0.0,
            "steps_measured": len(tail), "decisions": decisions,
-           **exactly_once(Path(s["run_dir"]), recs), "loadavg_before": before_load,
-           "loadavg_after": load(), "run_dir": s["run_dir"]}
-    print(f"  {config}: rebalance from 1 generator + {k - 1} scorers -> "
+           "converged": converged(recs, measured), "stopped": bool(s.get("stopped")),
+           **exactly_once(run_dir, recs), "loadavg_before": before_load,
+           "loadavg_after": load(), "run_dir": str(run_dir)}
+    print(f"  {name}: rebalance from 1 generator + {k - 1} scorers -> "
           f"{out['to']['generators']} + {out['to']['scorers']} ({len(moves)} move(s)): "
           f"{out['samples_per_s_after_last_move']:.1f} samples/s over the last {len(tail)} "
           f"steps; load {before_load} -> {out['loadavg_after']}", flush=True)
     return out
 
 
-def rebalance_section(args: argparse.Namespace, config: str) -> dict[str, Any]:
-    statics = [static_run(args, config, g) for g in range(1, args.inference)]
+def rebalance_section(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    statics = [static_run(args, name, g) for g in range(1, args.inference)]
     best = max(statics, key=lambda x: x["samples_per_s"])
-    rb = rebalanced_run(args, config)
+    rb = rebalanced_run(args, name)
     ratio = rb["samples_per_s_after_last_move"] / best["samples_per_s"]
-    print(f"{config}: rebalanced {rb['samples_per_s_after_last_move']:.1f} vs best static "
+    bad = statics[0]  # the split the rebalanced job starts from: was it bad?
+    print(f"{name}: rebalanced {rb['samples_per_s_after_last_move']:.1f} vs best static "
           f"({best['generators']} + {best['scorers']}) {best['samples_per_s']:.1f} samples/s: "
-          f"{ratio:.2f} of it (within 10%: {ratio >= 0.9}); load {load()}", flush=True)
+          f"{ratio:.2f} of it (within 10%: {ratio >= 0.9}); the split it started from ran "
+          f"at {bad['samples_per_s'] / best['samples_per_s']:.2f} of the best; load {load()}",
+          flush=True)
     return {"static": statics, "best_static": {k: best[k] for k in ("generators", "scorers",
                                                                     "samples_per_s")},
+            "bad_split_vs_best": bad["samples_per_s"] / best["samples_per_s"],
             "rebalanced": rb, "rebalanced_vs_best": ratio, "within_10_percent": ratio >= 0.9}
 
 
@@ -245,7 +287,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps-per-phase", type=int, default=8,
                     help="steady steps measured before, with two generators, and after")
     ap.add_argument("--static-steps", type=int, default=10, help="measured steps a split")
-    ap.add_argument("--rebalance-steps", type=int, default=30)
+    ap.add_argument("--rebalance-steps", type=int, default=120,
+                    help="most steps of a rebalanced job (stopped once it has converged)")
     ap.add_argument("--rebalance-every", type=int, default=3)
     ap.add_argument("--sections", nargs="*", default=["scale", *CONFIGS],
                     choices=["scale", *CONFIGS])
@@ -253,13 +296,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.inference, args.steps_per_phase, args.static_steps = 3, 3, 4
-        args.rebalance_steps, args.rebalance_every, args.warmup = 12, 2, 1
+        args.rebalance_steps, args.rebalance_every, args.warmup = 80, 2, 1
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    torch.set_num_threads(1)
+    # the SFT/RM stages and the evaluations run in this process, before and after the
+    # nodes run: all cores then; one on a shared box (--quick)
+    torch.set_num_threads(1 if args.quick else args.cores)
     configure_logging("warning")
     t0, start_load = time.monotonic(), load()
     print(f"bench.elastic on {args.cores} cores; load average at start {start_load}",

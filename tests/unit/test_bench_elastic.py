@@ -37,5 +37,37 @@ def test_exactly_once_reports_a_repeated_or_missing_sample(tmp_path):
 
 def test_quick_is_small():
     args = parse(["--quick"])
-    assert (args.inference, args.static_steps, args.rebalance_steps) == (3, 4, 12)
+    assert (args.inference, args.static_steps, args.rebalance_steps) == (3, 4, 80)
     assert parse([]).sections == ["scale", "generation-bound", "training-bound"]
+
+
+def test_every_job_of_the_full_bench_is_a_valid_separation_job():
+    """The jobs `python -m bench.elastic` runs on 16 cores, placed without running them."""
+    from bench.elastic import CONFIGS, LONG, config
+
+    args = parse(["--cores", "16"])
+    scale = runnable_placement(config(args, 4, "scale", *LONG, *split(1, 2)))
+    assert [q.node_id for q in scale.processes] == ["trainer", "gen0", "scorer0"]
+    jobs = [config(args, 5, "x", *over, *split(g, 4)) for over in CONFIGS.values()
+            for g in range(1, 4)]
+    for cfg in jobs:
+        assert cfg.placement.cpu_threads == 3 and cfg.train.prompts_per_step == 32
+        assert len(runnable_placement(cfg).processes) == 5
+
+
+def test_a_rebalanced_job_is_measured_from_two_steps_after_its_last_change_of_shape():
+    from bench.elastic import converged, settled_from
+
+    one = {"util/gen0": 1.0, "util/scorer0": 0.1, "util/scorer1": 0.1}
+    two = {"util/gen0": 1.0, "util/gen1": 0.9, "util/scorer0": 0.2}
+    recs = [{"step": i, **one} for i in range(4)]
+    recs[2]["rebalance/moved"] = 1  # decided at step 2; gen1 works from step 5
+    recs.append({"step": 4, **one, "util/gen1": 0.0, "util/scorer1": 0.0})
+    recs += [{"step": i, **two} for i in range(5, 12)]
+    assert settled_from(recs) == 5 + 2  # scorer1 gone and gen1 in from step 5
+    assert not converged(recs, 3)  # no decision since
+    recs[8]["rebalance/moved"] = 0
+    assert converged(recs, 3) and converged(recs, 5) and not converged(recs, 6)
+    recs[6]["rebalance/moved"] = 0  # before the shape settled: does not count
+    recs[8].pop("rebalance/moved")
+    assert not converged(recs, 3)
