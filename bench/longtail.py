@@ -2,7 +2,6 @@
 rollouts (and token-budget micro-batches), side by side in one run.
 
     python -m bench.longtail [--quick] [--steps 60] [--rounds 3] [--size 2x64] [key=value ...]
-    python -m bench.longtail --tail long --scale-at 10   # one job, 1 -> 2 generators
 
 The task is the built-in sort_digits with a long tail of prompt lengths (`task.long_fraction`):
 90% of prompts hold 3-4 digits, 10% hold 5-32, and the correct answer is as long as its prompt
@@ -26,20 +25,15 @@ row reports its median round by samples/s, with every round's rate beside it. Wr
 bench/results/longtail.json (`--out`) and each row's per-step series to
 runs/longtail_series.json (`--series-out`).
 
-With --scale-at STEP it runs one Separation k=1 job instead, started with one generator
-(trainer, generator and scorer on devices of their own, one device free), scaled to two
-generators (`rlhf-async scale`'s request) once STEP steps are trained, and prints samples/s
-before the scale and after the new generator took work, from the same run's step records.
+Scaling the generation-bound job (`--tail long`) while it runs: bench/elastic.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -50,12 +44,8 @@ from bench.__main__ import measured_run
 from bench.output import traces_path, write_json
 from bench.trl_compare import SIZES
 from rlhf_async.config import JobConfig, load_config
-from rlhf_async.control.reshape import Scale
-from rlhf_async.control.scale import request_scale
-from rlhf_async.job.local import run_dir_of
 from rlhf_async.log import configure_logging
 from rlhf_async.modeling.episodes import rollout
-from rlhf_async.runtime import run_loop
 from rlhf_async.task import SortDigitsTask, sampling_params
 from rlhf_async.task.artefacts import load_sft, prepare_artefacts
 from rlhf_async.task.evaluation import EVAL_STEP
@@ -211,13 +201,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default="bench/results/longtail.json")
     ap.add_argument("--series-out", help="each row's per-step series; default "
                     "runs/<--out's name>_series.json")
-    ap.add_argument("--scale-at", type=int, default=None, metavar="STEP",
-                    help="run one separation job with 1 generator, scale it to 2 at STEP "
-                    "and compare samples/s before and after")
     ap.add_argument("overrides", nargs="*", help="config overrides for every row")
     args = ap.parse_args(argv)
-    if args.scale_at is not None and args.out == "bench/results/longtail.json":
-        args.out = "bench/results/longtail_scale.json"
     if args.quick:
         args.steps, args.prompts, args.eval_prompts, args.rounds = min(args.steps, 10), 8, 64, 1
     return args
@@ -246,67 +231,12 @@ def row_overrides(name: str, max_tokens: int) -> list[str]:
     return [o.format(max_tokens=max_tokens) for o in ROWS[name][0]]
 
 
-def _scale_when(run_dir: Path, step: int, stop: threading.Event, done: list) -> None:
-    """Ask the job in `run_dir` for two generators once `step` steps are trained."""
-    metrics = run_dir / "metrics.jsonl"
-    while not stop.is_set():
-        trained = len(metrics.read_text().splitlines()) if metrics.exists() else 0
-        if trained >= step and (run_dir / "coordinator.json").exists():
-            done.append((trained, run_loop(request_scale(run_dir, Scale(generators=2), 120))))
-            return
-        time.sleep(0.05)
-
-
-def _rate(records: list[dict]) -> float:
-    return sum(r["samples"] for r in records) / max(1e-9, sum(r["time_step"] for r in records))
-
-
-def scaled_run(args: argparse.Namespace, base: list[str]) -> dict:
-    """One job: 1 generator, 2 from --scale-at on; samples/s before and after."""
-    cfg = load_config(None, [*base, *SEP1, f"placement.devices={max(4, os.cpu_count() or 1)}",
-                             "placement.generator=[1]", "placement.reward=[2]",
-                             f"run.name=scale-{time.time_ns()}"])
-    run_dir, done, stop = run_dir_of(cfg), list[tuple](), threading.Event()
-    thread = threading.Thread(target=_scale_when, args=(run_dir, args.scale_at, stop, done))
-    load_before = os.getloadavg()
-    thread.start()
-    try:
-        measured_run(cfg, args.warmup, "longtail --scale-at")
-    finally:
-        stop.set()
-        thread.join()
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    if not done:
-        raise SystemExit(f"the run ended before step {args.scale_at}: raise --steps")
-    at = done[0][0]
-    # after: from the step after the new generator's first busy time
-    first = next((i for i, r in enumerate(recs) if r.get("util/gen1", 0) > 0), len(recs))
-    before, after = recs[args.warmup:at], recs[first + 1:]
-    if not before or not after:
-        raise SystemExit(f"too few steps before ({len(before)}) or after ({len(after)}) the "
-                         "scale: move --scale-at or raise --steps")
-    return {"scaled_at_step": at, "gen1_working_from_step": first,
-            "samples_per_s_before": _rate(before), "samples_per_s_after": _rate(after),
-            "speedup": _rate(after) / _rate(before), "steps_before": len(before),
-            "steps_after": len(after), "loadavg_before": load_before,
-            "loadavg_after": os.getloadavg(), "run_dir": str(run_dir)}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     configure_logging("warning")
     cores = os.cpu_count() or 1
     base = base_overrides(args, cores)
     load_config(None, base)  # bad overrides fail here, before any run starts
-    if args.scale_at is not None:
-        r = scaled_run(args, base)
-        print(f"scaled 1 -> 2 generators at step {r['scaled_at_step']} (gen1 working from "
-              f"step {r['gen1_working_from_step']}): samples/s {r['samples_per_s_before']:.1f} "
-              f"before ({r['steps_before']} steps), {r['samples_per_s_after']:.1f} after "
-              f"({r['steps_after']} steps): {r['speedup']:.2f}x; load "
-              f"{r['loadavg_before'][0]:.1f} -> {r['loadavg_after'][0]:.1f} on {cores} cores")
-        write_json(Path(args.out), {"args": vars(args), "cores": cores, "scale": r}, indent=2)
-        return 0
     names = [n for n in ROWS if not args.only or n in args.only]
     load_start = os.getloadavg()
     print(f"load average at start {load_start[0]:.1f} {load_start[1]:.1f} {load_start[2]:.1f}",

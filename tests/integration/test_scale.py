@@ -154,9 +154,13 @@ def test_rebalance_moves_a_scorer_device_to_the_generators_of_a_generation_bound
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     decisions = [r for r in records if "rebalance/gain" in r]
     assert decisions, "no rebalancing decision was made"
-    first = decisions[0]
+    # the first move (a window measured on a loaded machine may fall short of the gain)
+    moved = [r for r in decisions if r["rebalance/moved"] == 1]
+    assert moved, [{k: round(v, 3) for k, v in r.items() if k.startswith("rebalance/")}
+                   for r in decisions]
+    first = moved[0]
     assert first["rebalance/generate_s"] > first["rebalance/score_s"] / 3, first
-    assert first["rebalance/moved"] == 1, {k: v for k, v in first.items() if "/" in k and not k.startswith(("queue", "faults", "staleness"))}
+    assert first["rebalance/gain"] > 0.1 and first["rebalance/scorers"] == 3, first
     placement = json.loads((run_dir / "config.json").read_text())["placement"]
     assert placement["generators"] >= 2 and placement["scorers"] <= 2, placement
     counts = trained_counts(run_dir)

@@ -79,11 +79,3 @@ def test_longtail_writes_each_rows_series_apart_from_its_numbers(tmp_path):
     assert json.loads(series.read_text())["series"] == {"separation k=1": {"t": [0.5, 1.0]}}
     assert results["separation k=1"]["series"] == {"t": [0.5, 1.0]}  # the caller's left whole
 
-
-def test_scale_at_writes_its_own_results_and_rates_are_samples_over_step_time():
-    from bench.longtail import _rate, parse
-
-    args = parse(["--scale-at", "6"])
-    assert args.scale_at == 6 and args.out == "bench/results/longtail_scale.json"
-    assert parse(["--scale-at", "6", "--out", "x.json"]).out == "x.json"
-    assert _rate([{"samples": 32, "time_step": 2.0}, {"samples": 32, "time_step": 6.0}]) == 8.0
