@@ -48,6 +48,7 @@ from rlhf_async.job.local import run_dir_of
 from rlhf_async.log import configure_logging
 from rlhf_async.metrics import read_metrics
 from rlhf_async.runtime import run_loop
+from rlhf_async.strategies.separation.clients import PipelineError
 
 # the long-tail bench's tails (bench/longtail.py TAILS): long = 90% 3-6 digits, 10% 7-96
 LONG = ["task.min_len=3", "task.short_len=6", "task.max_len=96", "task.long_fraction=0.1",
@@ -311,13 +312,19 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     out: dict[str, Any] = {"args": vars(args), "cores": args.cores,
                            "loadavg_start": start_load}
-    if "scale" in args.sections:
-        out["scale"] = scale_run(args)
-    for config in CONFIGS:
-        if config in args.sections:
-            out[config] = rebalance_section(args, config)
-    out["wall_s"], out["loadavg_end"] = round(time.monotonic() - t0, 1), load()
-    write_json(Path(args.out), out, indent=2)
+    sections = {"scale": scale_run, **{c: lambda a, c=c: rebalance_section(a, c)
+                                        for c in CONFIGS}}
+    for name, section in sections.items():
+        if name not in args.sections:
+            continue
+        try:
+            out[name] = section(args)
+        except (PipelineError, SystemExit) as e:  # one section's failure, the others run
+            print(f"bench.elastic: section {name} failed: {e}", flush=True)
+            out[name] = {"error": str(e)}
+        # written after every section: a run cut short keeps what it measured
+        out["wall_s"], out["loadavg_end"] = round(time.monotonic() - t0, 1), load()
+        write_json(Path(args.out), out, indent=2)
     print(f"done in {out['wall_s']:.0f} s; load average at end {out['loadavg_end']}; "
           f"wrote {args.out}")
     return 0
