@@ -171,10 +171,10 @@ def our_rows(args: argparse.Namespace) -> list[str]:
 
 
 def train_grpo(model_path: str, tokenizer_path: str, data: Any, reward: Any, threads: int,
-               **settings: Any) -> tuple[list[float], float, float]:
+               callbacks: tuple = (), **settings: Any) -> tuple[list[float], float, float]:
     """TRL's GRPOTrainer on `data` with the settings both comparisons share plus `settings`
-    (batch, generations, lengths, lr, beta, ...). -> per-step seconds, train() seconds,
-    seconds to build the trainer before it (loading the policy and its reference)."""
+    (batch, generations, lengths, lr, beta, ...) and trainer `callbacks`. -> per-step
+    seconds, train() seconds, seconds to build the trainer before it (the two models)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -200,7 +200,7 @@ def train_grpo(model_path: str, tokenizer_path: str, data: Any, reward: Any, thr
             model=AutoModelForCausalLM.from_pretrained(model_path), args=gcfg,
             reward_funcs=reward, train_dataset=data,
             processing_class=AutoTokenizer.from_pretrained(tokenizer_path, padding_side="left"),
-            callbacks=[Clock()])
+            callbacks=[*callbacks, Clock()])
         t0 = time.perf_counter()
         trainer.train()
         total = time.perf_counter() - t0

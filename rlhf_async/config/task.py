@@ -103,7 +103,9 @@ class TaskConfig:
     reasoning_gym: dict[str, Any] = opt({}, "text with task.prompts = "  # noqa: RUF009
                                         "'reasoning_gym:<dataset>': the dataset's config "
                                         "(e.g. {size = 500, seed = 1, ...its difficulty "
-                                        "knobs}); held-out prompts come from seed + 1")
+                                        "knobs}); held-out prompts come from seed + 1; "
+                                        "system_prompt = one of reasoning-gym's by name "
+                                        "(default, direct, ...)")
     verifiers: dict[str, Any] = opt({}, "text with task.env = "  # noqa: RUF009
                                     "'verifiers:<taskset id>': the rest of verifiers' [env] "
                                     "block (e.g. {taskset = {...its knobs}, agent = "

@@ -3,10 +3,12 @@
 
 The datasets are procedural (nothing is downloaded): `size` questions from `seed` train, and
 `max(1, size // 8)` from `seed + 1` are held out, so no question's draw is shared between
-the splits. Each prompt is the dataset's question after reasoning-gym's own default
-system prompt (a chat, or one string with `task.chat_template = false`); a response is
-scored by the dataset's `score_answer` on what it puts in <answer>...</answer> (the whole
-response when it has no such tags, so a small model that answers plainly is still scored).
+the splits. Each prompt is the dataset's question after one of reasoning-gym's own system
+prompts (`system_prompt`, a name from its SYSTEM_PROMPTS: "default" asks for step-by-step
+reasoning, "direct" for the answer alone; a chat, or one string with
+`task.chat_template = false`); a response is scored by the dataset's `score_answer` on
+what it puts in <answer>...</answer> (the whole response when it has no such tags, so a
+small model that answers plainly is still scored).
 The package is an extra: `pip install 'rlhf-async[reasoning-gym]'`.
 """
 
@@ -21,6 +23,7 @@ from rlhf_async.task.tokens import Prompt
 
 EXTRA = "pip install 'rlhf-async[reasoning-gym]'"
 DEFAULT_SIZE = 500
+ADAPTER_KEYS = ("seed", "size", "system_prompt")  # task.reasoning_gym keys that are ours
 
 
 def is_gym(prompts: str) -> bool:
@@ -47,8 +50,8 @@ def datasets(t: TaskConfig) -> tuple[Any, Any]:
                            f"accepted: {', '.join(known[:8])}, ... ({len(known)} in all: "
                            "python -c 'import reasoning_gym; print(sorted("
                            "reasoning_gym.factory.DATASETS))')"])
-    conf = dict(t.reasoning_gym)
-    seed, size = conf.pop("seed", 0), conf.pop("size", DEFAULT_SIZE)
+    conf = {k: v for k, v in t.reasoning_gym.items() if k not in ADAPTER_KEYS}
+    seed, size = t.reasoning_gym.get("seed", 0), t.reasoning_gym.get("size", DEFAULT_SIZE)
     if not isinstance(seed, int) or not isinstance(size, int) or size < 2:
         raise ConfigError([f"task.reasoning_gym: seed must be an integer and size an integer "
                            f">= 2; got seed = {seed!r}, size = {size!r}"])
@@ -60,9 +63,19 @@ def datasets(t: TaskConfig) -> tuple[Any, Any]:
                            f"{e}"]) from None
 
 
+def system_prompt(t: TaskConfig) -> str:
+    """The text of `task.reasoning_gym.system_prompt` (a reasoning-gym prompt name)."""
+    known = _package().utils.SYSTEM_PROMPTS
+    name = t.reasoning_gym.get("system_prompt", "default")
+    if name not in known:
+        raise ConfigError([f"task.reasoning_gym: system_prompt = {name!r} is not one of "
+                           f"reasoning-gym's system prompts; accepted: {', '.join(known)}"])
+    return str(known[name])
+
+
 def read_gym(t: TaskConfig) -> tuple[list[Prompt], list[dict[str, Any]]]:
     """(each question as a prompt, each row's columns: its dataset entry and split)."""
-    system = _package().utils.SYSTEM_PROMPTS["default"]
+    system = system_prompt(t)
     prompts: list[Prompt] = []
     columns: list[dict[str, Any]] = []
     for heldout, ds in enumerate(datasets(t)):

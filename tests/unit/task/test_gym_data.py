@@ -51,6 +51,16 @@ def test_prompts_come_from_the_dataset_and_its_scorer_is_the_reward(model):
     assert got == [1.0, 1.0, 0.0]
 
 
+def test_system_prompt_picks_one_of_reasoning_gyms_by_name(model):
+    import reasoning_gym
+
+    task = make_task(_cfg(model, gym='{size = 16, seed = 3, system_prompt = "direct"}'))
+    assert isinstance(task, TextTask)
+    assert task.prompts[0][0]["content"] == reasoning_gym.utils.SYSTEM_PROMPTS["direct"]
+    with pytest.raises(ConfigError, match="system_prompt = 'terse'.*accepted: .*direct"):
+        make_task(_cfg(model, gym='{size = 16, system_prompt = "terse"}'))
+
+
 def test_hidden_scores_read_the_dataset_entry_of_each_prompt(model):
     task = make_task(_cfg(model))
     assert isinstance(task, TextTask)
