@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -93,6 +94,52 @@ def run_trl(cfg: JobConfig, args: argparse.Namespace, threads: int, bf16: bool) 
     return out
 
 
+def same_samples(rows: dict[str, dict], window: int, base: str = "flattening") -> dict[str, dict]:
+    """Per system, the mean reward of the last `window` batches up to the largest number of
+    samples every system generated (`samples`), and that over `base`'s (`vs_base`: 1 = as
+    good; None without a positive `base` reward). Asynchrony is lossless when it learns as
+    much per sample as the synchronous run, so this compares at equal samples, not equal
+    time."""
+    cum = {name: [sum(r["samples"][: i + 1]) for i in range(len(r["samples"]))]
+           for name, r in rows.items()}
+    n = min((c[-1] for c in cum.values() if c), default=0)
+    out: dict[str, dict] = {}
+    for name, r in rows.items():
+        last = max((i for i, c in enumerate(cum[name]) if c <= n), default=None)
+        recent = [] if last is None else r["hidden"][max(0, last - window + 1): last + 1]
+        out[name] = {"samples": n, "reward": sum(recent) / len(recent) if recent else None}
+    ref = out.get(base, {}).get("reward")
+    for q in out.values():
+        q["vs_base"] = q["reward"] / ref if q["reward"] is not None and ref and ref > 0 else None
+    return out
+
+
+def split_only(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`--only` is greedy: config overrides written after it (`--only trl run.seed=1`) land in
+    it; move them to the overrides, and refuse a name that is no row."""
+    if args.only is None:
+        return
+    def override(o: str) -> bool:  # a dotted key, then "=": row names have a space before
+        return re.match(r"[\w.-]+=", o) is not None
+
+    args.overrides = [o for o in args.only if override(o)] + args.overrides
+    args.only = [o for o in args.only if not override(o)]
+    names = ["trl", *OURS]
+    unknown = [o for o in args.only if o not in names]
+    if unknown:
+        ap.error(f"--only: unknown row(s) {', '.join(map(repr, unknown))}; accepted: "
+                 + ", ".join(map(repr, names)))
+
+
+def print_same_samples(label: str, same: dict[str, dict], window: int) -> None:
+    n = next(iter(same.values()))["samples"] if same else 0
+    print(f"\n[{label}] mean reward of the last {window} batches at {n} samples")
+    for name, q in same.items():
+        vs = "-" if q["vs_base"] is None else f"{q['vs_base']:.2f}x flattening"
+        reward = "-" if q["reward"] is None else f"{q['reward']:.3f}"
+        print(f"{name:28s} {reward:>8s} {vs:>18s}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="deploy/configs/smollm2.toml")
@@ -112,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/trl_text.json")
     ap.add_argument("overrides", nargs="*", help="config overrides for both sides")
     args = ap.parse_args(argv)
+    split_only(ap, args)
     configure_logging("warning")
     # TRL's beta is fixed: no adaptive KL controller on our side either (algo.kl_target)
     base = [f"train.steps={args.steps}", "algo.kl_target=0", "run.plot=false",
@@ -133,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # our nodes' imports paid before any clock, as TRL's are
     ready_fork_server(STRATEGIES["separation"].fork_preload)
+    load_start = os.getloadavg()
     rows: dict[str, dict] = {}
     for name, threads, bf16 in trl_rows(args) if not args.only or "trl" in args.only else []:
         print(f"{name} ...", file=sys.stderr)
@@ -144,10 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     print_table(label, rows, args.target)
     ttq = time_to_quality(rows, args.target, args.window)
     print_time_to_quality(label, ttq, args.target, args.steps, args.window)
+    same = same_samples(rows, args.window)
+    print_same_samples(label, same, args.window)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "loadavg": os.getloadavg(),
-                               "results": rows, "time_to_quality": ttq}, indent=1))
+    out.write_text(json.dumps({"args": vars(args), "loadavg_start": load_start,
+                               "loadavg": os.getloadavg(), "results": rows,
+                               "time_to_quality": ttq, "same_samples": same}, indent=1))
     plot_curves(rows, out.with_suffix(".png"), f"GRPO: TRL vs ours, {Path(cfg.model.path).name}")
     print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -218,3 +218,38 @@ def test_engine_tps_measures_the_torch_engine_and_reports_an_engine_that_cannot_
     assert res["torch_tok_s"] > 0 and res["prompt_tokens"] == [8, 8]
     assert "vllm" in res["ours_error"] and "ours_tok_s" not in res
     assert "torch_over_ours" not in res
+
+
+def test_trl_text_compares_rewards_at_the_same_number_of_samples():
+    from bench.trl_text import same_samples
+
+    rows = {"trl": {"samples": [8, 8], "hidden": [0.3, 0.9]},
+            "flattening": {"samples": [4, 4, 4, 4], "hidden": [0.1, 0.5, 0.7, 0.9]},
+            "separation k=1": {"samples": [4] * 5, "hidden": [0.2, 0.4, 0.6, 0.8, 2.0]}}
+    same = same_samples(rows, window=2)  # 16 samples: the fifth separation batch left out
+    assert {n: q["samples"] for n, q in same.items()} == dict.fromkeys(rows, 16)
+    assert same["flattening"]["reward"] == pytest.approx(0.8)
+    assert same["flattening"]["vs_base"] == pytest.approx(1.0)
+    assert same["separation k=1"]["reward"] == pytest.approx(0.7)
+    assert same["separation k=1"]["vs_base"] == pytest.approx(0.875)
+    assert same["trl"]["reward"] == pytest.approx(0.6)
+    assert same["trl"]["vs_base"] == pytest.approx(0.75)
+    assert same_samples({"trl": rows["trl"]}, 2)["trl"]["vs_base"] is None  # no flattening
+
+
+def test_trl_text_only_moves_overrides_and_refuses_unknown_rows(capsys):
+    import argparse
+
+    from bench import trl_text
+
+    ap = argparse.ArgumentParser()
+    args = argparse.Namespace(only=["trl", "run.seed=1", "separation k=1", "model.path=/m-1"],
+                              overrides=["a=b"])
+    trl_text.split_only(ap, args)
+    assert args.only == ["trl", "separation k=1"]
+    assert args.overrides == ["run.seed=1", "model.path=/m-1", "a=b"]
+    with pytest.raises(SystemExit) as e:
+        trl_text.main(["--only", "trl", "separation"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown row(s) 'separation'" in err and "'separation k=1'" in err
