@@ -325,10 +325,12 @@ class Driver:
             self.joining.discard(node)
         elif role == "trainer":
             await self._rollback(loaded.step, loaded.lineage)
-        elif role == "generator":
-            self.applied[node] = (0, SFT_LINEAGE)
-            self.resend((ChunkState.DISPATCHED,))  # lost in its queue, or in flight
         else:
+            if role == "generator":
+                self.applied[node] = (0, SFT_LINEAGE)
+            # lost in a queue or in flight; a generator's generated ones too: its Generated
+            # event can overtake the rollout still in its socket's queue when it was killed
+            # (a copy that got through is dropped by the trainer as a duplicate)
             self.resend((ChunkState.DISPATCHED, ChunkState.GENERATED))
         if role != "scorer":
             self.sync.rebuild()
