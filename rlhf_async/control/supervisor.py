@@ -35,7 +35,7 @@ from rlhf_async.control.client import (
     NodeNotReady,
     NodeRestarted,
 )
-from rlhf_async.runtime.launcher import Launcher, NodeProcess
+from rlhf_async.runtime.launcher import Launcher, NodeProcess, last_log_line
 from rlhf_async.runtime.messages import tag, to_payload
 from rlhf_async.runtime.spec import NodeSpec
 
@@ -104,8 +104,11 @@ class Supervisor:
                 # a death during start-up is restarted like any other (`check` does it)
                 restarting = node.state != "exited" and self._will_restart(node)
                 if gone and not restarting:
-                    raise NodeNotReady(f"node {i!r} exited with code {node.process.poll()} "
-                                       f"before it was ready; see {self.log_hint(node)}")
+                    rc = node.process.poll()
+                    words = self.last_words(node, rc)
+                    raise NodeNotReady(f"node {i!r} exited with code {rc} before it was "
+                                       f"ready" + (f" ({words})" if words else "")
+                                       + f"; see {self.log_hint(node)}")
             if time.monotonic() > deadline:
                 hints = ", ".join(f"{i} ({self.log_hint(self.nodes[i])})" for i in waiting)
                 raise NodeNotReady(f"nodes not ready after {timeout or self.ready_timeout}s: "
@@ -114,6 +117,12 @@ class Supervisor:
 
     def log_hint(self, node: NodeRecord) -> str:
         return str(getattr(node.process, "log_path", "its log"))
+
+    @staticmethod
+    def last_words(node: NodeRecord, rc: int | None) -> str:
+        """A crashed node's last log line ("" for a killed one, which writes none)."""
+        path = getattr(node.process, "log_path", None)
+        return last_log_line(path) if path is not None and rc is not None and rc > 0 else ""
 
     async def watch(self, period: float) -> None:
         """`check` every `period` seconds until `close`."""
@@ -135,7 +144,8 @@ class Supervisor:
                 node.state, node.exit_code = "exited", 0
                 self._publish(NodeEvent(node.spec.node_id, tag(NodeExited), node.goodbye))
             elif rc is not None:
-                reason = (node.goodbye or {}).get("reason", "")
+                # a node that could not say goodbye (a crash) leaves its last word in its log
+                reason = (node.goodbye or {}).get("reason", "") or self.last_words(node, rc)
                 why = f"exited with code {rc}" + (f" ({reason})" if reason else "")
                 self._dead(node, why, rc)
             elif node.state == "ready" and now - node.last_seen > self.time_to_dead:

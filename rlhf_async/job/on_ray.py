@@ -30,6 +30,7 @@ from rlhf_async.config import JobConfig, to_dict
 from rlhf_async.job.lock import check_free
 from rlhf_async.job.signals import on_stop_signals
 from rlhf_async.log import get_logger
+from rlhf_async.runtime.launcher import last_log_line
 from rlhf_async.runtime.ray_cluster import DeviceGroup, ray_cluster, reserve
 from rlhf_async.runtime.ray_launcher import LOST, RayLauncher, RayProcess
 from rlhf_async.runtime.spec import NodeSpec
@@ -105,17 +106,13 @@ def _wait(ranks: list[RayProcess], run_dir: Path) -> str | None:
 def _failure(ranks: list[RayProcess], run_dir: Path, rank: int, rc: int) -> str:
     """Why rank N failed: lost, killed, or its exit code and last log line (the log is on
     the shared filesystem)."""
-    log_file = run_dir / "logs" / f"rank{rank}.log"
-    try:
-        lines = [x for x in log_file.read_text(errors="replace").splitlines() if x.strip()]
-    except OSError:
-        lines = []
+    last = last_log_line(run_dir / "logs" / f"rank{rank}.log")
     if rc == LOST:
         why = "its actor or Ray node was lost"
     elif rc < 0:  # a killed process leaves no last word of its own
         why = f"killed by {signal.Signals(-rc).name}"
     else:
-        why = f"exit {rc}: {lines[-1].strip() if lines else 'no output'}"
+        why = f"exit {rc}: {last or 'no output'}"
     return f"rank {rank} failed on Ray ({why}); log: {ranks[rank].log_path}"
 
 

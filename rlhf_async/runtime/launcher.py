@@ -152,6 +152,19 @@ def node_log(spec: NodeSpec, run_dir: Path) -> Path:
     return run_dir / "logs" / f"{spec.node_id}.log"
 
 
+def last_log_line(path: Path | str, limit: int = 300) -> str:
+    """The last non-empty line of a node's log (a crash's exception, for one), cut to
+    `limit` characters; "" when there is none or the log cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))  # a traceback's end, not the log
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = [x.strip() for x in tail.splitlines() if x.strip()]
+    return lines[-1][:limit] if lines else ""
+
+
 def node_env(spec: NodeSpec, env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The node's environment: ours (or `env`), its thread count, its spec's variables."""
     return {**(os.environ if env is None else env), "OMP_NUM_THREADS": str(spec.num_threads),

@@ -91,6 +91,26 @@ def test_no_restart_while_stopping_and_wait_ready_names_the_node(tmp_path):
     assert [e.kind for e in events] == ["node_dead"] and len(sup.launcher.launched) == 1
 
 
+def test_a_crash_says_its_last_log_line_a_kill_does_not(tmp_path):
+    """A node that dies of an exception cannot send its reason: its log's last line (the
+    exception) is the reason, in the death event and in the not-ready error."""
+    sup, events = _supervisor(tmp_path, restart_limit=0)
+    log = tmp_path / "w0.log"
+    log.write_text("Traceback (most recent call last):\n  ...\n"
+                   "ModuleNotFoundError: No module named 'safetensors'\n\n")
+    sup.nodes["w0"].process.log_path, sup.nodes["w0"].process.rc = log, 1
+    with pytest.raises(NodeNotReady, match=r"code 1 before it was ready \(ModuleNotFound"
+                                           r"Error: No module named 'safetensors'\); see "):
+        asyncio.run(sup.wait_ready(["w0"], timeout=1.0))
+    sup.check()
+    assert events[0].payload["reason"] == ("exited with code 1 (ModuleNotFoundError: No "
+                                           "module named 'safetensors')")
+    sup.start(NodeSpec("worker", "w1", "mod.sub:main"))
+    sup.nodes["w1"].process.log_path, sup.nodes["w1"].process.rc = log, -9
+    sup.check()
+    assert events[-1].payload["reason"] == "exited with code -9"
+
+
 def test_restart_kills_only_the_process_the_caller_means(tmp_path):
     sup, events = _supervisor(tmp_path, restart_limit=2)
     old = sup.nodes["w0"].process.pid
