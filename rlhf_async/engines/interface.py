@@ -95,6 +95,13 @@ class Capabilities:
     prefix_cache: bool  # reuses KV across requests with a shared prefix and cache_salt
     tensor_parallel: bool  # one engine may span several devices
     devices: tuple[str, ...] = ("cpu", "cuda")
+    # per device kind, the attention head sizes its kernels take (a kind not named: any)
+    head_sizes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def runs_head_size(self, device: str, head_size: int | None) -> bool:
+        """Whether a model with `head_size` (None: unknown, not held against it) runs here."""
+        sizes = self.head_sizes.get(device)
+        return head_size is None or sizes is None or head_size in sizes
 
 
 class GenerationEngine(Protocol):

