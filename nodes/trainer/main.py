@@ -45,6 +45,7 @@ from rlhf_async.strategies.separation.protocol import (
     Joined,
     Loaded,
     Published,
+    Received,
     Republish,
     Republished,
     Trained,
@@ -340,7 +341,12 @@ def _accept(node: Node, msg: Message, batches: BatchAssembler, policy: Staleness
         dropped = ChunkDropped(cid.step, cid.chunk, cid.chunks, batch.version)
         node.transport.spawn(node.send_event(dropped), name="chunk-dropped")
         return False
-    return batches.add(cid, batch)
+    if not batches.add(cid, batch):
+        return False
+    # past every node whose death could lose it: the coordinator stops counting it as theirs
+    received = Received(cid.step, cid.chunk, cid.chunks)
+    node.transport.spawn(node.send_event(received), name="chunk-received")
+    return True
 
 
 def _restore(node: Node, ckpt_dir: Path, learner: Learner, policy: StalenessPolicy,

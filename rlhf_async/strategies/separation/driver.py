@@ -48,6 +48,7 @@ from rlhf_async.strategies.separation.protocol import (
     NodeReady,
     NodeRestarted,
     Published,
+    Received,
     Scored,
     Trained,
     WeightsApplied,
@@ -78,8 +79,8 @@ class ChunkState(enum.StrEnum):
     """Where a chunk of a step's prompts is; it is forgotten once its step is trained."""
 
     DISPATCHED = "dispatched"  # sent to the generators' queue
-    GENERATED = "generated"  # rollouts on their way to (or at) a scorer
-    SCORED = "scored"  # scored rollouts on their way to (or at) the trainer
+    GENERATED = "generated"  # rollouts past a generator, not yet held by the trainer
+    SCORED = "scored"  # held by the trainer (its `Received`), waiting for their step
 
 
 class Driver:
@@ -266,12 +267,16 @@ class Driver:
             case WeightsApplied(version=version, lineage=lineage):
                 self.applied[node] = (version, lineage)
                 self.gate.set()
-            case Generated() | Scored():
+            case Generated() | Scored():  # a scored chunk is still GENERATED: the rollout
+                # may be in the scorer's socket queue when its event has arrived
+                key = (event.step, event.chunk)
+                if self.chunk_state.get(key) == ChunkState.DISPATCHED:  # never backwards
+                    self.chunk_state[key] = ChunkState.GENERATED
+                self.busy[node] = event.busy_s
+            case Received():
                 key = (event.step, event.chunk)
                 if key in self.chunk_state:
-                    self.chunk_state[key] = ChunkState.GENERATED \
-                        if isinstance(event, Generated) else ChunkState.SCORED
-                self.busy[node] = event.busy_s
+                    self.chunk_state[key] = ChunkState.SCORED
             case ChunkDropped():
                 key = (event.step, event.chunk)
                 if key in self.chunk_prompts:
@@ -328,9 +333,9 @@ class Driver:
         else:
             if role == "generator":
                 self.applied[node] = (0, SFT_LINEAGE)
-            # lost in a queue or in flight; a generator's generated ones too: its Generated
-            # event can overtake the rollout still in its socket's queue when it was killed
-            # (a copy that got through is dropped by the trainer as a duplicate)
+            # lost in a queue or in flight; past a generator but not yet at the trainer
+            # too: a node's event can overtake the rollout still in its socket's queue when
+            # it was killed (a copy that got through is dropped by the trainer as a duplicate)
             self.resend((ChunkState.DISPATCHED, ChunkState.GENERATED))
         if role != "scorer":
             self.sync.rebuild()

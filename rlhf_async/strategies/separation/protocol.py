@@ -71,6 +71,15 @@ class Scored(Msg, frozen=True, tag="scored"):
     idle_s: float
 
 
+class Received(Msg, frozen=True, tag="received"):
+    """The trainer holds this scored chunk: only from here is it past every node whose death
+    could lose it (a node's event can arrive before the rollout it sent on another socket)."""
+
+    step: int
+    chunk: int
+    chunks: int
+
+
 class ChunkDropped(Msg, frozen=True, tag="chunk_dropped"):
     """The trainer refused a chunk (too stale, or weights of a dead predecessor): send it
     again."""
@@ -137,10 +146,11 @@ class Done(Msg, frozen=True, tag="done"):
     steps: int
 
 
-Event = (Loaded | Generated | Scored | ChunkDropped | Trained | Published | WeightsApplied |
-         WeightSyncFailed | Failed | Done | NodeDead | NodeReady | NodeExited | NodeRestarted)
+Event = (Loaded | Generated | Scored | Received | ChunkDropped | Trained | Published
+         | WeightsApplied | WeightSyncFailed | Failed | Done | NodeDead | NodeReady | NodeExited
+         | NodeRestarted)
 EVENTS: dict[str, type[Msg]] = {tag(c): c for c in (
-    Loaded, Generated, Scored, ChunkDropped, Trained, Published, WeightsApplied,
+    Loaded, Generated, Scored, Received, ChunkDropped, Trained, Published, WeightsApplied,
     WeightSyncFailed, Failed, Done, NodeDead, NodeReady, NodeExited, NodeRestarted)}
 
 

@@ -25,6 +25,7 @@ from rlhf_async.strategies.separation.protocol import (
     Loaded,
     NodeDead,
     Published,
+    Received,
     Scored,
     Trained,
     UpdateWeights,
@@ -187,11 +188,21 @@ def test_a_dead_nodes_chunks_are_sent_again_by_state(tmp_path):
         # what was in a generator's queue, and what it generated: the rollout may still
         # have been in its socket's queue when it died
         assert sorted(h.prompts.sent[2:]) == [(0, 0), (0, 1)]
+        # scored, but its rollout may still sit in the killed scorer's socket: sent again
         await h.send("scorer0", Scored(0, 0, 2, 1.0, 0.0))
+        await h.send("gen1", Generated(0, 0, 2, 0, 1.0, 0.0))  # late news: no step back
+        assert h.driver.chunk_state[(0, 0)] == ChunkState.GENERATED
         await h.send("scorer0", NodeDead("killed", will_restart=True))
         await h.send("scorer0", Loaded())
-        assert h.prompts.sent[4:] == [(0, 1)]  # the scored chunk is past the scorer
-        assert h.driver.counts["restarts"] == 2 and h.driver.counts["resent_chunks"] == 3
+        assert sorted(h.prompts.sent[4:]) == [(0, 0), (0, 1)]
+        # once the trainer holds it, no death of another node sends it again
+        await h.send("trainer", Received(0, 0, 2))
+        await h.send("gen1", Generated(0, 0, 2, 0, 1.0, 0.0))
+        assert h.driver.chunk_state[(0, 0)] == ChunkState.SCORED
+        await h.send("scorer0", NodeDead("killed", will_restart=True))
+        await h.send("scorer0", Loaded())
+        assert h.prompts.sent[6:] == [(0, 1)]
+        assert h.driver.counts["restarts"] == 3 and h.driver.counts["resent_chunks"] == 5
         h.task.cancel()  # type: ignore[union-attr]
     asyncio.run(main())
 
