@@ -1,7 +1,8 @@
 """The trainer's admission of a scored chunk (`_accept`): a malformed message is rejected, a
 duplicate dropped silently, a chunk of another trainer incarnation's weights or too stale
 for `algo.max_staleness` dropped and reported (`ChunkDropped`, so the coordinator sends it
-again), the rest kept for its step. A fake node records counters and events."""
+again), the rest kept for its step and reported held (`Received`, so that no other node's
+death sends it again). A fake node records counters and events."""
 
 import asyncio
 from collections import Counter
@@ -18,6 +19,7 @@ from rlhf_async.strategies.separation.protocol import (
     SFT_LINEAGE,
     ChunkDropped,
     ChunkId,
+    Received,
     rollout_message,
 )
 from rlhf_async.wire.protocol import Message
@@ -70,14 +72,15 @@ def test_fresh_chunks_are_kept_and_counted_as_admitted():
     assert _accept(node, _scored(0, 1, 2, 0, OURS, 4), asm, policy, OURS)
     assert asm.waiting() == 2 and asm.pop_ready().sample_ids.tolist() == list(range(8))
     assert policy.admitted == 2 and policy.histogram == {0: 2}
-    assert node.sent() == [] and node.counters == Counter()
+    assert node.sent() == [Received(0, 0, 2), Received(0, 1, 2)] and node.counters == Counter()
 
 
 def test_a_duplicate_is_dropped_without_asking_for_it_again():
     node, asm, policy = FakeNode(), BatchAssembler(), StalenessPolicy(0)
     assert _accept(node, _scored(0, 0, 1, 0, OURS, 0), asm, policy, OURS)
     assert not _accept(node, _scored(0, 0, 1, 0, OURS, 0), asm, policy, OURS)
-    assert node.counters == Counter({"dropped.duplicate": 1}) and node.sent() == []
+    assert node.counters == Counter({"dropped.duplicate": 1})
+    assert node.sent() == [Received(0, 0, 1)]  # the first copy's, none for the duplicate
     assert policy.admitted == 1  # the duplicate never reached the staleness rule
 
 
@@ -91,7 +94,7 @@ def test_a_chunk_too_stale_or_of_another_incarnation_is_dropped_and_asked_for_ag
     assert not _accept(node, _scored(3, 1, 2, 2, "deadbeef", 28), asm, policy, OURS)
     assert _accept(node, _scored(3, 1, 2, 2, OURS, 28), asm, policy, OURS)
     assert node.sent() == [ChunkDropped(3, 0, 2, 1), ChunkDropped(3, 1, 2, 2),
-                           ChunkDropped(3, 1, 2, 2)]
+                           ChunkDropped(3, 1, 2, 2), Received(3, 1, 2)]
     assert node.counters == Counter({"dropped.stale": 1, "dropped.lineage": 2})
     assert (policy.dropped, policy.admitted, policy.histogram) == (1, 1, {1: 1})
     assert asm.waiting() == 1  # only the admitted chunk waits for its step
