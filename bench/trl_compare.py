@@ -28,6 +28,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -114,6 +115,10 @@ def run_ours(name: str, base: list[str], warmup: int, target: float,
     cfg = load_config(config_path, base + over + [f"run.name=ours-{time.time_ns()}"])
     s = job.run(cfg)
     recs = read_metrics(Path(s["run_dir"]) / "metrics.jsonl")
+    # the weights are not a result here: SmolLM2's 0.5 GB a run filled the disk after ~35
+    # runs; the metrics, config and logs stay
+    for weights in ("policy", "checkpoints"):
+        shutil.rmtree(Path(s["run_dir"]) / weights, ignore_errors=True)
     step_s = [r.get("time_step") or r["time_generate"] + r["time_score"] + r["time_train"]
               for r in recs]
     out = summarise(step_s, [r["samples"] for r in recs],
