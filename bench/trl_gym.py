@@ -31,12 +31,10 @@ import torch
 from bench.trl_compare import (
     plot_curves,
     print_table,
-    print_time_to_quality,
     run_ours,
-    summarise,
-    time_to_quality,
     train_grpo,
 )
+from bench.ttq import print_time_to_quality, summarise, time_to_quality
 from rlhf_async.config import ConfigError, JobConfig, load_config
 from rlhf_async.log import configure_logging
 from rlhf_async.runtime.launcher import ready_fork_server

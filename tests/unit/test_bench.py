@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from bench import trl_compare
+from bench import trl_compare, ttq
 from bench.__main__ import series
 from bench.bench_decode import compare as decode_compare
 from bench.plots import plot_runs
@@ -21,13 +21,13 @@ def test_time_to_target_uses_a_rolling_mean():
     times = [1.0, 2.0, 3.0, 4.0, 5.0]
     hidden = [0.9, 0.1, 0.5, 0.6, 0.7]
     # windows of 3: (0.9, 0.1, 0.5) = 0.5, (0.1, 0.5, 0.6) = 0.4, (0.5, 0.6, 0.7) = 0.6
-    assert trl_compare.time_to_target(times, hidden, 0.5) == 3.0
-    assert trl_compare.time_to_target(times, hidden, 0.55) == 5.0
-    assert trl_compare.time_to_target(times, hidden, 0.61) is None
+    assert ttq.time_to_target(times, hidden, 0.5) == 3.0
+    assert ttq.time_to_target(times, hidden, 0.55) == 5.0
+    assert ttq.time_to_target(times, hidden, 0.61) is None
 
 
 def test_summarise_leaves_out_warmup_steps():
-    s = trl_compare.summarise([10.0, 1.0, 2.0], [8, 8, 8], [40, 40, 20], [0.1, 0.2, 0.3],
+    s = ttq.summarise([10.0, 1.0, 2.0], [8, 8, 8], [40, 40, 20], [0.1, 0.2, 0.3],
                               warmup=1, target=0.2)
     assert s["completions_per_s"] == pytest.approx(16 / 3)
     assert s["tokens_per_s"] == pytest.approx(60 / 3)

@@ -1,8 +1,8 @@
-"""bench.longtail's rows and idle share; bench.trl_compare's time-to-quality report."""
+"""bench.longtail's rows and idle share; bench.ttq's time-to-quality report."""
 
 import pytest
 
-from bench import longtail, trl_compare
+from bench import longtail, ttq
 from rlhf_async.config import load_config
 
 pytestmark = pytest.mark.timeout(60)
@@ -45,7 +45,7 @@ def test_generator_idle_share_of_both_kinds_of_utilisation():
 
 
 def _row(step_s, hidden, wall):
-    s = trl_compare.summarise(step_s, [8] * len(step_s), [40] * len(step_s), hidden,
+    s = ttq.summarise(step_s, [8] * len(step_s), [40] * len(step_s), hidden,
                               warmup=0, target=0.5)
     return {**s, "rl_wall_s": wall}
 
@@ -55,17 +55,17 @@ def test_time_to_quality_adds_the_time_outside_steps_and_compares_with_trls_soon
             "trl 2t": _row([2.0] * 4, [0.5] * 4, 8.0),  # at 6 s
             "flattening": _row([0.5] * 4, [0.4, 0.5, 0.6, 0.7], 3.75),  # at 1.5 s + 1.75 s
             "separation k=1": _row([0.5] * 4, [0.1] * 4, 3.0)}  # never
-    q = trl_compare.time_to_quality(rows, 0.5)
+    q = ttq.time_to_quality(rows, 0.5)
     assert q["trl 1t"]["wall_s"] == pytest.approx(3.75) and q["trl 1t"]["vs_trl"] is None
     assert q["flattening"]["steps_s"] == 1.5 and q["flattening"]["overhead_s"] == 1.75
     assert q["flattening"]["vs_trl"] == pytest.approx(3.25 / 3.75)
     assert q["flattening"]["vs_trl_steps"] == pytest.approx(1.5 / 3.0)
     # a wider window waits for more batches: (0.5, 0.6, 0.7) first reaches 0.6 at 2 s
-    assert trl_compare.time_to_quality(rows, 0.6, window=3)["flattening"]["steps_s"] == 2.0
-    assert trl_compare.time_to_quality(rows, 0.5, window=4)["flattening"]["steps_s"] == 2.0
+    assert ttq.time_to_quality(rows, 0.6, window=3)["flattening"]["steps_s"] == 2.0
+    assert ttq.time_to_quality(rows, 0.5, window=4)["flattening"]["steps_s"] == 2.0
     assert q["separation k=1"]["wall_s"] is None and q["separation k=1"]["vs_trl"] is None
     rows.pop("trl 1t"), rows.pop("trl 2t")
-    assert trl_compare.time_to_quality(rows, 0.5)["flattening"]["vs_trl"] is None
+    assert ttq.time_to_quality(rows, 0.5)["flattening"]["vs_trl"] is None
 
 
 def test_longtail_writes_each_rows_series_apart_from_its_numbers(tmp_path):
