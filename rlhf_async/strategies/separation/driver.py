@@ -267,8 +267,9 @@ class Driver:
             case WeightsApplied(version=version, lineage=lineage):
                 self.applied[node] = (version, lineage)
                 self.gate.set()
-            case Generated() | Scored():  # a scored chunk is still GENERATED: the rollout
-                # may be in the scorer's socket queue when its event has arrived
+            case Generated() | Scored():
+                # a scored chunk stays GENERATED: its rollout may still be in the scorer's
+                # socket queue when this event arrives (`Received` moves it on)
                 key = (event.step, event.chunk)
                 if self.chunk_state.get(key) == ChunkState.DISPATCHED:  # never backwards
                     self.chunk_state[key] = ChunkState.GENERATED
