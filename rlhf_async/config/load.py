@@ -41,8 +41,9 @@ def _coerce(tp: Any, value: Any) -> tuple[bool, Any]:
     """Check `value` against a field type; returns (ok, value converted where lossless)."""
     if typing.get_origin(tp) is list:
         inner = typing.get_args(tp)[0]
-        if not isinstance(value, list):
-            return False, value
+        if not isinstance(value, list):  # one value where a list goes: a list of one
+            ok, one = _coerce(inner, value)
+            return ok, [one] if ok else value
         items = [_coerce(inner, v) for v in value]
         return all(ok for ok, _ in items), [v for _, v in items]
     if typing.get_origin(tp) is dict:  # a free-form table, checked by what reads it

@@ -26,6 +26,8 @@ class RunConfig:
     output_dir: str = opt("runs", "where run directories are created")
     cache_dir: str = opt("runs/cache", "where SFT and reward-model artefacts are cached")
     eval_prompts: int = opt(256, "held-out prompts for the SFT-vs-final comparison", ge=1)
+    eval_samples: int = opt(1, "sampled responses per held-out prompt, averaged: more give a "
+                            "steadier score on a small held-out set", ge=1)
     progress: bool = opt(True, "print a compact progress line per step to stderr")
     plot: bool = opt(True, "write metrics.png at the end of the run")
     checkpoint_every: int = opt(10, "checkpoint every N RL steps (and on stop); 0 = on stop only",
@@ -299,7 +301,8 @@ class PlacementConfig:
                        "0 = one per device of the scorer group", ge=0)
     replicas: list[str] = opt([], "per-model data-parallel replicas, e.g. ['reward=2']")  # noqa: RUF009
     tensor_parallel: list[str] = opt([], "per-model tensor-parallel size, e.g. ['actor=2']")  # noqa: RUF009
-    dtype: list[str] = opt([], "per-model dtype, e.g. ['reference=bf16'] (fp32 | bf16 | fp16)")  # noqa: RUF009
+    dtype: list[str] = opt([], "per-model dtype, e.g. ['reference=bf16'] (fp32 | bf16 | "  # noqa: RUF009
+                           "fp16); a bare one is every model's: ['bf16', 'shadow_actor=fp32']")
     memory_gb: float = opt(0.0, "per-device memory budget for validation (GiB); 0 = the "
                            "device's own", ge=0.0)
     gpu: str = opt("H100", "GPU kind the cost model assumes when device = cuda",

@@ -259,7 +259,7 @@ def _summarize(cfg: JobConfig, task: Task, out: IO[str] | None, run_dir: Path,
         "sft_hidden_score": sft_eval["hidden_score"],
         "final_hidden_score": final_eval["hidden_score"],
         "sft_reward": sft_eval["reward"], "final_reward": final_eval["reward"],
-        "eval_prompts": final_eval["prompts"],
+        "eval_prompts": final_eval["prompts"], "eval_samples": cfg.run.eval_samples,
         "task": cfg.task.name, "reward_model": cfg.reward_model.path or None,
         "has_rule": task.has_rule,
         "rm_accuracy": art.rm_stats.get("rm_accuracy"),
@@ -278,19 +278,20 @@ def _summarize(cfg: JobConfig, task: Task, out: IO[str] | None, run_dir: Path,
 def format_summary(s: dict) -> str:
     head = (f"\nrun {s['run_dir']} ({s['algo']}, seed {s['seed']}, {s['strategy']} x"
             f"{s['devices']})\n")
+    k = s.get("eval_samples", 1)
+    n = f"{s['eval_prompts']} held-out prompts" + (f" x {k} samples" if k > 1 else "")
     if s.get("rm_accuracy") is None and s.get("reward_model"):  # the user's reward model
-        n = s["eval_prompts"]
         if s.get("has_rule"):
-            head += (f"  rule (task.reward) on {n} held-out prompts: initial "
+            head += (f"  rule (task.reward) on {n}: initial "
                      f"{s['sft_hidden_score']:.3f} -> final {s['final_hidden_score']:.3f}\n")
-        head += (f"  reward on {n} held-out prompts: initial {s['sft_reward']:.3f} -> final "
+        head += (f"  reward on {n}: initial {s['sft_reward']:.3f} -> final "
                  f"{s['final_reward']:.3f}\n")
     elif s.get("rm_accuracy") is None:  # a rule reward: no SFT, no reward model
-        head += (f"  rule reward on {s['eval_prompts']} held-out prompts: initial "
+        head += (f"  rule reward on {n}: initial "
                  f"{s['sft_reward']:.3f} -> final {s['final_reward']:.3f}\n")
     else:
         head += (
-            f"  hidden score on {s['eval_prompts']} held-out prompts: "
+            f"  hidden score on {n}: "
             f"SFT {s['sft_hidden_score']:.3f} -> final {s['final_hidden_score']:.3f}\n"
             f"  reward-model score: SFT {s['sft_reward']:.3f} -> final {s['final_reward']:.3f}\n"
             f"  reward-model accuracy on held-out pairs: {s['rm_accuracy']:.3f} "

@@ -115,13 +115,19 @@ def parse_overrides(cfg: PlacementConfig) -> tuple[dict[str, dict[str, object]],
     out: dict[str, dict[str, object]] = {}
     problems = []
     for key in OVERRIDES:
-        for i, item in enumerate(getattr(cfg, key)):
+        items = list(enumerate(getattr(cfg, key)))
+        if key == "dtype":  # a bare dtype is every model's, before any model's own
+            bare = [(i, d) for i, d in items if d.strip() in DTYPES]
+            items = [(i, f"{m}={d.strip()}") for i, d in bare for m in MODELS] + \
+                [(i, d) for i, d in items if d.strip() not in DTYPES]
+        for i, item in items:
             path = f"placement.{key}[{i}]"
             name, _, raw = item.partition("=")
             name, raw = name.strip(), raw.strip()
             if name not in MODELS or not raw:
+                also = f", or one of {', '.join(DTYPES)} for every model" if key == "dtype" else ""
                 problems.append(f"{path}: {item!r} is not MODEL=VALUE with MODEL one of "
-                                f"{', '.join(MODELS)}")
+                                f"{', '.join(MODELS)}{also}")
                 continue
             value, problem = _override_value(key, raw)
             if problem:

@@ -44,13 +44,14 @@ BEST_META = "rlhf_async.json"  # save_policy's metadata file
 @torch.no_grad()
 def evaluate(actor: torch.nn.Module, reward_model: ScalarHeadModel | None, task: Task,
              cfg: JobConfig, label: str = "policy", show: bool = True) -> dict[str, float]:
-    """Sampled responses on held-out prompts: hidden score, reward (the reward model's
-    score, or the rule reward when there is no reward model), length. `show`: a progress
-    bar (when `run.progress`)."""
-    prompts = task.prompt_batch(cfg.run.seed, "eval", 0, cfg.run.eval_prompts, 1)
+    """Sampled responses on held-out prompts (`run.eval_samples` each, averaged): hidden
+    score, reward (the reward model's score, or the rule reward when there is no reward
+    model), length. `show`: a progress bar (when `run.progress`)."""
+    k = cfg.run.eval_samples
+    prompts = task.prompt_batch(cfg.run.seed, "eval", 0, cfg.run.eval_prompts, k)
     device = next(actor.parameters()).device
     with Phase(f"eval {label}", len(prompts), enabled=cfg.run.progress and show,
-               unit="prompt") as bar:
+               unit="sample") as bar:
         # one batch: the evaluation is the same whatever the progress display
         b = rollout(actor, prompts.to(device), sampling_params(cfg, task), cfg.run.seed,
                      EVAL_STEP, 0)
@@ -62,7 +63,7 @@ def evaluate(actor: torch.nn.Module, reward_model: ScalarHeadModel | None, task:
     return {"hidden_score": float(hidden.mean()),
             "reward": float(reward.mean()),
             "response_length": float(b.loss_mask.sum(1).mean()),  # the policy's tokens
-            "prompts": len(b)}
+            "prompts": len(b) // k, "samples": len(b)}
 
 
 def best_metric(cfg: JobConfig, task: Task) -> str:

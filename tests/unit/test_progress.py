@@ -61,3 +61,9 @@ def test_the_summary_says_when_the_final_policy_is_worse():
     assert "reward hacking" in text and "runs/x/metrics.png" in text
     rule = _summary(rm_accuracy=None, sft_reward=0.5, final_reward=0.2)
     assert "WORSE than the initial policy on the rule reward (0.500 -> 0.200)" in rule
+
+
+def test_the_summary_names_the_samples_per_held_out_prompt():
+    assert "hidden score on 256 held-out prompts: SFT" in _summary()
+    assert "hidden score on 12 held-out prompts x 8 samples: SFT" in _summary(
+        eval_prompts=12, eval_samples=8)

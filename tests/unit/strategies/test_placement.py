@@ -8,6 +8,7 @@ from rlhf_async.config import (
     JobConfig,
     PlacementConfig,
     TrainConfig,
+    load_config,
 )
 from rlhf_async.strategies.placement import (
     Placement,
@@ -212,3 +213,18 @@ def test_validating_a_huge_placement_takes_linear_time():
     problems = validate(Placement("flattening", "cpu", n, twice), ["worker"])
     assert problems == ["placement: node id 'rank7' used twice"]
     assert time.perf_counter() - t0 < 5.0
+
+
+def test_a_bare_dtype_is_every_models_and_a_models_own_overrides_it():
+    cfg = load_config(None, ["placement.strategy=separation", "placement.devices=2",
+                             "placement.dtype=bf16"])  # one value for the list: a list of one
+    assert cfg.placement.dtype == ["bf16"]
+    plan = plan_placement(cfg.placement, "ppo")
+    assert {m.model: m.dtype for m in plan.models} == {m.model: "bf16" for m in plan.models}
+    mixed = plan_placement(PlacementConfig(strategy="separation", devices=2,
+                                           dtype=["shadow_actor=fp32", "bf16"]), "ppo")
+    assert mixed.precision().name("shadow_actor") == "fp32"
+    assert mixed.precision().name("actor") == mixed.precision().name("reward") == "bf16"
+    with pytest.raises(PlacementError, match=r"placement.dtype\[1\]: 'bf17' is not MODEL=VALUE "
+                       r"with MODEL one of .*, or one of fp32, bf16, fp16 for every model"):
+        plan_placement(PlacementConfig(dtype=["bf16", "bf17"]), "ppo")

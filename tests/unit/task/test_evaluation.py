@@ -1,16 +1,21 @@
 """The best policy kept during RL (`run.keep_best`): written whole, swapped for a new best,
-dropped on a resume that trains its step again; the progress line of an evaluation."""
+dropped on a resume that trains its step again; the progress line of an evaluation;
+several samples per held-out prompt."""
 
 from __future__ import annotations
 
 import io
 import json
 
-from rlhf_async.config import load_config
+import torch
+
+from rlhf_async.config import ModelConfig, load_config
 from rlhf_async.metrics import Progress
+from rlhf_async.modeling.models import load_actor
 from rlhf_async.task import make_task
 from rlhf_async.task.artefacts import Artefacts
-from rlhf_async.task.evaluation import HeldoutEval, _read_best
+from rlhf_async.task.evaluation import HeldoutEval, _read_best, evaluate
+from rlhf_async.task.sort_digits import VOCAB_SIZE
 
 
 def _evals(tmp_path, start_step=0):
@@ -45,3 +50,18 @@ def test_an_evaluation_prints_its_line_under_the_progress_bar():
               "eval_response_length": 6.0, "eval_best": 1.0})
     assert "[rl] eval after step 2 | hidden 0.750 | reward 0.500 | len 6.000 (best so far, " \
            "kept)" in out.getvalue()
+
+
+def test_eval_samples_scores_each_held_out_prompt_that_many_times():
+    """`run.eval_samples = k`: k sampled responses per held-out prompt, all averaged."""
+
+    one = load_config(None, ["run.eval_prompts=6", "run.progress=false"])
+    three = load_config(None, ["run.eval_prompts=6", "run.eval_samples=3",
+                               "run.progress=false"])
+    task = make_task(one)
+    actor = load_actor(ModelConfig(hidden=32, heads=2, layers=1), VOCAB_SIZE,
+                       task.special, seed=0)
+    a, b = evaluate(actor, None, task, one), evaluate(actor, None, task, three)
+    assert (a["prompts"], a["samples"]) == (6, 6) and (b["prompts"], b["samples"]) == (6, 18)
+    assert torch.isfinite(torch.tensor([b["hidden_score"], b["reward"]])).all()
+    assert a["hidden_score"] != b["hidden_score"]  # more responses went into the mean
