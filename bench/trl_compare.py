@@ -103,6 +103,9 @@ def run_ours(name: str, base: list[str], warmup: int, target: float,
                     [r["samples"] * r["response_length"] for r in recs],
                     [r["hidden_score"] for r in recs], warmup, target)
     out["rl_wall_s"] = s["rl_seconds"]
+    # the held-out evaluation of the policy before and after (run.eval_prompts x eval_samples)
+    out["eval"] = {"initial": s["sft_hidden_score"], "final": s["final_hidden_score"],
+                   "prompts": s["eval_prompts"], "samples": s.get("eval_samples", 1)}
     return out
 
 

@@ -11,8 +11,9 @@ per batch, grad clip, AdamW defaults, fp32 (TRL's default bf16 autocast off; `--
 adds a row with it, `--bf16` that row and ours in bf16). TRL draws its own prompt order
 from the same training prompts (held-out ones excluded); the rule reward sees the same
 (prompt, response) text on both sides. Reported as in `bench.trl_compare`, with the mean
-rule reward per batch in the "hidden" columns. Needs the `bench` extra and the model
-directory.
+rule reward per batch in the "hidden" columns, and our runs' initial and final policies
+scored on the held-out prompts (`--eval-samples` responses each). Needs the `bench` extra
+and the model directory.
 """
 
 from __future__ import annotations
@@ -129,6 +130,30 @@ def split_only(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                  + ", ".join(map(repr, names)))
 
 
+def final_policies(rows: dict[str, dict], base: str = "flattening") -> dict[str, dict]:
+    """Per run of ours, the held-out score of its final policy (every run trained on the same
+    samples: train.steps batches) and that over `base`'s: the policies compared after equal
+    samples, each scored by `run.eval_samples` responses per held-out prompt, where the
+    batch rewards of `same_samples` score the policy that generated them (one version older
+    under Separation k=1) on 48 responses."""
+    out = {name: dict(r["eval"]) for name, r in rows.items() if "eval" in r}
+    ref = out.get(base, {}).get("final")
+    for q in out.values():
+        q["vs_base"] = q["final"] / ref if ref else None
+    return out
+
+
+def print_final_policies(label: str, finals: dict[str, dict]) -> None:
+    if not finals:
+        return
+    q0 = next(iter(finals.values()))
+    print(f"\n[{label}] held-out rule reward, {q0['prompts']} prompts x {q0['samples']} "
+          "samples: initial -> final policy")
+    for name, q in finals.items():
+        vs = "-" if q["vs_base"] is None else f"{q['vs_base']:.2f}x flattening"
+        print(f"{name:28s} {q['initial']:.3f} -> {q['final']:.3f} {vs:>18s}")
+
+
 def print_same_samples(label: str, same: dict[str, dict], window: int) -> None:
     n = next(iter(same.values()))["samples"] if same else 0
     print(f"\n[{label}] mean reward of the last {window} batches at {n} samples")
@@ -154,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="bf16 rows on both sides: TRL's default autocast and ours with "
                     "every model in bf16 (placement.dtype)")
     ap.add_argument("--only", nargs="*", default=None, help="subset of: trl, " + ", ".join(OURS))
+    ap.add_argument("--eval-samples", type=int, default=8,
+                    help="our runs: sampled responses per held-out prompt in the evaluation "
+                    "of the initial and final policies (run.eval_samples)")
     ap.add_argument("--out", default="bench/results/trl_text.json")
     ap.add_argument("overrides", nargs="*", help="config overrides for both sides")
     args = ap.parse_args(argv)
@@ -161,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("warning")
     # TRL's beta is fixed: no adaptive KL controller on our side either (algo.kl_target)
     base = [f"train.steps={args.steps}", "algo.kl_target=0", "run.plot=false",
-            "run.eval_prompts=4",
+            f"run.eval_samples={args.eval_samples}",
             "run.output_dir=runs/bench-trl-text", "run.checkpoint_every=0",
             f"placement.devices={args.cores}", *args.overrides]
     try:
@@ -193,11 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     print_time_to_quality(label, ttq, args.target, args.steps, args.window)
     same = same_samples(rows, args.window)
     print_same_samples(label, same, args.window)
+    finals = final_policies(rows)
+    print_final_policies(label, finals)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "loadavg_start": load_start,
                                "loadavg": os.getloadavg(), "results": rows,
-                               "time_to_quality": ttq, "same_samples": same}, indent=1))
+                               "time_to_quality": ttq, "same_samples": same,
+                               "final_policies": finals}, indent=1))
     plot_curves(rows, out.with_suffix(".png"), f"GRPO: TRL vs ours, {Path(cfg.model.path).name}")
     print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -237,6 +237,23 @@ def test_trl_text_compares_rewards_at_the_same_number_of_samples():
     assert same_samples({"trl": rows["trl"]}, 2)["trl"]["vs_base"] is None  # no flattening
 
 
+def test_trl_text_compares_our_final_policies_on_the_held_out_prompts(capsys):
+    from bench.trl_text import final_policies, print_final_policies
+
+    ev = {"prompts": 12, "samples": 8}
+    rows = {"trl": {"samples": [8]},  # TRL's policy is not evaluated by our evaluation
+            "flattening": {"eval": {"initial": 0.4, "final": 1.6, **ev}},
+            "separation k=1": {"eval": {"initial": 0.4, "final": 1.2, **ev}}}
+    finals = final_policies(rows)
+    assert set(finals) == {"flattening", "separation k=1"}
+    assert finals["separation k=1"]["vs_base"] == pytest.approx(0.75)
+    print_final_policies("m", finals)
+    out = capsys.readouterr().out
+    assert "12 prompts x 8 samples" in out and "0.400 -> 1.200   0.75x flattening" in out
+    no_base = final_policies({"separation k=1": rows["separation k=1"]})
+    assert no_base["separation k=1"]["vs_base"] is None
+
+
 def test_trl_text_only_moves_overrides_and_refuses_unknown_rows(capsys):
     import argparse
 
