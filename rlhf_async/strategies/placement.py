@@ -115,12 +115,9 @@ def parse_overrides(cfg: PlacementConfig) -> tuple[dict[str, dict[str, object]],
     out: dict[str, dict[str, object]] = {}
     problems = []
     for key in OVERRIDES:
-        items = list(enumerate(getattr(cfg, key)))
-        if key == "dtype":  # a bare dtype is every model's, before any model's own
-            bare = [(i, d) for i, d in items if d.strip() in DTYPES]
-            items = [(i, f"{m}={d.strip()}") for i, d in bare for m in MODELS] + \
-                [(i, d) for i, d in items if d.strip() not in DTYPES]
-        for i, item in items:
+        for i, item in enumerate(getattr(cfg, key)):
+            if key == "dtype" and item.strip() in DTYPES:  # every model's (`default_dtype`)
+                continue
             path = f"placement.{key}[{i}]"
             name, _, raw = item.partition("=")
             name, raw = name.strip(), raw.strip()
@@ -156,10 +153,16 @@ def model_placement(cfg: PlacementConfig, name: str, devices: list[int] | tuple[
     o = over.get(name, {})
     tp = override_int(over, name, "tensor_parallel", 1)
     default_reps = replicas if replicas is not None else max(1, len(devices) // tp)
-    default_dtype = "bf16" if cfg.device == "cuda" else "fp32"
     # the engine is the job's (`with_engines`), not the placement's
     return ModelPlacement(name, tuple(devices), override_int(over, name, "replicas", default_reps),
-                          tp, runtime, "torch", str(o.get("dtype", default_dtype)))
+                          tp, runtime, "torch", str(o.get("dtype", default_dtype(cfg))))
+
+
+def default_dtype(cfg: PlacementConfig) -> str:
+    """The dtype of a model `placement.dtype` does not name: its bare entry (the last one),
+    else bf16 on cuda and fp32 on cpu."""
+    bare = [d.strip() for d in cfg.dtype if d.strip() in DTYPES]
+    return bare[-1] if bare else "bf16" if cfg.device == "cuda" else "fp32"
 
 
 # ---- checks every strategy shares ----------------------------------------------------
