@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from rlhf_async import job
 from rlhf_async.config import load_config
 from rlhf_async.metrics import read_metrics
+from tests.policies import assert_same_policy
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -47,9 +48,9 @@ def _same_trajectory(a, b):
     for ra, rb in zip(ma, mb, strict=False):
         for k in keys:
             assert ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-5), (ra["step"], k)
-    assert wa.keys() == wb.keys()
-    for k in wa:  # ranks sum gradients in another order than one process: float tolerance
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=2e-4)
+    # ranks sum gradients in another order than one process: Adam turns that into a fraction
+    # of one step (lr 5e-4) on near-zero gradients
+    assert_same_policy(wa, wb, atol=2e-4)
 
 
 @pytest.mark.parametrize("devices", [2, 3])

@@ -20,6 +20,7 @@ from rlhf_async.control.reshape import ReshapeError, Scale
 from rlhf_async.control.scale import request_scale
 from rlhf_async.ops.daemon.server import Daemon
 from rlhf_async.runtime import run_loop
+from rlhf_async.strategies.separation.rebalance import Work
 from tests.faults import run_during, trained_counts
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -137,10 +138,19 @@ def test_scale_of_a_run_dir_without_a_running_job_is_refused(tmp_path):
 
 
 def test_rebalance_moves_a_scorer_device_to_the_generators_of_a_generation_bound_job(
-        tmp_path, cache):
-    """Started with one generator and three scorers (generation takes many decode steps,
-    scoring one forward): a decision moves a scorer's device to a second generator;
-    every prompt is still trained once and the decisions are in the step records."""
+        tmp_path, cache, monkeypatch):
+    """Started with one generator and three scorers: a decision moves a scorer's device to a
+    second generator; every prompt is still trained once and the decisions are in the step
+    records. The stage times the decisions read are injected (a generation-bound profile):
+    how fast this CPU runs each stage, idle or loaded, must not decide the verdict (the
+    decision's arithmetic on recorded times is tests/unit/strategies/test_rebalance.py)."""
+    windows: list[list[dict[str, Any]]] = []
+
+    def generation_bound(records: list[dict[str, Any]], roles: dict[str, str]) -> Work:
+        windows.append(records)
+        return Work(generate=1.2, score=0.3, train=0.2)  # busy s per step, summed per stage
+
+    monkeypatch.setattr(Work, "of", staticmethod(generation_bound))
     steps = 16
     cfg = load_config(None, [*TINY, f"run.cache_dir={json.dumps(str(cache))}",
                              f"run.output_dir={json.dumps(str(tmp_path))}", "run.name=rb",
@@ -159,8 +169,10 @@ def test_rebalance_moves_a_scorer_device_to_the_generators_of_a_generation_bound
     assert moved, [{k: round(v, 3) for k, v in r.items() if k.startswith("rebalance/")}
                    for r in decisions]
     first = moved[0]
-    assert first["rebalance/generate_s"] > first["rebalance/score_s"] / 3, first
+    assert first["rebalance/generate_s"] == 1.2 and first["rebalance/score_s"] == 0.3, first
     assert first["rebalance/gain"] > 0.1 and first["rebalance/scorers"] == 3, first
+    # each window the decisions priced was real step records with every node's busy share
+    assert windows and all(any(k.startswith("util/") for k in r) for w in windows for r in w)
     placement = json.loads((run_dir / "config.json").read_text())["placement"]
     assert placement["generators"] >= 2 and placement["scorers"] <= 2, placement
     counts = trained_counts(run_dir)
