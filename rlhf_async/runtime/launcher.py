@@ -37,9 +37,9 @@ from rlhf_async.runtime.process import leave, main
 from rlhf_async.runtime.spec import NodeSpec
 
 NODE_STARTS = ("fork", "exec")
-# what the fork server imports once, before it forks any node (runtime.warm: and a first
+# what the fork server imports once, before it forks any node (modeling.warm: and a first
 # model load); a strategy adds its node programs (`Strategy.fork_preload`)
-PRELOAD = ("torch", "transformers", "rlhf_async.runtime.process", "rlhf_async.runtime.warm")
+PRELOAD = ("torch", "transformers", "rlhf_async.runtime.process", "rlhf_async.modeling.warm")
 
 
 class NodeProcess(Protocol):

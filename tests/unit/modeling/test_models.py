@@ -113,6 +113,6 @@ def test_warming_the_loader_leaves_threads_and_progress_bars_as_they_were():
 
     threads = torch.get_num_threads()
     bar = hf_logging.is_progress_bar_enabled()
-    warm_loading()  # what the fork server does before it forks (runtime/warm.py)
+    warm_loading()  # what the fork server does before it forks (modeling/warm.py)
     assert torch.get_num_threads() == threads
     assert hf_logging.is_progress_bar_enabled() == bar
