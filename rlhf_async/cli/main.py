@@ -1,5 +1,4 @@
-"""`rlhf-async` command line: run, sft, rm, resume, plan, demo, status, stop, scale, keys,
-serve-reward, version.
+"""`rlhf-async` command line (`--help` lists every command: `_build_parser` is the list).
 
 Expected user errors print one line on stderr and exit non-zero (2 for bad arguments);
 they never show a traceback.
@@ -14,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import textwrap
 import threading
 from pathlib import Path
 from typing import Any, NoReturn
@@ -42,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="rlhf-async", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="rlhf-async", formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="run an RLHF job (no arguments: the built-in example)")
@@ -124,6 +124,11 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="where to write it (default runs/models/smollm2-135m-instruct)")
     smol.add_argument("--force", action="store_true", help="rewrite an existing directory")
     sub.add_parser("version", help="print the version")
+    # the summary is the parser's own list (wrapped by hand: argparse would break
+    # "serve-reward" at its hyphen)
+    parser.description = textwrap.fill(
+        "RLHF training with asynchronous placement strategies; commands: "
+        + ", ".join(sub.choices), width=79, break_on_hyphens=False)
     return parser
 
 
