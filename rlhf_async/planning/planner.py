@@ -21,7 +21,7 @@ from rlhf_async.config import (
     TrainConfig,
 )
 from rlhf_async.config.reference import overrides
-from rlhf_async.engines import ENGINES, generation_engine
+from rlhf_async.engines import ENGINES, engine_choice
 from rlhf_async.log import get_logger
 from rlhf_async.planning.costmodel import (
     DEVICES,
@@ -146,9 +146,13 @@ def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
     if auto:
         cfg = resolve_auto(cfg)
     # the generation engine chosen once, here: every process of the job reads this one
+    engine, why = engine_choice(cfg)
+    chose = f"generation.backend = auto chose {engine}: {why}" if why else ""
     cfg = dataclasses.replace(cfg, generation=dataclasses.replace(
-        cfg.generation, backend=generation_engine(cfg)))
+        cfg.generation, backend=engine))
     placement, _, problems = _plan(cfg)
+    if placement is not None:
+        placement = dataclasses.replace(placement, engine_reason=chose)
     if auto and cfg.generation.partial_rollout and STRATEGIES[cfg.placement.strategy].lock_step:
         overlapping = " or ".join(n for n, s in STRATEGIES.items() if not s.lock_step)
         problems.append(f"generation.partial_rollout: placement.strategy = auto chose "
