@@ -81,7 +81,7 @@ class _Sinks:
                     sys.stderr.flush()
             elif level >= self.console_level or (
                     say and max(level, logging.WARNING) >= self.console_level):
-                tqdm.write(human_line(event, say), file=sys.stderr)
+                _write_line(human_line(event, say))
         raise structlog.DropEvent
 
     def attach(self, path: Path) -> None:
@@ -103,9 +103,19 @@ class _Sinks:
             self.file = None
 
 
-def _short(value: Any) -> str:
+def _write_line(line: str) -> None:
+    """Above a terminal's progress bars if there are some (tqdm's lock is a semaphore a
+    rank process that exits at once would leak, so it is taken only then)."""
+    if getattr(tqdm, "_instances", None):
+        tqdm.write(line, file=sys.stderr)
+    else:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def _short(value: Any, chars: int = VALUE_CHARS) -> str:
     text = " ".join(str(value).split())
-    return text if len(text) <= VALUE_CHARS else text[:VALUE_CHARS - 3] + "..."
+    return text if len(text) <= chars else text[:chars - 3] + "..."
 
 
 def human_line(event: MutableMapping[str, Any], say: str | None = None) -> str:
@@ -113,7 +123,7 @@ def human_line(event: MutableMapping[str, Any], say: str | None = None) -> str:
     sentence), values and the line cut short; an exception as its last line."""
     where = event.get("component") or event.get("node_id") or event.get("role") or "rlhf-async"
     if say:
-        return f"[{where}] {_short(say)}"
+        return _short(f"[{where}] {say}", LINE_CHARS)
     level = str(event.get("level", "info"))
     head = f"[{where}] " + ("" if level in ("info", "debug") else f"{level}: ")
     keys = [k for k in _FIRST if k in event] + \
@@ -122,7 +132,7 @@ def human_line(event: MutableMapping[str, Any], say: str | None = None) -> str:
     line = f"{head}{event.get('event', '')}" + (f": {fields}" if fields else "")
     if event.get("exception"):
         line += f" ({_short(str(event['exception']).strip().splitlines()[-1])})"
-    return line if len(line) <= LINE_CHARS else line[:LINE_CHARS - 3] + "..."
+    return _short(line, LINE_CHARS)
 
 
 _SINKS: list[_Sinks] = []

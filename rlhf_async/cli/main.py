@@ -216,7 +216,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     """The RLHF job: CONFIG (TOML, optional) plus dotted overrides."""
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, json=False)  # the run's JSON: RUN_DIR/logs
     config, overrides = split_config(args)
     # config errors before torch is imported, and a first line while it is (seconds)
     cfg = load_config(config, overrides, base_dir=args.base_dir)
@@ -229,7 +229,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_stage(args: argparse.Namespace) -> int:
     """`sft` / `rm`: one supervised stage on the user's data (job/stages.py)."""
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, json=False)  # the run's JSON: RUN_DIR/logs
     cfg = load_config(*split_config(args), base_dir=args.base_dir)
     announce("start", "loading torch and transformers", enabled=cfg.run.progress)
     from rlhf_async import job
@@ -249,7 +249,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_resume(args: argparse.Namespace) -> int:
     from rlhf_async.job import resume_job
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, json=False)  # the run's JSON: RUN_DIR/logs
     return _job_errors(lambda: resume_job(args.run_dir))
 
 
