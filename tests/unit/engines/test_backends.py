@@ -235,3 +235,13 @@ def test_auto_says_which_engine_it_chose_and_why(monkeypatch, tmp_path):
 
 def why_builtin() -> str:
     return engine_choice(_job())[1]
+
+
+def test_the_run_keeps_why_auto_chose_its_strategy(no_extras):
+    """prepare_run resolved `placement.strategy = auto` and dropped the planner's why: the
+    run's console line, placement.txt and --dry-run had nothing to say."""
+    cfg, placement = prepare_run(load_config(None, ["placement.strategy=auto",
+                                                    "placement.devices=2"]))
+    assert cfg.placement.strategy == placement.strategy != "auto"
+    assert placement.reason.endswith(f"{placement.strategy} is the fastest feasible")
+    assert f"why: {placement.reason}" in placement.table()
