@@ -139,9 +139,9 @@ class Rebalancer:
     def _sentence(self, records: list[dict[str, Any]], counts: dict[str, int], now: float,
                   priced: list[tuple[float, Scale]], gain: float, move: Scale | None) -> str:
         """The decision for people: the shape, kept or moved to, and the numbers why."""
-        step = records[-1].get("step", "?") if records else "?"
+        step = records[-1].get("step") if records else None
         shape = _shape(counts["generator"], counts["scorer"])
-        head = f"after step {step}: "
+        head = f"after {step + 1} steps: " if isinstance(step, int) else ""  # steps from 0
         threshold = f"placement.rebalance_gain {self.gain:.0%}"
         if move is not None:
             gens = counts["generator"] if move.generators is None else move.generators

@@ -110,10 +110,10 @@ def test_every_decision_is_a_line_on_the_console_and_a_record_in_the_log(capsys,
         rb.decide([_record(1.0, 0.2) | {"step": 7}])  # gain 0.5: moves
         rb.decide([_record(0.3, 0.2) | {"step": 9}])  # gain 0: kept
     moved, kept = capsys.readouterr().err.splitlines()
-    assert moved == ("[rebalance] after step 7: moving a device from the scorers to the "
+    assert moved == ("[rebalance] after 8 steps: moving a device from the scorers to the "
                      "generators (1 generator + 3 scorers -> 2 generators + 2 scorers): "
                      "predicted step 1 s -> 0.5 s, gain 50% > placement.rebalance_gain 10%")
-    assert kept == ("[rebalance] after step 9: keeping 1 generator + 3 scorers: the best "
+    assert kept == ("[rebalance] after 10 steps: keeping 1 generator + 3 scorers: the best "
                     "shape one device away predicts 0.5 s against 0.5 s now, gain 0% <= "
                     "placement.rebalance_gain 10%")
     records = [json.loads(x) for x in (tmp_path / "job.log").read_text().splitlines()]
@@ -131,6 +131,6 @@ def test_a_shape_with_no_neighbour_says_so():
         rb.decide([{"step": 3, "time_step": 1.0, "util/gen0": 1.0, "util/scorer0": 0.1,
                     "util/trainer": 0.2}])
     (decision,) = logs
-    assert decision["console"] == ("after step 3: keeping 1 generator + 1 scorer: no shape "
+    assert decision["console"] == ("after 4 steps: keeping 1 generator + 1 scorer: no shape "
                                    "is one device away (a role gives a device only from a "
                                    "second process on a device of its own)")
