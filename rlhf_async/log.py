@@ -59,6 +59,7 @@ class _Sinks:
     def __init__(self, console_level: int, json: bool) -> None:
         self.console_level, self.json = console_level, json
         self.file: IO[str] | None = None
+        self.decisions = True  # a decision's sentence shows (the job's run.progress)
         self.early: deque[str] = deque(maxlen=EARLY)
         self.lock = threading.Lock()
         self.render = structlog.processors.JSONRenderer()
@@ -80,14 +81,15 @@ class _Sinks:
                     sys.stderr.write(record + "\n")
                     sys.stderr.flush()
             elif level >= self.console_level or (
-                    say and max(level, logging.WARNING) >= self.console_level):
+                    say and self.decisions and max(level, logging.WARNING) >= self.console_level):
                 _write_line(human_line(event, say))
         raise structlog.DropEvent
 
-    def attach(self, path: Path) -> None:
+    def attach(self, path: Path, decisions: bool) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with self.lock:
             self._close()
+            self.decisions = decisions
             self.file = path.open("a", encoding="utf-8")
             self.file.writelines(r + "\n" for r in self.early)
             self.file.flush()
@@ -96,6 +98,7 @@ class _Sinks:
     def detach(self) -> None:
         with self.lock:
             self._close()
+            self.decisions = True
 
     def _close(self) -> None:
         if self.file is not None:
@@ -150,7 +153,7 @@ def configure_logging(level: str | None = None, *, json: bool | None = None) -> 
         json = not sys.stderr.isatty()
     sinks = _Sinks(numeric, json)
     if _SINKS:
-        sinks.file = _SINKS[0].file
+        sinks.file, sinks.decisions = _SINKS[0].file, _SINKS[0].decisions
     _SINKS[:] = [sinks]
     structlog.configure(
         processors=[
@@ -176,12 +179,14 @@ def console_settings() -> tuple[str, bool]:
 
 
 @contextmanager
-def log_to_file(path: Path) -> Iterator[None]:
+def log_to_file(path: Path, *, decisions: bool = True) -> Iterator[None]:
     """While inside: every record at info and above also goes to `path` as JSON (appended;
-    the records logged since the last file closed, or since `configure_logging`, first)."""
+    the records logged since the last file closed, or since `configure_logging`, first).
+    `decisions`: whether a decision's sentence shows on a human console meanwhile (a
+    job's `run.progress`: false is silence but for warnings)."""
     if not _SINKS:
         configure_logging()
-    _SINKS[0].attach(Path(path))
+    _SINKS[0].attach(Path(path), decisions)
     try:
         yield
     finally:

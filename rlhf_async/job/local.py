@@ -190,8 +190,8 @@ def _run_held(cfg: JobConfig, placement: Placement, task: Task, out: IO[str] | N
               run_dir: Path, resume: bool, own_process: bool,
               share: Share | None = None) -> dict:
     """The job in its held directory, its log records in RUN_DIR/logs/job.log (JSON), and
-    first, on the console, what `auto` decided and why."""
-    with log_to_file(run_dir / "logs" / "job.log"):
+    first, on the console (unless run.progress = false), what `auto` decided and why."""
+    with log_to_file(run_dir / "logs" / "job.log", decisions=cfg.run.progress):
         if placement.reason:
             log.info("auto placement", component="placement", why=placement.reason,
                      console=f"placement.strategy = auto chose {placement.strategy}: "

@@ -276,7 +276,7 @@ def _worker(rank: int, world: int, port: int, cfg: JobConfig, art: Artefacts, ru
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(cfg.placement.cpu_threads)
     hf_logging.disable_progress_bar()
-    with log_to_file(run_dir / "logs" / f"rank{rank}.log"), \
+    with log_to_file(run_dir / "logs" / f"rank{rank}.log", decisions=cfg.run.progress), \
             rank_group(collective_backend(cfg.placement.device), port, rank, world):
         rank_loop(cfg, art, run_dir, rank, world, start_step, make_scorer, strategy,
                   precision, stop)

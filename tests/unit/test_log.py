@@ -56,6 +56,11 @@ def test_what_the_run_decided_shows_on_the_console_at_its_default_level(capsys, 
     configure_logging("error", json=False)  # asked for errors only: not even decisions
     log.info("rebalance_decision", console="kept")
     assert capsys.readouterr().err == ""
+    configure_logging("warning", json=False)
+    with log_to_file(tmp_path / "quiet.log", decisions=False):  # run.progress = false
+        log.info("rebalance_decision", console="kept")
+        log.warning("careful")
+    assert capsys.readouterr().err == "[rebalance] warning: careful\n"
 
 
 def test_records_before_the_run_directory_is_known_reach_its_file(capsys, tmp_path):
