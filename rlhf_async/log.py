@@ -59,6 +59,7 @@ class _Sinks:
     def __init__(self, console_level: int, json: bool) -> None:
         self.console_level, self.json = console_level, json
         self.file: IO[str] | None = None
+        self.pid = os.getpid()  # the file's owner: a forked child writes none of its own
         self.decisions = True  # a decision's sentence shows (the job's run.progress)
         self.early: deque[str] = deque(maxlen=EARLY)
         self.lock = threading.Lock()
@@ -71,7 +72,7 @@ class _Sinks:
         record = str(self.render(logger, name, event))
         with self.lock:
             if level >= FILE_LEVEL:
-                if self.file is not None:
+                if self.file is not None and self.pid == os.getpid():
                     self.file.write(record + "\n")
                     self.file.flush()
                 else:
@@ -89,7 +90,7 @@ class _Sinks:
         path.parent.mkdir(parents=True, exist_ok=True)
         with self.lock:
             self._close()
-            self.decisions = decisions
+            self.decisions, self.pid = decisions, os.getpid()
             self.file = path.open("a", encoding="utf-8")
             self.file.writelines(r + "\n" for r in self.early)
             self.file.flush()
@@ -141,6 +142,14 @@ def human_line(event: MutableMapping[str, Any], say: str | None = None) -> str:
 _SINKS: list[_Sinks] = []
 
 
+def _after_fork_in_child() -> None:
+    for sinks in _SINKS:  # a lock another thread held at the fork would never be released
+        sinks.lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def configure_logging(level: str | None = None, *, json: bool | None = None) -> None:
     """Configure structlog for this process (again: the latest call wins; a job's open
     log file stays open).
@@ -152,7 +161,7 @@ def configure_logging(level: str | None = None, *, json: bool | None = None) -> 
     if json is None:
         json = not sys.stderr.isatty()
     sinks = _Sinks(numeric, json)
-    if _SINKS:
+    if _SINKS and _SINKS[0].pid == os.getpid():
         sinks.file, sinks.decisions = _SINKS[0].file, _SINKS[0].decisions
     _SINKS[:] = [sinks]
     structlog.configure(

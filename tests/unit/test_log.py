@@ -1,4 +1,5 @@
 import json
+import multiprocessing
 
 import structlog
 
@@ -96,3 +97,25 @@ def test_json_consoles_stay_json_and_decisions_keep_their_level(capsys):
     structlog.get_logger().warning("careful", console="careful, people")
     (line,) = capsys.readouterr().err.splitlines()
     assert json.loads(line)["event"] == "careful"
+
+
+def test_a_forked_child_does_not_write_into_its_parents_log_file(tmp_path):
+    """A process forked while a job's file is open (a fork server, a rank) inherits it:
+    its records are its own log's business, not lines interleaved in the job's."""
+    configure_logging("warning", json=False)
+    ctx = multiprocessing.get_context("fork")
+    with log_to_file(tmp_path / "job.log"):
+        structlog.get_logger().info("parent")
+        child = ctx.Process(target=_log_in_child)
+        child.start()
+        child.join(30)
+        structlog.get_logger().info("parent again")
+    assert child.exitcode == 0
+    events = [json.loads(x)["event"] for x in (tmp_path / "job.log").read_text().splitlines()]
+    assert events == ["parent", "parent again"]
+
+
+def _log_in_child() -> None:
+    structlog.get_logger().info("child")
+    configure_logging("warning", json=False)  # a node configuring its own logging
+    structlog.get_logger().info("child, configured")
