@@ -1,5 +1,4 @@
-"""`rlhf-async` command line: run, sft, rm, resume, plan, demo, status, stop, scale, keys,
-serve-reward, version.
+"""`rlhf-async` command line (`--help` lists every command: `_build_parser` is the list).
 
 Expected user errors print one line on stderr and exit non-zero (2 for bad arguments);
 they never show a traceback.
@@ -14,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import textwrap
 import threading
 from pathlib import Path
 from typing import Any, NoReturn
@@ -42,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="rlhf-async", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="rlhf-async", formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="run an RLHF job (no arguments: the built-in example)")
@@ -124,6 +124,11 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="where to write it (default runs/models/smollm2-135m-instruct)")
     smol.add_argument("--force", action="store_true", help="rewrite an existing directory")
     sub.add_parser("version", help="print the version")
+    # the summary is the parser's own list (wrapped by hand: argparse would break
+    # "serve-reward" at its hyphen)
+    parser.description = textwrap.fill(
+        "RLHF training with asynchronous placement strategies; commands: "
+        + ", ".join(sub.choices), width=79, break_on_hyphens=False)
     return parser
 
 
@@ -211,7 +216,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     """The RLHF job: CONFIG (TOML, optional) plus dotted overrides."""
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, json=False)  # the run's JSON: RUN_DIR/logs
     config, overrides = split_config(args)
     # config errors before torch is imported, and a first line while it is (seconds)
     cfg = load_config(config, overrides, base_dir=args.base_dir)
@@ -224,7 +229,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_stage(args: argparse.Namespace) -> int:
     """`sft` / `rm`: one supervised stage on the user's data (job/stages.py)."""
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, json=False)  # the run's JSON: RUN_DIR/logs
     cfg = load_config(*split_config(args), base_dir=args.base_dir)
     announce("start", "loading torch and transformers", enabled=cfg.run.progress)
     from rlhf_async import job
@@ -244,7 +249,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_resume(args: argparse.Namespace) -> int:
     from rlhf_async.job import resume_job
 
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, json=False)  # the run's JSON: RUN_DIR/logs
     return _job_errors(lambda: resume_job(args.run_dir))
 
 

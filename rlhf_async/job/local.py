@@ -33,7 +33,7 @@ from rlhf_async.job.launched import Share, adopt_world, follow, leading, lock_st
 from rlhf_async.job.lock import hold_run_dir
 from rlhf_async.job.on_ray import run_ranks
 from rlhf_async.job.signals import on_stop_signals
-from rlhf_async.log import get_logger
+from rlhf_async.log import get_logger, log_to_file
 from rlhf_async.metrics import truncate_metrics
 from rlhf_async.modeling.episodes import EnvError
 from rlhf_async.modeling.models import ScalarHeadModel
@@ -189,6 +189,22 @@ def _check_strategy(ck: Checkpoint | None, strategy: str) -> None:
 def _run_held(cfg: JobConfig, placement: Placement, task: Task, out: IO[str] | None,
               run_dir: Path, resume: bool, own_process: bool,
               share: Share | None = None) -> dict:
+    """The job in its held directory, its log records in RUN_DIR/logs/job.log (JSON), and
+    first, on the console (unless run.progress = false), what `auto` decided and why."""
+    with log_to_file(run_dir / "logs" / "job.log", decisions=cfg.run.progress):
+        if placement.reason:
+            log.info("auto placement", component="placement", why=placement.reason,
+                     console=f"placement.strategy = auto chose {placement.strategy}: "
+                             f"{placement.reason}")
+        if placement.engine_reason:
+            log.info("auto engine", component="engine", backend=cfg.generation.backend,
+                     why=placement.engine_reason, console=placement.engine_reason)
+        return _run_logged(cfg, placement, task, out, run_dir, resume, own_process, share)
+
+
+def _run_logged(cfg: JobConfig, placement: Placement, task: Task, out: IO[str] | None,
+                run_dir: Path, resume: bool, own_process: bool,
+                share: Share | None = None) -> dict:
     t_start = time.perf_counter()
     start_step = 0
     if not resume:  # a fresh run

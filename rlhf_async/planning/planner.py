@@ -21,7 +21,7 @@ from rlhf_async.config import (
     TrainConfig,
 )
 from rlhf_async.config.reference import overrides
-from rlhf_async.engines import ENGINES, generation_engine
+from rlhf_async.engines import ENGINES, engine_choice
 from rlhf_async.log import get_logger
 from rlhf_async.planning.costmodel import (
     DEVICES,
@@ -133,9 +133,13 @@ def resolve_auto(cfg: JobConfig) -> JobConfig:
     """cfg with `placement.strategy = auto` replaced by the planner's choice (logged): the
     strategy and the layout it chose (Separation's stage sizes), so the saved config
     (and a resume) runs the same layout."""
+    return _resolved(cfg)[0]
+
+
+def _resolved(cfg: JobConfig) -> tuple[JobConfig, str]:
     pc, placement, reason = _choose(cfg)
     log.info("auto placement", strategy=placement.strategy, reason=reason)
-    return dataclasses.replace(cfg, placement=pc)
+    return dataclasses.replace(cfg, placement=pc), reason
 
 
 def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
@@ -143,12 +147,15 @@ def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
     the placement checked as a plan (memory included) and for what this build's runner
     executes, every problem in one PlacementError."""
     auto = cfg.placement.strategy == AUTO
-    if auto:
-        cfg = resolve_auto(cfg)
+    cfg, strategy_why = _resolved(cfg) if auto else (cfg, "")
     # the generation engine chosen once, here: every process of the job reads this one
+    engine, why = engine_choice(cfg)
+    chose = f"generation.backend = auto chose {engine}: {why}" if why else ""
     cfg = dataclasses.replace(cfg, generation=dataclasses.replace(
-        cfg.generation, backend=generation_engine(cfg)))
+        cfg.generation, backend=engine))
     placement, _, problems = _plan(cfg)
+    if placement is not None:
+        placement = dataclasses.replace(placement, reason=strategy_why, engine_reason=chose)
     if auto and cfg.generation.partial_rollout and STRATEGIES[cfg.placement.strategy].lock_step:
         overlapping = " or ".join(n for n, s in STRATEGIES.items() if not s.lock_step)
         problems.append(f"generation.partial_rollout: placement.strategy = auto chose "

@@ -27,7 +27,7 @@ from transformers.utils import logging as hf_logging
 
 from rlhf_async.config import JobConfig, collective_backend
 from rlhf_async.engines.process_group import exit_rank, free_port, launched, rank_group
-from rlhf_async.log import get_logger
+from rlhf_async.log import configure_logging, console_settings, get_logger, log_to_file
 from rlhf_async.metrics import MetricsWriter, Progress
 from rlhf_async.modeling.episodes import EnvError, rollout
 from rlhf_async.modeling.precision import Precision, check_device
@@ -265,17 +265,19 @@ def _finish(cfg: JobConfig, learner: Learner, run_dir: Path, writer: MetricsWrit
 def _worker(rank: int, world: int, port: int, cfg: JobConfig, art: Artefacts, run_dir: Path,
             start_step: int, make_scorer: ScorerFactory, strategy: str,
             precision: Precision, stop: StopRequest, env: dict[str, str] | None = None,
-            cwd: str = "") -> None:
+            cwd: str = "", console: tuple[str, bool] = ("warning", False)) -> None:
     stop.rank_parent = os.getppid()
     if env is not None:  # forked from the fork server: the job's environment, not the server's
         adopt(env, cwd)
+    configure_logging(console[0], json=console[1])  # the job's console; JSON to the file
     # the job's process handles SIGINT/SIGTERM (they reach the whole process group) and
     # tells every rank through `stop`, so all ranks stop after the same step
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(cfg.placement.cpu_threads)
     hf_logging.disable_progress_bar()
-    with rank_group(collective_backend(cfg.placement.device), port, rank, world):
+    with log_to_file(run_dir / "logs" / f"rank{rank}.log", decisions=cfg.run.progress), \
+            rank_group(collective_backend(cfg.placement.device), port, rank, world):
         rank_loop(cfg, art, run_dir, rank, world, start_step, make_scorer, strategy,
                   precision, stop)
     exit_rank()
@@ -348,7 +350,7 @@ def run_ranks(cfg: JobConfig, art: Artefacts, run_dir: Path, start_step: int,
                                                     start_step, make_scorer, strategy,
                                                     precision, stop,
                                                     dict(os.environ) if fork else None,
-                                                    os.getcwd()),
+                                                    os.getcwd(), console_settings()),
                                      nprocs=world, join=False,
                                      start_method="forkserver" if fork else "spawn")
             _children[:] = ctx.processes

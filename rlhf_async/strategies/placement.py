@@ -63,6 +63,7 @@ class Placement:
     processes: tuple[ProcessPlacement, ...]
     models: tuple[ModelPlacement, ...] = field(default=())
     reason: str = ""  # why `auto` chose this strategy; empty otherwise
+    engine_reason: str = ""  # what generation.backend = auto chose and why; empty otherwise
 
     def by_role(self, role: str) -> list[ProcessPlacement]:
         return [p for p in self.processes if p.role == role]
@@ -88,6 +89,7 @@ class Placement:
             (m.model, m.runtime, ranges(m.devices), str(m.replicas), str(m.tensor_parallel),
              m.backend, m.dtype) for m in self.models])
         why = f"\nwhy: {self.reason}" if self.reason else ""
+        why += f"\n{self.engine_reason}" if self.engine_reason else ""
         return f"{head}{why}\n\nprocesses\n{procs}\n\nmodels\n{models}"
 
 

@@ -3,7 +3,8 @@
 Data queues are PUSH/PULL with high-water marks, so a full downstream queue makes the
 upstream `send` wait (backpressure) instead of growing memory; control is ROUTER/DEALER.
 Closing drops unsent messages (linger=0): callers that must deliver keep running until
-their peer acknowledged (the coordinator's stop does that for pipelines).
+their peer acknowledged (the coordinator's stop does that for pipelines); it removes the
+`ipc://` socket files it bound (libzmq leaves them behind).
 
 Security: a bound `ipc://` socket file is 0600 (created under umask 077, so never wider,
 not even briefly). With a `Keyring`, every tcp socket uses CURVE and a bound one admits
@@ -112,8 +113,9 @@ def ipc_address(directory: str, name: str) -> str:
     return Endpoint("pull", f"ipc://{os.path.join(directory, name)}").address
 
 
-def _bind_private_ipc(sock: zmq.Socket[Any], path: str) -> None:
-    """Bind a unix socket only its owner can connect to (other users cannot join)."""
+def _bind_private_ipc(sock: zmq.Socket[Any], path: str) -> tuple[str, int, int]:
+    """Bind a unix socket only its owner can connect to (other users cannot join); returns
+    the file's (path, device, inode), which closing it removes (libzmq leaves it)."""
     directory = os.path.dirname(path) or "."
     if not os.path.isdir(directory):
         os.makedirs(directory, mode=0o700)
@@ -124,6 +126,17 @@ def _bind_private_ipc(sock: zmq.Socket[Any], path: str) -> None:
     finally:
         os.umask(old)
     os.chmod(path, 0o600)
+    st = os.stat(path)
+    return path, st.st_dev, st.st_ino
+
+
+def _remove_socket_file(path: str, dev: int, ino: int) -> None:
+    """Remove a socket file this process bound, unless the path is another's now (a
+    restarted node bound it again before this one closed)."""
+    with contextlib.suppress(OSError):
+        st = os.stat(path)
+        if (st.st_dev, st.st_ino) == (dev, ino):
+            os.unlink(path)
 
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:
@@ -295,6 +308,7 @@ class Transport:
         self._auth_log = _RateLimitedLog(self.log)  # a refused peer retries every ~100 ms
         self._channels: list[Channel] = []
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._socket_files: list[tuple[str, int, int]] = []  # bound ipc://, removed on close
         self._closed = False
 
     def channel(self, endpoint: Endpoint) -> Channel:
@@ -309,7 +323,7 @@ class Transport:
         try:
             curve = self._secure(sock, endpoint)
             if endpoint.bind and endpoint.address.startswith("ipc://"):
-                _bind_private_ipc(sock, endpoint.address[6:])
+                self._socket_files.append(_bind_private_ipc(sock, endpoint.address[6:]))
             elif endpoint.bind:
                 sock.bind(endpoint.address)
             else:
@@ -382,6 +396,8 @@ class Transport:
         if self._zap is not None:
             self._zap.close()
         self.ctx.term()
+        for path, dev, ino in self._socket_files:
+            _remove_socket_file(path, dev, ino)
 
     async def __aenter__(self) -> Self:
         return self

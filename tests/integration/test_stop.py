@@ -69,11 +69,13 @@ def test_a_stop_checkpoints_and_resume_finishes_exactly_once(tmp_path, cache, st
     step = int(ckpts[-1].name.split("-")[1])
     assert f"checkpoint of step {step}" in out
     assert [r["step"] for r in _records(run_dir / "metrics.jsonl")] == list(range(step))
+    assert not (run_dir / "ctl.sock").exists()  # the stopped coordinator's control socket
 
     resume = _cli("resume", str(run_dir))
     out, _ = resume.communicate(timeout=240)
     assert resume.returncode == 0, out[-3000:]
     assert [r["step"] for r in _records(run_dir / "metrics.jsonl")] == list(range(steps))
+    assert not (run_dir / "ctl.sock").exists()
     if strategy == "separation":  # the trainer's own log of what it trained
         counts = Counter(s for r in _records(run_dir / "trained_samples.jsonl")
                          for s in r["sample_ids"])

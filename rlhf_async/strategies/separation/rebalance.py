@@ -11,8 +11,9 @@ device from the scorers to the generators, or back) are priced; a neighbour whos
 predicted step is shorter by more than `placement.rebalance_gain` is applied through the
 scale path (scaling.py). Hysteresis: after a move the next decision waits a whole window
 of steps measured in the new shape, and the gain must pass the threshold, so two shapes
-within it never alternate. Each decision is a log line saying why and fields of that
-step's metrics record (`rebalance/*`).
+within it never alternate. Each decision is a line on the console saying why, its record
+in the run's log (`rebalance_decision`, RUN_DIR/logs/job.log) and fields of that step's
+metrics record (`rebalance/*`).
 """
 
 from __future__ import annotations
@@ -107,16 +108,15 @@ class Rebalancer:
             self.spawn(self.moving)
 
     def decide(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        """The decision for a window of step records, with why."""
+        """The decision for a window of step records, with why (a line on the console)."""
         p = self.scaler.placement
         roles = {q.node_id: q.role for q in p.processes}
         work = Work.of(records, roles)
         now = predicted_step(p, work, self.max_staleness)
-        best: tuple[float, Scale | None] = (now, None)
-        for scale, shape in neighbours(p):
-            step = predicted_step(shape, work, self.max_staleness)
-            if step < best[0]:
-                best = (step, scale)
+        priced = [(predicted_step(shape, work, self.max_staleness), scale)
+                  for scale, shape in neighbours(p)]
+        best: tuple[float, Scale | None] = min([(now, None), *priced],
+                                               key=lambda x: x[0])
         gain = (now - best[0]) / now if now > 0 else 0.0
         move = best[1] if gain > self.gain else None
         counts = {r: len(p.by_role(r)) for r in ROLES}
@@ -132,13 +132,43 @@ class Rebalancer:
                  shape=counts, to=None if move is None else
                  {"generators": move.generators, "scorers": move.scorers},
                  work={"generate": round(work.generate, 4), "score": round(work.score, 4),
-                       "train": round(work.train, 4)})
+                       "train": round(work.train, 4)},
+                 console=self._sentence(records, counts, now, priced, gain, move))
         return decision
+
+    def _sentence(self, records: list[dict[str, Any]], counts: dict[str, int], now: float,
+                  priced: list[tuple[float, Scale]], gain: float, move: Scale | None) -> str:
+        """The decision for people: the shape, kept or moved to, and the numbers why."""
+        step = records[-1].get("step") if records else None
+        shape = _shape(counts["generator"], counts["scorer"])
+        head = f"after {step + 1} steps: " if isinstance(step, int) else ""  # steps from 0
+        threshold = f"placement.rebalance_gain {self.gain:.0%}"
+        if move is not None:
+            gens = counts["generator"] if move.generators is None else move.generators
+            scorers = counts["scorer"] if move.scorers is None else move.scorers
+            give, take = (("scorers", "generators") if gens > counts["generator"]
+                          else ("generators", "scorers"))
+            return (f"{head}moving a device from the {give} to the {take} ({shape} -> "
+                    f"{_shape(gens, scorers)}): predicted step {now:.3g} s "
+                    f"-> {now * (1 - gain):.3g} s, gain {gain:.0%} > {threshold}")
+        if not priced:
+            return (f"{head}keeping {shape}: no shape is one device away (a role gives a "
+                    "device only from a second process on a device of its own)")
+        nearest = min(step_s for step_s, _ in priced)
+        return (f"{head}keeping {shape}: the best shape one device away predicts "
+                f"{nearest:.3g} s against {now:.3g} s now, gain {max(gain, 0.0):.0%} <= "
+                f"{threshold}")
 
     async def _move(self, scale: Scale) -> None:
         try:
             scaled = await self.scaler.scale(scale)
             log.info("rebalanced", added=scaled.added, removed=scaled.removed,
-                     counts=scaled.counts)
+                     counts=scaled.counts, console=f"moved: {', '.join(scaled.added)} "
+                     f"started, {', '.join(scaled.removed)} retired")
         except ReshapeError as e:  # e.g. the job is stopping: the shape stays
             log.warning("rebalance_refused", reason=str(e))
+
+
+def _shape(generators: int, scorers: int) -> str:
+    return (f"{generators} generator{'s' * (generators != 1)} + "
+            f"{scorers} scorer{'s' * (scorers != 1)}")

