@@ -115,12 +115,13 @@ def format_progress(record: dict[str, Any], total_steps: int,
     return " | ".join(parts)
 
 
-def format_eval(record: dict[str, Any]) -> str:
-    """The progress line of a step record's held-out evaluation (run.eval_every)."""
+def format_eval(record: dict[str, Any], hidden: bool = True) -> str:
+    """The progress line of a step record's held-out evaluation (run.eval_every); its
+    hidden score only where the task has one apart from the reward (`hidden`)."""
     parts = [f"eval after step {record['step'] + 1}"]
     for key, label in (("eval_hidden_score", "hidden"), ("eval_reward", "reward"),
                        ("eval_response_length", "len")):
-        if key in record:
+        if key in record and (hidden or key != "eval_hidden_score"):
             parts.append(f"{label} {record[key]:.3f}")
     return " | ".join(parts) + (" (best so far, kept)" if record.get("eval_best") else "")
 
@@ -140,7 +141,8 @@ class Progress:
     def update(self, record: dict[str, Any]) -> None:
         self.phase.update(1, **progress_metrics(record, self.columns))
         if "eval_reward" in record:
-            self.phase.note(format_eval(record))
+            self.phase.note(format_eval(record, any(k == "hidden_score"
+                                                    for k, _ in self.columns)))
 
     def close(self) -> None:
         self.phase.close()

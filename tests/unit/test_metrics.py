@@ -53,9 +53,11 @@ def test_progress_columns_are_named_for_what_they_show():
                               progress_columns(rule_reward=True, has_rule=True))
     assert failing.endswith("smp/s 8.000 | failed 2")
     buf = io.StringIO()
-    Progress(1, stream=buf, columns=progress_columns(True, True)).update(record)
+    evaluated = {**record, "eval_reward": 0.7, "eval_hidden_score": 0.7}
+    Progress(1, stream=buf, columns=progress_columns(True, True)).update(evaluated)
     assert "| reward 0.500 |" in buf.getvalue() and "rm " not in buf.getvalue() \
-        and "hidden" not in buf.getvalue()
+        and "hidden" not in buf.getvalue() and "eval after step 1 | reward 0.700" \
+        in buf.getvalue()
 
 
 def test_rule_reward_runs_plot_one_reward_panel():
