@@ -9,7 +9,8 @@ together) and Separation's Driver (`separation/driver.py`, on the trainer's repo
   caller writes a checkpoint and raises it (`NothingTrained`, naming the first episode
   error and the episodes by how they ended, and `rlhf-async resume`).
 - A policy that collapsed (a KL far above `algo.kl_target`, or every response at the
-  length limit): one warning naming `train.lr`, the usual cause.
+  length limit after a step whose responses ended): one warning naming `train.lr`, the
+  usual cause.
 
 A reward function or reward server that raises stops the run at its first failure
 (`RewardFunctionError`), so reward failures never reach a step record.
@@ -60,6 +61,7 @@ class StepHealth:
         self.error = ""  # the first episode error among them
         self.failure: NothingTrained | None = None  # set once, when the run must stop
         self.warned = False
+        self.ended = False  # a step whose responses did not all run out of tokens
 
     def observe(self, step: int, metrics: Mapping[str, Any],
                 episode_error: str = "") -> dict[str, int]:
@@ -106,15 +108,21 @@ class StepHealth:
         kl, length = m.get("kl"), m.get("response_length")
         ends = episode_ends(m)
         episodes = sum(ends.values())
+        if episodes:
+            at_limit = ends["truncated"] == episodes
+            limit = f"every episode ({episodes}) ran out of tokens (truncated)"
+        else:
+            at_limit = length is not None and length >= self.max_new_tokens > 1
+            limit = (f"every response is at the length limit (generation.max_new_tokens = "
+                     f"{self.max_new_tokens})")
+        # at the limit from the start is the model's way (an SFT policy that never stops),
+        # not a collapse: only after a step whose responses ended
+        ended_before, self.ended = self.ended, self.ended or not at_limit
         if self.kl_target > 0 and kl is not None and kl > KL_FAR * self.kl_target:
             seen = (f"the KL to the reference is {kl:.3g} nats a sample, over {KL_FAR:g}x "
                     f"algo.kl_target = {self.kl_target:g}")
-        elif episodes and ends["truncated"] == episodes:
-            seen = f"every episode ({episodes}) ran out of tokens (truncated)"
-        elif not episodes and length is not None and self.max_new_tokens > 1 and \
-                length >= self.max_new_tokens:
-            seen = (f"every response is at the length limit (generation.max_new_tokens = "
-                    f"{self.max_new_tokens})")
+        elif at_limit and ended_before:
+            seen = limit
         else:
             return
         self.warned = True

@@ -86,5 +86,8 @@ def test_a_healthy_run_does_not_warn(tmp_path):
     steps = [_step(done=3, truncated=1, kl=9.9, length=7.5),  # KL under 5x the target
              {"kl": 0.1, "response_length": 7.9}]  # some responses end before the limit
     assert _warnings(_health(tmp_path), steps) == []
+    # at the limit from the first step on: the model's way, not a collapse
+    assert _warnings(_health(tmp_path), [{"kl": 0.0, "response_length": 8.0}] * 3) == []
+    assert _warnings(_health(tmp_path), [_step(truncated=4)] * 3) == []
     # algo.kl_target = 0 (a fixed KL weight): no target to be far above
     assert _warnings(_health(tmp_path, "algo.kl_target=0"), [_step(done=4, kl=90.0)]) == []
