@@ -253,7 +253,7 @@ def _summarize(cfg: JobConfig, task: Task, out: IO[str] | None, run_dir: Path,
         plot_metrics(result.metrics_path, run_dir / "metrics.png",
                      f"{cfg.algo.name} on {cfg.task.name} (seed {cfg.run.seed})",
                      rule_reward=task.rule_reward)
-    totals = step_totals(result.metrics_path, start_step)
+    totals, trained_now = step_totals(result.metrics_path, start_step)
     summary = {
         "run_dir": str(run_dir), "algo": cfg.algo.name, "seed": cfg.run.seed,
         "strategy": cfg.placement.strategy, "devices": cfg.placement.devices,
@@ -266,7 +266,7 @@ def _summarize(cfg: JobConfig, task: Task, out: IO[str] | None, run_dir: Path,
         "rm_accuracy": art.rm_stats.get("rm_accuracy"),
         "rm_label_accuracy": art.rm_stats.get("rm_label_accuracy"),
         "pretrain_seconds": t_pre, "rl_seconds": result.seconds,
-        "rl_samples_per_s": totals["trained_samples"] / result.seconds,
+        "rl_samples_per_s": trained_now / result.seconds,
         "wall_seconds": time.perf_counter() - t_start, **totals,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

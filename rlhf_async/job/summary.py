@@ -11,18 +11,19 @@ from rlhf_async.strategies.step_health import episode_ends, trained_nothing
 from rlhf_async.task.artefacts import Artefacts
 
 
-def step_totals(metrics_path: Path, start_step: int) -> dict[str, Any]:
-    """The run's episodes by how they ended and its steps that trained on nothing (every
-    step's record), and the samples trained on since `start_step` (this invocation: its
-    throughput). Zero episodes for a single-turn task."""
+def step_totals(metrics_path: Path, start_step: int) -> tuple[dict[str, Any], float]:
+    """From every step's record: the run's episodes by how they ended (none for a
+    single-turn task), its steps that trained on nothing and the samples it trained on;
+    and the samples trained on since `start_step` (this invocation's throughput)."""
     records = read_metrics(metrics_path) if metrics_path.exists() else []
     ends = {how: sum(episode_ends(r)[how] for r in records) for how in
             ("failed", "truncated", "timeout")}
+    trained = [float(r.get("trained_samples", r.get("samples", 0))) for r in records]
     return {"episodes": sum(sum(episode_ends(r).values()) for r in records),
             **{f"episodes_{how}": n for how, n in ends.items()},
             "failed_steps": sum(trained_nothing(r) for r in records),
-            "trained_samples": sum(r.get("trained_samples", r.get("samples", 0))
-                                   for r in records if r.get("step", 0) >= start_step)}
+            "trained_samples": sum(trained)}, \
+        sum(n for n, r in zip(trained, records, strict=True) if r.get("step", 0) >= start_step)
 
 
 def reward_model_used(given: str, art: Artefacts) -> str | None:

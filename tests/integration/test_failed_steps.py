@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -155,3 +157,26 @@ def test_a_run_with_some_failed_episodes_goes_on_and_counts_them(files, tmp_path
         == failed
     assert f"episodes failed {failed}, truncated" in out.getvalue()
     assert summary["reward_model"] is None  # the agent's reward, no reward model
+
+
+def test_resume_after_the_agent_is_fixed_trains_from_the_checkpoint(files, tmp_path):
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENTS["silent"])
+    cfg = _cfg(files, tmp_path, "fixed", "silent", "train.steps=3",
+               f"task.agent={json.dumps(str(agent) + ':run')}")
+    with pytest.raises(NothingTrained):
+        job.run(cfg)
+    agent.write_text(AGENTS["some"].replace('startswith("what")', 'startswith("?")'))
+    # the user's fix above, then the command the error names
+    # (a new process, as the user's: this one holds the agent it imported)
+    resume = subprocess.run([sys.executable, "-m", "rlhf_async", "resume",
+                             str(tmp_path / "fixed")], capture_output=True, text=True,
+                            timeout=100)
+    assert resume.returncode == 0, resume.stderr[-2000:]
+    assert "2 steps trained on nothing" in resume.stdout
+    records = read_metrics(tmp_path / "fixed" / "metrics.jsonl")
+    assert [r["failed_steps"] for r in records] == [1, 2, 0]
+    assert records[2]["trained_samples"] == 4 and records[2]["episodes/failed"] == 0
+    summary = json.loads((tmp_path / "fixed" / "summary.json").read_text())
+    assert summary["failed_steps"] == 2 and summary["trained_samples"] > 0
+    assert (tmp_path / "fixed" / "policy").exists()
