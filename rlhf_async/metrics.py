@@ -16,7 +16,19 @@ from rlhf_async.progress import Phase
 
 PROGRESS_KEYS = (("reward", "rm"), ("hidden_score", "hidden"), ("kl", "kl"),
                  ("policy_loss", "pg"), ("value_loss", "vf"), ("entropy", "ent"),
-                 ("response_length", "len"), ("samples_per_s", "smp/s"))
+                 ("response_length", "len"), ("samples_per_s", "smp/s"),
+                 ("failed_steps", "failed"))
+NONZERO_ONLY = {"failed_steps"}  # shown only when there is something to say
+
+
+def progress_columns(rule_reward: bool, has_rule: bool) -> tuple[tuple[str, str], ...]:
+    """The progress line's (record key, label) for a task: the reward is `rm` when a
+    reward model makes it, else `reward` (a rule's, an environment's, an agent's); the
+    hidden score only where it is not the reward itself (a rule beside a reward model)."""
+    hidden = has_rule and not rule_reward
+    return tuple(("reward", "reward" if rule_reward else "rm") if key == "reward" else
+                 (key, label) for key, label in PROGRESS_KEYS
+                 if key != "hidden_score" or hidden)
 
 
 class MetricsWriter:
@@ -87,24 +99,29 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def progress_metrics(record: dict[str, Any]) -> dict[str, float]:
+def progress_metrics(record: dict[str, Any],
+                     columns: tuple[tuple[str, str], ...] = PROGRESS_KEYS) -> dict[str, float]:
     """The few numbers of a step record that the progress line shows, by their short label."""
-    return {label: record[key] for key, label in PROGRESS_KEYS if key in record}
+    return {label: record[key] for key, label in columns
+            if key in record and (record[key] or key not in NONZERO_ONLY)}
 
 
-def format_progress(record: dict[str, Any], total_steps: int) -> str:
+def format_progress(record: dict[str, Any], total_steps: int,
+                    columns: tuple[tuple[str, str], ...] = PROGRESS_KEYS) -> str:
     parts = [f"step {record['step'] + 1}/{total_steps}"]
-    for label, v in progress_metrics(record).items():
-        parts.append(f"{label} {v:.3f}" if abs(v) < 100 else f"{label} {v:.0f}")
+    for label, v in progress_metrics(record, columns).items():
+        parts.append(f"{label} {v}" if isinstance(v, int) else
+                     f"{label} {v:.3f}" if abs(v) < 100 else f"{label} {v:.0f}")
     return " | ".join(parts)
 
 
-def format_eval(record: dict[str, Any]) -> str:
-    """The progress line of a step record's held-out evaluation (run.eval_every)."""
+def format_eval(record: dict[str, Any], hidden: bool = True) -> str:
+    """The progress line of a step record's held-out evaluation (run.eval_every); its
+    hidden score only where the task has one apart from the reward (`hidden`)."""
     parts = [f"eval after step {record['step'] + 1}"]
     for key, label in (("eval_hidden_score", "hidden"), ("eval_reward", "reward"),
                        ("eval_response_length", "len")):
-        if key in record:
+        if key in record and (hidden or key != "eval_hidden_score"):
             parts.append(f"{label} {record[key]:.3f}")
     return " | ".join(parts) + (" (best so far, kept)" if record.get("eval_best") else "")
 
@@ -112,17 +129,20 @@ def format_eval(record: dict[str, Any]) -> str:
 class Progress:
     """The RL phase's progress (`progress.Phase`): a bar with the step's key metrics on a
     terminal, a plain line every few seconds elsewhere. `start_step` counts as done (a
-    resumed run)."""
+    resumed run); `columns` the task's (`progress_columns`)."""
 
     def __init__(self, total_steps: int, enabled: bool = True, stream: IO[str] | None = None,
-                 start_step: int = 0) -> None:
+                 start_step: int = 0,
+                 columns: tuple[tuple[str, str], ...] = PROGRESS_KEYS) -> None:
         self.phase = Phase("rl", total_steps, enabled=enabled, stream=stream)
         self.phase.done = start_step
+        self.columns = columns
 
     def update(self, record: dict[str, Any]) -> None:
-        self.phase.update(1, **progress_metrics(record))
+        self.phase.update(1, **progress_metrics(record, self.columns))
         if "eval_reward" in record:
-            self.phase.note(format_eval(record))
+            self.phase.note(format_eval(record, any(k == "hidden_score"
+                                                    for k, _ in self.columns)))
 
     def close(self) -> None:
         self.phase.close()

@@ -95,7 +95,8 @@ async def main(node: Node) -> None:
                                        span.lineage()))
         node.info.update(clock.snapshot(), version=weights.version)
         await node.send_event(Generated(cid.step, cid.chunk, cid.chunks, version, clock.busy_s,
-                                        clock.idle_s), step=cid.step, weight_version=version)
+                                        clock.idle_s, batch.episode_error),
+                              step=cid.step, weight_version=version)
 
     async def one(cid: ChunkId, prompts: PromptBatch) -> tuple[RolloutBatch, Span]:
         if job.sampling.episode is None:

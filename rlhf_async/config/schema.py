@@ -33,6 +33,9 @@ class RunConfig:
     checkpoint_every: int = opt(10, "checkpoint every N RL steps (and on stop); 0 = on stop only",
                                 ge=0)
     keep_checkpoints: int = opt(3, "newest checkpoints kept in RUN_DIR/checkpoints", ge=1)
+    max_failed_steps: int = opt(3, "stop the run (with a checkpoint) after this many steps "
+                                "in a row whose every episode failed (an agent or "
+                                "environment that fails trains nothing)", ge=1)
     report_to: list[str] = opt([], "also report metrics to: tensorboard (RUN_DIR/"  # noqa: RUF009
                                "tensorboard), wandb (WANDB_MODE=offline works offline)")
     eval_every: int = opt(0, "evaluate on the held-out prompts (run.eval_prompts) every N "

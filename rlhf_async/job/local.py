@@ -33,6 +33,7 @@ from rlhf_async.job.launched import Share, adopt_world, follow, leading, lock_st
 from rlhf_async.job.lock import hold_run_dir
 from rlhf_async.job.on_ray import run_ranks
 from rlhf_async.job.signals import on_stop_signals
+from rlhf_async.job.summary import format_summary, reward_model_used, step_totals
 from rlhf_async.log import get_logger, log_to_file
 from rlhf_async.metrics import truncate_metrics
 from rlhf_async.modeling.episodes import EnvError
@@ -268,7 +269,7 @@ def _summarize(cfg: JobConfig, task: Task, out: IO[str] | None, run_dir: Path,
         plot_metrics(result.metrics_path, run_dir / "metrics.png",
                      f"{cfg.algo.name} on {cfg.task.name} (seed {cfg.run.seed})",
                      rule_reward=task.rule_reward)
-    samples = (cfg.train.steps - start_step) * cfg.train.prompts_per_step * cfg.algo.group_size
+    totals, trained_now = step_totals(result.metrics_path, start_step)
     summary = {
         "run_dir": str(run_dir), "algo": cfg.algo.name, "seed": cfg.run.seed,
         "strategy": cfg.placement.strategy, "devices": cfg.placement.devices,
@@ -276,47 +277,19 @@ def _summarize(cfg: JobConfig, task: Task, out: IO[str] | None, run_dir: Path,
         "final_hidden_score": final_eval["hidden_score"],
         "sft_reward": sft_eval["reward"], "final_reward": final_eval["reward"],
         "eval_prompts": final_eval["prompts"], "eval_samples": cfg.run.eval_samples,
-        "task": cfg.task.name, "reward_model": cfg.reward_model.path or None,
+        "task": cfg.task.name, "reward_model": reward_model_used(cfg.reward_model.path, art),
         "has_rule": task.has_rule,
         "rm_accuracy": art.rm_stats.get("rm_accuracy"),
         "rm_label_accuracy": art.rm_stats.get("rm_label_accuracy"),
         "pretrain_seconds": t_pre, "rl_seconds": result.seconds,
-        "rl_samples_per_s": samples / result.seconds,
-        "wall_seconds": time.perf_counter() - t_start,
+        "rl_samples_per_s": trained_now / result.seconds,
+        "wall_seconds": time.perf_counter() - t_start, **totals,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if out is not None:
         out.write(format_summary(summary))
         out.flush()
     return summary
-
-
-def format_summary(s: dict) -> str:
-    head = (f"\nrun {s['run_dir']} ({s['algo']}, seed {s['seed']}, {s['strategy']} x"
-            f"{s['devices']})\n")
-    k = s.get("eval_samples", 1)
-    n = f"{s['eval_prompts']} held-out prompts" + (f" x {k} samples" if k > 1 else "")
-    if s.get("rm_accuracy") is None and s.get("reward_model"):  # the user's reward model
-        if s.get("has_rule"):
-            head += (f"  rule (task.reward) on {n}: initial "
-                     f"{s['sft_hidden_score']:.3f} -> final {s['final_hidden_score']:.3f}\n")
-        head += (f"  reward on {n}: initial {s['sft_reward']:.3f} -> final "
-                 f"{s['final_reward']:.3f}\n")
-    elif s.get("rm_accuracy") is None:  # a rule reward: no SFT, no reward model
-        head += (f"  rule reward on {n}: initial "
-                 f"{s['sft_reward']:.3f} -> final {s['final_reward']:.3f}\n")
-    else:
-        head += (
-            f"  hidden score on {n}: "
-            f"SFT {s['sft_hidden_score']:.3f} -> final {s['final_hidden_score']:.3f}\n"
-            f"  reward-model score: SFT {s['sft_reward']:.3f} -> final {s['final_reward']:.3f}\n"
-            f"  reward-model accuracy on held-out pairs: {s['rm_accuracy']:.3f} "
-            f"(vs noisy labels {s['rm_label_accuracy']:.3f})\n")
-    head += _worse_warning(s)
-    return head + (
-        f"  time: SFT+RM {s['pretrain_seconds']:.1f}s, RL {s['rl_seconds']:.1f}s "
-        f"({s['rl_samples_per_s']:.3g} samples/s), total {s['wall_seconds']:.1f}s\n"
-        f"  policy: {s['run_dir']}/policy   curves: {s['run_dir']}/metrics.png\n")
 
 
 def _stop_now(signum: int, _frame: object) -> None:
@@ -350,23 +323,6 @@ def _stopped(run_dir: Path, e: JobStopped, out: IO[str] | None) -> dict:
         out.flush()
     return {"run_dir": str(run_dir), "stopped": e.reason,
             "step": None if ck is None else ck.step}
-
-
-def _worse_warning(s: dict) -> str:
-    """A plain line when RL made the policy worse on what it is judged by."""
-    rule = s.get("rm_accuracy") is None
-    before, after = (s["sft_reward"], s["final_reward"]) if rule else \
-        (s["sft_hidden_score"], s["final_hidden_score"])
-    if after >= before:
-        return ""
-    what = "rule reward" if rule else "hidden score"
-    hacked = not rule and s["final_reward"] > s["sft_reward"]
-    why = (" while the reward model's score rose: the policy over-optimised the reward model "
-           "(reward hacking)") if hacked else ""
-    return (f"  WARNING: the final policy is WORSE than the {'initial' if rule else 'SFT'} "
-            f"policy on the {what} ({before:.3f} -> {after:.3f}){why}. Look at the kl and "
-            f"reward panels of {s['run_dir']}/metrics.png; algo.kl_target (a target KL per "
-            "sample) or fewer train.steps hold the policy nearer the reference.\n")
 
 
 def resume_job(run_dir: str | Path) -> int:

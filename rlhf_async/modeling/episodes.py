@@ -143,6 +143,7 @@ class Episode:
     end: str = "max_turns"  # how it ended (ENDS); max_turns until something else ends it
     segments: int = 0  # an agent's: token histories it ran (a rewritten history opens one)
     earlier: list[Episode] = field(default_factory=list)  # the ones before this, trained too
+    error: str = ""  # why it failed or timed out (for the error that stops a failing run)
 
     def finish(self, how: str) -> None:
         self.done, self.end = True, how
@@ -165,6 +166,10 @@ async def _call(spec: EpisodeSpec, what: str, aw: Awaitable[Any]) -> tuple[bool,
     except Exception as e:  # whatever the user's environment raises
         raise EnvError(f"{spec.name!r}: {what}() raised {type(e).__name__}: {e}"
                        f"{where(e)}") from e
+
+
+def _timed_out(spec: EpisodeSpec, what: str) -> str:
+    return f"{spec.name}: {what}() took longer than {spec.timeout_s:g} s (task.env_timeout_s)"
 
 
 def _checked_reset(spec: EpisodeSpec, out: Any) -> str:
@@ -313,6 +318,7 @@ async def play(prompts: PromptBatch, params: SamplingParams, spec: EpisodeSpec, 
     for e, (ok, obs) in zip(eps, await _reset_all(spec, eps, rows), strict=True):
         if not ok:
             e.finish("timeout")
+            e.error = _timed_out(spec, "reset")
         elif first := _checked_reset(spec, obs):
             _observe(spec, e, first, params.stops)
     for k in range(spec.max_turns):
@@ -335,6 +341,7 @@ async def play(prompts: PromptBatch, params: SamplingParams, spec: EpisodeSpec, 
         for i, (ok, out) in zip(acting, results, strict=True):
             if not ok:
                 eps[i].finish("timeout")
+                eps[i].error = _timed_out(spec, "step")
                 continue
             obs, reward, done = _checked_step(spec, out)
             eps[i].reward += reward
@@ -378,7 +385,8 @@ def episode_batch(prompts: PromptBatch, eps: list[Episode], width: int, pad_id: 
                         env_rewards=torch.tensor([e.reward for e in of]).to(device),
                         episode_ends=torch.tensor([ENDS.index(e.end) for e in of],
                                                   dtype=torch.long).to(device),
-                        episode_segments=segments)
+                        episode_segments=segments,
+                        episode_error=next((e.error for e in eps if e.error), ""))
 
 
 def rollout(actor: nn.Module, prompts: PromptBatch, params: SamplingParams, seed: int,

@@ -102,6 +102,9 @@ class RolloutBatch:
     episode_segments: Tensor | None = None
     # [B, 4] long: PREFILL_COUNTS of each row (a request-level engine's rollouts)
     prefill_counts: Tensor | None = None
+    # the first failed episode's error (what, where in the user's code), '' when none;
+    # read where the batch was generated, not sent on with it
+    episode_error: str = ""
 
     @property
     def loss_mask(self) -> Tensor:
@@ -237,6 +240,8 @@ class RolloutBatch:
                 out[f.name] = torch.cat(vals)
             elif vals[0] is None:
                 out[f.name] = None
+            elif isinstance(vals[0], str):  # episode_error: the first batch's that has one
+                out[f.name] = next((v for v in vals if v), "")
             else:
                 out[f.name] = min(vals)
         return RolloutBatch(**out)

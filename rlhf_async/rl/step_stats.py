@@ -33,8 +33,10 @@ def global_stats(b: RolloutBatch, kl: Tensor, adv: Tensor, sums: dict[str, Tenso
     if b.prefill_counts is not None:  # prompt KV reused from a prefix cache (counts)
         for j, name in enumerate(PREFILL_COUNTS):
             per_sample[f"kv/{name}"] = b.prefill_counts[:, j].float()
+    # rows with a token to train on (a failed agent episode has none): what throughput counts
+    trained = (m.sum(dim=1) > 0).float().sum()
     vec = torch.stack([v.sum() for v in per_sample.values()] + list(sums.values())
-                      + [m.new_tensor(float(len(b)))])
+                      + [trained, m.new_tensor(float(len(b)))])
     vec = all_reduce_sum(vec.double())
     count = vec[-1].clamp(min=1.0)
     out = {k: float(vec[i] if k.startswith(("episodes/", "kv/")) else vec[i] / count)
@@ -44,7 +46,7 @@ def global_stats(b: RolloutBatch, kl: Tensor, adv: Tensor, sums: dict[str, Tenso
         out["kv/reused_frac"] = out["kv/reused_tokens"] / prompt if prompt else 0.0
     out.update({k: float(vec[len(per_sample) + i] / n_updates)
                 for i, k in enumerate(sums)})
-    out["samples"] = float(vec[-1])
+    out["samples"], out["trained_samples"] = float(vec[-1]), float(vec[-2])
     return out
 
 

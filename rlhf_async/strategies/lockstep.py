@@ -28,7 +28,7 @@ from transformers.utils import logging as hf_logging
 from rlhf_async.config import JobConfig, collective_backend
 from rlhf_async.engines.process_group import exit_rank, free_port, launched, rank_group
 from rlhf_async.log import configure_logging, console_settings, get_logger, log_to_file
-from rlhf_async.metrics import MetricsWriter, Progress
+from rlhf_async.metrics import MetricsWriter, Progress, progress_columns
 from rlhf_async.modeling.episodes import EnvError, rollout
 from rlhf_async.modeling.precision import Precision, check_device
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
@@ -42,6 +42,7 @@ from rlhf_async.rl.learner import Learner
 from rlhf_async.runtime.launcher import adopt, can_fork, fork_server
 from rlhf_async.strategies.base import JobStopped, RankFailed, RunResult
 from rlhf_async.strategies.colocated import colocated_engine
+from rlhf_async.strategies.step_health import NothingTrained, StepHealth
 from rlhf_async.strategies.training import (
     build_learner,
     load_actor,
@@ -128,7 +129,9 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
         restore_learner(learner, _checkpoint_state(run_dir, start_step, rank, world, device))
     writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
     logs = StepLogs(cfg, task, art, run_dir, start_step, device) if rank == 0 else None
-    progress = Progress(cfg.train.steps, cfg.run.progress and rank == 0, start_step=start_step)
+    progress = Progress(cfg.train.steps, cfg.run.progress and rank == 0, start_step=start_step,
+                        columns=progress_columns(task.rule_reward, task.has_rule))
+    health = StepHealth(cfg, run_dir, logs=rank == 0)  # every rank: the same verdicts
     params, seed, G = sampling_params(cfg, task), cfg.run.seed, cfg.algo.group_size
     generating = generation_precision(cfg, precision)
     check_device(generating, device)
@@ -147,6 +150,7 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
         t0 = time.perf_counter()
         try:
             batch = generate(mine, step)
+            error = batch.episode_error
             t1 = time.perf_counter()
             batch = scorer(batch)
         except (RewardServerError, EnvError):
@@ -167,9 +171,11 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
         t3 = time.perf_counter()
         if logs is not None:  # samples.jsonl; the held-out evaluation when due
             metrics.update(logs.after_step(step, batch, learner))
+        metrics.update(health.observe(step, metrics, error))
         saved = _end_step(cfg, learner, run_dir, writer, progress, step, metrics,
                           (t0, t1, t2, t3), strategy)
-        if stop is not None and step + 1 < cfg.train.steps and stop.agreed(world):
+        failed = health.failure is not None  # on every rank alike: metrics are global
+        if failed or (stop is not None and step + 1 < cfg.train.steps and stop.agreed(world)):
             if not saved:  # every rank: gathering the learner state is collective
                 _checkpoint(cfg, learner, run_dir, step + 1, strategy, rank == 0)
             progress.close()
@@ -180,6 +186,8 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
             learner.close()
             if engine is not None:
                 engine.close()
+            if failed and rank == 0:  # the one that wrote the checkpoint names it
+                raise health.stop()
             return False
     progress.close()
     if logs is not None:
@@ -362,6 +370,9 @@ def run_ranks(cfg: JobConfig, art: Artefacts, run_dir: Path, start_step: int,
                         raise KeyboardInterrupt(stop.reason)
             except mp.ProcessRaisedException as e:  # one line for the user, not a traceback
                 lines = [x for x in str(e).strip().splitlines() if x.strip()]
+                ours = f"{NothingTrained.__module__}.{NothingTrained.__name__}: "
+                if lines and lines[-1].startswith(ours):  # every rank's: one error
+                    raise NothingTrained(lines[-1].removeprefix(ours)) from None
                 # "pkg.module.SomeError: message" -> "SomeError: message"
                 last = re.sub(r"^[\w.]+\.(\w+: )", r"\1", lines[-1]) if lines else str(e)
                 raise RankFailed(f"rank {e.error_index} failed: {last}") from None

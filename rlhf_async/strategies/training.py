@@ -61,7 +61,9 @@ def save_final_policy(cfg: JobConfig, learner: Learner, policy_dir: Path, strate
 def step_record(step: int, metrics: Mapping[str, float], time_step: float,
                 **parts: Any) -> dict[str, Any]:
     """One line of metrics.jsonl. Every strategy writes the step, the learner's metrics,
-    the step's wall time and its throughput; `parts` are the strategy's own (phase times,
-    queues, weight sync)."""
+    the step's wall time and its throughput (samples trained on: a failed episode's row
+    has nothing to train); `parts` are the strategy's own (phase times, queues, weight
+    sync)."""
+    trained = metrics.get("trained_samples", metrics["samples"])
     return {"step": step, **metrics, "time_step": time_step,
-            "samples_per_s": metrics["samples"] / time_step, **parts}
+            "samples_per_s": trained / time_step, **parts}

@@ -169,7 +169,8 @@ class AgentEpisodes:
             try:
                 ep = await self._episode(session, url, row, spec)
                 return ep if ep.end not in ("timeout", "failed") else \
-                    Episode(prompt, NO_ENV, done=True, end=ep.end, segments=ep.segments)
+                    Episode(prompt, NO_ENV, done=True, end=ep.end, segments=ep.segments,
+                            error=ep.error)
             finally:
                 server.close(key)
                 running[0] -= 1
@@ -186,7 +187,7 @@ class AgentEpisodes:
         earlier ones `earlier` (a failed one is replaced by an empty one over the row's
         prompt)."""
         done = asyncio.run_coroutine_threadsafe(_call(self.agent, url, row), agent_loop())
-        end, reward = "done", 0.0
+        end, reward, error = "done", 0.0, ""
         try:
             reward = _reward(await asyncio.wait_for(asyncio.wrap_future(done),
                                                     spec.timeout_s))
@@ -196,17 +197,18 @@ class AgentEpisodes:
             end = "truncated" if session.truncated else "done"
         except TimeoutError:
             done.cancel()
-            end = "timeout"
+            end, error = "timeout", (f"run() did not return within task.agent_timeout_s = "
+                                     f"{spec.timeout_s:g} s")
             warn("agent episode timed out; it counts as failed", spec.name,
                  timeout_s=spec.timeout_s)
         except AgentFailed as e:
-            end = "failed"
+            end, error = "failed", f"run() {e}"
             warn("agent episode failed without raising", spec.name, error=str(e))
         except Exception as e:  # whatever the user's agent raises
-            end = "failed"
-            warn("agent episode failed", spec.name,
-                 error=f"run() raised {type(e).__name__}: {e}{self._where(e)}")
+            end, error = "failed", f"run() raised {type(e).__name__}: {e}{self._where(e)}"
+            warn("agent episode failed", spec.name, error=error)
         ep = session.segments[-1].episode if session.segments else Episode([], NO_ENV)
+        ep.error = f"task.agent {spec.name}: {error}" if error else ""
         ep.reward, ep.segments = reward, max(1, len(session.segments))
         # an agent that rewrote its history: each earlier segment with a policy turn is
         # trained too, as a row of its own (`episode_batch`)

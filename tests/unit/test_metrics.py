@@ -5,7 +5,14 @@ import subprocess
 import sys
 import time
 
-from rlhf_async.metrics import MetricsWriter, Progress, format_progress, read_metrics, summarize
+from rlhf_async.metrics import (
+    MetricsWriter,
+    Progress,
+    format_progress,
+    progress_columns,
+    read_metrics,
+    summarize,
+)
 from rlhf_async.ops.plotting import plot_metrics
 
 
@@ -26,6 +33,31 @@ def test_writer_progress_summary_and_plot(tmp_path):
     assert s == {"reward_first": 0.5, "reward_last": 4.5}
     out = plot_metrics(tmp_path / "m.jsonl", tmp_path / "m.png", "t")
     assert out.stat().st_size > 1000
+
+
+def test_progress_columns_are_named_for_what_they_show():
+    record = {"step": 0, "reward": 0.5, "hidden_score": 0.5, "kl": 0.1, "samples_per_s": 8.0,
+              "failed_steps": 0}
+    # a rule (or an environment, an agent) makes the reward: no reward model, and the
+    # hidden score is that same reward
+    rule = format_progress(record, 4, progress_columns(rule_reward=True, has_rule=True))
+    assert rule == "step 1/4 | reward 0.500 | kl 0.100 | smp/s 8.000"
+    # a reward model beside a rule (the built-in task): the rule's score is the hidden one
+    both = format_progress(record, 4, progress_columns(rule_reward=False, has_rule=True))
+    assert both.startswith("step 1/4 | rm 0.500 | hidden 0.500 | kl")
+    # a reward model alone: no hidden score of its own
+    rm = format_progress(record, 4, progress_columns(rule_reward=False, has_rule=False))
+    assert rm.startswith("step 1/4 | rm 0.500 | kl") and "hidden" not in rm
+    # a step that trained on nothing says so, with the run of such steps so far
+    failing = format_progress({**record, "failed_steps": 2}, 4,
+                              progress_columns(rule_reward=True, has_rule=True))
+    assert failing.endswith("smp/s 8.000 | failed 2")
+    buf = io.StringIO()
+    evaluated = {**record, "eval_reward": 0.7, "eval_hidden_score": 0.7}
+    Progress(1, stream=buf, columns=progress_columns(True, True)).update(evaluated)
+    assert "| reward 0.500 |" in buf.getvalue() and "rm " not in buf.getvalue() \
+        and "hidden" not in buf.getvalue() and "eval after step 1 | reward 0.700" \
+        in buf.getvalue()
 
 
 def test_rule_reward_runs_plot_one_reward_panel():

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from rlhf_async.config import JobConfig
 from rlhf_async.control.client import NodeEvent, NodeExited
 from rlhf_async.log import get_logger
-from rlhf_async.metrics import MetricsWriter, Progress, truncate_metrics
+from rlhf_async.metrics import MetricsWriter, Progress, progress_columns, truncate_metrics
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.rl.checkpoint import disk_full
 from rlhf_async.rl.staleness import StalenessPolicy
@@ -58,6 +58,7 @@ from rlhf_async.strategies.separation.protocol import (
 )
 from rlhf_async.strategies.separation.sync_group import SyncGroup
 from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
+from rlhf_async.strategies.step_health import StepHealth
 from rlhf_async.strategies.training import step_record
 from rlhf_async.task import make_task
 from rlhf_async.weight_sync import GroupSpec
@@ -124,7 +125,11 @@ class Driver:
                               self.counts, generators=lambda: [
                                   g for g in self.generators if g not in self.leaving],
                               trainer_up=lambda: "trainer" not in self.down)
-        self.progress = Progress(cfg.train.steps, cfg.run.progress, start_step=start_step)
+        self.progress = Progress(cfg.train.steps, cfg.run.progress, start_step=start_step,
+                                 columns=progress_columns(self.task.rule_reward,
+                                                          self.task.has_rule))
+        self.health = StepHealth(cfg, run_dir)
+        self.episode_errors: dict[int, str] = {}  # step -> its first failed episode's error
         self.t_last = time.perf_counter()
         self.result: dict[str, Any] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
@@ -274,6 +279,8 @@ class Driver:
                 if self.chunk_state.get(key) == ChunkState.DISPATCHED:  # never backwards
                     self.chunk_state[key] = ChunkState.GENERATED
                 self.busy[node] = event.busy_s
+                if isinstance(event, Generated) and event.episode_error:
+                    self.episode_errors.setdefault(event.step, event.episode_error)
             case Received():
                 key = (event.step, event.chunk)
                 if key in self.chunk_state:
@@ -352,6 +359,7 @@ class Driver:
         self.writer.close()
         truncate_metrics(self.run_dir, step, trainer_running=True)
         self._open_logs()
+        self.health = StepHealth(self.cfg, self.run_dir)  # the lost steps come again
         first = step * self.cfg.train.prompts_per_step * self.cfg.algo.group_size
         for sid in [s for s in self.trained_ids if s >= first]:
             del self.trained_ids[sid]
@@ -380,6 +388,11 @@ class Driver:
             **t.staleness, **{f"queue/{s}": states.get(s, 0) for s in ChunkState},
             **{"queue/trainer": t.queue_trainer}, **util,
             **{f"faults/{k}": v for k, v in self.counts.items()})
+        # the step's error may come after its record (another socket): any step's will do
+        error = self.episode_errors.pop(t.step, "") or next(
+            (e for _, e in sorted(self.episode_errors.items())), "")
+        failing = self.health.failure
+        record.update(self.health.observe(t.step, record, error))
         for hook in self.on_record:  # online rebalancing (rebalance.py)
             hook(record)
         try:
@@ -390,3 +403,5 @@ class Driver:
                 raise
             raise full from None
         self.progress.update(record)
+        if failing is None and self.health.failure is not None:  # drive() checkpoints
+            raise self.health.failure

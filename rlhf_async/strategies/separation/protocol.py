@@ -61,6 +61,7 @@ class Generated(Msg, frozen=True, tag="generated"):
     version: int
     busy_s: float
     idle_s: float
+    episode_error: str = ""  # the chunk's first failed episode's error ('' when none)
 
 
 class Scored(Msg, frozen=True, tag="scored"):

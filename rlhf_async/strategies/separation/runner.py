@@ -38,6 +38,7 @@ from rlhf_async.strategies.separation.rebalance import Rebalancer
 from rlhf_async.strategies.separation.scaling import Scaler
 from rlhf_async.strategies.separation.startup import generator_ranks, wait_loaded
 from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
+from rlhf_async.strategies.step_health import NothingTrained
 from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.weight_sync import GroupSpec
 from rlhf_async.wire.transport import Endpoint, Transport
@@ -206,7 +207,11 @@ async def drive(cfg: JobConfig, coord: Coordinator, prompts: Any, specs: list[No
                 driver.on_record.append(Rebalancer(
                     scaling, cfg.placement.rebalance_every, cfg.placement.rebalance_gain,
                     cfg.algo.max_staleness, driver.spawn).observe)
-        result = await coord.run_until_stop(driver.run())
+        try:
+            result = await coord.run_until_stop(driver.run())
+        except NothingTrained:  # stopped like a stop request, then the error
+            await driver.finish_stopping(cfg.runtime.stop_grace_s)
+            raise driver.health.stop() from None
         if result is None:  # stopped: the trainer finishes its step and checkpoints
             await driver.finish_stopping(cfg.runtime.stop_grace_s)
             raise JobStopped(coord.stop_reason)
