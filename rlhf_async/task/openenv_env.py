@@ -168,7 +168,11 @@ def check_server(spec: str) -> None:
 
 
 class _LocalServer:
-    """`uvicorn <module:app>` on a free local port, stopped when this process exits."""
+    """`uvicorn <module:app>` on a free local port, stopped when this process exits.
+
+    In a session of its own: a stop signal sent to the run's process group (Ctrl-C in a
+    terminal, GNU timeout, the job daemon) must reach the run, which finishes its step,
+    and not the server, whose shutdown would fail that step's episodes in flight."""
 
     def __init__(self, target: str) -> None:
         with socket.socket() as s:
@@ -180,7 +184,7 @@ class _LocalServer:
             [sys.executable, "-m", "rlhf_async.task.openenv_env", target, str(port),
              str(os.getpid())],
             # a file, not a pipe: a pipe nobody reads fills and blocks the server's logging
-            stdout=subprocess.DEVNULL, stderr=self.log)
+            stdout=subprocess.DEVNULL, stderr=self.log, start_new_session=True)
         atexit.register(self.stop)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
