@@ -12,6 +12,10 @@ ends), so a server must allow as many concurrent sessions as episodes run at onc
   (without done/reward/metadata) as JSON.
 The package is an extra (`pip install 'rlhf-async[openenv]'`), imported only here (it
 takes seconds: gradio), so a run without an OpenEnv environment never pays for it.
+
+Before anything starts (the run's checks and --dry-run, `task.check_reachable`),
+`check_server` imports a `module:app` in a fresh interpreter, as its server will, and
+reads a URL's /schema: a mistake there is one ConfigError, not the first episode's.
 """
 
 from __future__ import annotations
@@ -144,7 +148,12 @@ def _spec_problem(target: str) -> str | None:
         return None
     module, _, attrs = target.partition(":")
     if module.endswith(".py") or "/" in module:
-        return "names a file; the run serves a module path (run from the directory above it)"
+        problem = "names a file; the run serves a module path, importable from the " \
+                  "working directory"
+        if module.startswith(("/", "..")):
+            return problem
+        dotted = module.removesuffix(".py").removeprefix("./").replace("/", ".")
+        return f"{problem}: '{PREFIX}{dotted}:{attrs or 'app'}'?"
     names = [*module.split("."), *attrs.split(".")]
     if not attrs or not all(n.isidentifier() for n in names):
         return "is neither a URL nor 'module.path:app'"

@@ -113,7 +113,8 @@ def _dry_run(text_job, tmp_path, env: str, capsys) -> tuple[int, str]:
                                r"directory .* and the installed packages\)"),
     ("examples.openenv_guess.server:nope", r"module 'examples.openenv_guess.server' has no "
                                            r"attribute 'nope'"),
-    ("examples/openenv_guess/server.py:app", r"names a file; the run serves a module path"),
+    ("examples/openenv_guess/server.py:app", r"names a file; the run serves a module path, "
+                                             r".*'openenv:examples.openenv_guess.server:app'\?"),
 ])
 def test_dry_run_refuses_an_app_that_does_not_import(text_job, tmp_path, capsys, env, problem):
     pytest.importorskip("openenv")
