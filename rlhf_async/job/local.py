@@ -53,7 +53,7 @@ from rlhf_async.runtime.ray_cluster import ray_cluster
 from rlhf_async.strategies.base import JobStopped, RunResult, Strategy, UserCodeFailed
 from rlhf_async.strategies.placement import Placement, with_engines
 from rlhf_async.strategies.registry import STRATEGIES
-from rlhf_async.task import Task, make_task, task_preload
+from rlhf_async.task import Task, check_reachable, make_task, task_preload
 from rlhf_async.task.artefacts import Artefacts, load_reward, load_sft, prepare_artefacts
 from rlhf_async.task.evaluation import evaluate
 from rlhf_async.task.remote_reward import RewardServerError
@@ -83,6 +83,7 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None,
     if cfg.placement.device == "cpu":
         torch.set_num_threads(cfg.placement.cpu_threads)
     task = make_task(cfg)  # a bad prompts file or reward function stops the run here
+    check_reachable(cfg)  # an environment server's app or URL, before any process starts
     target = run_dir_of(cfg) if run_dir is None else run_dir
     resume = run_dir is not None
     mode = launch_mode(cfg, STRATEGIES[placement.strategy], launch)
@@ -361,6 +362,7 @@ def dry_run_report(cfg: JobConfig) -> str:
     executes, the task's inputs), then the placement it would run, as text."""
     cfg, placement = prepare_run(cfg)
     make_task(cfg)
+    check_reachable(cfg)
     placement = with_engines(placement, cfg.train.backend, cfg.generation.backend)
     return (f"{placement.table()}\n\nrun directory: {run_dir_of(cfg)}\n"
             "dry run: every check passed; nothing was started or written\n")

@@ -39,7 +39,8 @@ from rlhf_async.runtime.spec import NodeSpec
 NODE_STARTS = ("fork", "exec")
 # what the fork server imports once, before it forks any node (modeling.warm: and a first
 # model load); a strategy adds its node programs (`Strategy.fork_preload`)
-PRELOAD = ("torch", "transformers", "rlhf_async.runtime.process", "rlhf_async.modeling.warm")
+PRELOAD = ("rlhf_async.runtime.fork_signals", "torch", "transformers",
+           "rlhf_async.runtime.process", "rlhf_async.modeling.warm")
 
 
 class NodeProcess(Protocol):
@@ -252,6 +253,7 @@ def adopt(env: Mapping[str, str], cwd: str) -> None:
 
 def _forked_node(spec_path: str, log_path: str, env: dict[str, str], cwd: str) -> None:
     """The node, in the forked child: become what `start_node`'s command line would be."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server's is ignored (fork_signals)
     os.setsid()
     if sys.platform == "linux":
         _die_with_parent()

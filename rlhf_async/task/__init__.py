@@ -19,14 +19,16 @@ from rlhf_async.modeling.generation import Decode, SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.rl.scoring import RewardMix
 from rlhf_async.task.calculator import CalculatorTask, CalculatorTokenizer
+from rlhf_async.task.openenv_env import PREFIX as OPENENV
+from rlhf_async.task.openenv_env import check_server
 from rlhf_async.task.remote_reward import is_url
 from rlhf_async.task.sort_digits import EOS, PAD, VOCAB_SIZE, SortDigitsTask
 from rlhf_async.task.text import TextTask, agent_episodes
 from rlhf_async.task.verifiers_env import PRELOAD as VERIFIERS_PRELOAD
 from rlhf_async.task.verifiers_env import is_verifiers
 
-__all__ = ["EOS", "PAD", "VOCAB_SIZE", "CalculatorTask", "SortDigitsTask", "Task", "make_task",
-           "reward_mix", "sampling_params"]
+__all__ = ["EOS", "PAD", "VOCAB_SIZE", "CalculatorTask", "SortDigitsTask", "Task",
+           "check_reachable", "make_task", "reward_mix", "sampling_params"]
 
 
 class Task(Protocol):
@@ -57,6 +59,15 @@ def make_task(cfg: JobConfig) -> Task:
         return CalculatorTask(cfg, agent_episodes(cfg.task, CalculatorTokenizer())
                               if cfg.task.agent else None)
     return SortDigitsTask(cfg.task)
+
+
+def check_reachable(cfg: JobConfig) -> None:
+    """What the task reaches outside this process, checked once before anything starts
+    (`run`'s checks and --dry-run; not again in every node or rank, where it would cost
+    each seconds): an OpenEnv server's `module:app` imports, its URL answers. Problems are
+    a ConfigError."""
+    if cfg.task.env.startswith(OPENENV):
+        check_server(cfg.task.env)
 
 
 def task_preload(cfg: JobConfig) -> tuple[str, ...]:

@@ -12,6 +12,10 @@ ends), so a server must allow as many concurrent sessions as episodes run at onc
   (without done/reward/metadata) as JSON.
 The package is an extra (`pip install 'rlhf-async[openenv]'`), imported only here (it
 takes seconds: gradio), so a run without an OpenEnv environment never pays for it.
+
+Before anything starts (the run's checks and --dry-run, `task.check_reachable`),
+`check_server` imports a `module:app` in a fresh interpreter, as its server will, and
+reads a URL's /schema: a mistake there is one ConfigError, not the first episode's.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ EXTRA = "pip install 'rlhf-async[openenv]'"
 TEXT_KEYS = ("text", "prompt", "message", "observation", "content", "output")
 START_TIMEOUT_S = 180.0  # its imports alone take ~10 s on an idle core
 URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
+IMPORT_TIMEOUT_S = 120.0  # a fresh interpreter importing the user's app (openenv: ~4-10 s)
+ACCEPTED = (f"accepted: '{PREFIX}module.path:app' (an ASGI app such as OpenEnv's "
+            "create_app(...), importable from the working directory; the run serves it) or "
+            f"'{PREFIX}http://HOST:PORT' (a running OpenEnv server; also https, ws, wss)")
 
 
 def _client() -> Any:
@@ -57,14 +65,23 @@ def _get(url: str, timeout: float = 5.0) -> Any:
         return json.loads(r.read())
 
 
-def action_field(base: str) -> str:
-    """The action's one string field in the server's /schema; one ConfigError otherwise."""
+def action_field(base: str, timeout: float = 5.0) -> str:
+    """The action's one string field in the server's /schema; one ConfigError otherwise
+    (a server that cannot be reached, or answers no OpenEnv schema)."""
     try:
-        schema = _get(f"{_http(base)}/schema")["action"]
-    except (OSError, KeyError, ValueError) as e:
-        raise ConfigError([f"task.env: OpenEnv server {base}: its /schema could not be "
-                           f"read ({e})"]) from None
-    props = schema.get("properties", {})
+        schema = _get(f"{_http(base)}/schema", timeout)["action"]
+        props = schema.get("properties", {})
+    except urllib.error.HTTPError as e:  # before OSError: it is one
+        raise ConfigError([f"task.env: OpenEnv server {base}: its /schema answered HTTP "
+                           f"{e.code}; {ACCEPTED}"]) from None
+    except OSError as e:  # refused, no such host, timed out
+        raise ConfigError([f"task.env: OpenEnv server {base} cannot be reached "
+                           f"({getattr(e, 'reason', e)}): start it first; {ACCEPTED}"]) \
+            from None
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
+        raise ConfigError([f"task.env: OpenEnv server {base}: its /schema is not an "
+                           f"OpenEnv server's (no action schema: {type(e).__name__} {e}); "
+                           f"{ACCEPTED}"]) from None
     text = [k for k, v in props.items() if k != "metadata" and v.get("type") == "string"]
     if len(text) != 1:
         raise ConfigError([f"task.env: OpenEnv server {base}: its action must have exactly "
@@ -83,8 +100,88 @@ def observation_text(obs: Any) -> str:
     return json.dumps(rest, sort_keys=True) if rest else ""
 
 
+# run by a fresh interpreter from the working directory, as the local server imports the
+# app (uvicorn `module:app`); not `-m` of this module, which would import torch first
+_IMPORT_APP = """
+import importlib, os, sys, traceback
+sys.path.insert(0, os.getcwd())
+module, _, attrs = sys.argv[1].partition(":")
+try:
+    app = importlib.import_module(module)
+except BaseException as e:
+    if isinstance(e, ModuleNotFoundError) and e.name and \\
+            (module == e.name or module.startswith(e.name + ".")):
+        sys.exit(f"no module {module!r} (looked in the working directory {os.getcwd()} "
+                 "and the installed packages)")
+    tb = traceback.extract_tb(e.__traceback__)
+    at = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
+    sys.exit(f"importing {module!r} raised {type(e).__name__}: {e}{at}")
+for name in attrs.split("."):
+    if not hasattr(app, name):
+        sys.exit(f"module {module!r} has no attribute {attrs!r}")
+    app = getattr(app, name)
+if not callable(app):
+    sys.exit(f"{attrs!r} in {module!r} is a {type(app).__name__}, not an ASGI app")
+"""
+
+
+def _app_problem(target: str) -> str | None:
+    """What stops uvicorn from serving `target` ('module.path:app'), found by importing it
+    as the server would; None when it imports and names an app."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _IMPORT_APP, target], text=True,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, timeout=IMPORT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"importing it took over {IMPORT_TIMEOUT_S:.0f} s"
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.strip().splitlines()
+    return lines[-1] if lines else f"importing it exited with code {done.returncode}"
+
+
+def _spec_problem(target: str) -> str | None:
+    """A target that is neither a URL nor 'module.path:app' (what uvicorn serves)."""
+    if not target:
+        return "names no server"
+    if target.startswith(URL_SCHEMES):
+        return None
+    module, _, attrs = target.partition(":")
+    if module.endswith(".py") or "/" in module:
+        problem = "names a file; the run serves a module path, importable from the " \
+                  "working directory"
+        if module.startswith(("/", "..")):
+            return problem
+        dotted = module.removesuffix(".py").removeprefix("./").replace("/", ".")
+        return f"{problem}: '{PREFIX}{dotted}:{attrs or 'app'}'?"
+    names = [*module.split("."), *attrs.split(".")]
+    if not attrs or not all(n.isidentifier() for n in names):
+        return "is neither a URL nor 'module.path:app'"
+    return None
+
+
+def check_server(spec: str) -> None:
+    """Before anything starts (the run's checks, --dry-run): an OpenEnv URL answers with an
+    action of one string field; a 'module:app' imports in a fresh interpreter, as the
+    run's server will, and names an app. One ConfigError saying what is wrong."""
+    target = spec[len(PREFIX):]
+    if target.startswith(URL_SCHEMES):
+        action_field(target)
+        return
+    problem = _spec_problem(target)
+    if problem:
+        raise ConfigError([f"task.env: {spec!r} {problem}; {ACCEPTED}"])
+    problem = _app_problem(target)
+    if problem:
+        raise ConfigError([f"task.env: {spec!r}: {problem}; {ACCEPTED}"])
+
+
 class _LocalServer:
-    """`uvicorn <module:app>` on a free local port, stopped when this process exits."""
+    """`uvicorn <module:app>` on a free local port, stopped when this process exits.
+
+    In a session of its own: a stop signal sent to the run's process group (Ctrl-C in a
+    terminal, GNU timeout, the job daemon) must reach the run, which finishes its step,
+    and not the server, whose shutdown would fail that step's episodes in flight."""
 
     def __init__(self, target: str) -> None:
         with socket.socket() as s:
@@ -96,7 +193,7 @@ class _LocalServer:
             [sys.executable, "-m", "rlhf_async.task.openenv_env", target, str(port),
              str(os.getpid())],
             # a file, not a pipe: a pipe nobody reads fills and blocks the server's logging
-            stdout=subprocess.DEVNULL, stderr=self.log)
+            stdout=subprocess.DEVNULL, stderr=self.log, start_new_session=True)
         atexit.register(self.stop)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -149,9 +246,9 @@ class OpenEnvFactory:
 
     def __init__(self, spec: str) -> None:
         self.target = spec[len(PREFIX):]
-        if not self.target:
-            raise ConfigError([f"task.env: {spec!r} names no server; expected "
-                               f"'{PREFIX}module.path:app' or '{PREFIX}http://HOST:PORT'"])
+        problem = _spec_problem(self.target)
+        if problem:
+            raise ConfigError([f"task.env: {spec!r} {problem}; {ACCEPTED}"])
         if importlib.util.find_spec("openenv") is None:  # one error when the task loads
             _client()
         self.remote = self.target.startswith(URL_SCHEMES)

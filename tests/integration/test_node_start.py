@@ -1,10 +1,12 @@
 """`runtime.node_start = fork`: a node forked from the fork server is the process a fresh
 interpreter would be (its session, environment, working directory, threads, log), is
-supervised the same way (a SIGKILL is exit code -9, and it restarts), and a change of
-PYTHONPATH since the server started reaches the next node (the server starts anew)."""
+supervised the same way (a SIGKILL is exit code -9, and it restarts), the server outlives
+a SIGTERM to the run's process group, and a change of PYTHONPATH since the server started
+reaches the next node (the server starts anew)."""
 
 import asyncio
 import json
+import multiprocessing.forkserver
 import os
 import signal
 import time
@@ -55,6 +57,30 @@ def test_a_forked_node_is_what_a_fresh_interpreter_would_be(tmp_path, monkeypatc
                 # forked, not a new interpreter: the restart is quick even on a loaded box
                 print(f"restart after SIGKILL: {time.monotonic() - t0:.2f} s")
         assert (tmp_path / "run" / "logs" / "probe0.log").read_text().count('"node_ready"') == 2
+
+    asyncio.run(main())
+
+
+def test_a_sigterm_to_the_runs_process_group_leaves_the_fork_server_serving(tmp_path,
+                                                                           monkeypatch):
+    """GNU timeout and the job daemon send SIGTERM to the run's whole process group, the
+    fork server with it: the run stops gracefully, so the server must outlive it (its
+    nodes' exit codes are read through it; its death would SIGTERM them)."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "facts.json"
+
+    async def main():
+        async with Coordinator(tmp_path / "run", launcher=LocalLauncher(start="fork"),
+                               heartbeat_s=0.2, time_to_dead=2.0, restart_limit=1) as coord:
+            with coord.events():
+                await coord.launch([_spec(out)])
+                await _facts(out)
+                server = multiprocessing.forkserver._forkserver._forkserver_pid
+                os.kill(server, signal.SIGTERM)
+                node = coord.nodes["probe0"].process
+                node.terminate()  # the node's own stop: exit 0, as the server reports it
+                assert await node.wait(timeout=30) == 0
+                os.kill(server, 0)  # still there (ProcessLookupError otherwise)
 
     asyncio.run(main())
 
