@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 from rlhf_async.log import get_logger
 
 log = get_logger(component="tinker_api")
@@ -95,7 +97,10 @@ class Worker:
 
     def __init__(self, futures: Futures) -> None:
         self.futures = futures
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-model")
+        # a new thread's OpenMP team is every core: keep the server's own thread count
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-model",
+                                        initializer=torch.set_num_threads,
+                                        initargs=(torch.get_num_threads(),))
 
     def submit(self, rid: str, job: Callable[[], tuple[Any, Literal["json", "proto"]]],
                what: str) -> None:

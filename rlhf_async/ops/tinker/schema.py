@@ -107,7 +107,7 @@ class LoadWeights(msgspec.Struct):
 class SamplingParams(msgspec.Struct):
     max_tokens: int | None = None
     seed: int | None = None
-    stop: str | list[str] | list[int] | None = None
+    stop: str | list[str | int] | None = None
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -131,8 +131,11 @@ class Sample(msgspec.Struct):
     base_model: str | None = None
     model_path: str | None = None
     prompt_logprobs: bool | None = None
+    prompt_logprobs_last_n: int | None = None
     topk_prompt_logprobs: int = 0
     topk_sample_logprobs: int = 0
+    target_prompt_logprobs: dict[str, Any] | None = None
+    prompt_alt_tokens_k: int = 0
 
 
 def decode(body: bytes, kind: type[T], what: str) -> T:

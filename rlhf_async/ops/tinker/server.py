@@ -12,6 +12,7 @@ status; a retried POST with the same `X-Idempotency-Key` gets the first answer a
 from __future__ import annotations
 
 import hmac
+import inspect
 import ipaddress
 import json
 import socket
@@ -90,10 +91,16 @@ class ApiServer:
             "forward_backward": s.forward_backward,
             "optim_step": lambda b: s.optim_step(
                 schema.decode(b, schema.OptimStep, "optim_step")),
+            "save_weights_for_sampler": lambda b: s.save_weights_for_sampler(
+                schema.decode(b, schema.SaveWeightsForSampler, "save_weights_for_sampler")),
+            "create_sampling_session": lambda b: s.create_sampling_session(
+                schema.decode(b, schema.CreateSamplingSession, "create_sampling_session")),
+            "asample": lambda b: s.asample(schema.decode(b, schema.Sample, "asample")),
         }
         for path, fn in post.items():
             app.router.add_post(f"/api/v1/{path}", self._route(fn))
         app.router.add_post("/api/v1/sessions/{sid}/finish", self._finish)
+        app.router.add_get("/api/v1/samplers/{sid}", self._sampler)
         app.router.add_post("/api/v1/retrieve_future", self._retrieve)
         app.router.add_get("/api/v1/healthz", lambda r: self._ok({"status": "ok"}))
         app.router.add_get("/api/v1/get_server_capabilities",
@@ -103,18 +110,25 @@ class ApiServer:
     async def _ok(self, value: Any) -> web.Response:
         return _json(value)
 
-    def _route(self, fn: Callable[[bytes], dict[str, Any]]) -> Handler:
+    def _route(self, fn: Callable[[bytes], Any]) -> Handler:
+        """A POST whose body goes to `fn` (sync, or a coroutine function's result awaited)
+        and whose JSON answer is kept by the request's idempotency key."""
         async def handle(request: web.Request) -> web.StreamResponse:
             key = request.headers.get("X-Idempotency-Key")
             if key is not None and key in self._answers:
                 return _json(self._answers[key])
             reply = fn(await request.read())
+            if inspect.isawaitable(reply):
+                reply = await reply
             if key is not None:
                 self._answers[key] = reply
                 while len(self._answers) > IDEMPOTENT_KEEP:
                     self._answers.popitem(last=False)
             return _json(reply)
         return handle
+
+    async def _sampler(self, request: web.Request) -> web.Response:
+        return _json(self.service.get_sampler(request.match_info["sid"]))
 
     async def _finish(self, request: web.Request) -> web.Response:
         return _json(self.service.finish_session(request.match_info["sid"]))
@@ -167,7 +181,7 @@ class ApiServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        self.service.close()
+        await self.service.aclose()
 
     async def run_beside(self, main: Coroutine[Any, Any, int]) -> int:
         """Serve while `main` (the job daemon) runs; stop with it."""

@@ -6,6 +6,8 @@ thread (`futures.Worker`).
 
 from __future__ import annotations
 
+import asyncio
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,10 +20,14 @@ from rlhf_async.log import get_logger
 from rlhf_async.ops.tinker import proto, schema
 from rlhf_async.ops.tinker.base_models import BUILTIN, BaseModel, resolve
 from rlhf_async.ops.tinker.futures import ApiError, Futures, Sequencer, UserError, Worker
+from rlhf_async.ops.tinker.sampling import Sampler, read_sampler_base, save_sampler_weights
 from rlhf_async.ops.tinker.training import Lora, TrainedModel
 
 log = get_logger(component="tinker_api")
 LONG_POLL_S = 20.0  # a retrieve_future waits this long for its result (the client: 45 s)
+SAMPLERS_KEPT = 4  # a training model's newest samplers from save_weights_for_sampler
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a checkpoint's name
+TINKER_PATH = re.compile(r"^tinker://([A-Za-z0-9._-]+)/(sampler_weights|weights)/([A-Za-z0-9._-]+)$")
 
 
 def client_config() -> dict[str, Any]:
@@ -55,6 +61,7 @@ class ModelEntry:
     trained: TrainedModel | None = None
     error: str | None = None
     created: float = field(default_factory=time.time)
+    samplers: list[str] = field(default_factory=list)  # snapshots, oldest first
 
 
 class TinkerService:
@@ -66,9 +73,30 @@ class TinkerService:
         self.worker = Worker(self.futures)
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, ModelEntry] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._released: set[str] = set()  # snapshot samplers let go (SAMPLERS_KEPT)
 
-    def close(self) -> None:
-        self.worker.shutdown()
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for sampler in self.samplers.values():
+            await sampler.close()
+        await asyncio.to_thread(self.worker.shutdown)
+
+    def run_id(self, model_id: str) -> str:
+        """A model's training run id in `tinker://` paths (its id, ':' -> '_')."""
+        return model_id.replace(":", "_")
+
+    def checkpoint_dir(self, path: str, kind: str) -> Path:
+        m = TINKER_PATH.match(path)
+        if m is None or m.group(2) != kind:
+            raise UserError(f"{path!r} is not a tinker://RUN/{kind}/NAME path")
+        out = self.root / "runs" / m.group(1) / kind / m.group(3)
+        if not out.is_dir():
+            raise UserError(f"no checkpoint {path!r} on this server")
+        return out
 
     # ---- sessions ----------------------------------------------------------------------
     def create_session(self, req: schema.CreateSession) -> dict[str, Any]:
@@ -187,6 +215,110 @@ class TinkerService:
 
         rid = e.seq.submit(req.seq_id, job, "optim_step")
         return {"request_id": rid, "model_id": e.id}
+
+    # ---- sampling ----------------------------------------------------------------------
+    def save_weights_for_sampler(self, req: schema.SaveWeightsForSampler) -> dict[str, Any]:
+        e = self.entry(req.model_id)
+        if (req.path is None) == (req.sampling_session_seq_id is None):
+            raise ApiError(400, "save_weights_for_sampler takes a path (a name) or a "
+                                "sampling_session_seq_id, one of the two")
+        if req.path is not None and not NAME.match(req.path):
+            raise ApiError(400, f"save_weights_for_sampler: name {req.path!r} must be letters, "
+                                "digits, '.', '_' or '-' (at most 128)")
+        loop = asyncio.get_running_loop()
+
+        def job() -> tuple[dict[str, Any], str]:
+            weights = self._trained(e).weights()
+            assert e.base is not None
+            if req.path is not None:
+                run = self.run_id(e.id)
+                save_sampler_weights(self.root / "runs" / run / "sampler_weights" / req.path,
+                                     weights, e.base_name)
+                return {"type": "save_weights_for_sampler",
+                        "path": f"tinker://{run}/sampler_weights/{req.path}"}, "json"
+            sid = f"{e.session_id}:sample:{req.sampling_session_seq_id}"
+            sampler = Sampler(sid, e.base, None, weights, self.device)
+            # registered on the loop before the result is: the client asks for it next
+            loop.call_soon_threadsafe(self._keep_sampler, e, sampler)
+            return {"type": "save_weights_for_sampler", "sampling_session_id": sid}, "json"
+
+        rid = e.seq.submit(req.seq_id, job, "save_weights_for_sampler")
+        return {"request_id": rid, "model_id": e.id}
+
+    def _keep_sampler(self, e: ModelEntry, sampler: Sampler) -> None:
+        """Register a snapshot sampler; a model's older ones beyond SAMPLERS_KEPT go (an RL
+        loop makes one a step; each holds a copy of the model)."""
+        self.samplers[sampler.id] = sampler
+        e.samplers.append(sampler.id)
+        while len(e.samplers) > SAMPLERS_KEPT:
+            old = self.samplers.pop(e.samplers.pop(0), None)
+            if old is not None:
+                self._released.add(old.id)
+                task = asyncio.create_task(old.close())
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def create_sampling_session(self, req: schema.CreateSamplingSession,
+                                      ) -> dict[str, Any]:
+        self.session(req.session_id)
+        sid = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
+        if sid not in self.samplers:
+            self.samplers[sid] = await self._new_sampler(sid, req.base_model, req.model_path)
+        return {"type": "create_sampling_session", "sampling_session_id": sid}
+
+    async def _new_sampler(self, sid: str, base_model: str | None,
+                           model_path: str | None) -> Sampler:
+        try:
+            weights = None
+            if model_path is not None:
+                weights = self.checkpoint_dir(model_path, "sampler_weights")
+                base_model = read_sampler_base(weights)
+            if base_model is None:
+                raise UserError("a sampler needs a base_model or a model_path")
+            base = await asyncio.to_thread(resolve, base_model, self.models_dir)
+        except UserError as e:
+            raise ApiError(400, str(e)) from None
+        return Sampler(sid, base, model_path, weights, self.device)
+
+    def get_sampler(self, sid: str) -> dict[str, Any]:
+        sampler = self.samplers.get(sid)
+        if sampler is None:
+            raise ApiError(404, f"unknown sampler {sid!r}")
+        return sampler.describe()
+
+    async def asample(self, req: schema.Sample) -> dict[str, Any]:
+        if req.sampling_session_id is not None:
+            sampler = self.samplers.get(req.sampling_session_id)
+            if sampler is None and req.sampling_session_id in self._released:
+                raise ApiError(404, f"sampling session {req.sampling_session_id!r} was "
+                                    f"released: a training model keeps its {SAMPLERS_KEPT} "
+                                    "newest samplers; save the weights again")
+            if sampler is None:
+                raise ApiError(404, f"unknown sampling session {req.sampling_session_id!r}")
+        else:  # sampling without a session: one sampler per model named
+            sid = f"direct:{req.model_path or req.base_model}"
+            if sid not in self.samplers:
+                self.samplers[sid] = await self._new_sampler(sid, req.base_model,
+                                                             req.model_path)
+            sampler = self.samplers[sid]
+        rid = self.futures.new()
+        task = asyncio.create_task(self._sample(rid, sampler, req))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return {"request_id": rid,
+                "sample_sequence_ids": [f"{rid}:{i}" for i in range(max(req.num_samples, 0))]}
+
+    async def _sample(self, rid: str, sampler: Sampler, req: schema.Sample) -> None:
+        try:
+            value = await sampler.sample(rid, req)
+        except UserError as e:
+            self.futures.fail(rid, str(e), "user")
+        except Exception as e:
+            log.exception("sampling failed", sampler=sampler.id, request_id=rid)
+            self.futures.fail(rid, f"server error in asample: {type(e).__name__}: {e}",
+                              "server")
+        else:
+            self.futures.done(rid, value, "proto")
 
     # ---- futures -----------------------------------------------------------------------
     async def retrieve(self, req: schema.RetrieveFuture) -> tuple[str, Any]:
