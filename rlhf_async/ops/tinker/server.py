@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from rlhf_async.log import get_logger
-from rlhf_async.ops.tinker import proto, schema
+from rlhf_async.ops.tinker import checkpoints, proto, schema
 from rlhf_async.ops.tinker.futures import ApiError
 from rlhf_async.ops.tinker.service import TinkerService, client_config
 
@@ -96,6 +96,10 @@ class ApiServer:
             "create_sampling_session": lambda b: s.create_sampling_session(
                 schema.decode(b, schema.CreateSamplingSession, "create_sampling_session")),
             "asample": lambda b: s.asample(schema.decode(b, schema.Sample, "asample")),
+            "save_weights": lambda b: checkpoints.save_weights(
+                s, schema.decode(b, schema.SaveWeights, "save_weights")),
+            "load_weights": lambda b: checkpoints.load_weights(
+                s, schema.decode(b, schema.LoadWeights, "load_weights")),
         }
         for path, fn in post.items():
             app.router.add_post(f"/api/v1/{path}", self._route(fn))

@@ -165,7 +165,7 @@ class TinkerService:
                                 "server restarted since)")
         return e
 
-    def _trained(self, entry: ModelEntry) -> TrainedModel:
+    def trained(self, entry: ModelEntry) -> TrainedModel:
         """On the model thread: the model, which its create_model loaded before."""
         if entry.trained is None:
             raise UserError(f"model {entry.id} could not be created: {entry.error}")
@@ -195,7 +195,7 @@ class TinkerService:
         def job() -> tuple[bytes, str]:
             if req.problem:
                 raise UserError(f"{what}: {req.problem}")
-            outputs, metrics = self._trained(entry).forward_backward(
+            outputs, metrics = self.trained(entry).forward_backward(
                 req.data, req.loss_fn, req.loss_fn_config, req.forward_only)
             return proto.forward_backward_output(outputs, metrics), "proto"
 
@@ -209,7 +209,7 @@ class TinkerService:
         p = req.adam_params
 
         def job() -> tuple[dict[str, Any], str]:
-            metrics = self._trained(e).optim_step(p.learning_rate, p.beta1, p.beta2, p.eps,
+            metrics = self.trained(e).optim_step(p.learning_rate, p.beta1, p.beta2, p.eps,
                                                   p.weight_decay, p.grad_clip_norm)
             return {"type": "optim_step", "metrics": metrics}, "json"
 
@@ -228,7 +228,7 @@ class TinkerService:
         loop = asyncio.get_running_loop()
 
         def job() -> tuple[dict[str, Any], str]:
-            weights = self._trained(e).weights()
+            weights = self.trained(e).weights()
             assert e.base is not None
             if req.path is not None:
                 run = self.run_id(e.id)

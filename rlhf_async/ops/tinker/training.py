@@ -18,11 +18,12 @@ from transformers import AutoModelForCausalLM
 
 from rlhf_async.config import ConfigError, LoraConfig
 from rlhf_async.engines.extras import MissingExtraError
-from rlhf_async.engines.lora import add_adapters, merged_weights
+from rlhf_async.engines.lora import add_adapters, merged_weights, trainable_names
 from rlhf_async.ops.tinker import losses
 from rlhf_async.ops.tinker.base_models import BaseModel
 from rlhf_async.ops.tinker.futures import UserError
 from rlhf_async.ops.tinker.proto import Datum
+from rlhf_async.weight_sync import load_into_module
 
 MAX_BATCH_TOKENS = 16384  # padded tokens one forward takes (a long request: several)
 LORA_ALPHA = 32  # adapters add B @ A * alpha / rank
@@ -172,6 +173,38 @@ class TrainedModel:
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         return {"grad_norm:mean": norm, "learning_rate:mean": lr}
+
+    # ---- checkpoints (save_weights / load_weights) -------------------------------------
+    def state(self) -> dict[str, Any]:
+        """What `save_weights` keeps: the trained tensors (the adapters, or every weight)
+        and AdamW's state (None before the first step)."""
+        names = trainable_names(self.model)
+        model = {k: v.detach().clone() for k, v in self.model.state_dict().items()
+                 if k in names}
+        opt = self.optimizer.state_dict() if self.optimizer is not None else None
+        return {"model": model, "optimizer": opt}
+
+    def load_state(self, state: dict[str, Any], with_optimizer: bool) -> None:
+        """Load a checkpoint's trained tensors (all of them, by name and shape); AdamW's
+        state too when asked, else the optimizer starts afresh."""
+        tensors = state.get("model", {})
+        names = trainable_names(self.model)
+        if set(tensors) != names:
+            raise UserError(f"the checkpoint trains {len(tensors)} tensors, this model "
+                            f"{len(names)}: a different base model or LoRA setting")
+        try:
+            load_into_module(self.model, tensors, strict=False)
+        except (ValueError, RuntimeError) as e:
+            raise UserError(f"the checkpoint does not fit this model: {e}") from None
+        for p in self.params:
+            p.grad = None
+        self.optimizer = None
+        if with_optimizer:
+            if state.get("optimizer") is None:
+                raise UserError("the checkpoint holds no optimizer state (saved before the "
+                                "first optim_step); load it without the optimizer")
+            self.optimizer = torch.optim.AdamW(self.params)
+            self.optimizer.load_state_dict(state["optimizer"])
 
     # ---- weights ---------------------------------------------------------------------
     def weights(self) -> dict[str, Tensor]:
