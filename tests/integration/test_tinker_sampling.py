@@ -69,8 +69,12 @@ def test_an_rl_loop_raises_a_rule_reward(service: object) -> None:
 
 def test_sampled_logprobs_are_the_policys_and_seeds_repeat(service: object) -> None:
     training = service.create_lora_training_client(base_model=BUILTIN, rank=4, seed=0).result()
-    sampler = training.save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints(training.get_tokenizer().encode("abc"))
+    # one step first, so that every adapter (the tied unembedding's too) is non-zero
+    training.forward_backward([types.Datum(model_input=prompt, loss_fn_inputs={
+        "target_tokens": [7, 8, 9]})], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
     first = sampler.sample(prompt, 3, _params(stop=[])).result().sequences
     again = sampler.sample(prompt, 3, _params(stop=[])).result().sequences
     other = sampler.sample(prompt, 3, _params(seed=2, stop=[])).result().sequences

@@ -103,6 +103,7 @@ class Sampler:
         if isinstance(weights, Path):
             weights = load_file(str(weights / WEIGHTS_FILE))
         if weights is not None:
+            _untie(module)
             load_into_module(module, weights)
         module = module.float().to(self.device).eval()
         cpu_attention(module)
@@ -185,6 +186,16 @@ class Sampler:
         for engine in self._engines.values():
             await engine.close()
         self._engines.clear()
+
+
+def _untie(module: Any) -> None:
+    """Give the unembedding its own tensor where the model ties it to the embedding: a
+    LoRA adapter on the unembedding (train_unembed) changes only the output side, so the
+    merged weights hold two different tensors for the one the base model shares."""
+    out, inp = module.get_output_embeddings(), module.get_input_embeddings()
+    if out is not None and out.weight is inp.weight:
+        out.weight = nn.Parameter(out.weight.detach().clone())
+        module.config.tie_word_embeddings = False
 
 
 def prompt_tokens(req: schema.Sample) -> list[int]:
