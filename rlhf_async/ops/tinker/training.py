@@ -8,6 +8,7 @@ Runs only on the API's model thread (`futures.Worker`).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +72,12 @@ class TrainedModel:
                                 "flags")
             cfg = LoraConfig(rank=lora.rank, alpha=LORA_ALPHA, target_modules=targets)
             try:
-                add_adapters(model, cfg, lora.seed)
+                with warnings.catch_warnings():
+                    # an adapter on a tied lm_head changes the output side only; samplers
+                    # untie before loading merged weights (sampling.py), so peft's caution
+                    # about tied layers does not apply
+                    warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+                    add_adapters(model, cfg, lora.seed)
             except (ConfigError, MissingExtraError) as e:
                 raise UserError(f"LoRA on {base.name}: {e}") from None
         self.model = model.to(device).train()
