@@ -16,10 +16,10 @@ KEY = "tml-test-key-0123456789"
 
 
 @contextmanager
-def running_api(state_dir: Path, key: str | None = KEY) -> Iterator[str]:
-    """The server's base URL until the block ends."""
+def running_api(state_dir: Path, key: str | None = KEY, port: int = 0) -> Iterator[str]:
+    """The server's base URL until the block ends (`port` 0: a free one)."""
     loop = asyncio.new_event_loop()
-    server = ApiServer(TinkerService(state_dir, device="cpu"), "127.0.0.1", 0, key)
+    server = ApiServer(TinkerService(state_dir, device="cpu"), "127.0.0.1", port, key)
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     url = asyncio.run_coroutine_threadsafe(server.start(), loop).result(timeout=60)

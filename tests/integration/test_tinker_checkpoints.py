@@ -64,3 +64,25 @@ def test_a_checkpoint_resumes_training_exactly(tmp_path: Path, one_thread: None)
         with pytest.raises(tinker.BadRequestError, match="no checkpoint"):
             service.create_training_client_from_state("tinker://nobody/weights/x").result()
         service.close("success").result()
+
+
+def test_after_a_restart_the_client_gets_a_clear_error_not_a_hang(tmp_path: Path,
+                                                                 one_thread: None) -> None:
+    with running_api(tmp_path) as url:
+        port = int(url.rsplit(":", 1)[1])
+        service = tinker.ServiceClient(base_url=url, api_key=KEY)
+        training = service.create_lora_training_client(base_model=BUILTIN, rank=2,
+                                                       seed=0).result()
+        data = _data(training.get_tokenizer())
+        _step(training, data)
+        path = training.save_state("before").result().path
+    with running_api(tmp_path, port=port):  # the same address, a new server process state
+        with pytest.raises(tinker.NotFoundError, match="server restarted"):
+            training.forward_backward(data, "cross_entropy").result(timeout=60)
+        # what the error says to do: a new training client from the checkpoint
+        again = service.create_training_client_from_state(path)
+        with pytest.raises(tinker.NotFoundError, match="unknown session"):
+            again.result(timeout=60)  # the old session is gone too
+        fresh = tinker.ServiceClient(base_url=url, api_key=KEY)
+        resumed = fresh.create_training_client_from_state(path).result()
+        assert resumed.forward(data, "cross_entropy").result().metrics["loss:sum"] > 0
