@@ -39,6 +39,10 @@ def add_commands(sub: Any) -> None:
                        help="seconds a job gets to stop on SIGTERM before SIGKILL")
     serve.add_argument("--log-level", default="info",
                        choices=("debug", "info", "warning", "error"))
+    serve.add_argument("--api", metavar="HOST:PORT", help="also serve the Tinker training API "
+                       "there (needs aiohttp; README: Tinker API); its key: "
+                       "$RLHF_ASYNC_API_KEY or --api-key-file")
+    serve.add_argument("--api-key-file", type=Path, help="file holding the API key (tml-...)")
     submit = sub.add_parser("submit", help="queue a job on the daemon")
     submit.add_argument("config", nargs="?", help="TOML config file (optional)")
     submit.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides")
@@ -101,7 +105,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
             serve_metrics(daemon.paths.db, args.metrics_port)
         except OSError as e:
             raise UserError(f"--metrics-port {args.metrics_port}: {e.strerror}") from None
+    if args.api:
+        return _serve_api(args, daemon)
     return int(run_loop(daemon.serve()))
+
+
+def _serve_api(args: argparse.Namespace, daemon: Daemon) -> int:
+    """The daemon with the Tinker API beside it (ops/tinker/), in one event loop."""
+    from rlhf_async.runtime import run_loop
+
+    try:
+        from rlhf_async.ops.tinker.server import ApiConfigError, ApiServer, parse_address, read_key
+        from rlhf_async.ops.tinker.service import TinkerService
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "aiohttp":
+            raise
+        raise UserError("--api needs aiohttp: pip install 'rlhf-async[tinker-api]'") from None
+    try:
+        host, port = parse_address(args.api)
+        key = read_key(os.environ.get("RLHF_ASYNC_API_KEY"), args.api_key_file)
+        api = ApiServer(TinkerService(daemon.paths.root), host, port, key)
+        return int(run_loop(api.run_beside(daemon.serve())))
+    except ApiConfigError as e:
+        raise UserError(str(e)) from None
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

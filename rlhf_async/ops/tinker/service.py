@@ -1,0 +1,341 @@
+"""What each Tinker API call does, apart from HTTP: sessions, training models and their
+ordered requests, futures. A handler returns the JSON reply (or a request id whose result
+comes through `retrieve_future`) or raises `ApiError`; model work goes to the one model
+thread (`futures.Worker`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_async.log import get_logger
+from rlhf_async.ops.tinker import proto, schema
+from rlhf_async.ops.tinker.base_models import BUILTIN, BaseModel, resolve
+from rlhf_async.ops.tinker.futures import ApiError, Futures, Sequencer, UserError, Worker
+from rlhf_async.ops.tinker.sampling import Sampler, read_sampler_base, save_sampler_weights
+from rlhf_async.ops.tinker.training import Lora, TrainedModel
+
+log = get_logger(component="tinker_api")
+LONG_POLL_S = 20.0  # a retrieve_future waits this long for its result (the client: 45 s)
+SAMPLERS_KEPT = 4  # a training model's newest samplers from save_weights_for_sampler
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a checkpoint's name
+TINKER_PATH = re.compile(r"^tinker://([A-Za-z0-9._-]+)/(sampler_weights|weights)/([A-Za-z0-9._-]+)$")
+
+
+def client_config() -> dict[str, Any]:
+    """The feature flags the SDK asks for before anything else: plain API keys (no JWT
+    exchange), httpx, uncompressed protobuf forward_backward, one retrieve_future per
+    request, custom losses on the client."""
+    return {"pjwt_auth_enabled": False, "credential_default_source": "api_key",
+            "use_pyqwest_transport": False, "proto_compress_fwdbwd": False,
+            "parallel_fwdbwd_chunks": True, "sample_use_retrieve_futures": False,
+            "custom_loss_server_side": False, "sample_join_sampling_session": False}
+
+
+@dataclass
+class Session:
+    id: str
+    sdk_version: str
+    created: float
+    last_seen: float
+    finished: bool = False
+
+
+@dataclass
+class ModelEntry:
+    id: str
+    session_id: str
+    base_name: str
+    lora: Lora
+    seq: Sequencer
+    create_rid: str
+    base: BaseModel | None = None
+    trained: TrainedModel | None = None
+    error: str | None = None
+    created: float = field(default_factory=time.time)
+    samplers: list[str] = field(default_factory=list)  # snapshots, oldest first
+
+
+class TinkerService:
+    def __init__(self, state_dir: Path, device: str | None = None) -> None:
+        self.root = Path(state_dir) / "tinker"
+        self.models_dir = self.root / "models"
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.futures = Futures()
+        self.worker = Worker(self.futures)
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, ModelEntry] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._released: set[str] = set()  # snapshot samplers let go (SAMPLERS_KEPT)
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for sampler in self.samplers.values():
+            await sampler.close()
+        await asyncio.to_thread(self.worker.shutdown)
+
+    def run_id(self, model_id: str) -> str:
+        """A model's training run id in `tinker://` paths (its id, ':' -> '_')."""
+        return model_id.replace(":", "_")
+
+    def checkpoint_dir(self, path: str, kind: str) -> Path:
+        m = TINKER_PATH.match(path)
+        if m is None or m.group(2) != kind:
+            raise UserError(f"{path!r} is not a tinker://RUN/{kind}/NAME path")
+        out = self.root / "runs" / m.group(1) / kind / m.group(3)
+        if not out.is_dir():
+            raise UserError(f"no checkpoint {path!r} on this server")
+        return out
+
+    # ---- sessions ----------------------------------------------------------------------
+    def create_session(self, req: schema.CreateSession) -> dict[str, Any]:
+        sid = f"session-{uuid.uuid4().hex[:16]}"
+        now = time.time()
+        self.sessions[sid] = Session(sid, req.sdk_version, now, now)
+        log.info("session created", session=sid, sdk=req.sdk_version)
+        return {"type": "create_session", "session_id": sid}
+
+    def session(self, sid: str) -> Session:
+        s = self.sessions.get(sid)
+        if s is None:
+            raise ApiError(404, f"unknown session {sid!r} (never created here, or the server "
+                                "restarted since)")
+        if s.finished:
+            raise ApiError(410, f"session {sid!r} has finished")
+        return s
+
+    def heartbeat(self, req: schema.SessionRef) -> dict[str, Any]:
+        self.session(req.session_id).last_seen = time.time()
+        return {"type": "session_heartbeat"}
+
+    def finish_session(self, sid: str) -> dict[str, Any]:
+        self.session(sid).finished = True
+        log.info("session finished", session=sid)
+        return {}
+
+    # ---- training models ---------------------------------------------------------------
+    def create_model(self, req: schema.CreateModel) -> dict[str, Any]:
+        self.session(req.session_id)
+        model_id = f"{req.session_id}:train:{req.model_seq_id}"
+        if model_id in self.models:  # a retry
+            return {"request_id": self.models[model_id].create_rid, "model_id": model_id}
+        cfg = req.lora_config or schema.LoraConfig(rank=0)
+        if cfg.rank < 0:
+            raise ApiError(400, f"create_model: lora_config.rank must be >= 0 (0: train every "
+                                f"weight), got {cfg.rank}")
+        if req.optimizer_config.type != "adamw":
+            raise ApiError(400, f"create_model: optimizer {req.optimizer_config.type!r} is not "
+                                "served; this server trains with adamw")
+        seed = cfg.seed if cfg.seed is not None else int(uuid.uuid4().int % (1 << 31))
+        lora = Lora(cfg.rank, seed, cfg.train_mlp, cfg.train_attn, cfg.train_unembed)
+        rid = self.futures.new()
+        entry = ModelEntry(model_id, req.session_id, req.base_model, lora,
+                           Sequencer(self.worker), rid)
+        self.models[model_id] = entry
+
+        def load() -> tuple[dict[str, Any], str]:
+            try:
+                entry.base = resolve(req.base_model, self.models_dir)
+                entry.trained = TrainedModel(entry.base, lora, self.device)
+            except Exception as e:
+                entry.error = str(e)
+                raise
+            log.info("model created", model=model_id, base=req.base_model, lora_rank=lora.rank,
+                     trainable=entry.trained.trainable)
+            return {"type": "create_model", "model_id": model_id}, "json"
+
+        self.worker.submit(rid, load, "create_model")  # type: ignore[arg-type]
+        return {"request_id": rid, "model_id": model_id}
+
+    def entry(self, model_id: str) -> ModelEntry:
+        e = self.models.get(model_id)
+        if e is None:
+            raise ApiError(404, f"unknown model {model_id!r} (never created here, or the "
+                                "server restarted since)")
+        return e
+
+    def trained(self, entry: ModelEntry) -> TrainedModel:
+        """On the model thread: the model, which its create_model loaded before."""
+        if entry.trained is None:
+            raise UserError(f"model {entry.id} could not be created: {entry.error}")
+        return entry.trained
+
+    def get_info(self, req: schema.ModelRef) -> dict[str, Any]:
+        e = self.entry(req.model_id)
+        if e.error is not None:
+            raise ApiError(400, f"model {e.id} could not be created: {e.error}")
+        if e.base is None or e.trained is None:
+            raise ApiError(409, f"model {e.id} is still loading")
+        return {"type": "get_info", "model_id": e.id, "model_name": e.base.name,
+                "model_data": {"arch": e.base.arch, "model_name": e.base.name,
+                               "tokenizer_id": e.base.tokenizer_id},
+                "is_lora": e.lora.rank > 0, "lora_rank": e.lora.rank or None,
+                "optimizer_config": {"type": "adamw"}}
+
+    def forward_backward(self, body: bytes) -> dict[str, Any]:
+        try:
+            req = proto.parse_forward_backward(body)
+        except ValueError as e:
+            raise ApiError(400, f"forward_backward: not a ForwardBackwardRequest ({e})") \
+                from None
+        entry = self.entry(req.model_id)
+        what = "forward" if req.forward_only else "forward_backward"
+
+        def job() -> tuple[bytes, str]:
+            if req.problem:
+                raise UserError(f"{what}: {req.problem}")
+            outputs, metrics = self.trained(entry).forward_backward(
+                req.data, req.loss_fn, req.loss_fn_config, req.forward_only)
+            return proto.forward_backward_output(outputs, metrics), "proto"
+
+        rid = entry.seq.submit(req.seq_id or None, job, what)
+        return {"request_id": rid, "model_id": entry.id}
+
+    def optim_step(self, req: schema.OptimStep) -> dict[str, Any]:
+        e = self.entry(req.model_id)
+        if req.adam_params is None:
+            raise ApiError(400, "optim_step: this server runs AdamW; send adam_params")
+        p = req.adam_params
+
+        def job() -> tuple[dict[str, Any], str]:
+            metrics = self.trained(e).optim_step(p.learning_rate, p.beta1, p.beta2, p.eps,
+                                                  p.weight_decay, p.grad_clip_norm)
+            return {"type": "optim_step", "metrics": metrics}, "json"
+
+        rid = e.seq.submit(req.seq_id, job, "optim_step")
+        return {"request_id": rid, "model_id": e.id}
+
+    # ---- sampling ----------------------------------------------------------------------
+    def save_weights_for_sampler(self, req: schema.SaveWeightsForSampler) -> dict[str, Any]:
+        e = self.entry(req.model_id)
+        if (req.path is None) == (req.sampling_session_seq_id is None):
+            raise ApiError(400, "save_weights_for_sampler takes a path (a name) or a "
+                                "sampling_session_seq_id, one of the two")
+        if req.path is not None and not NAME.match(req.path):
+            raise ApiError(400, f"save_weights_for_sampler: name {req.path!r} must be letters, "
+                                "digits, '.', '_' or '-' (at most 128)")
+        loop = asyncio.get_running_loop()
+
+        def job() -> tuple[dict[str, Any], str]:
+            weights = self.trained(e).weights()
+            assert e.base is not None
+            if req.path is not None:
+                run = self.run_id(e.id)
+                save_sampler_weights(self.root / "runs" / run / "sampler_weights" / req.path,
+                                     weights, e.base_name)
+                return {"type": "save_weights_for_sampler",
+                        "path": f"tinker://{run}/sampler_weights/{req.path}"}, "json"
+            sid = f"{e.session_id}:sample:{req.sampling_session_seq_id}"
+            sampler = Sampler(sid, e.base, None, weights, self.device)
+            # registered on the loop before the result is: the client asks for it next
+            loop.call_soon_threadsafe(self._keep_sampler, e, sampler)
+            return {"type": "save_weights_for_sampler", "sampling_session_id": sid}, "json"
+
+        rid = e.seq.submit(req.seq_id, job, "save_weights_for_sampler")
+        return {"request_id": rid, "model_id": e.id}
+
+    def _keep_sampler(self, e: ModelEntry, sampler: Sampler) -> None:
+        """Register a snapshot sampler; a model's older ones beyond SAMPLERS_KEPT go (an RL
+        loop makes one a step; each holds a copy of the model)."""
+        self.samplers[sampler.id] = sampler
+        e.samplers.append(sampler.id)
+        while len(e.samplers) > SAMPLERS_KEPT:
+            old = self.samplers.pop(e.samplers.pop(0), None)
+            if old is not None:
+                self._released.add(old.id)
+                task = asyncio.create_task(old.close())
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def create_sampling_session(self, req: schema.CreateSamplingSession,
+                                      ) -> dict[str, Any]:
+        self.session(req.session_id)
+        sid = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
+        if sid not in self.samplers:
+            self.samplers[sid] = await self._new_sampler(sid, req.base_model, req.model_path)
+        return {"type": "create_sampling_session", "sampling_session_id": sid}
+
+    async def _new_sampler(self, sid: str, base_model: str | None,
+                           model_path: str | None) -> Sampler:
+        try:
+            weights = None
+            if model_path is not None:
+                weights = self.checkpoint_dir(model_path, "sampler_weights")
+                base_model = read_sampler_base(weights)
+            if base_model is None:
+                raise UserError("a sampler needs a base_model or a model_path")
+            base = await asyncio.to_thread(resolve, base_model, self.models_dir)
+        except UserError as e:
+            raise ApiError(400, str(e)) from None
+        return Sampler(sid, base, model_path, weights, self.device)
+
+    def get_sampler(self, sid: str) -> dict[str, Any]:
+        sampler = self.samplers.get(sid)
+        if sampler is None:
+            raise ApiError(404, f"unknown sampler {sid!r}")
+        return sampler.describe()
+
+    async def asample(self, req: schema.Sample) -> dict[str, Any]:
+        if req.sampling_session_id is not None:
+            sampler = self.samplers.get(req.sampling_session_id)
+            if sampler is None and req.sampling_session_id in self._released:
+                raise ApiError(404, f"sampling session {req.sampling_session_id!r} was "
+                                    f"released: a training model keeps its {SAMPLERS_KEPT} "
+                                    "newest samplers; save the weights again")
+            if sampler is None:
+                raise ApiError(404, f"unknown sampling session {req.sampling_session_id!r}")
+        else:  # sampling without a session: one sampler per model named
+            sid = f"direct:{req.model_path or req.base_model}"
+            if sid not in self.samplers:
+                self.samplers[sid] = await self._new_sampler(sid, req.base_model,
+                                                             req.model_path)
+            sampler = self.samplers[sid]
+        rid = self.futures.new()
+        task = asyncio.create_task(self._sample(rid, sampler, req))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return {"request_id": rid,
+                "sample_sequence_ids": [f"{rid}:{i}" for i in range(max(req.num_samples, 0))]}
+
+    async def _sample(self, rid: str, sampler: Sampler, req: schema.Sample) -> None:
+        try:
+            value = await sampler.sample(rid, req)
+        except UserError as e:
+            self.futures.fail(rid, str(e), "user")
+        except Exception as e:
+            log.exception("sampling failed", sampler=sampler.id, request_id=rid)
+            self.futures.fail(rid, f"server error in asample: {type(e).__name__}: {e}",
+                              "server")
+        else:
+            self.futures.done(rid, value, "proto")
+
+    # ---- futures -----------------------------------------------------------------------
+    async def retrieve(self, req: schema.RetrieveFuture) -> tuple[str, Any]:
+        """("json", dict) or ("proto", bytes): the result, a failure, or try-again."""
+        if not self.futures.known(req.request_id):
+            raise ApiError(404, f"unknown request id {req.request_id!r} (too old, or the "
+                                "server restarted since it was made)")
+        result = await self.futures.wait(req.request_id, LONG_POLL_S)
+        if result is None:
+            return "json", {"type": "try_again", "request_id": req.request_id,
+                            "queue_state": "active"}
+        if result.kind == "error":
+            message, category = result.value
+            return "json", {"error": message, "category": category}
+        return result.kind, result.value
+
+    # ---- capabilities --------------------------------------------------------------------
+    def capabilities(self) -> dict[str, Any]:
+        return {"supported_models": [{"model_name": BUILTIN, "trainable": True,
+                                      "sampleable": True}]}
