@@ -13,9 +13,9 @@ built-in's value), as peers' recipes shrink their learning rates with the model:
     7B         1.9e-6     3.9e-6     1.2e-5   3.9e-6            (verl, OpenRLHF: 5e-7 .. 1e-6)
     70B        6.1e-7     1.2e-6     3.7e-6   1.2e-6            (OpenRLHF: 5e-7)
 
-The square root is the exponent that fits those recipes from 0.5B to 70B (N^-1/3, muP's
-width rule with depth ~ width, gives 7B 2.7e-6 and 70B 1.3e-6, above every recipe), and
-anchored on the built-in model it gives 135M the ~1e-5 measured to learn there. LoRA
+Anchored on the built-in model, the square root is the exponent that fits those recipes
+from 0.5B to 70B and gives 135M the ~1e-5 measured to learn there (N^-1/3, muP's width rule
+with depth ~ width, gives 7B 1.2e-5 and 70B 5.7e-6, ten times every recipe). LoRA
 trains at 10x full fine-tuning's rate ("LoRA Without Regret", Schulman et al. 2025).
 
 An explicit value (file or override) always wins; what was sized, and from what, is in
