@@ -20,6 +20,7 @@ from rlhf_async.config.schema import (
     TASK_DEFAULTS,
     JobConfig,
 )
+from rlhf_async.config.sizing import SIZED_KEYS, apply_model_defaults
 from rlhf_async.log import get_logger
 
 log = get_logger(component="config")
@@ -211,10 +212,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     _resolve_hub_ids(cfg, None if base_dir is None else Path(base_dir), problems)
     if base_dir is not None:
         _resolve_paths(cfg, Path(base_dir))
+    _size_to_model(cfg, data)
     _add_cross_checks(cfg, problems)
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def _size_to_model(cfg: JobConfig, data: dict[str, Any]) -> None:
+    """The learning rates the file and the overrides leave unset, sized to model.path
+    (`sizing.py`); logged, so that a run's log says where its values came from."""
+    given = {f"{section}.{key}" for section, key in SIZED_KEYS
+             if isinstance(data.get(section), dict) and key in data[section]}
+    sized = apply_model_defaults(cfg, given)
+    if sized:
+        log.info("defaults sized to model.path", model=cfg.model.path,
+                 **{s.key: s.value for s in sized})
 
 
 def _warn_deprecated(data: dict[str, Any]) -> None:

@@ -69,7 +69,8 @@ class SFTConfig:
     steps: int = opt(250, "supervised fine-tuning steps (built-in task: before RL; "
                      "`rlhf-async sft`: on sft.data)", ge=0)
     batch_size: int = opt(64, "demonstrations per SFT step", ge=1)
-    lr: float = opt(3e-3, "SFT learning rate (the built-in task's; ~1e-5 for a real model)",
+    lr: float = opt(3e-3, "SFT learning rate (the built-in model's; unset with model.path: "
+                    "scaled to its size, config/sizing.py; 135M: 8.4e-5)",
                     gt=0.0)
     data: str = opt("", "`rlhf-async sft`: your demonstrations, any source task.prompts "
                     "takes; rows of prompt_key + response_key, or messages_key")
@@ -91,7 +92,8 @@ class RewardModelConfig:
     weight: float = opt(1.0, "weight of reward_model.path's score in the reward", ge=0.0)
     steps: int = opt(1200, "Bradley-Terry training steps", ge=0)
     batch_size: int = opt(64, "preference pairs per step", ge=1)
-    lr: float = opt(1e-3, "reward-model learning rate", gt=0.0)
+    lr: float = opt(1e-3, "reward-model learning rate (the built-in model's; unset with "
+                    "model.path: scaled to its size, config/sizing.py; 135M: 2.8e-5)", gt=0.0)
     label_noise: float = opt(0.05, "temperature of the noisy labeller: P(a>b)=sigmoid(dh/t)",
                              gt=0.0)
     heldout_pairs: int = opt(1024, "held-out pairs for reward-model accuracy (built-in "
@@ -190,8 +192,11 @@ class TrainConfig:
     prompts_per_step: int = opt(32, "prompts per global batch (x group_size samples)", ge=1)
     epochs: int = opt(2, "passes over each batch", ge=1)
     minibatches: int = opt(2, "optimizer steps per epoch", ge=1)
-    lr: float = opt(5e-4, "actor learning rate", gt=0.0)
-    critic_lr: float = opt(1e-3, "critic learning rate (ppo)", gt=0.0)
+    lr: float = opt(5e-4, "actor learning rate (the built-in model's; unset with "
+                    "model.path: scaled to its size, config/sizing.py; 135M: 1.4e-5, 7B: "
+                    "1.9e-6; x10 with LoRA)", gt=0.0)
+    critic_lr: float = opt(1e-3, "critic learning rate (ppo; the built-in model's; unset "
+                           "with model.path: scaled as train.lr, 135M: 2.8e-5)", gt=0.0)
     lr_schedule: str = opt("constant", "learning rate over the RL steps, for actor and "
                            "critic, after the warm-up: constant, linear (to 0 at "
                            "train.steps), cosine (to 0 at train.steps)",

@@ -25,6 +25,7 @@ from rlhf_async.config import (
     JobConfig,
     collective_backend,
     config_from_dict,
+    describe_sized,
     load_config,
     to_dict,
 )
@@ -364,5 +365,7 @@ def dry_run_report(cfg: JobConfig) -> str:
     make_task(cfg)
     check_reachable(cfg)
     placement = with_engines(placement, cfg.train.backend, cfg.generation.backend)
-    return (f"{placement.table()}\n\nrun directory: {run_dir_of(cfg)}\n"
+    sized = describe_sized(cfg)  # the values sized to model.path, and where each came from
+    return (f"{placement.table()}\n\n" + (f"{sized}\n" if sized else "")
+            + f"run directory: {run_dir_of(cfg)}\n"
             "dry run: every check passed; nothing was started or written\n")

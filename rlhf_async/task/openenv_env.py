@@ -281,7 +281,10 @@ def _serve(target: str, port: int, parent: int) -> None:
 
     threading.Thread(target=watch, daemon=True).start()
     sys.path.insert(0, os.getcwd())  # a module path is the user's, from where they run
-    uvicorn.run(target, host="127.0.0.1", port=port, log_level="warning")
+    # no keepalive pings: on a loaded host (2 cores, load 8-10) the episodes' client
+    # answered late and uvicorn's 20 s ping timeout closed every open session (1011)
+    uvicorn.run(target, host="127.0.0.1", port=port, log_level="warning",
+                ws_ping_interval=None)
 
 
 if __name__ == "__main__":
