@@ -59,7 +59,10 @@ def evaluate(actor: torch.nn.Module, reward_model: ScalarHeadModel | None, task:
         args = (b.prompt_ids, b.prompt_mask, b.response_ids, b.response_mask)
         rm = None if reward_model is None else sequence_scores(reward_model, *args)
         reward, hidden = reward_mix(cfg, task).combine(rm, b)
-        bar.update(len(b), hidden=float(hidden.mean()), reward=float(reward.mean()))
+        # the hidden score is a column only beside a reward model's reward (else it is the
+        # reward itself, or nothing: an agent's or an environment's task has no rule)
+        shown = {"hidden": float(hidden.mean())} if rm is not None and task.has_rule else {}
+        bar.update(len(b), **shown, reward=float(reward.mean()))
     return {"hidden_score": float(hidden.mean()),
             "reward": float(reward.mean()),
             "response_length": float(b.loss_mask.sum(1).mean()),  # the policy's tokens

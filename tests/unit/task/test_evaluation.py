@@ -65,3 +65,15 @@ def test_eval_samples_scores_each_held_out_prompt_that_many_times():
     assert (a["prompts"], a["samples"]) == (6, 6) and (b["prompts"], b["samples"]) == (6, 18)
     assert torch.isfinite(torch.tensor([b["hidden_score"], b["reward"]])).all()
     assert a["hidden_score"] != b["hidden_score"]  # more responses went into the mean
+
+
+def test_the_evaluation_bar_shows_a_hidden_score_only_beside_a_reward_model(capsys):
+    """Without a reward model the built-in task's rule is the reward: one column, not two
+    showing the same number."""
+    cfg = load_config(None, ["run.eval_prompts=4"])
+    task = make_task(cfg)
+    actor = load_actor(ModelConfig(hidden=32, heads=2, layers=1), VOCAB_SIZE,
+                       task.special, seed=0)
+    evaluate(actor, None, task, cfg, label="initial")
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "[eval initial" in line and "| reward " in line and "hidden" not in line, line
