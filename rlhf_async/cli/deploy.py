@@ -17,6 +17,7 @@ from rlhf_async.cli.errors import UserError
 from rlhf_async.log import configure_logging
 from rlhf_async.ops.daemon.client import call_daemon
 from rlhf_async.ops.daemon.server import Daemon, DaemonError, StatePaths
+from rlhf_async.runtime import run_loop
 
 
 def default_state_dir() -> Path:
@@ -112,9 +113,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _serve_api(args: argparse.Namespace, daemon: Daemon) -> int:
     """The daemon with the Tinker API beside it (ops/tinker/), in one event loop."""
-    from rlhf_async.runtime import run_loop
-
-    try:
+    try:  # here, not at the top: aiohttp is the [tinker-api] extra's
         from rlhf_async.ops.tinker.server import ApiConfigError, ApiServer, parse_address, read_key
         from rlhf_async.ops.tinker.service import TinkerService
     except ModuleNotFoundError as e:
