@@ -68,8 +68,6 @@ from rlhf_async.task.evaluation import StepLogs
 from rlhf_async.weight_sync import WeightSyncError, make_sender, tied_names
 from rlhf_async.wire.protocol import Message
 
-STRATEGY = "separation"
-
 
 async def main(node: Node) -> None:
     try:
@@ -206,8 +204,8 @@ class Trainer:
 
         def write() -> None:
             self.group.lead(Op.CHECKPOINT)  # gathering the state is collective under ZeRO
-            save_learner_checkpoint(self.cfg, self.learner, self.ckpt_dir, step, STRATEGY,
-                                    meta=meta)
+            save_learner_checkpoint(self.cfg, self.learner, self.ckpt_dir, step,
+                                    self.cfg.placement.strategy, meta=meta)
         await asyncio.to_thread(write)
 
     async def finish(self) -> None:
@@ -230,7 +228,8 @@ class Trainer:
 
     def _save_final(self, policy_dir: Path) -> None:
         self.group.lead(Op.FINISH)  # the followers join the gather
-        save_final_policy(self.cfg, self.learner, policy_dir, STRATEGY)
+        save_final_policy(self.cfg, self.learner, policy_dir,
+                          self.cfg.placement.strategy)
 
     def _sync_metrics(self) -> dict[str, float]:
         """What the last publication put on the wire against a full update's bytes."""

@@ -23,8 +23,8 @@ def add_command(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rlhf_async.control.reshape import ReshapeError, parse_scale
-    from rlhf_async.control.scale import request_scale
     from rlhf_async.runtime import run_loop
+    from rlhf_async.strategies.registry import request_scale
     from rlhf_async.wire.security import SecurityError
 
     try:

@@ -31,11 +31,8 @@ def cross_checks(cfg: JobConfig) -> list[str]:
     out.extend(_length_tail_checks(cfg))
     out.extend(_algo_checks(cfg))
     out.extend(reward_spec_problems(cfg.task.reward))
-    if cfg.placement.rebalance and cfg.placement.strategy not in ("separation", "auto"):
-        out.append(f"placement.rebalance: moves devices between the generator and scorer "
-                   f"processes of a separation job; placement.strategy = "
-                   f"{cfg.placement.strategy!r} has none (set it to 'separation' or "
-                   "placement.rebalance = false)")
+    # (what only some strategies do, placement.rebalance, generation.partial_rollout and
+    # algo.max_staleness > 0, is checked with the placement: strategies.registry.FEATURES)
     if cfg.algo.dynamic_sampling and cfg.algo.group_size < 2:
         out.append("algo.dynamic_sampling: drops groups whose rewards are all equal; it "
                    "needs algo.group_size >= 2 (a group of one never varies)")
@@ -101,21 +98,15 @@ def _length_tail_checks(cfg: JobConfig) -> list[str]:
 
 
 def _partial_rollout_checks(cfg: JobConfig) -> list[str]:
-    """`generation.partial_rollout`: Separation's generators (any engine: one that cannot
-    keep requests across an update has them aborted and resubmitted) with single-turn
-    responses."""
+    """`generation.partial_rollout`: any engine (one that cannot keep requests across an
+    update has them aborted and resubmitted), single-turn responses; whether the strategy
+    does it is asked of the strategy (strategies.registry.FEATURES)."""
     if not cfg.generation.partial_rollout:
         return ["generation.continuous_batching: needs generation.partial_rollout = true "
                 "(rows of the next chunk decode beside the running chunk's, so new weights "
                 "come in between two decode steps)"] if cfg.generation.continuous_batching \
             else []
     out = []
-    strategy = cfg.placement.strategy
-    if strategy not in ("separation", "auto"):
-        out.append(f"generation.partial_rollout: only the separation strategy's generators "
-                   f"take weights during a generation; placement.strategy = {strategy!r} "
-                   "generates and trains in turn (accepted: separation, or auto resolving "
-                   "to it)")
     if has_env(cfg):
         out.append("generation.partial_rollout: not supported with multi-turn episodes "
                    "(task.env / task.agent / task.name = 'calculator'): each turn is its "

@@ -1,18 +1,21 @@
 """Asking a running job to change shape, from another process: `rlhf-async scale RUN_DIR
-generators=N scorers=M` and the daemon's `{"op": "scale", ...}` both come here.
+generators=N scorers=M` and the daemon's `{"op": "scale", ...}` both come here, through
+`strategies.registry.request_scale`, which passes the strategies' `scale_refusal`.
 
-    scaled = await request_scale(run_dir, parse_scale(["generators=2"]), timeout=300)
+    scaled = await request_scale(run_dir, parse_scale(["generators=2"]), 300, refusal)
 
 Refused with one `ReshapeError` (the job goes on unchanged): a run directory without a
-running job, a job that is not Separation (Flattening and Interleaving hold every model in
-one process per device: there is no generator process to add), and whatever the running
-coordinator refuses (counts below 1, too few free devices: control/reshape.py; on Ray, a
-cluster that cannot hold the new bundles: strategies/separation/on_ray.py).
+running job, a job whose strategy does not scale (`refusal`, from each strategy's
+`scalable` field: Flattening and Interleaving hold every model in one process per device,
+there is no generator process to add), and whatever the running coordinator refuses
+(counts below 1, too few free devices: control/reshape.py; on Ray, a cluster that cannot
+hold the new bundles: strategies/separation/on_ray.py).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -25,6 +28,8 @@ from rlhf_async.control.client import (
 )
 from rlhf_async.control.reshape import ReshapeError, Scale, Scaled
 from rlhf_async.runtime.messages import MessageError, decode_reply, tag, to_payload
+
+Refusal = Callable[[str], str | None]  # strategy name -> why it cannot scale, or None
 
 
 def running_placement(run_dir: Path) -> dict:
@@ -40,16 +45,14 @@ def running_placement(run_dir: Path) -> dict:
     return dict(placement)
 
 
-def check_scalable(run_dir: Path) -> dict:
-    """The running coordinator's file of a Separation job in `run_dir`, or ReshapeError."""
-    placement = running_placement(run_dir)
-    strategy = placement["strategy"]
-    if strategy != "separation":
+def check_scalable(run_dir: Path, refusal: Refusal) -> dict:
+    """The running coordinator's file of the job in `run_dir` when its strategy scales
+    (`refusal(strategy)` is None), or ReshapeError."""
+    strategy = running_placement(run_dir)["strategy"]
+    if (why := refusal(strategy)) is not None:
         raise ReshapeError(
-            f"{run_dir} runs placement.strategy = {strategy!r}: scale changes a running "
-            "separation job only (flattening and interleaving hold every model in one "
-            "process per device); to change its devices, stop it and resume it with "
-            "another placement.devices")
+            f"{run_dir} runs placement.strategy = {strategy!r}: {why}; to change its "
+            "devices, stop it and resume it with another placement.devices")
     try:
         info = read_coordinator_file(run_dir)
     except CoordinatorError:
@@ -62,11 +65,14 @@ def check_scalable(run_dir: Path) -> dict:
     return info
 
 
-async def request_scale(run_dir: Path, scale: Scale, timeout: float) -> Scaled:
+async def request_scale(run_dir: Path, scale: Scale, timeout: float,
+                        refusal: Refusal) -> Scaled:
     """Ask the job in `run_dir` to scale; its new shape once the new processes are up and
-    the retired ones gone (bounded by `timeout`)."""
+    the retired ones gone (bounded by `timeout`). `refusal(strategy)`: why a job of that
+    strategy cannot scale, None when it can (`strategies.registry.scale_refusal`: the
+    strategies are above this layer)."""
     scale.targets()  # counts below 1, or nothing asked: refused before anything is sent
-    info = check_scalable(run_dir)
+    info = check_scalable(run_dir, refusal)
     try:
         result = await call_coordinator(info["control"], tag(scale), to_payload(scale),
                                         timeout=timeout, keys=info.get("keys"))

@@ -179,10 +179,14 @@ def _follow_rank(cfg: JobConfig, placement: Placement, rank: int) -> dict:
 
 
 def _check_strategy(ck: Checkpoint | None, strategy: str) -> None:
-    """A Separation trainer's checkpoint and a lock-step rank's hold different state: a run
-    continues under the family of strategy that wrote its checkpoint."""
+    """A trainer process's checkpoint (a strategy that runs its own processes) and a
+    lock-step rank's hold different state: a run continues under a strategy of the family
+    (`Strategy.lock_step`) that wrote its checkpoint; one written by a strategy not
+    registered here continues under that strategy only."""
     written = None if ck is None else ck.meta.get("strategy")
-    if written is None or (written == "separation") == (strategy == "separation"):
+    if written is None or written == strategy or (
+            written in STRATEGIES and strategy in STRATEGIES
+            and STRATEGIES[written].lock_step == STRATEGIES[strategy].lock_step):
         return
     raise CheckpointError(f"{ck.path if ck else ''} was written by placement.strategy = "
                           f"{written!r}; this run has {strategy!r}, which cannot continue "

@@ -47,6 +47,7 @@ from rlhf_async.strategies.registry import (
     AUTO,
     STRATEGIES,
     build_placement,
+    feature_problems,
     missing_engine_problems,
     runnable_placement,
     runner_problems,
@@ -156,12 +157,7 @@ def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
     placement, _, problems = _plan(cfg)
     if placement is not None:
         placement = dataclasses.replace(placement, reason=strategy_why, engine_reason=chose)
-    if auto and cfg.generation.partial_rollout and STRATEGIES[cfg.placement.strategy].lock_step:
-        overlapping = " or ".join(n for n, s in STRATEGIES.items() if not s.lock_step)
-        problems.append(f"generation.partial_rollout: placement.strategy = auto chose "
-                        f"{cfg.placement.strategy!r}, whose generation does not overlap "
-                        f"training; set placement.strategy = {overlapping} (or "
-                        "generation.partial_rollout = false)")
+    problems += feature_problems(cfg, auto)
     if placement is not None:
         problems += [p for p in runner_problems(cfg, placement) if p not in problems]
     problems += missing_engine_problems(cfg)

@@ -6,6 +6,7 @@ executes it. A strategy is a plain value; `registry.py` maps `placement.strategy
     runner_problems(job_cfg, placement) -> [str]           what this build cannot execute
     run(job_cfg, placement, artefacts, run_dir, start_step) -> RunResult
     pricing: Pricing                                       how `plan` and `auto` price it
+    scalable, rebalance, partial_rollout, staleness: bool  what it does beyond lock-step
 
 What a strategy knows of the algorithm is its `Recipe` (`recipe.has_critic`).
 """
@@ -67,6 +68,13 @@ class Strategy:
     # modules the fork server imports once before it forks this strategy's processes (its
     # node programs, named by the strategy: runtime/ knows none)
     fork_preload: tuple[str, ...] = ()
+    # what it does beyond generating and training in turn; a job asking for one of these
+    # under a strategy without it is refused where its placement is planned
+    # (`registry.feature_problems`), and `rlhf-async scale` asks `scalable`
+    scalable: bool = False  # generator/scorer processes added or retired while it runs
+    rebalance: bool = False  # placement.rebalance: devices moved between those processes
+    partial_rollout: bool = False  # its generators take new weights mid-generation
+    staleness: bool = False  # generation runs up to algo.max_staleness versions ahead
 
     @property
     def lock_step(self) -> bool:

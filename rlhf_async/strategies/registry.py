@@ -8,9 +8,14 @@ it to one of these before anything runs.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 from rlhf_async.config import AlgoConfig, JobConfig, PlacementConfig
 from rlhf_async.config.presets import resolve
+from rlhf_async.control import scale as control_scale
+from rlhf_async.control.reshape import Scale, Scaled
 from rlhf_async.engines import (
     ENGINES,
     MissingExtraError,
@@ -36,6 +41,32 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     separation_strategy.STRATEGY,
 )}
 AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Feature:
+    """What a job may ask that only some strategies do: its config key, whether `cfg` asks
+    it, which `Strategy` field says a strategy does it, what it does, how to turn it off."""
+
+    key: str
+    asked: Callable[[JobConfig], bool]
+    honoured: Callable[[Strategy], bool]
+    does: Callable[[JobConfig], str]
+    off: str
+
+
+FEATURES = (
+    Feature("placement.rebalance", lambda c: c.placement.rebalance, lambda s: s.rebalance,
+            lambda c: "moves devices between a job's generator and scorer processes",
+            "placement.rebalance = false"),
+    Feature("generation.partial_rollout", lambda c: c.generation.partial_rollout,
+            lambda s: s.partial_rollout,
+            lambda c: "has generators take new weights during a generation",
+            "generation.partial_rollout = false"),
+    Feature("algo.max_staleness", lambda c: c.algo.max_staleness > 0, lambda s: s.staleness,
+            lambda c: f"lets generation run up to {c.algo.max_staleness} weight version(s) "
+                      "ahead of training", "algo.max_staleness = 0"),
+)
 
 
 def get(name: str) -> Strategy:
@@ -98,6 +129,49 @@ def runnable_placement(cfg: JobConfig) -> Placement:
     if problems or placement is None:
         raise PlacementError(problems)
     return placement
+
+
+def feature_problems(cfg: JobConfig, auto: bool = False) -> list[str]:
+    """What `cfg` asks that its (resolved) strategy does not do, asked of the strategy's
+    fields (never of its name); `auto`: the planner chose that strategy."""
+    if cfg.placement.strategy not in STRATEGIES:
+        return []
+    strategy, out = STRATEGIES[cfg.placement.strategy], []
+    how = "generates and trains in turn" if strategy.lock_step else "does not"
+    for f in FEATURES:
+        if not f.asked(cfg) or f.honoured(strategy):
+            continue
+        able = " or ".join(n for n, s in STRATEGIES.items() if f.honoured(s))
+        who = able or "no strategy here"
+        if auto:
+            fix = f"placement.strategy = {able} (or {f.off})" if able else f.off
+            out.append(f"{f.key}: placement.strategy = auto chose {strategy.name!r}, which "
+                       f"{how}; it {f.does(cfg)} under {who} only; set {fix}")
+        else:
+            fix = f"placement.strategy = {able}, or auto resolving to it; or " if able else ""
+            out.append(f"{f.key}: {f.does(cfg)}, which {'only ' if able else ''}{who} does; "
+                       f"placement.strategy = {strategy.name!r} {how} (accepted: {fix}"
+                       f"{f.off})")
+    return out
+
+
+def scale_refusal(strategy: str) -> str | None:
+    """Why `rlhf-async scale` cannot change a running job of `strategy`; None if it can."""
+    if strategy in STRATEGIES and STRATEGIES[strategy].scalable:
+        return None
+    able = " or ".join(n for n, s in STRATEGIES.items() if s.scalable) or "no strategy here"
+    if strategy in STRATEGIES and not STRATEGIES[strategy].lock_step:
+        why = f"{strategy} keeps its processes while it runs"
+    else:
+        *most, last = [n for n, s in STRATEGIES.items() if s.lock_step] or [strategy]
+        why = f"{', '.join(most)} and {last} hold" if most else f"{last} holds"
+        why += " every model in one process per device"
+    return f"scale changes a running {able} job only ({why})"
+
+
+async def request_scale(run_dir: Path, scale: Scale, timeout: float) -> Scaled:
+    """`control.scale.request_scale`, refused for a job whose strategy does not scale."""
+    return await control_scale.request_scale(run_dir, scale, timeout, scale_refusal)
 
 
 def engine_problems(cfg: JobConfig) -> list[str]:

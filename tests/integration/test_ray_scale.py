@@ -16,9 +16,9 @@ import pytest
 
 from rlhf_async.config import load_config
 from rlhf_async.control.reshape import ReshapeError, Scale
-from rlhf_async.control.scale import request_scale
 from rlhf_async.metrics import read_metrics
 from rlhf_async.runtime import run_loop
+from rlhf_async.strategies.registry import request_scale
 from tests.faults import run_during, steps_done, stop_job, trained_counts, wait_steps
 from tests.integration.test_scale import TINY
 

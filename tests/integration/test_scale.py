@@ -17,9 +17,9 @@ import pytest
 
 from rlhf_async.config import load_config
 from rlhf_async.control.reshape import ReshapeError, Scale
-from rlhf_async.control.scale import request_scale
 from rlhf_async.ops.daemon.server import Daemon
 from rlhf_async.runtime import run_loop
+from rlhf_async.strategies.registry import request_scale
 from rlhf_async.strategies.separation.rebalance import Work
 from tests.faults import run_during, trained_counts
 

@@ -226,8 +226,8 @@ class Daemon:
         """`{"op": "scale", "id": N, "generators": 2, "scorers": 1}`: the running job's
         coordinator adds or retires processes (control/scale.py); answered once it has."""
         from rlhf_async.control.reshape import KEYS, ReshapeError, Scale
-        from rlhf_async.control.scale import request_scale
         from rlhf_async.runtime.messages import to_payload
+        from rlhf_async.strategies.registry import request_scale
 
         job = self._job(request.get("id"))
         unknown = sorted(set(request) - {"op", "id", "timeout", *KEYS})

@@ -161,4 +161,5 @@ STRATEGY = Strategy(
     roles=("trainer", "generator", "scorer"), preset=preset,
     placement_problems=placement_problems, runner_problems=runner_problems, run=run,
     pricing=Pricing(step=pricing.price, layouts=pricing.layouts, grid=pricing.grid),
-    fork_preload=NODE_MODULES)
+    fork_preload=NODE_MODULES, scalable=True, rebalance=True, partial_rollout=True,
+    staleness=True)

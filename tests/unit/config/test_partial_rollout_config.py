@@ -14,12 +14,15 @@ def test_partial_rollout_loads_from_a_cli_override():
 
 @pytest.mark.parametrize(("overrides", "needle"), [
     (["placement.strategy=flattening"], "placement.strategy = 'flattening'"),
-    (["placement.strategy=interleaving"], "placement.strategy = 'interleaving'"),
+    (["placement.strategy=interleaving", "placement.devices=2"],
+     "placement.strategy = 'interleaving'"),
     (["placement.strategy=separation", "task.name=calculator"], "multi-turn episodes"),
 ])
 def test_partial_rollout_outside_separations_torch_engine_is_one_clear_error(overrides, needle):
+    # whether the strategy does it is checked with its placement (what `run` and `--dry-run`
+    # both check before anything starts); multi-turn episodes already when loading
     with pytest.raises(ConfigError) as ei:
-        load_config(None, ["generation.partial_rollout=true", *overrides])
+        prepare_run(load_config(None, ["generation.partial_rollout=true", *overrides]))
     lines = [p for p in ei.value.problems if p.startswith("generation.partial_rollout:")]
     assert len(lines) == 1 and needle in lines[0], ei.value.problems
 

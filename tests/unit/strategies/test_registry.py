@@ -1,16 +1,26 @@
 """The registry: every strategy is a value behind its name, and adding one is one module
-plus one registry line (here the toy `solo`, added with monkeypatch)."""
+plus one registry line (here the toy `solo`, added with monkeypatch); what a job asks of
+its strategy (rebalance, partial rollouts, staleness, scale, resuming a checkpoint) is
+asked of the strategy's fields, never of its name (the toy `relay` here)."""
 
+import dataclasses
 import json
 
 import pytest
 
 from rlhf_async.cli import main
-from rlhf_async.config import load_config
+from rlhf_async.config import ConfigError, PlacementConfig, load_config
+from rlhf_async.config.presets import Recipe
+from rlhf_async.control.reshape import ReshapeError, Scale
 from rlhf_async.job import run
+from rlhf_async.job.local import _check_strategy
 from rlhf_async.planning.planner import choose, predictions, prepare_run
+from rlhf_async.rl.checkpoint import Checkpoint, CheckpointError
+from rlhf_async.runtime import run_loop
 from rlhf_async.strategies import registry
-from rlhf_async.strategies.placement import PlacementError
+from rlhf_async.strategies.base import Overrides, Strategy
+from rlhf_async.strategies.placement import Placement, PlacementError
+from rlhf_async.strategies.separation import strategy as separation
 from tests.unit.strategies import toy_strategy
 
 
@@ -75,3 +85,87 @@ def test_the_toy_strategy_is_planned_and_priced_by_auto_from_its_module(monkeypa
     finally:  # in their order: the first is what `plan --simulate` compares the others to
         registry.STRATEGIES.clear()
         registry.STRATEGIES.update(registered)
+
+
+def _relay(name: str, **does: bool) -> Strategy:
+    """A toy strategy that runs its own processes, written in this file alone: Separation's
+    trainer, generators and scorers under another name, doing what `does` says."""
+    def preset(cfg: PlacementConfig, recipe: Recipe, over: Overrides) -> Placement:
+        return dataclasses.replace(separation.preset(cfg, recipe, over), strategy=name)
+
+    return Strategy(name=name, summary="separation's processes under another name",
+                    roles=("trainer", "generator", "scorer"), preset=preset,
+                    placement_problems=separation.placement_problems,
+                    runner_problems=separation.runner_problems, run=separation.run,
+                    pricing=separation.STRATEGY.pricing, **does)
+
+
+FEATURES = ["placement.rebalance=true", "generation.partial_rollout=true",
+            "algo.max_staleness=1"]
+
+
+def _problems(overrides: list[str]) -> list[str]:
+    try:
+        prepare_run(load_config(None, overrides))
+    except ConfigError as e:
+        return e.problems
+    return []
+
+
+def test_what_a_job_asks_of_its_strategy_follows_the_strategys_fields_not_its_name(
+        monkeypatch, tmp_path):
+    monkeypatch.setitem(registry.STRATEGIES, "relay", _relay(
+        "relay", scalable=True, rebalance=True, partial_rollout=True, staleness=True))
+    monkeypatch.setitem(registry.STRATEGIES, "still", _relay("still"))
+    monkeypatch.setitem(registry.STRATEGIES, "solo", toy_strategy.STRATEGY)
+    two = ["placement.devices=2", *FEATURES]
+    assert _problems(["placement.strategy=relay", *two]) == []
+    assert _problems(["placement.strategy=separation", *two]) == []
+    still = _problems(["placement.strategy=still", *two])
+    assert [p.split(":")[0] for p in still] == ["placement.rebalance",
+                                               "generation.partial_rollout",
+                                               "algo.max_staleness"], still
+    assert all("which only separation or relay does; placement.strategy = 'still' does not"
+               in p for p in still), still
+    solo = _problems(["placement.strategy=solo", "algo.max_staleness=2"])
+    assert solo == [
+        "algo.max_staleness: lets generation run up to 2 weight version(s) ahead of "
+        "training, which only separation or relay does; placement.strategy = 'solo' "
+        "generates and trains in turn (accepted: placement.strategy = separation or relay, "
+        "or auto resolving to it; or algo.max_staleness = 0)"]
+    # `scale` asks `scalable`: relay passes to the running-job check, still is refused
+    assert registry.scale_refusal("relay") is None
+    assert registry.scale_refusal("still") == ("scale changes a running separation or relay "
+                                               "job only (still keeps its processes while it "
+                                               "runs)")
+    assert registry.scale_refusal("solo") == (
+        "scale changes a running separation or relay job only (flattening, interleaving and "
+        "solo hold every model in one process per device)")
+    (tmp_path / "config.json").write_text(json.dumps({"placement": {"strategy": "relay"}}))
+    with pytest.raises(ReshapeError, match="no running job"):
+        run_loop(registry.request_scale(tmp_path, Scale(generators=2), timeout=5))
+    # a checkpoint continues under a strategy of the family that wrote it
+    ck = Checkpoint(tmp_path / "ckpt-00000002", 2, {}, {"strategy": "separation"})
+    _check_strategy(ck, "relay")
+    with pytest.raises(CheckpointError, match="this run has 'solo', which cannot continue"):
+        _check_strategy(ck, "solo")
+
+
+def test_max_staleness_under_a_lock_step_strategy_is_a_config_error(monkeypatch):
+    for strategy in ("flattening", "interleaving"):
+        problems = _problems([f"placement.strategy={strategy}", "placement.devices=2",
+                              "algo.max_staleness=1"])
+        assert [p for p in problems if p.startswith("algo.max_staleness:")] == [
+            f"algo.max_staleness: lets generation run up to 1 weight version(s) ahead of "
+            f"training, which only separation does; placement.strategy = {strategy!r} "
+            "generates and trains in turn (accepted: placement.strategy = separation, or "
+            "auto resolving to it; or algo.max_staleness = 0)"], problems
+    # auto: accepted where it resolves to separation, refused where it chose a lock-step one
+    assert _problems(["placement.strategy=auto", "algo.max_staleness=1"]) == []
+    chosen = _problems(["placement.strategy=auto", "algo.max_staleness=1",
+                        "placement.devices=4"])
+    assert chosen == [
+        "algo.max_staleness: placement.strategy = auto chose 'interleaving', which generates "
+        "and trains in turn; it lets generation run up to 1 weight version(s) ahead of "
+        "training under separation only; set placement.strategy = separation (or "
+        "algo.max_staleness = 0)"], chosen
