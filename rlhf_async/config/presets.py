@@ -15,6 +15,9 @@ The advantage's baseline is the preset's alone (it is what names an algorithm):
 gae (PPO's critic), group_mean (GRPO and its descendants), leave_one_out (RLOO), none
 (REINFORCE++: the reward minus the KL still to come, normalised over the batch), distill
 (on-policy distillation: no reward at all; the teacher's per-token term, `rl/distill.py`).
+`algo.advantage_estimator` and `algo.policy_loss` replace the preset's estimator and loss
+by name; the names are the registries' in `rl/registry.py` (this layer sits below it: the
+names are checked there, `name_problems`, before a job does any work).
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from typing import Any
 
 from rlhf_async.config.fields import opt
 
-BASELINES = ("gae", "group_mean", "leave_one_out", "none", "distill")
 DAPO_OVERLONG_FRACTION = 0.2  # DAPO's buffer: 4096 of 20480 tokens
 
 
@@ -33,7 +35,7 @@ DAPO_OVERLONG_FRACTION = 0.2  # DAPO's buffer: 4096 of 20480 tokens
 class Recipe:
     """Concrete values of every algorithm knob (nothing left to a preset)."""
 
-    baseline: str
+    baseline: str  # the advantage estimator's name (`rl/registry.py`)
     adv_norm: str  # group | batch | none
     loss_agg: str  # token_mean | seq_mean_token_sum | seq_mean_token_mean
     ratio_level: str  # token | sequence
@@ -44,7 +46,7 @@ class Recipe:
     mismatch_cap: float
     kl_mode: str  # reward | loss | none
     kl_estimator: str  # k1 | k3
-    surrogate: str = "clip"  # clip (PPO's clipped ratio) | cispo (clipped IS weight)
+    surrogate: str = "clip"  # the policy loss's name (`rl/registry.py`): clip, cispo, ...
     proximal: bool = False  # decoupled PPO: stale tokens weighted by pi_prox / behaviour
 
     @property
@@ -151,7 +153,7 @@ def resolve(a: AlgoConfig) -> Recipe:
         mismatch, cap = "tis", a.is_cap
     kl_mode = a.kl_mode or p["kl_mode"]
     return Recipe(
-        baseline=p["baseline"], adv_norm=a.adv_norm or p["adv_norm"],
+        baseline=a.advantage_estimator or p["baseline"], adv_norm=a.adv_norm or p["adv_norm"],
         loss_agg=a.loss_agg or p.get("loss_agg", "token_mean"),
         ratio_level=a.ratio_level or p.get("ratio_level", "token"),
         clip_low=a.clip_eps_low or p.get("clip_low", a.clip_eps),
@@ -160,7 +162,7 @@ def resolve(a: AlgoConfig) -> Recipe:
                           else p.get("overlong_penalty", 0.0)),
         mismatch=mismatch, mismatch_cap=cap, kl_mode=kl_mode,
         kl_estimator=a.kl_estimator or ("k3" if kl_mode == "loss" else "k1"),
-        surrogate=p.get("surrogate", "clip"), proximal=a.proximal)
+        surrogate=a.policy_loss or p.get("surrogate", "clip"), proximal=a.proximal)
 
 
 def distills(a: AlgoConfig) -> bool:
@@ -192,6 +194,14 @@ class AlgoConfig:
     name: str = opt("ppo", "RL algorithm: a preset of the knobs below that are left at "
                     "their preset's value (config/presets.py; each cites its paper)",
                     choices=tuple(PRESETS))
+    advantage_estimator: str = opt("", "the advantage estimator by name, a key of "
+                                   "ADVANTAGE_ESTIMATORS in rl/registry.py: gae (ppo), "
+                                   "group_mean (grpo and its descendants), leave_one_out "
+                                   "(rloo), none (reinforce_pp), distill, or one registered "
+                                   "there; '' = the preset's")
+    policy_loss: str = opt("", "the policy loss by name, a key of POLICY_LOSSES in "
+                           "rl/registry.py: clip (PPO's clipped ratio), cispo, or one "
+                           "registered there; '' = the preset's (cispo for cispo, else clip)")
     kl_coef: float = opt(0.05, "weight of the KL penalty to the reference (with kl_target > "
                          "0: its floor)", ge=0.0)
     kl_target: float = opt(5.0, "adaptive KL controller: raise the KL weight while the KL to "

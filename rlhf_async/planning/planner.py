@@ -20,6 +20,7 @@ from rlhf_async.config import (
     PlacementConfig,
     TrainConfig,
 )
+from rlhf_async.config.presets import resolve
 from rlhf_async.config.reference import overrides
 from rlhf_async.engines import ENGINES, engine_choice
 from rlhf_async.log import get_logger
@@ -36,6 +37,7 @@ from rlhf_async.planning.costmodel import (
     predict,
 )
 from rlhf_async.planning.machine import machine, shape_of, workload_of
+from rlhf_async.rl.registry import name_problems
 from rlhf_async.strategies.placement import (
     Placement,
     PlacementError,
@@ -161,6 +163,7 @@ def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
     if placement is not None:
         problems += [p for p in runner_problems(cfg, placement) if p not in problems]
     problems += missing_engine_problems(cfg)
+    problems += name_problems(resolve(cfg.algo))  # the config layer cannot see rl's names
     if problems or placement is None:
         raise PlacementError(problems)
     return cfg, placement

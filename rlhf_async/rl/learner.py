@@ -28,6 +28,13 @@ from rlhf_async.rl import algorithms as A
 from rlhf_async.rl.distill import distill_advantages, reverse_kl_per_token
 from rlhf_async.rl.guards import require_finite
 from rlhf_async.rl.microbatches import MicroBatcher, minibatch_rows
+from rlhf_async.rl.registry import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
+    POLICY_STATS,
+    AdvantageInputs,
+    name_problems,
+)
 from rlhf_async.rl.step_stats import global_stats, mismatch_stats
 
 
@@ -64,6 +71,8 @@ class Learner:
                  train: TrainConfig, seed: int, temperature: float = 1.0,
                  precision: Precision = FP32, lora: LoraConfig | None = None) -> None:
         self.recipe = resolve(algo)
+        if name_problems(self.recipe):
+            raise ValueError("; ".join(name_problems(self.recipe)))
         if self.recipe.has_critic and critic is None:
             raise ValueError("PPO needs a critic")
         self.algo, self.train, self.seed, self.temperature = algo, train, seed, temperature
@@ -219,20 +228,9 @@ class Learner:
         kl = None if old_lp is None else A.kl_per_token(
             old_lp, b.ref_logprobs, rc.kl_estimator) * m
         kl_r = self.kl_coef if rc.kl_mode == "reward" and kl is not None else 0.0
-        ret = None
-        if rc.baseline == "distill":  # no reward: the teacher's term below is all of it
-            adv = m.new_zeros(m.shape)
-        elif rc.baseline in ("gae", "none"):  # per token: the KL still to come, per token
-            r = A.token_rewards(b.rewards, m.new_zeros(m.shape) if kl is None else kl, m, kl_r)
-            if rc.baseline == "gae":
-                assert values is not None  # PPO always has a critic
-                adv, ret = A.gae(r, values, m, algo.gamma, algo.lam)
-            else:  # REINFORCE++: returns to go, no discount, no critic
-                adv, _ = A.gae(r, m.new_zeros(m.shape), m, 1.0, 1.0)
-        else:
-            penalty = None if kl is None else kl_r * kl.sum(dim=1)  # [B]
-            adv = A.episode_advantages(b.rewards, b.group_ids, b.sample_ids, b.episode_segments,
-                                       rc.baseline, rc.adv_norm == "group", penalty)[:, None] * m
+        adv, ret = ADVANTAGE_ESTIMATORS[rc.baseline](AdvantageInputs(
+            b.rewards, m, kl, kl_r, values, b.group_ids, b.sample_ids, b.episode_segments,
+            rc.adv_norm == "group", algo.gamma, algo.lam))
         if rc.adv_norm == "batch":
             adv = A.whiten(adv, m, all_reduce_sum)
         if distill_weight(algo):  # after normalising, as the term is already per token
@@ -269,10 +267,12 @@ class Learner:
                                    mb.step // self.train.publish_every)
             weights = A.proximal_weights(old_lp, mb.behaviour_logprobs, stale,
                                          rc.mismatch_cap, "tis", m, rc.ratio_level)
-        policy_loss = A.cispo_policy_loss if rc.surrogate == "cispo" else A.ppo_policy_loss
-        pg, st = policy_loss(lp, old_lp, adv, m, rc.clip_low, rc.clip_high, weights=weights,
-                             ratio_level=rc.ratio_level, loss_agg=rc.loss_agg,
-                             normaliser=n_tokens, n_seqs=n_seqs)
+        pg, st = POLICY_LOSSES[rc.surrogate](
+            lp, old_lp, adv, m, rc.clip_low, rc.clip_high, weights=weights,
+            ratio_level=rc.ratio_level, loss_agg=rc.loss_agg, normaliser=n_tokens, n_seqs=n_seqs)
+        if sorted(st) != sorted(POLICY_STATS):  # every rank reduces the same list of stats
+            raise ValueError(f"policy loss {rc.surrogate!r} returned stats {sorted(st)}, not "
+                             f"{list(POLICY_STATS)}")
         ent = A.masked_token_mean(fwd.entropy, m, n_tokens)
         loss = pg - algo.entropy_coef * ent if algo.entropy_coef > 0 else pg
         stats = {"policy_loss": pg.detach(), "entropy": ent.detach(), **st}
@@ -293,7 +293,7 @@ class Learner:
         return loss, None, stats
 
     def _stat_names(self) -> list[str]:
-        names = ["policy_loss", "entropy", "clip_frac", "approx_kl"]
+        names = ["policy_loss", "entropy", *POLICY_STATS]
         names += ["kl_loss"] if self.recipe.kl_mode == "loss" else []
         return names + (["value_loss"] if self.critic_backend is not None else [])
 
