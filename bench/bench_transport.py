@@ -32,8 +32,9 @@ import zmq
 import zmq.asyncio
 
 from rlhf_async.runtime.loop import run_loop
+from rlhf_async.wire.local import free_tcp_port
 from rlhf_async.wire.protocol import Message
-from rlhf_async.wire.transport import Endpoint, Transport, free_tcp_port
+from rlhf_async.wire.transport import Endpoint, Transport
 
 SIZES = {"1KB": 1 << 10, "1MB": 1 << 20, "64MB": 64 << 20}
 COUNTS = {"1KB": 20000, "1MB": 2000, "64MB": 24}  # ~20 MB, ~2 GB, ~1.5 GB per run

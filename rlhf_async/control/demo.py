@@ -15,7 +15,8 @@ from rlhf_async.control.client import NodeDead, NodeEvent
 from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.runtime.messages import MessageError, Msg, from_payload, tag
 from rlhf_async.runtime.spec import NodeSpec
-from rlhf_async.wire.transport import Endpoint, free_tcp_port, ipc_address
+from rlhf_async.wire.local import free_tcp_port
+from rlhf_async.wire.transport import Endpoint, ipc_address
 
 # ---- the demo's events (sent by nodes/demo_pipeline.py) -----------------------------------
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf_async.config import ConfigError
-from rlhf_async.wire.transport import free_tcp_port as free_port  # the parent picks it
+from rlhf_async.wire.local import free_tcp_port as free_port  # the parent picks it
 
 __all__ = ["Launch", "env_group", "exit_rank", "free_port", "join_group", "launched",
            "rank_group"]

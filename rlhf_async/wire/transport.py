@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
@@ -29,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from rlhf_async.wire.allocator import keep_freed_buffers
+from rlhf_async.wire.local import bind_private_ipc, remove_socket_file
 from rlhf_async.wire.protocol import (
     DEFAULT_MAX_BYTES,
     MAX_HEADER_BYTES,
@@ -111,38 +111,6 @@ def _address_problems(address: Any) -> list[str]:
 def ipc_address(directory: str, name: str) -> str:
     """`ipc://DIR/NAME`, or an EndpointError when the path is too long for a unix socket."""
     return Endpoint("pull", f"ipc://{os.path.join(directory, name)}").address
-
-
-def _bind_private_ipc(sock: zmq.Socket[Any], path: str) -> tuple[str, int, int]:
-    """Bind a unix socket only its owner can connect to (other users cannot join); returns
-    the file's (path, device, inode), which closing it removes (libzmq leaves it)."""
-    directory = os.path.dirname(path) or "."
-    if not os.path.isdir(directory):
-        os.makedirs(directory, mode=0o700)
-    # libzmq's bind creates the file in this thread with the process umask
-    old = os.umask(0o077)
-    try:
-        sock.bind(f"ipc://{path}")
-    finally:
-        os.umask(old)
-    os.chmod(path, 0o600)
-    st = os.stat(path)
-    return path, st.st_dev, st.st_ino
-
-
-def _remove_socket_file(path: str, dev: int, ino: int) -> None:
-    """Remove a socket file this process bound, unless the path is another's now (a
-    restarted node bound it again before this one closed)."""
-    with contextlib.suppress(OSError):
-        st = os.stat(path)
-        if (st.st_dev, st.st_ino) == (dev, ino):
-            os.unlink(path)
-
-
-def free_tcp_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class _RateLimitedLog:
@@ -323,7 +291,7 @@ class Transport:
         try:
             curve = self._secure(sock, endpoint)
             if endpoint.bind and endpoint.address.startswith("ipc://"):
-                self._socket_files.append(_bind_private_ipc(sock, endpoint.address[6:]))
+                self._socket_files.append(bind_private_ipc(sock, endpoint.address[6:]))
             elif endpoint.bind:
                 sock.bind(endpoint.address)
             else:
@@ -397,7 +365,7 @@ class Transport:
             self._zap.close()
         self.ctx.term()
         for path, dev, ino in self._socket_files:
-            _remove_socket_file(path, dev, ino)
+            remove_socket_file(path, dev, ino)
 
     async def __aenter__(self) -> Self:
         return self

@@ -13,9 +13,10 @@ from rlhf_async.cli import main as cli_main
 from rlhf_async.control.coordinator import Coordinator, call_coordinator
 from rlhf_async.control.demo import address_maker, build_specs
 from rlhf_async.log import configure_logging
+from rlhf_async.wire.local import free_tcp_port
 from rlhf_async.wire.protocol import Message
 from rlhf_async.wire.security import Keyring, generate_keys
-from rlhf_async.wire.transport import Endpoint, Transport, free_tcp_port
+from rlhf_async.wire.transport import Endpoint, Transport
 
 MESSAGES = 2000
 

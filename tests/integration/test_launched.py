@@ -8,7 +8,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from rlhf_async.wire.transport import free_tcp_port
+from rlhf_async.wire.local import free_tcp_port
 
 pytestmark = pytest.mark.timeout(300)
 TINY = ["model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=20",

@@ -16,6 +16,7 @@ from rlhf_async.cli import main as cli_main
 from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.log import configure_logging
 from rlhf_async.runtime import NodeSpec, SpecError
+from rlhf_async.wire.local import free_tcp_port
 from rlhf_async.wire.protocol import PROTOCOL_VERSION, Message, MessageTooLarge, decode, encode
 from rlhf_async.wire.security import (
     Keyring,
@@ -24,7 +25,7 @@ from rlhf_async.wire.security import (
     is_loopback,
     load_authorized,
 )
-from rlhf_async.wire.transport import Endpoint, Transport, free_tcp_port
+from rlhf_async.wire.transport import Endpoint, Transport
 
 pytestmark = pytest.mark.timeout(60)
 

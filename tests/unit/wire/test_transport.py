@@ -4,8 +4,9 @@ import pytest
 import torch
 import zmq
 
+from rlhf_async.wire.local import free_tcp_port
 from rlhf_async.wire.protocol import Message, encode
-from rlhf_async.wire.transport import Endpoint, EndpointError, Transport, free_tcp_port, ipc_address
+from rlhf_async.wire.transport import Endpoint, EndpointError, Transport, ipc_address
 
 pytestmark = pytest.mark.timeout(30)
 
