@@ -95,3 +95,15 @@ def test_the_readme_config_example_loads(block, tmp_path):
     job = tmp_path / "job.toml"
     job.write_text(block)
     load_config(job, [])
+
+
+def test_ci_runs_the_readmes_test_command_verbatim():
+    """The README's two commands for a fresh machine: the first installs and runs the built-in
+    example, the second installs and runs the tests, and `.ci/run` runs exactly that one."""
+    section = (REPO / "README.md").read_text().split("## Two commands for a fresh machine")[1]
+    commands = re.findall(r"^```bash\n(.*?)\n```", section.split("\n## ")[0], re.S | re.M)
+    assert len(commands) == 2, commands
+    run, test = commands
+    assert run.endswith(".venv/bin/rlhf-async run") and "-e ." in run
+    assert test.endswith("-m pytest -q") and "'.[test]'" in test
+    assert test in (REPO / ".ci" / "run").read_text().splitlines()
