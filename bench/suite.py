@@ -23,8 +23,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               "our Channel moves 1 MB-64 MB messages at raw pyzmq's speed (ARCHITECTURE.md, "
               "wire/)", ("transport.json",), "Transport"),
     Benchmark("weight-sync", "bench_weight_sync.py",
-              "the bucketed weight broadcast costs ~1.1x one raw dist.broadcast of the same "
-              "bytes (docs/concepts/pipeline.md)", ("weight_sync.json",), "Weight sync"),
+              "the README's bucketed weight broadcast costs ~1.1x one raw dist.broadcast of "
+              "the same bytes (README.md)", ("weight_sync.json",), "Weight sync"),
     Benchmark("weight-delta", "bench_weight_delta.py",
               "deltas pay only on links slower than ~2 Gb/s, so weight_sync.delta = auto is off "
               "(docs/concepts/pipeline.md)", ("gpu_delta.json",), "Delta weight updates"),
@@ -89,7 +89,8 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               "a stop at any moment and a resume train every step and sample exactly once "
               "(docs/getting-started.md)", ("stop_resume*.json",), "Stops and resumes"),
     Benchmark("soak", "soak.py",
-              "memory and queue depths stay flat over a long run (deploy/README.md)",
+              "memory and queue depths stay flat over a 10-minute run, nodes under "
+              "MALLOC_ARENA_MAX=2 (bench/README.md: the advice is there alone)",
               ("soak_*.json",), "Soak"),
     Benchmark("chaos", "chaos.py",
               "a node that dies is restarted and every prompt is still trained exactly once "
