@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.output import write_json
 from rlhf_async import job
 from rlhf_async.config import load_config
 from rlhf_async.log import configure_logging
@@ -197,10 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     model_check = compare_with_model(results, per_round, base)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"devices": devices, "steps": args.steps, "warmup": args.warmup,
-                               "rounds": args.rounds,
-                               "overrides": args.overrides, "results": results,
-                               "cost_model": model_check}, indent=2))
+    write_json(out, {"devices": devices, "steps": args.steps, "warmup": args.warmup,
+                     "rounds": args.rounds,
+                     "overrides": args.overrides, "results": results,
+                     "cost_model": model_check}, indent=2)
     return 0
 
 

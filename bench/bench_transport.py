@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -31,6 +30,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from bench.output import write_json
 from rlhf_async.runtime.loop import run_loop
 from rlhf_async.wire.local import free_tcp_port
 from rlhf_async.wire.protocol import Message
@@ -250,8 +250,8 @@ def main() -> int:
         "libzmq": zmq.zmq_version(), "torch": torch.__version__, "platform": platform.platform(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine, "hwm": HWM, "repeats": args.repeats,
-                                    "quick": args.quick, "results": rows}, indent=1))
+    write_json(args.out, {"machine": machine, "hwm": HWM, "repeats": args.repeats,
+                          "quick": args.quick, "results": rows}, indent=1)
     print(f"{'scheme':<6} {'size':>5} {'raw MB/s':>10} {'async MB/s':>10} {'ours MB/s':>10} "
           f"{'ratio':>6} {'best':>6} {'vs async':>8} {'raw msg/s':>10} {'ours msg/s':>10} "
           f"{'faults raw/ours':>15}")

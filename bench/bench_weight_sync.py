@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
 
+from bench.output import write_json
 from rlhf_async.log import configure_logging
 from rlhf_async.weight_sync import GroupSpec, TorchBroadcastReceiver, TorchBroadcastSender
 
@@ -171,7 +171,7 @@ def main() -> None:
         "repeats": args.repeats,
         "statistic": "median (first trial is a discarded warm-up)",
     }
-    args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
+    write_json(args.out, {"env": env, "rows": rows}, indent=2)
     print(f"wrote {args.out}")
 
 

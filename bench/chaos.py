@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from bench.output import write_json
 from rlhf_async import job
 from rlhf_async.config import load_config
 from rlhf_async.control.chaos import kill_nodes, random_order
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
               "final_hidden_score": summary["final_hidden_score"]}
     print(json.dumps(result, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(Path(args.out), result, indent=1)
     return 0 if result["exactly_once"] and len(victims) == args.kills else 1
 
 

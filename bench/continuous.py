@@ -16,7 +16,6 @@ next chunk at hand. Writes bench/results/continuous.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.longtail import TAILS, base_overrides, parse
+from bench.output import write_json
 from rlhf_async.config import load_config
 from rlhf_async.log import configure_logging
 from rlhf_async.modeling.continuous import ContinuousBatch
@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average {load_start[0]:.1f} at start, {load[0]:.1f} at end")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "same_tokens": same, "results": results,
-                               "loadavg_start": load_start, "loadavg_end": load}, indent=2))
+    write_json(out, {"args": vars(args), "same_tokens": same, "results": results,
+                     "loadavg_start": load_start, "loadavg_end": load}, indent=2)
     return 0
 
 

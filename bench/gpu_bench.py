@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from bench.output import write_json
 from rlhf_async.config import ModelConfig, TaskConfig
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.models import load_actor
@@ -246,7 +247,7 @@ def main() -> None:
     for name in a.sections:
         res[name] = _section(name, SECTIONS[name], a.dry_run, device)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    write_json(Path(a.out), res, indent=1)
     failed = [k for k, v in res.items() if isinstance(v, dict) and "error" in v]
     raise SystemExit(1 if failed else 0)
 

@@ -46,7 +46,7 @@ echo "gpu_check: benchmark"
 BENCH_ARGS=(--out "$OUT")
 [[ $DRY -eq 1 ]] && BENCH_ARGS+=(--dry-run)
 BENCH_RC=0
-timeout 300 "$PY" bench/gpu_bench.py "${BENCH_ARGS[@]}" || BENCH_RC=$?
+timeout 300 "$PY" -m bench.gpu_bench "${BENCH_ARGS[@]}" || BENCH_RC=$?
 
 echo "gpu_check: tests rc=$TESTS_RC bench rc=$BENCH_RC in $(( $(date +%s) - START ))s -> $OUT"
 [[ $TESTS_RC -eq 0 && $BENCH_RC -eq 0 ]]

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from bench.__main__ import measured_run
 from bench.output import traces_path, write_json
+from bench.strategies import measured_run
 from bench.trl_compare import SIZES
 from rlhf_async.config import JobConfig, load_config
 from rlhf_async.log import configure_logging

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench.output import write_json
 from rlhf_async.config import AlgoConfig, ModelConfig, TrainConfig
 from rlhf_async.modeling.models import scalar_model_from_actor, tiny_config
 from rlhf_async.modeling.rollout import RolloutBatch
@@ -139,9 +139,9 @@ def main() -> None:
     load1 = os.getloadavg()
     print(f"load average at end: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"load_start": load0, "load_end": load1,
-                                          "threads": args.threads, "results": results},
-                                         indent=1))
+    write_json(Path(args.out), {"load_start": load0, "load_end": load1,
+                                "threads": args.threads, "results": results},
+                               indent=1)
 
 
 if __name__ == "__main__":

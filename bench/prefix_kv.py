@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from bench.output import write_json
 from rlhf_async.config import load_config
 from rlhf_async.engines import Request
 from rlhf_async.engines.torch_engine import TorchEngine
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(f"{name}: {json.dumps(results[name])}\n")
     results["load_average"] = {"start": load_start, "end": os.getloadavg()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    write_json(Path(args.out), results, indent=2)
     sys.stdout.write(f"load average {load_start} -> {os.getloadavg()}\n")
     return 0
 

@@ -10,12 +10,12 @@ fraction of the synchronous run's; writes bench/results/staleness_quality.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from bench.output import write_json
 from rlhf_async import job
 from rlhf_async.config import load_config
 from rlhf_async.log import configure_logging
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{k:>3} {v:18.3f} {v / base:8.3f}" if base else f"{k:>3} {v:18.3f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "mean_final_by_k": by_k,
-                               "is_cap": args.is_cap, "overrides": args.overrides}, indent=2))
+    write_json(out, {"rows": rows, "mean_final_by_k": by_k,
+                     "is_cap": args.is_cap, "overrides": args.overrides}, indent=2)
     return 0
 
 

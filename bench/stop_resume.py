@@ -25,6 +25,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from bench.output import write_json
+
 STEPS = 40
 BASE = ["model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=20",
         "reward_model.steps=20", "reward_model.heldout_pairs=64", "run.eval_prompts=16",
@@ -105,8 +107,8 @@ def main() -> int:
     print(f"{good} of {len(rows)} runs finished with every step and sample exactly once; "
           f"load average {load0[0]:.1f} -> {load1[0]:.1f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "load": [load0[0], load1[0]]},
-                                         indent=1))
+    write_json(Path(args.out), {"rows": rows, "load": [load0[0], load1[0]]},
+                               indent=1)
     return 0 if good == len(rows) else 1
 
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from bench.output import write_json
 from bench.plots import plot_runs
 from bench.ttq import print_time_to_quality, summarise, time_to_quality
 from rlhf_async import job
@@ -333,9 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
-    out.write_text(json.dumps({"args": vars(args), "loadavg_start": load_start,
-                               "loadavg": load, "results": results,
-                               "time_to_quality": ttq}, indent=2))
+    write_json(out, {"args": vars(args), "loadavg_start": load_start,
+                     "loadavg": load, "results": results,
+                     "time_to_quality": ttq}, indent=2)
     print(f"\nload average {load_start[0]:.1f} at start, {load[0]:.1f} {load[1]:.1f} "
           f"{load[2]:.1f} at end; wrote {out}")
     return 0

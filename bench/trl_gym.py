@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from bench.output import write_json
 from bench.trl_compare import (
     plot_curves,
     print_table,
@@ -194,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average: start {load['start']}, end {load['end']}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "loadavg": load, "results": rows,
-                               "time_to_quality": ttq}, indent=1))
+    write_json(out, {"args": vars(args), "loadavg": load, "results": rows,
+                     "time_to_quality": ttq}, indent=1)
     plot_curves(rows, out.with_suffix(".png"), f"GRPO: TRL vs ours, {label}")
     print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -19,12 +19,12 @@ and the model directory.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
 from pathlib import Path
 
+from bench.output import write_json
 from bench.trl_compare import (
     OURS,
     our_rows,
@@ -225,10 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     print_final_policies(label, finals)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "loadavg_start": load_start,
-                               "loadavg": os.getloadavg(), "results": rows,
-                               "time_to_quality": ttq, "same_samples": same,
-                               "final_policies": finals}, indent=1))
+    write_json(out, {"args": vars(args), "loadavg_start": load_start,
+                     "loadavg": os.getloadavg(), "results": rows,
+                     "time_to_quality": ttq, "same_samples": same,
+                     "final_policies": finals}, indent=1)
     plot_curves(rows, out.with_suffix(".png"), f"GRPO: TRL vs ours, {Path(cfg.model.path).name}")
     print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from bench.output import write_json
 from rlhf_async import job
 from rlhf_async.config import load_config
 from rlhf_async.metrics import read_metrics
@@ -51,7 +52,7 @@ def main() -> None:
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        write_json(args.out, res, indent=1)
     ok = [s["rollout_version"] for s in res["steps"]] == list(range(len(recs))) and recs
     raise SystemExit(0 if ok else 1)
 

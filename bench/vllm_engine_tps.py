@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import transformers
 
+from bench.output import write_json
 from rlhf_async.config.schema import ModelConfig
 from rlhf_async.engines import Request, make_engine
 from rlhf_async.modeling.generation import SamplingParams
@@ -190,7 +191,7 @@ def main() -> None:
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        write_json(args.out, res, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from bench import trl_compare, ttq
-from bench.__main__ import series
 from bench.bench_decode import compare as decode_compare
 from bench.plots import plot_runs
+from bench.strategies import series
 from rlhf_async.config import TaskConfig, load_config
 from rlhf_async.strategies.registry import plan_placement, runner_problems
 from rlhf_async.task import SortDigitsTask
@@ -176,7 +176,9 @@ def test_eval_seeds_writes_curves_apart_from_the_rows(tmp_path):
            "kl_curve": [0.1, 0.2]}
     out, curves = tmp_path / "results" / "e.json", tmp_path / "runs" / "e_curves.json"
     write_results([row], out, curves, {"load": [1.0, 1.0]})
-    assert json.loads(out.read_text()) == {
+    summary = json.loads(out.read_text())
+    assert summary.pop("meta")["utc"]  # every summary's run facts (bench/output.py)
+    assert summary == {
         "load": [1.0, 1.0], "rows": [{"algo": "ppo", "seed": 3, "sft": 0.4, "final": 0.7}]}
     assert json.loads(curves.read_text())["rows"] == [
         {"algo": "ppo", "seed": 3, "curve": [0.4, 0.5], "kl_curve": [0.1, 0.2]}]
