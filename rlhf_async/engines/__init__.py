@@ -59,8 +59,8 @@ class Engine:
 # The generation engines (`generation.backend`). A new engine is one module implementing
 # `GenerationEngine` and one line here.
 ENGINES: dict[str, Engine] = {
-    "torch": Engine("rlhf_async.engines.torch_engine:TorchEngine"),
-    "vllm": Engine("rlhf_async.engines.vllm_engine:VLLMEngine", "vllm", tensor_parallel=True,
+    "torch": Engine("rlhf_async.engines.torch.engine:TorchEngine"),
+    "vllm": Engine("rlhf_async.engines.vllm.engine:VLLMEngine", "vllm", tensor_parallel=True,
                    cpu_bind_env="VLLM_CPU_OMP_THREADS_BIND"),
 }
 

@@ -12,7 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from rlhf_async.config.schema import GenerationConfig
 from rlhf_async.engines import ENGINES, Request, engine_class
-from rlhf_async.engines.torch_engine import TorchEngine
+from rlhf_async.engines.torch.engine import TorchEngine
 from rlhf_async.modeling.generation import SamplingParams, generate, request_seed, scaled_logprobs
 from rlhf_async.modeling.models import cache_keyword, output_cache
 from rlhf_async.modeling.rollout import PromptBatch

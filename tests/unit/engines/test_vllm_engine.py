@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 
 from rlhf_async.engines.extras import MissingExtraError
-from rlhf_async.engines.vllm_engine import VLLMEngine, _finish
+from rlhf_async.engines.vllm.engine import VLLMEngine, _finish
 from rlhf_async.modeling.generation import SamplingParams
 
 

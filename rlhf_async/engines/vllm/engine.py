@@ -9,7 +9,7 @@ weight version). Stop strings are not matched (the engine has no detokenizer): t
 capabilities say so and a request carrying them is refused.
 
 Weight updates go through vLLM's native weight-transfer API with our bucketed broadcast as
-its backend (`vllm_transfer.py`). `commit` pauses the scheduler keeping every request,
+its backend (`transfer.py`). `commit` pauses the scheduler keeping every request,
 waits until all tokens sampled before the pause reached their `generate` call, loads the
 update, preempts the running requests (their KV, computed under the old weights, is
 dropped with the whole prefix cache and recomputed under the new ones on resume), and
@@ -47,8 +47,8 @@ from rlhf_async.weight_sync import GroupSpec
 
 log = structlog.get_logger(component="vllm_engine")
 
-WORKER_EXTENSION = "rlhf_async.engines.vllm_worker.WeightSyncWorker"
-TRANSFER_BACKEND = "rlhf_bucketed"  # vllm_transfer.BACKEND (that module imports vllm)
+WORKER_EXTENSION = "rlhf_async.engines.vllm.worker.WeightSyncWorker"
+TRANSFER_BACKEND = "rlhf_bucketed"  # transfer.BACKEND (that module imports vllm)
 _DRAIN_POLLS = 10_000  # event-loop turns a drain may take before it is an error
 
 
