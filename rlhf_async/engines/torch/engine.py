@@ -100,8 +100,10 @@ class TorchEngine:
             raise ValueError(f"torch engine dtype {dtype!r}: accepted {', '.join(DTYPES)}")
         self.device = torch.device(device)
         if module is None:
-            module = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
-            module = module.to(self.device, DTYPES[dtype])  # type: ignore[arg-type]  # HF's .to
+            # as an nn.Module: the same call (HF's own .to), torch's signature
+            loaded: nn.Module = AutoModelForCausalLM.from_pretrained(model_dir,
+                                                                     local_files_only=True)
+            module = loaded.to(self.device, DTYPES[dtype])
             cpu_attention(module)
         self.module = module.eval()
         self.params = dataclasses.replace(params, episode=None)  # one response a request
