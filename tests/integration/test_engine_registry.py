@@ -160,13 +160,19 @@ def test_a_toy_engine_generates_every_rollout_of_a_separation_job(tmp_path, cach
     assert sorted(r["version"] for r in requests) == [0] * 8 + [1] * 8
 
 
+@pytest.mark.parametrize("devices", [1, 2])
 def test_a_toy_engine_and_training_backend_run_a_flattening_job(tmp_path, cache, toy,
-                                                               monkeypatch):
+                                                               monkeypatch, devices):
+    """One device: the rank is this process; two: rank processes, which take the lines
+    from this one."""
     monkeypatch.setitem(TRAINING_BACKENDS, "counting", Backend(f"{__name__}:CountingBackend"))
     monkeypatch.setattr(CountingBackend, "steps", 0)
     records, requests = _run(tmp_path, cache, "placement.strategy=flattening",
-                             "train.backend=counting")
+                             f"placement.devices={devices}", "train.backend=counting")
     assert [r["step"] for r in records] == [0, 1]
-    assert len(requests) == 2 * 4 * 2 and {r["pid"] for r in requests} == {os.getpid()}
+    assert len(requests) == 2 * 4 * 2
     assert sorted(r["version"] for r in requests) == [0] * 8 + [1] * 8
-    assert CountingBackend.steps >= 2 * 2  # actor and critic, each step
+    pids = {r["pid"] for r in requests}
+    assert pids == {os.getpid()} if devices == 1 else len(pids - {os.getpid()}) == 2
+    if devices == 1:  # actor and critic, each step (the ranks' count is theirs)
+        assert CountingBackend.steps >= 2 * 2
