@@ -1,8 +1,8 @@
 """Engines behind two small interfaces, each with a registry: training (`TrainingBackend`, one
 per line of `TRAINING_BACKENDS`) and generation (the request-level `GenerationEngine` of
 `interface.py`, one per line of `ENGINES`). The registries are the one list of their names:
-the config layer sits below the engines, so it takes any string and `name_problems` checks
-it against them before a job does any work (`planning.prepare_run`, `plan`, `--dry-run`).
+the config layer sits below the engines, so it takes any string and `engine_name_problems`
+checks it against them before a job does any work (`planning.prepare_run`, `plan`, `--dry-run`).
 
 Why a seam here: the role code (`rl.learner.Learner`, the generator node) is the same on a laptop
 and on a GPU cluster; only the engine that owns the parameters changes. The GPU engines are
