@@ -148,11 +148,11 @@ def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
     """Before anything starts: `auto` resolved to a strategy (logged with its reason), and
     the placement checked as a plan (memory included) and for what this build's runner
     executes, every problem in one PlacementError."""
-    # the registries' names first: nothing else can be asked of an engine none holds (the
-    # config layer cannot see these registries)
-    names = engine_name_problems(cfg) + name_problems(resolve(cfg.algo))
-    if names:
-        raise PlacementError(names)
+    # the names the config layer cannot check: the engines' first (nothing else can be asked
+    # of an engine no registry holds), the algorithm's with every other problem
+    algo_names = name_problems(resolve(cfg.algo))
+    if engine_names := engine_name_problems(cfg):
+        raise PlacementError(engine_names + algo_names)
     auto = cfg.placement.strategy == AUTO
     cfg, strategy_why = _resolved(cfg) if auto else (cfg, "")
     # the generation engine chosen once, here: every process of the job reads this one
@@ -167,6 +167,7 @@ def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
     if placement is not None:
         problems += [p for p in runner_problems(cfg, placement) if p not in problems]
     problems += extra_problems(cfg)
+    problems += algo_names
     if problems or placement is None:
         raise PlacementError(problems)
     return cfg, placement
