@@ -8,7 +8,7 @@ sample the same rows with the same keyed noise on one thread, so they produce th
 tokens (checked); reported per way: ms per chunk of `--rows` rows, completion tokens/s and
 decode steps, and the load average. "chunk by chunk" is `generation.sample` on one chunk
 after the other (a chunk ends with its longest answer; its finished rows leave the batch);
-"continuous" is `modeling.continuous.ContinuousBatch` with every chunk queued and one
+"continuous" is `engines.torch.continuous.ContinuousBatch` with every chunk queued and one
 chunk's rows of slots (`generation.batch_slots = 0`), i.e. a generator that always has the
 next chunk at hand. Writes bench/results/continuous.json.
 """
@@ -26,8 +26,8 @@ import torch
 from bench.longtail import TAILS, base_overrides, parse
 from bench.output import write_json
 from rlhf_async.config import load_config
+from rlhf_async.engines.torch.continuous import ContinuousBatch
 from rlhf_async.log import configure_logging
-from rlhf_async.modeling.continuous import ContinuousBatch
 from rlhf_async.modeling.generation import Generated, sample, sampling_uniforms
 from rlhf_async.task import SortDigitsTask, sampling_params
 from rlhf_async.task.artefacts import load_sft, prepare_artefacts

@@ -34,7 +34,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from bench.output import write_json
 from rlhf_async.config import load_config
 from rlhf_async.engines import Request
-from rlhf_async.engines.torch_engine import TorchEngine
+from rlhf_async.engines.torch.engine import TorchEngine
 from rlhf_async.log import configure_logging
 from rlhf_async.modeling.episodes import Episode, play
 from rlhf_async.modeling.generation import SamplingParams, request_seed

@@ -11,6 +11,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from rlhf_async.config import JobConfig, config_from_dict
+from rlhf_async.engines import adopt_engine_lines
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.precision import Precision, check_device
 from rlhf_async.runtime import Node
@@ -41,6 +42,7 @@ async def load_context(node: Node) -> NodeContext:
     on beating its heartbeats (`runtime.time_to_dead`) meanwhile."""
     hf_logging.disable_progress_bar()
     p = node.params
+    adopt_engine_lines(p.get("engines", {}))  # a line the coordinator registered at run time
     cfg = config_from_dict(p["config"])
     art = Artefacts(Path(p["sft_dir"]), Path(p["rm_dir"]) if p["rm_dir"] else None, {}, {})
     device = torch.device(node.spec.device if node.spec.device.startswith("cuda") else "cpu")

@@ -1,17 +1,16 @@
 """The generator's request scheduler: a prompt chunk becomes one engine request per row,
-and the completions are reassembled into the chunk's `RolloutBatch` (the requests and the
-assembly are `engines/requests.py`'s, which colocated lock-step ranks use too).
+and the completions are reassembled into the chunk's `RolloutBatch` (every request is
+built by `engines/requests.py`'s `Requests`, which colocated lock-step ranks use too, and
+it assembles the rollout).
 
-Each row's request is keyed by `request_seed(run seed, step, sample id, segment)`, so its
-tokens do not depend on which rows share the engine's batch, and on the torch engine they
-are what `generate` samples for the row (Flattening's, at max_staleness 0). Rows decode
+A row's tokens do not depend on which rows share the engine's batch, and on the torch
+engine they are what `generate` samples for the row (Flattening's, at max_staleness 0). Rows decode
 under the engine's own continuous batching; with `generation.continuous_batching` the node
 hands over the next chunk's rows while the running chunk's still decode, at most `slots`
 rows in the engine at once, and a chunk goes out as soon as its last row ends.
 
 A request the weights' commit aborted (an engine without `keep_on_update`, see
-`inflight.py`) is resubmitted with the tokens it generated appended to its prompt, for the
-tokens it has left, keyed by the next segment (a resubmitted request restarts its RNG).
+`inflight.py`) is resubmitted as the rest of it (`Requests.rest`).
 """
 
 from __future__ import annotations
@@ -24,10 +23,16 @@ from contextlib import contextmanager
 
 from nodes.generator.inflight import Span, Weights
 from rlhf_async.engines import Completion, GenerationEngine, Request
-from rlhf_async.engines.requests import PrefillTally, assemble, chunk_requests, turn_request
+from rlhf_async.engines.requests import (
+    PrefillTally,
+    Requests,
+    Turned,
+    assemble,
+    episode_turns,
+)
 from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.episodes import Episode, env_loop, episode_batch, play
-from rlhf_async.modeling.generation import SamplingParams, request_seed
+from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.strategies.separation.protocol import ChunkId
 
@@ -51,19 +56,23 @@ class Scheduler:
             self._rows = asyncio.Semaphore(self._slots or len(prompts))
         with self.busy():
             async with self.weights.chunk() as span:
-                start = span.held[0]
-                tag = f"{cid.step}.{cid.chunk}.{next(self._submissions)}"
-                reqs = chunk_requests(prompts, self.params, self.seed, cid.step, tag,
-                                      f"{start[1]}:{start[0]}")
+                requests = self._requests(cid, span)
                 done: list[Completion] = []
                 try:
-                    done = list(await asyncio.gather(*(self._row(sid, cid.step, r)
-                                                       for sid, r in reqs)))
+                    done = list(await asyncio.gather(*(self._row(requests, sid, r)
+                                                       for sid, r in requests.rows(prompts))))
                 finally:
                     self.weights.close(span, {v for c in done for v in c.versions})
-        batch = assemble(prompts, done, self.params, cid.step, start[0],
+        batch = assemble(prompts, done, self.params, cid.step, requests.version,
                          self.weights.partial)
         return batch, span
+
+    def _requests(self, cid: ChunkId, span: Span) -> Requests:
+        """How the chunk's requests are built, under the weights it starts with (a chunk
+        sent again gets ids of its own)."""
+        version, lineage = span.held[0]
+        return Requests(self.params, self.seed, cid.step,
+                        f"{cid.step}.{cid.chunk}.{next(self._submissions)}", version, lineage)
 
     @contextmanager
     def busy(self) -> Iterator[None]:
@@ -87,43 +96,36 @@ class Scheduler:
         environment's turns are tokens in it, loss mask 0 in the rollout). The environments
         run on the process's environment loop (`env_loop`: one that blocks does not stop
         this node's heartbeats), the requests on this loop."""
-        p, E = self.params, spec.max_tokens
         here, tally = asyncio.get_running_loop(), PrefillTally()
         with self.busy():
             async with self.weights.chunk() as span:
-                start = span.held[0]
-                tag = f"{cid.step}.{cid.chunk}.{next(self._submissions)}"
+                requests = self._requests(cid, span)
+                on_here = episode_turns(requests, spec.max_tokens,
+                                        lambda sid, r, k: self._row(requests, sid, r, k), tally)
 
-                async def requests(k: int, eps: list[Episode], sids: list[int],
-                                   ) -> list[tuple[list[int], list[float], bool]]:
-                    reqs = [turn_request(tag, k, e, sid, p, E, self.seed, cid.step,
-                                         f"{start[1]}:{start[0]}")
-                            for e, sid in zip(eps, sids, strict=True)]
-                    done = await asyncio.gather(*(self._row(sid, cid.step, r, k)
-                                                  for sid, r in zip(sids, reqs, strict=True)))
-                    tally.add(sids, done)
-                    return [(c.token_ids, c.logprobs, c.finish == "stop") for c in done]
-
-                async def turn(k: int, eps: list[Episode], sids: list[int],
-                               ) -> list[tuple[list[int], list[float], bool]]:
+                async def turn(k: int, eps: list[Episode], sids: list[int]) -> Turned:
                     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
-                        requests(k, eps, sids), here))
+                        on_here(k, eps, sids), here))
                 try:
                     eps = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
-                        play(prompts, p, spec, self.seed, cid.step, turn), env_loop().loop))
+                        play(prompts, self.params, spec, self.seed, cid.step, turn),
+                        env_loop().loop))
                 finally:
-                    self.weights.close(span, {start[0]})
-        return tally.onto(episode_batch(prompts, eps, E, p.pad_id, start[0], cid.step)), span
+                    self.weights.close(span, {requests.version})
+        return tally.onto(episode_batch(prompts, eps, spec.max_tokens, self.params.pad_id,
+                                        requests.version, cid.step)), span
 
-    async def _row(self, sid: int, step: int, req: Request, turn: int = 0) -> Completion:
+    async def _row(self, requests: Requests, sid: int, req: Request,
+                   turn: int = 0) -> Completion:
         """One row's completion; under the row cap, when there is one."""
         if self._rows is None:
-            return await self._complete(sid, step, turn, req)
+            return await self._complete(requests, sid, turn, req)
         async with self._rows:
-            return await self._complete(sid, step, turn, req)
+            return await self._complete(requests, sid, turn, req)
 
-    async def _complete(self, sid: int, step: int, turn: int, first: Request) -> Completion:
-        """The request, resubmitted with what it generated after each abort by a commit."""
+    async def _complete(self, requests: Requests, sid: int, turn: int,
+                        first: Request) -> Completion:
+        """The request, resubmitted as the rest of it after each abort by a commit."""
         total = Completion(first.request_id)
         req = first
         for segment in itertools.count(1):
@@ -138,15 +140,9 @@ class Scheduler:
             total.versions += got.versions
             total.finish = got.finish
             total.prefill += got.prefill  # each resubmission prefills its prompt again
-            left = first.max_new_tokens - len(total.token_ids)
-            if got.finish != "abort" or left <= 0:
+            if got.finish != "abort" or len(total.token_ids) >= first.max_new_tokens:
                 break
-            req = Request(f"{first.request_id}#{segment}",
-                          first.prompt_ids + tuple(total.token_ids), left,
-                          request_seed(self.seed, step, sid, segment, turn),
-                          max(0, first.min_new_tokens - len(total.token_ids)),
-                          first.stop_ids, first.stop_strings, first.cache_salt)
+            req = requests.rest(first, sid, turn, segment, total)
         if total.finish == "abort":  # cut at its token limit while being aborted
             total.finish = "length"
         return total
-

@@ -51,11 +51,8 @@ def cross_checks(cfg: JobConfig) -> list[str]:
                    "by tokens: set one (grad_accum = 1, or max_tokens_per_microbatch = 0)")
     if cfg.model.path:
         out.extend(model_dir_problems("model.path", cfg.model.path))
-    # (a generation engine's extra is checked with the rest of what that engine can do:
-    # strategies.registry.engine_problems)
-    if cfg.train.backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-        out.append("train.backend: deepspeed is not installed (pip install "
-                   "'rlhf-async[deepspeed]'); accepted here: torch")
+    # (the engines' names and extras are checked against their registries before the run:
+    # engines.engine_name_problems, engines.extra_problems)
     out.extend(_scalar_model_checks(cfg))
     out.extend(_lora_checks(cfg))
     out.extend(_ray_checks(cfg))

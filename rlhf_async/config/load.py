@@ -15,7 +15,6 @@ from rlhf_async.config.checks import cross_checks
 from rlhf_async.config.fields import ConfigError
 from rlhf_async.config.hub import DATA_KEYS, MODEL_KEYS, resolve_hub_id
 from rlhf_async.config.schema import (
-    GENERATION_ENGINES,
     REASONING_GYM,
     TASK_DEFAULTS,
     JobConfig,
@@ -142,8 +141,7 @@ REMOVED = {"placement.hosts_file": "multi-host runs place their nodes on a Ray c
                                    "placement.launcher = 'ray' (deploy/README.md)",
            "placement.host": "on a Ray cluster the placement group places each device",
            "placement.backend": "each engine is chosen once for the job: train.backend "
-                                "(actor and critic: torch | deepspeed) and generation.backend "
-                                f"(the generators: {' | '.join(GENERATION_ENGINES)})"}
+                                "(actor and critic) and generation.backend (the generators)"}
 # older names still read, with a warning naming what replaces them
 DEPRECATED = {"algo.is_cap": "algo.mismatch = 'tis' with algo.mismatch_cap = the cap"}
 

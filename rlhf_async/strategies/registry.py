@@ -7,7 +7,6 @@ it to one of these before anything runs.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +17,7 @@ from rlhf_async.control import scale as control_scale
 from rlhf_async.control.reshape import Scale, Scaled
 from rlhf_async.engines import (
     ENGINES,
-    MissingExtraError,
     engine_capabilities,
-    engine_class,
     generation_engine,
 )
 from rlhf_async.strategies import flattening, interleaving
@@ -183,15 +180,4 @@ def engine_problems(cfg: JobConfig) -> list[str]:
         return [f"generation.stop_strings: generation.backend = {backend!r} cannot match "
                 f"stop strings (its engine runs without a tokenizer); use "
                 f"generation.stop_token_ids, or generation.backend = {' | '.join(able)}"]
-    return []
-
-
-def missing_engine_problems(cfg: JobConfig) -> list[str]:
-    """Before a run here: the generation engine's optional package is installed."""
-    try:
-        engine_class(generation_engine(cfg))
-    except MissingExtraError as e:
-        here = [n for n, x in ENGINES.items()
-                if x.extra is None or importlib.util.find_spec(x.extra) is not None]
-        return [f"generation.backend: {e}; accepted here: {', '.join(here)}"]
     return []

@@ -31,7 +31,7 @@ class Served:
     """The engine, the loop that drives it (in a thread) and a trainer-side sender."""
 
     def __init__(self, tmp: str) -> None:
-        from rlhf_async.engines.vllm_engine import VLLMEngine
+        from rlhf_async.engines.vllm.engine import VLLMEngine
 
         self.models = {0: gpt2(0)}
         self.models[0].save_pretrained(tmp, safe_serialization=True)

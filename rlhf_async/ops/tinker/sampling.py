@@ -1,5 +1,5 @@
 """Sampling sessions of the Tinker API on our torch generation engine
-(`engines/torch_engine.py`, behind `engines/interface.py`).
+(`engines/torch/engine.py`, behind `engines/interface.py`).
 
 A sampler holds one frozen copy of a policy: a base model, a training model's weights at
 `save_weights_for_sampler` (adapters merged), or weights saved under a `tinker://` path.
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf_async.engines.interface import Request
-from rlhf_async.engines.torch_engine import TorchEngine
+from rlhf_async.engines.torch.engine import TorchEngine
 from rlhf_async.modeling.cpu_attention import cpu_attention
 from rlhf_async.modeling.determinism import key_seed
 from rlhf_async.modeling.generation import SamplingParams

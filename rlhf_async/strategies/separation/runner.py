@@ -20,7 +20,7 @@ from typing import Any
 from rlhf_async.config import JobConfig, to_dict, weight_sync_backend
 from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.control.reshape import Scale
-from rlhf_async.engines import ENGINES, generation_engine
+from rlhf_async.engines import ENGINES, engine_lines, generation_engine
 from rlhf_async.log import get_logger
 from rlhf_async.runtime import NodeSpec, run_loop
 from rlhf_async.runtime.ipc_dir import make_ipc_dir
@@ -84,7 +84,7 @@ def build_specs(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placem
         "config": to_dict(cfg), "sft_dir": str(art.sft_dir),
         "rm_dir": "" if art.rm_dir is None else str(art.rm_dir),
         "policy_dir": str(run_dir / "policy"), "precision": placement.precision().to_dict(),
-        "checkpoint_dir": str(run_dir / "checkpoints")}
+        "checkpoint_dir": str(run_dir / "checkpoints"), "engines": engine_lines(cfg)}
     endpoints = {
         "trainer": {"scored": Endpoint("pull", scored, bind=True, hwm=hwm)},
         "generator": {"prompts": Endpoint("pull", prompts, hwm=hwm),

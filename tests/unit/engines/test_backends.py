@@ -35,21 +35,23 @@ def test_missing_deepspeed_names_the_extra(no_extras):
                               grad_clip=1.0)
 
 
-def test_config_reports_missing_extras_once_each(no_extras):
-    with pytest.raises(ConfigError) as e:
+def test_missing_extras_are_reported_once_each_before_the_run(no_extras):
+    with pytest.raises(ConfigError) as e:  # the config's own checks name no engine
         load_config(None, ["train.backend=deepspeed", "generation.backend=vllm",
                            "train.zero_stage=4"])
-    text = str(e.value)
-    assert "rlhf-async[deepspeed]" in text and "rlhf-async[vllm]" not in text
-    assert "train.zero_stage" in text and "accepted" in text
-    # the generation engine's, with what that engine can do, before the run starts
+    assert e.value.problems == ["train.zero_stage: 4 is not one of 1, 2, 3"]
+    # each engine's extra, checked against its registry (the generation engine's with what
+    # that engine can do), before the run starts
     with pytest.raises(PlacementError) as p:
-        prepare_run(load_config(None, ["generation.backend=vllm",
+        prepare_run(load_config(None, ["generation.backend=vllm", "train.backend=deepspeed",
                                        "placement.strategy=separation", "placement.devices=2"]))
-    (problem,) = p.value.problems
-    assert problem.startswith("generation.backend: backend 'vllm' needs the 'vllm' package, "
-                              "which is not installed: on GPU pip install 'rlhf-async[vllm]'")
-    assert problem.endswith("; accepted here: torch")
+    gen, train = p.value.problems
+    assert gen.startswith("generation.backend: backend 'vllm' needs the 'vllm' package, "
+                          "which is not installed: on GPU pip install 'rlhf-async[vllm]'")
+    assert gen.endswith("; accepted here: torch")
+    assert train == ("train.backend: backend 'deepspeed' needs the 'deepspeed' package, which "
+                     "is not installed: pip install 'rlhf-async[deepspeed]'; accepted here: "
+                     "torch")
 
 
 def test_missing_vllm_says_how_to_get_it_on_cpu_and_on_gpu(no_extras):
@@ -85,7 +87,7 @@ def test_the_docs_install_vllm_on_cpu_as_ci_does():
 
 
 def test_unknown_training_backend():
-    with pytest.raises(ValueError, match="accepted torch, deepspeed"):
+    with pytest.raises(ValueError, match="accepted: torch, deepspeed"):
         make_training_backend("jax", torch.nn.Linear(2, 2), lr=1e-3, weight_decay=0.0,
                               grad_clip=1.0)
 

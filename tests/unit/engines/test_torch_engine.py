@@ -12,7 +12,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from rlhf_async.config.schema import GenerationConfig
 from rlhf_async.engines import ENGINES, Request, engine_class
-from rlhf_async.engines.torch_engine import TorchEngine
+from rlhf_async.engines.torch.engine import TorchEngine
 from rlhf_async.modeling.generation import SamplingParams, generate, request_seed, scaled_logprobs
 from rlhf_async.modeling.models import cache_keyword, output_cache
 from rlhf_async.modeling.rollout import PromptBatch
@@ -41,8 +41,9 @@ def _run(engine: TorchEngine, coro):
 
 def test_the_registry_names_every_engine_and_imports_one_when_chosen():
     assert set(ENGINES) >= {"torch", "vllm"}
+    # the config takes any name; the registry is the list (tests/unit/engines/test_registry_names.py)
     backend = next(f for f in fields(GenerationConfig) if f.name == "backend")
-    assert set(backend.metadata["choices"]) == {"auto", *ENGINES}  # what the config accepts
+    assert backend.metadata["choices"] is None
     assert engine_class("torch") is TorchEngine
     with pytest.raises(ValueError, match="accepted: torch"):
         engine_class("nope")

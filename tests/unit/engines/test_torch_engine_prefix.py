@@ -10,7 +10,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from rlhf_async.engines import Completion, Prefill, Request, make_engine
-from rlhf_async.engines.torch_engine import TorchEngine
+from rlhf_async.engines.torch.engine import TorchEngine
 from rlhf_async.modeling.generation import SamplingParams, request_seed
 
 EOS, PAD = 3, 0

@@ -14,7 +14,7 @@ from rlhf_async.config import (
     PlacementConfig,
     TrainConfig,
 )
-from rlhf_async.engines.torch_engine import TorchEngine
+from rlhf_async.engines.torch.engine import TorchEngine
 from rlhf_async.modeling.cpu_attention import CPU_SDPA
 from rlhf_async.modeling.models import response_logits, sequence_scores
 from rlhf_async.modeling.precision import Precision, dtype_problems

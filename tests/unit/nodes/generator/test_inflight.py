@@ -8,7 +8,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from nodes.generator.inflight import Span, Weights
 from nodes.generator.scheduler import Scheduler
-from rlhf_async.engines.torch_engine import TorchEngine
+from rlhf_async.engines.torch.engine import TorchEngine
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.strategies.separation.protocol import SFT_LINEAGE, ChunkId

@@ -9,7 +9,7 @@ weight version). Stop strings are not matched (the engine has no detokenizer): t
 capabilities say so and a request carrying them is refused.
 
 Weight updates go through vLLM's native weight-transfer API with our bucketed broadcast as
-its backend (`vllm_transfer.py`). `commit` pauses the scheduler keeping every request,
+its backend (`transfer.py`). `commit` pauses the scheduler keeping every request,
 waits until all tokens sampled before the pause reached their `generate` call, loads the
 update, preempts the running requests (their KV, computed under the old weights, is
 dropped with the whole prefix cache and recomputed under the new ones on resume), and
@@ -34,8 +34,8 @@ import asyncio
 import io
 import os
 import threading
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Coroutine, Mapping
+from typing import Any, TypeVar
 
 import structlog
 import torch
@@ -47,8 +47,9 @@ from rlhf_async.weight_sync import GroupSpec
 
 log = structlog.get_logger(component="vllm_engine")
 
-WORKER_EXTENSION = "rlhf_async.engines.vllm_worker.WeightSyncWorker"
-TRANSFER_BACKEND = "rlhf_bucketed"  # vllm_transfer.BACKEND (that module imports vllm)
+WORKER_EXTENSION = "rlhf_async.engines.vllm.worker.WeightSyncWorker"
+TRANSFER_BACKEND = "rlhf_bucketed"  # transfer.BACKEND (that module imports vllm)
+T = TypeVar("T")
 _DRAIN_POLLS = 10_000  # event-loop turns a drain may take before it is an error
 
 
@@ -61,11 +62,11 @@ class _ClientLoop:
                                        daemon=True)
         self.thread.start()
 
-    def call(self, coro: Any) -> Any:
+    def call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` there and block this thread (never the client loop) for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    async def run(self, coro: Any) -> Any:
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` there and await it from another loop (cancelling it cancels it)."""
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
@@ -134,7 +135,7 @@ class VLLMEngine:
 
     async def generate(self, request: Request) -> Completion:
         """Tokens with their processed log-probs and the weight version that sampled each."""
-        return await self._client.run(self._generate(request))  # type: ignore[no-any-return]
+        return await self._client.run(self._generate(request))
 
     async def _generate(self, request: Request) -> Completion:
         if request.stop_strings:
@@ -210,7 +211,7 @@ class VLLMEngine:
         return {"version": version, "in_process": buf.getvalue()}
 
     async def commit(self, staged: Any) -> int:
-        return await self._client.run(self._commit(staged))  # type: ignore[no-any-return]
+        return await self._client.run(self._commit(staged))
 
     async def sleep(self) -> None:
         """Level 1: the KV cache freed, the weights offloaded to host memory (GPUs only; on

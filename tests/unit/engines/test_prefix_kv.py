@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from rlhf_async.engines.torch.prefix_kv import Prefix, PrefixStore, prefill_after
 from rlhf_async.modeling.models import output_cache
-from rlhf_async.modeling.prefix_kv import Prefix, PrefixStore, prefill_after
 
 PAD = 0
 

@@ -1,11 +1,11 @@
 """Runs INSIDE vLLM's worker processes: joins our weight-sync group and loads what it
 receives into the live model, so the engine never restarts.
 
-Passed to vLLM as `worker_extension_cls="rlhf_async.engines.vllm_worker.WeightSyncWorker"`
+Passed to vLLM as `worker_extension_cls="rlhf_async.engines.vllm.worker.WeightSyncWorker"`
 (vLLM mixes it into its Worker class). Importing it registers our bucketed broadcast as a
-vLLM weight-transfer backend in the worker process (`engines/vllm_transfer.py`), which is
+vLLM weight-transfer backend in the worker process (`engines/vllm/transfer.py`), which is
 how `VLLMEngine` updates weights (vLLM's native API); the `rlhf_*` methods below serve the
-engine (`vllm_engine.py`), which calls them through `collective_rpc`. The group is our
+engine (`engine.py`), which calls them through `collective_rpc`. The group is our
 stateless torch group (gloo on CPU, NCCL on GPUs, built from a TCPStore the way vLLM's
 `StatelessProcessGroup` is), so a trainer that is not part of vLLM's world can broadcast to
 every tensor-parallel worker: each worker is its own rank and receives the full weights,
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rlhf_async.engines.vllm_transfer import register
+from rlhf_async.engines.vllm.transfer import register
 from rlhf_async.weight_sync import GroupSpec, make_receiver
 
 register()

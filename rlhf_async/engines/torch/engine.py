@@ -1,7 +1,7 @@
 """Our torch generation engine: continuous batching and keyed sampling behind the
 request-level interface (`engines.interface`).
 
-One decode thread runs a `modeling.continuous.ContinuousBatch` for the engine's life: each
+One decode thread runs a `continuous.ContinuousBatch` for the engine's life: each
 request is a row, admitted into a free slot as it comes, handed back as soon as it ends.
 Its noise is the uniform stream keyed by its own `seed`, so its tokens do not depend on
 which requests decode beside it (a request keyed `request_seed(seed, step, sample id)`
@@ -17,7 +17,7 @@ sampled it and keeps the log-prob it was sampled with.
 Weights are received by `weight_sync`'s receiver in `stage`, on the caller's thread while
 requests decode.
 
-A finished request's KV is kept by its `cache_salt` (`modeling.prefix_kv`, at most
+A finished request's KV is kept by its `cache_salt` (`prefix_kv`, at most
 `prefix_cache_mb`): a later request with that salt whose prompt starts with its tokens (a
 multi-turn episode's next turn) prefills only the rest, as long as the weights that
 computed that KV are still the ones served; a commit drops what it kept.
@@ -38,8 +38,9 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM
 
 from rlhf_async.engines.interface import Capabilities, Completion, Finish, Prefill, Request
+from rlhf_async.engines.torch.continuous import ContinuousBatch
+from rlhf_async.engines.torch.prefix_kv import PrefixStore
 from rlhf_async.log import get_logger
-from rlhf_async.modeling.continuous import ContinuousBatch
 from rlhf_async.modeling.cpu_attention import cpu_attention
 from rlhf_async.modeling.determinism import seeded_uniform
 from rlhf_async.modeling.generation import (
@@ -48,7 +49,6 @@ from rlhf_async.modeling.generation import (
     completes_stop_string,
     stop_window,
 )
-from rlhf_async.modeling.prefix_kv import PrefixStore
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.weight_sync import GroupSpec, load_into_module, make_receiver
 
@@ -100,8 +100,10 @@ class TorchEngine:
             raise ValueError(f"torch engine dtype {dtype!r}: accepted {', '.join(DTYPES)}")
         self.device = torch.device(device)
         if module is None:
-            module = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
-            module = module.to(self.device, DTYPES[dtype])  # type: ignore[arg-type]  # HF's .to
+            # as an nn.Module: the same call (HF's own .to), torch's signature
+            loaded: nn.Module = AutoModelForCausalLM.from_pretrained(model_dir,
+                                                                     local_files_only=True)
+            module = loaded.to(self.device, DTYPES[dtype])
             cpu_attention(module)
         self.module = module.eval()
         self.params = dataclasses.replace(params, episode=None)  # one response a request

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from rlhf_async.modeling.continuous import ContinuousBatch
+from rlhf_async.engines.torch.continuous import ContinuousBatch
 from rlhf_async.modeling.generation import SamplingParams, sample, sampling_uniforms
 from rlhf_async.modeling.rollout import PromptBatch
 

@@ -10,7 +10,7 @@ and loads it through vLLM's layerwise reload (which redoes the backend's weight
 repacking, e.g. the CPU kernels' layouts).
 
 The factory's registry is per process, so `register()` runs where the workers import our
-worker extension (`engines/vllm_worker.py`), before vLLM builds the transfer engine.
+worker extension (`engines/vllm/worker.py`), before vLLM builds the transfer engine.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rlhf_async.engines.torch.prefix_kv import Prefix, prefill_after, row_prefix, suffix_after
 from rlhf_async.modeling.decode_step import PACK_MIN_STEPS, DecodeStep, decode_step
 from rlhf_async.modeling.generation import (
     Generated,
@@ -48,7 +49,6 @@ from rlhf_async.modeling.kv_cache import (
     select_rows,
     set_buffers,
 )
-from rlhf_async.modeling.prefix_kv import Prefix, prefill_after, row_prefix, suffix_after
 from rlhf_async.modeling.rollout import PromptBatch
 
 
