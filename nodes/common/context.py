@@ -13,8 +13,8 @@ from transformers.utils import logging as hf_logging
 from rlhf_async.config import JobConfig, config_from_dict
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.precision import Precision, check_device
+from rlhf_async.pipeline.protocol import ChunkFormatError
 from rlhf_async.runtime import Node
-from rlhf_async.strategies.separation.protocol import ChunkFormatError
 from rlhf_async.task import Task, make_task, sampling_params
 from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.wire.protocol import ProtocolError

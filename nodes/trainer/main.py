@@ -26,18 +26,7 @@ from rlhf_async.config import collective_backend, weight_sync_backend, weight_sy
 from rlhf_async.engines.process_group import free_port
 from rlhf_async.metrics import MetricsWriter, truncate_jsonl
 from rlhf_async.modeling.rollout import RolloutBatch
-from rlhf_async.rl.checkpoint import (
-    CheckpointError,
-    disk_full,
-    load_shared,
-    restore_learner,
-)
-from rlhf_async.rl.guards import NonFiniteError
-from rlhf_async.rl.learner import Learner
-from rlhf_async.rl.staleness import StalenessPolicy
-from rlhf_async.rl.token_versions import token_version_metrics
-from rlhf_async.runtime import Node
-from rlhf_async.strategies.separation.protocol import (
+from rlhf_async.pipeline.protocol import (
     SFT_LINEAGE,
     ChunkDropped,
     Connected,
@@ -59,11 +48,22 @@ from rlhf_async.strategies.separation.protocol import (
     lineage_of,
     rollout_from_message,
 )
-from rlhf_async.strategies.training import (
+from rlhf_async.pipeline.training import (
     build_learner,
     save_final_policy,
     save_learner_checkpoint,
 )
+from rlhf_async.rl.checkpoint import (
+    CheckpointError,
+    disk_full,
+    load_shared,
+    restore_learner,
+)
+from rlhf_async.rl.guards import NonFiniteError
+from rlhf_async.rl.learner import Learner
+from rlhf_async.rl.staleness import StalenessPolicy
+from rlhf_async.rl.token_versions import token_version_metrics
+from rlhf_async.runtime import Node
 from rlhf_async.task.evaluation import StepLogs
 from rlhf_async.weight_sync import WeightSyncError, make_sender, tied_names
 from rlhf_async.wire.protocol import Message

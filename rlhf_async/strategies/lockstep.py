@@ -32,6 +32,13 @@ from rlhf_async.metrics import MetricsWriter, Progress, progress_columns
 from rlhf_async.modeling.episodes import EnvError, rollout
 from rlhf_async.modeling.precision import Precision, check_device
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
+from rlhf_async.pipeline.training import (
+    build_learner,
+    load_actor,
+    save_final_policy,
+    save_learner_checkpoint,
+    step_record,
+)
 from rlhf_async.rl.checkpoint import (
     CheckpointError,
     load_shared,
@@ -43,13 +50,6 @@ from rlhf_async.runtime.launcher import adopt, can_fork, fork_server
 from rlhf_async.strategies.base import JobStopped, RankFailed, RunResult
 from rlhf_async.strategies.colocated import colocated_engine
 from rlhf_async.strategies.step_health import NothingTrained, StepHealth
-from rlhf_async.strategies.training import (
-    build_learner,
-    load_actor,
-    save_final_policy,
-    save_learner_checkpoint,
-    step_record,
-)
 from rlhf_async.task import Task, make_task, sampling_params
 from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.task.evaluation import StepLogs

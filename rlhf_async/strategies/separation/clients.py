@@ -14,8 +14,7 @@ from collections.abc import Iterable
 from typing import Any, Protocol, TypeVar
 
 from rlhf_async.log import get_logger
-from rlhf_async.runtime.messages import Command, Stop
-from rlhf_async.strategies.separation.protocol import (
+from rlhf_async.pipeline.protocol import (
     Connected,
     Joined,
     Receiving,
@@ -27,6 +26,7 @@ from rlhf_async.strategies.separation.protocol import (
     WeightSyncConnect,
     WeightSyncPrepare,
 )
+from rlhf_async.runtime.messages import Command, Stop
 from rlhf_async.weight_sync import GroupSpec
 
 R = TypeVar("R")

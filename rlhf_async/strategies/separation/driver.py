@@ -26,15 +26,7 @@ from rlhf_async.control.client import NodeEvent, NodeExited
 from rlhf_async.log import get_logger
 from rlhf_async.metrics import MetricsWriter, Progress, progress_columns, truncate_metrics
 from rlhf_async.modeling.rollout import PromptBatch
-from rlhf_async.rl.checkpoint import disk_full
-from rlhf_async.rl.staleness import StalenessPolicy
-from rlhf_async.strategies.separation.clients import (
-    ControlPlane,
-    GeneratorClient,
-    PipelineError,
-    TrainerClient,
-)
-from rlhf_async.strategies.separation.protocol import (
+from rlhf_async.pipeline.protocol import (
     SFT_LINEAGE,
     ChunkDropped,
     ChunkId,
@@ -56,10 +48,18 @@ from rlhf_async.strategies.separation.protocol import (
     decode_event,
     prompts_message,
 )
+from rlhf_async.pipeline.training import step_record
+from rlhf_async.rl.checkpoint import disk_full
+from rlhf_async.rl.staleness import StalenessPolicy
+from rlhf_async.strategies.separation.clients import (
+    ControlPlane,
+    GeneratorClient,
+    PipelineError,
+    TrainerClient,
+)
 from rlhf_async.strategies.separation.sync_group import SyncGroup
 from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
 from rlhf_async.strategies.step_health import StepHealth
-from rlhf_async.strategies.training import step_record
 from rlhf_async.task import make_task
 from rlhf_async.weight_sync import GroupSpec
 from rlhf_async.wire.protocol import Message
