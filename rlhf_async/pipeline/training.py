@@ -1,6 +1,7 @@
 """What every strategy's trainer does the same way: build the `Learner`, write a checkpoint,
 save the final policy, and shape one step's metrics record. The lock-step ranks
-(lockstep.py) and the Separation trainer node (nodes/trainer/main.py) both use these.
+(strategies/lockstep.py) and the Separation trainer node (nodes/trainer/main.py) both use
+these.
 """
 
 from __future__ import annotations
