@@ -204,14 +204,14 @@ async def drive(cfg: JobConfig, coord: Coordinator, prompts: Any, specs: list[No
             scaling = scaler(driver)
             coord.handle(Scale, scaling.scale)
             if cfg.placement.rebalance:
-                driver.on_record.append(Rebalancer(
+                driver.records.on_record.append(Rebalancer(
                     scaling, cfg.placement.rebalance_every, cfg.placement.rebalance_gain,
                     cfg.algo.max_staleness, driver.spawn).observe)
         try:
             result = await coord.run_until_stop(driver.run())
         except NothingTrained:  # stopped like a stop request, then the error
             await driver.finish_stopping(cfg.runtime.stop_grace_s)
-            raise driver.health.stop() from None
+            raise driver.records.health.stop() from None
         if result is None:  # stopped: the trainer finishes its step and checkpoints
             await driver.finish_stopping(cfg.runtime.stop_grace_s)
             raise JobStopped(coord.stop_reason)

@@ -238,8 +238,9 @@ class Scaler:
 
     def _forget(self, node: str) -> None:
         d = self.driver
-        for table in (d.roles, d.clients, d.applied, d.busy, d.last_busy):
+        for table in (d.roles, d.clients, d.applied):
             table.pop(node, None)  # type: ignore[attr-defined]
+        d.records.forget(node)
         d.down.discard(node)
         d.joining.discard(node)
         d.leaving.discard(node)
