@@ -13,6 +13,7 @@ trains the very trajectory Flattening trains.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 import time
@@ -25,7 +26,6 @@ from safetensors.torch import load_file
 from nodes.common.context import NodeContext, load_context
 from rlhf_async.config import JobConfig, PlacementConfig, load_config, to_dict
 from rlhf_async.config.presets import Recipe
-from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.job import run
 from rlhf_async.metrics import MetricsWriter, read_metrics
 from rlhf_async.modeling.episodes import rollout
@@ -47,7 +47,13 @@ from rlhf_async.runtime import Node, NodeSpec, run_loop
 from rlhf_async.runtime.ipc_dir import make_ipc_dir
 from rlhf_async.runtime.launcher import LocalLauncher
 from rlhf_async.strategies import registry
-from rlhf_async.strategies.base import JobStopped, Overrides, RunResult, Strategy
+from rlhf_async.strategies.base import (
+    JobStopped,
+    Overrides,
+    RunResult,
+    Strategy,
+    job_coordinator,
+)
 from rlhf_async.strategies.flattening import full_scorer
 from rlhf_async.strategies.lockstep import Scorer
 from rlhf_async.strategies.placement import (
@@ -153,8 +159,7 @@ async def _drive(cfg: JobConfig, placement: Placement, art: Artefacts, run_dir: 
             "weights": Endpoint("pull", f"ipc://{sock}/weights", bind=True)}, params,
             num_threads=cfg.placement.cpu_threads)]
     launcher = LocalLauncher(start=cfg.runtime.node_start, preload=STRATEGY.fork_preload)
-    async with Coordinator(run_dir, launcher=launcher,
-                           ready_timeout=cfg.runtime.ready_timeout_s) as coord:
+    async with job_coordinator(cfg, run_dir, launcher) as coord:
         writer = MetricsWriter(run_dir / "metrics.jsonl")
         with coord.events() as events:
             await coord.launch(specs)
@@ -242,3 +247,16 @@ def test_nothing_outside_this_file_names_the_toy():
     named = [str(p.relative_to(REPO)) for top in ("rlhf_async", "nodes", "tests")
              for p in (REPO / top).rglob("*.py") if p != here and NAME in p.read_text()]
     assert named == []
+
+
+def test_a_teacher_of_its_own_names_the_strategies_with_scorer_processes(monkeypatch):
+    monkeypatch.setitem(registry.STRATEGIES, NAME, STRATEGY)
+    # Separation under another name: a second strategy whose scorers hold the teacher
+    monkeypatch.setitem(registry.STRATEGIES, "scored", dataclasses.replace(
+        registry.STRATEGIES["separation"], name="scored"))
+    _, problems = registry.build_placement(
+        PlacementConfig(strategy=NAME, devices=2, teacher=[1]), "grpo")
+    assert problems == [
+        f"placement.teacher: {NAME} has no scorer processes, which hold the teacher on "
+        "devices of their own (placement.teacher); use placement.strategy = separation or "
+        "scored, or leave placement.teacher empty"]
