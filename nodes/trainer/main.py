@@ -50,14 +50,13 @@ from rlhf_async.pipeline.protocol import (
 )
 from rlhf_async.pipeline.training import (
     build_learner,
+    restore_learner_checkpoint,
     save_final_policy,
     save_learner_checkpoint,
 )
 from rlhf_async.rl.checkpoint import (
     CheckpointError,
     disk_full,
-    load_shared,
-    restore_learner,
 )
 from rlhf_async.rl.guards import NonFiniteError
 from rlhf_async.rl.learner import Learner
@@ -352,10 +351,10 @@ def _restore(node: Node, ckpt_dir: Path, learner: Learner, policy: StalenessPoli
              device: torch.device, group: TrainerGroup) -> int:
     """Continue from the newest good checkpoint (after a restart or `resume`); 0 if none.
     Rank 0 reads it and hands it to the other ranks, so that all restore the same one."""
-    ck = load_shared(ckpt_dir, group.rank, group.world, device, share=True)
+    ck = restore_learner_checkpoint(learner, ckpt_dir, group.rank, group.world, device,
+                                    share=True)
     if ck is None:
         return 0
-    restore_learner(learner, ck.state)
     policy.load_state_dict(ck.meta["staleness"])
     node.log.info("resumed", step=ck.step, version=learner.version, path=str(ck.path))
     return ck.step
