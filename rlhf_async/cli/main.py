@@ -260,13 +260,12 @@ def _job_errors(job: Any) -> int:
     from rlhf_async.modeling.episodes import EnvError
     from rlhf_async.rl.checkpoint import CheckpointError
     from rlhf_async.runtime.ray_cluster import RayPlacementError
-    from rlhf_async.strategies.base import RankFailed, UserCodeFailed
-    from rlhf_async.strategies.separation.startup import PipelineError
+    from rlhf_async.strategies.base import RunFailed
 
     try:
         return int(job())
-    except (PipelineError, CoordinatorError, CheckpointError, SecurityError,
-            RunLockError, RankFailed, RayPlacementError, EnvError, UserCodeFailed) as e:
+    except (RunFailed, CoordinatorError, CheckpointError, SecurityError, RunLockError,
+            RayPlacementError, EnvError) as e:
         raise UserError(str(e)) from None
     except OSError as e:  # the machine's: a full disk, a permission, a missing path
         raise UserError(f"{e.strerror or e}" + (f": {e.filename}" if e.filename and

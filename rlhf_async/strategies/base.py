@@ -48,12 +48,18 @@ class JobStopped(Exception):
         self.reason = reason
 
 
-class UserCodeFailed(RuntimeError):
+class RunFailed(RuntimeError):
+    """The RL phase cannot go on, for a reason its message says in one line (a node that
+    kept dying, a group that would not form, a rank's error): the command line prints it
+    without a traceback. A strategy's own such failures subclass it."""
+
+
+class UserCodeFailed(RunFailed):
     """The user's environment or reward server failed in a way a rerun would repeat; the
     message names it (type, message, file:line) and how to resume once it is fixed."""
 
 
-class RankFailed(RuntimeError):
+class RankFailed(RunFailed):
     """A rank process of a lock-step run raised; the message is its error's last line (the
     whole traceback is in that rank's stderr)."""
 

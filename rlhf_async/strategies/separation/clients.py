@@ -27,13 +27,14 @@ from rlhf_async.pipeline.protocol import (
     WeightSyncPrepare,
 )
 from rlhf_async.runtime.messages import Command, Stop
+from rlhf_async.strategies.base import RunFailed
 from rlhf_async.weight_sync import GroupSpec
 
 R = TypeVar("R")
 log = get_logger(component="pipeline")
 
 
-class PipelineError(RuntimeError):
+class PipelineError(RunFailed):
     """The pipeline cannot go on (a node died too often, the weight broadcast failed)."""
 
 

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from nodes.common.context import NodeContext, load_context
+from rlhf_async.cli import main
 from rlhf_async.config import JobConfig, PlacementConfig, load_config, to_dict
 from rlhf_async.config.presets import Recipe
 from rlhf_async.job import run
@@ -50,6 +51,7 @@ from rlhf_async.strategies import registry
 from rlhf_async.strategies.base import (
     JobStopped,
     Overrides,
+    RunFailed,
     RunResult,
     Strategy,
     job_coordinator,
@@ -70,6 +72,10 @@ from rlhf_async.wire.protocol import Message, register_kind
 from rlhf_async.wire.transport import Endpoint
 
 NAME = "tandem"
+
+
+class TandemFailed(RunFailed):
+    """The run cannot go on: the command line says why in one line."""
 WEIGHTS = register_kind("tandem_weights")  # the learner's actor, after each step
 REPO = Path(__file__).resolve().parents[3]
 
@@ -176,7 +182,7 @@ async def _drive(cfg: JobConfig, placement: Placement, art: Artefacts, run_dir: 
                         case Done(policy_dir=policy):
                             return RunResult(writer.path, Path(policy), last - t0)
                         case NodeDead(reason=why) | Failed(error=why):
-                            raise RuntimeError(f"{raw.node_id}: {why}")
+                            raise TandemFailed(f"{raw.node_id}: {why}")
                 raise AssertionError("the event stream does not end")
             try:
                 result = await coord.run_until_stop(until_done())
@@ -260,3 +266,16 @@ def test_a_teacher_of_its_own_names_the_strategies_with_scorer_processes(monkeyp
         f"placement.teacher: {NAME} has no scorer processes, which hold the teacher on "
         "devices of their own (placement.teacher); use placement.strategy = separation or "
         "scored, or leave placement.teacher empty"]
+
+
+def test_a_strategys_own_failure_is_one_line_on_the_command_line(tmp_path, cache, monkeypatch,
+                                                                   capsys):
+    def broken(*_: object) -> RunResult:
+        raise TandemFailed("sampler: died 3 times in a row")
+
+    monkeypatch.setitem(registry.STRATEGIES, NAME, dataclasses.replace(STRATEGY, run=broken))
+    code = main(["run", *TINY, f"run.cache_dir={json.dumps(str(cache))}",
+                 f"run.output_dir={json.dumps(str(tmp_path))}", f"placement.strategy={NAME}"])
+    err = capsys.readouterr().err
+    assert code == 1 and "rlhf-async run: error: sampler: died 3 times in a row" in err, err
+    assert "Traceback" not in err
