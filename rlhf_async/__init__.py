@@ -24,6 +24,7 @@ __all__ = ["__version__", "reward_model", "sft", "train"]
 
 
 def _config(config: JobConfig | str | Path | None, overrides: list[str] | None) -> JobConfig:
+    # here, not at the top: every `import rlhf_async.X` runs this file first
     from rlhf_async.config import JobConfig, config_from_dict, load_config, to_dict
 
     if isinstance(config, JobConfig):
@@ -38,7 +39,7 @@ def sft(config: JobConfig | str | Path | None = None, overrides: list[str] | Non
         ) -> dict[str, Any]:
     """`rlhf-async sft`: fine-tune model.path on sft.data; returns the summary, whose
     "model" is the saved directory (the next stage's model.path)."""
-    from rlhf_async.job import sft_stage
+    from rlhf_async.job import sft_stage  # torch: not on `import rlhf_async`
 
     return sft_stage(_config(config, overrides))
 
@@ -47,7 +48,7 @@ def reward_model(config: JobConfig | str | Path | None = None,
                  overrides: list[str] | None = None) -> dict[str, Any]:
     """`rlhf-async rm`: a reward model from model.path on reward_model.data; returns the
     summary, whose "model" is the saved directory (reward_model.path for `train`)."""
-    from rlhf_async.job import reward_model_stage
+    from rlhf_async.job import reward_model_stage  # torch: not on `import rlhf_async`
 
     return reward_model_stage(_config(config, overrides))
 

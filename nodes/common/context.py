@@ -14,8 +14,8 @@ from rlhf_async.config import JobConfig, config_from_dict
 from rlhf_async.engines import adopt_engine_lines
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.precision import Precision, check_device
+from rlhf_async.pipeline.protocol import ChunkFormatError
 from rlhf_async.runtime import Node
-from rlhf_async.strategies.separation.protocol import ChunkFormatError
 from rlhf_async.task import Task, make_task, sampling_params
 from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.wire.protocol import ProtocolError

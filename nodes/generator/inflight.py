@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_async.engines import GenerationEngine
-from rlhf_async.strategies.separation.protocol import SFT_LINEAGE
+from rlhf_async.pipeline.protocol import SFT_LINEAGE
 
 
 @dataclass

@@ -28,8 +28,7 @@ from rlhf_async.config import weight_sync_backend
 from rlhf_async.engines import GenerationEngine, generation_engine, make_engine
 from rlhf_async.modeling.episodes import EnvError
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
-from rlhf_async.runtime import Node
-from rlhf_async.strategies.separation.protocol import (
+from rlhf_async.pipeline.protocol import (
     ChunkId,
     Connected,
     Generated,
@@ -43,6 +42,7 @@ from rlhf_async.strategies.separation.protocol import (
     prompts_from_message,
     rollout_message,
 )
+from rlhf_async.runtime import Node
 from rlhf_async.weight_sync import WeightSyncError
 
 

@@ -34,7 +34,7 @@ from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.episodes import Episode, env_loop, episode_batch, play
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
-from rlhf_async.strategies.separation.protocol import ChunkId
+from rlhf_async.pipeline.protocol import ChunkId
 
 
 class Scheduler:

@@ -10,10 +10,7 @@ import torch
 from nodes.common.context import NodeContext, load_context, message_errors
 from nodes.common.stage import StageClock
 from rlhf_async.modeling.models import ScalarHeadModel, freeze
-from rlhf_async.rl.guards import NonFiniteError
-from rlhf_async.rl.scoring import score
-from rlhf_async.runtime import Node
-from rlhf_async.strategies.separation.protocol import (
+from rlhf_async.pipeline.protocol import (
     Loaded,
     Scored,
     fail,
@@ -21,6 +18,9 @@ from rlhf_async.strategies.separation.protocol import (
     rollout_from_message,
     rollout_message,
 )
+from rlhf_async.rl.guards import NonFiniteError
+from rlhf_async.rl.scoring import score
+from rlhf_async.runtime import Node
 from rlhf_async.task import reward_mix
 from rlhf_async.task.artefacts import load_reward, load_sft
 from rlhf_async.task.reward_fn import RewardFunctionError

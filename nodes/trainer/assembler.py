@@ -8,7 +8,7 @@ never be trained on twice.
 from __future__ import annotations
 
 from rlhf_async.modeling.rollout import RolloutBatch
-from rlhf_async.strategies.separation.protocol import ChunkId
+from rlhf_async.pipeline.protocol import ChunkId
 
 
 class BatchAssembler:

@@ -26,18 +26,7 @@ from rlhf_async.config import collective_backend, weight_sync_backend, weight_sy
 from rlhf_async.engines.process_group import free_port
 from rlhf_async.metrics import MetricsWriter, truncate_jsonl
 from rlhf_async.modeling.rollout import RolloutBatch
-from rlhf_async.rl.checkpoint import (
-    CheckpointError,
-    disk_full,
-    load_shared,
-    restore_learner,
-)
-from rlhf_async.rl.guards import NonFiniteError
-from rlhf_async.rl.learner import Learner
-from rlhf_async.rl.staleness import StalenessPolicy
-from rlhf_async.rl.token_versions import token_version_metrics
-from rlhf_async.runtime import Node
-from rlhf_async.strategies.separation.protocol import (
+from rlhf_async.pipeline.protocol import (
     SFT_LINEAGE,
     ChunkDropped,
     Connected,
@@ -59,11 +48,21 @@ from rlhf_async.strategies.separation.protocol import (
     lineage_of,
     rollout_from_message,
 )
-from rlhf_async.strategies.training import (
+from rlhf_async.pipeline.training import (
     build_learner,
+    restore_learner_checkpoint,
     save_final_policy,
     save_learner_checkpoint,
 )
+from rlhf_async.rl.checkpoint import (
+    CheckpointError,
+    disk_full,
+)
+from rlhf_async.rl.guards import NonFiniteError
+from rlhf_async.rl.learner import Learner
+from rlhf_async.rl.staleness import StalenessPolicy
+from rlhf_async.rl.token_versions import token_version_metrics
+from rlhf_async.runtime import Node
 from rlhf_async.task.evaluation import StepLogs
 from rlhf_async.weight_sync import WeightSyncError, make_sender, tied_names
 from rlhf_async.wire.protocol import Message
@@ -352,10 +351,10 @@ def _restore(node: Node, ckpt_dir: Path, learner: Learner, policy: StalenessPoli
              device: torch.device, group: TrainerGroup) -> int:
     """Continue from the newest good checkpoint (after a restart or `resume`); 0 if none.
     Rank 0 reads it and hands it to the other ranks, so that all restore the same one."""
-    ck = load_shared(ckpt_dir, group.rank, group.world, device, share=True)
+    ck = restore_learner_checkpoint(learner, ckpt_dir, group.rank, group.world, device,
+                                    share=True)
     if ck is None:
         return 0
-    restore_learner(learner, ck.state)
     policy.load_state_dict(ck.meta["staleness"])
     node.log.info("resumed", step=ck.step, version=learner.version, path=str(ck.path))
     return ck.step

@@ -14,10 +14,11 @@ from typing import Any
 
 from rlhf_async.cli.args import split_config
 from rlhf_async.cli.errors import UserError
+from rlhf_async.config import config_from_dict, load_config
 from rlhf_async.log import configure_logging
 from rlhf_async.ops.daemon.client import call_daemon
+from rlhf_async.ops.daemon.metrics import serve_metrics
 from rlhf_async.ops.daemon.server import Daemon, DaemonError, StatePaths
-from rlhf_async.runtime import run_loop
 
 
 def default_state_dir() -> Path:
@@ -80,7 +81,7 @@ def _call(args: argparse.Namespace, request: dict[str, Any]) -> Any:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from rlhf_async.runtime import run_loop
+    from rlhf_async.runtime import run_loop  # torch: only the commands that run a loop load it
 
     if args.max_jobs < 1:
         raise UserError(f"--max-jobs must be >= 1, got {args.max_jobs}")
@@ -100,8 +101,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         else:
             raise UserError(f"a daemon already serves {daemon.paths.root}")
     if args.metrics_port:
-        from rlhf_async.ops.daemon.metrics import serve_metrics
-
         try:
             serve_metrics(daemon.paths.db, args.metrics_port)
         except OSError as e:
@@ -116,6 +115,7 @@ def _serve_api(args: argparse.Namespace, daemon: Daemon) -> int:
     try:  # here, not at the top: aiohttp is the [tinker-api] extra's
         from rlhf_async.ops.tinker.server import ApiConfigError, ApiServer, parse_address, read_key
         from rlhf_async.ops.tinker.service import TinkerService
+        from rlhf_async.runtime import run_loop
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] != "aiohttp":
             raise
@@ -193,7 +193,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from rlhf_async.config import config_from_dict, load_config
+    # torch and Ray: only `doctor` loads them
     from rlhf_async.engines.extras import MissingExtraError
     from rlhf_async.ops.doctor import check_cluster
     from rlhf_async.runtime.ray_cluster import RayPlacementError

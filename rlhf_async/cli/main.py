@@ -30,8 +30,11 @@ from rlhf_async.cli.scale import run as scale
 from rlhf_async.cli.serve_reward import add_command as add_serve_reward
 from rlhf_async.cli.serve_reward import run as serve_reward
 from rlhf_async.config import ConfigError, load_config
+from rlhf_async.job.lock import RunLockError, live_holder
 from rlhf_async.log import configure_logging
+from rlhf_async.ops.daemon.jobs import ERROR_FILE_ENV
 from rlhf_async.progress import announce
+from rlhf_async.wire.security import SecurityError, generate_keys
 
 DEFAULT_RUN_DIR = Path("runs/demo")
 
@@ -133,6 +136,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_prepare_smollm2(args: argparse.Namespace) -> int:
+    # torch and transformers load in the commands that use them: `version` starts in ~0.1 s
     from rlhf_async.ops.smollm2 import DEFAULT_DIR, SmolLM2Error, prepare
 
     try:
@@ -185,8 +189,6 @@ def _error(command: str, e: Exception, code: int) -> int:
     """The one error message: on stderr, and for a job the daemon runs also in the file it
     names (its job list shows that, not the job's last log lines)."""
     print(f"rlhf-async {command}: error: {e}", file=sys.stderr)
-    from rlhf_async.ops.daemon.jobs import ERROR_FILE_ENV
-
     if os.environ.get(ERROR_FILE_ENV):
         with contextlib.suppress(OSError):
             Path(os.environ[ERROR_FILE_ENV]).write_text(f"{e}\n")
@@ -199,8 +201,6 @@ def _cmd_version(args: argparse.Namespace) -> int:
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:
-    from rlhf_async.wire.security import SecurityError, generate_keys
-
     try:
         written = generate_keys(args.dir, force=args.force, extra_clients=tuple(args.client))
     except SecurityError as e:
@@ -222,7 +222,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(config, overrides, base_dir=args.base_dir)
     announce("start", "loading torch and transformers",
              enabled=cfg.run.progress and not args.dry_run)
-    from rlhf_async.job import run_config
+    from rlhf_async.job import run_config  # torch: after the config is checked
 
     return _job_errors(lambda: run_config(cfg, args.dry_run))
 
@@ -232,14 +232,14 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, json=False)  # the run's JSON: RUN_DIR/logs
     cfg = load_config(*split_config(args), base_dir=args.base_dir)
     announce("start", "loading torch and transformers", enabled=cfg.run.progress)
-    from rlhf_async import job
+    from rlhf_async import job  # torch: after the config is checked
 
     stage = job.sft_stage if args.command == "sft" else job.reward_model_stage
     return _job_errors(lambda: stage(cfg, sys.stdout) and 0)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from rlhf_async.cli.plan import run_plan
+    from rlhf_async.cli.plan import run_plan  # torch: the strategies' presets and pricing
 
     configure_logging("warning")
     config, overrides = split_config(args)
@@ -247,7 +247,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:
-    from rlhf_async.job import resume_job
+    from rlhf_async.job import resume_job  # torch: only the commands that train load it
 
     configure_logging(args.log_level, json=False)  # the run's JSON: RUN_DIR/logs
     return _job_errors(lambda: resume_job(args.run_dir))
@@ -255,19 +255,17 @@ def _cmd_resume(args: argparse.Namespace) -> int:
 
 def _job_errors(job: Any) -> int:
     """Failures a user can act on, as one message (configuration errors pass through)."""
+    # the modules that define them load torch: only the commands that run a job pay that
     from rlhf_async.control.coordinator import CoordinatorError
-    from rlhf_async.job.lock import RunLockError
     from rlhf_async.modeling.episodes import EnvError
     from rlhf_async.rl.checkpoint import CheckpointError
     from rlhf_async.runtime.ray_cluster import RayPlacementError
-    from rlhf_async.strategies.base import RankFailed, UserCodeFailed
-    from rlhf_async.strategies.separation.startup import PipelineError
-    from rlhf_async.wire.security import SecurityError
+    from rlhf_async.strategies.base import RunFailed
 
     try:
         return int(job())
-    except (PipelineError, CoordinatorError, CheckpointError, SecurityError,
-            RunLockError, RankFailed, RayPlacementError, EnvError, UserCodeFailed) as e:
+    except (RunFailed, CoordinatorError, CheckpointError, SecurityError, RunLockError,
+            RayPlacementError, EnvError) as e:
         raise UserError(str(e)) from None
     except OSError as e:  # the machine's: a full disk, a permission, a missing path
         raise UserError(f"{e.strerror or e}" + (f": {e.filename}" if e.filename and
@@ -284,6 +282,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _run_pipeline_demo(run_dir: Path, **settings: Any) -> int:
+    # torch (tensors on the wire): only the commands that run a loop load it
     from rlhf_async.control.demo import DemoProgress, NodeDead, NodeEvent, demo_event, run_demo
     from rlhf_async.runtime import run_loop
 
@@ -311,13 +310,13 @@ def _run_pipeline_demo(run_dir: Path, **settings: Any) -> int:
 
 
 def _coordinator_call(run_dir: Path, kind: str, timeout: float) -> Any:
+    # torch (the control messages' tensors): after the command's arguments are checked
     from rlhf_async.control.coordinator import (
         CoordinatorError,
         call_coordinator,
         read_coordinator_file,
     )
     from rlhf_async.runtime import run_loop
-    from rlhf_async.wire.security import SecurityError
 
     try:
         info = read_coordinator_file(run_dir)
@@ -353,8 +352,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_stop(args: argparse.Namespace) -> int:
     """Separation has a coordinator to ask; a lock-step run (no coordinator) is signalled:
     either way the run finishes its step, writes a checkpoint and exits."""
-    from rlhf_async.control.client import COORDINATOR_FILE
-    from rlhf_async.job.lock import live_holder
+    from rlhf_async.control.client import COORDINATOR_FILE  # torch: control/'s messages
 
     pid = live_holder(args.run_dir)
     if (args.run_dir / COORDINATOR_FILE).exists() or pid is None:

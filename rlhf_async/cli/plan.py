@@ -9,6 +9,7 @@ import json
 
 from rlhf_async.config import ConfigError, load_config
 from rlhf_async.engines import generation_engine
+from rlhf_async.planning.calibrate import calibrate
 from rlhf_async.planning.costmodel import ASSUMPTIONS, DEVICES, LLAMA
 from rlhf_async.planning.planner import format_prediction, machine, plan_job, predictions, simulate
 from rlhf_async.strategies.placement import Placement, with_engines
@@ -30,8 +31,6 @@ def run_plan(args: argparse.Namespace, config: str | None, overrides: list[str])
         return _simulate(args)
     cfg = load_config(config, overrides)
     if args.calibrate:
-        from rlhf_async.planning.calibrate import calibrate
-
         data = calibrate(cfg, args.out)
         print(json.dumps(data, indent=2) if args.json else
               f"calibration written to {args.out}; use it with "

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_async.cli.errors import UserError
+from rlhf_async.wire.security import SecurityError
 
 
 def add_command(sub: Any) -> None:
@@ -22,10 +23,10 @@ def add_command(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # torch (control/'s messages): only the commands that ask a coordinator load it
     from rlhf_async.control.reshape import ReshapeError, parse_scale
     from rlhf_async.runtime import run_loop
     from rlhf_async.strategies.registry import request_scale
-    from rlhf_async.wire.security import SecurityError
 
     try:
         scale = parse_scale(args.counts)

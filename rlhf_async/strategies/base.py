@@ -8,7 +8,8 @@ executes it. A strategy is a plain value; `registry.py` maps `placement.strategy
     pricing: Pricing                                       how `plan` and `auto` price it
     scalable, rebalance, partial_rollout, staleness: bool  what it does beyond lock-step
 
-What a strategy knows of the algorithm is its `Recipe` (`recipe.has_critic`).
+What a strategy knows of the algorithm is its `Recipe` (`recipe.has_critic`). One that runs
+its own processes starts them under `job_coordinator`, which applies the job's `runtime.*`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rlhf_async.config import JobConfig, PlacementConfig
 from rlhf_async.config.presets import Recipe
+from rlhf_async.control.coordinator import Coordinator
+from rlhf_async.runtime.launcher import Launcher
 from rlhf_async.strategies.placement import Placement
 from rlhf_async.strategies.pricing import Pricing
 from rlhf_async.task.artefacts import Artefacts
@@ -44,12 +48,18 @@ class JobStopped(Exception):
         self.reason = reason
 
 
-class UserCodeFailed(RuntimeError):
+class RunFailed(RuntimeError):
+    """The RL phase cannot go on, for a reason its message says in one line (a node that
+    kept dying, a group that would not form, a rank's error): the command line prints it
+    without a traceback. A strategy's own such failures subclass it."""
+
+
+class UserCodeFailed(RunFailed):
     """The user's environment or reward server failed in a way a rerun would repeat; the
     message names it (type, message, file:line) and how to resume once it is fixed."""
 
 
-class RankFailed(RuntimeError):
+class RankFailed(RunFailed):
     """A rank process of a lock-step run raised; the message is its error's last line (the
     whole traceback is in that rank's stderr)."""
 
@@ -81,3 +91,16 @@ class Strategy:
         """Every process runs every phase in order (one `worker` role): the strategies a
         launcher (torchrun, srun, Ray ranks) can start rank by rank."""
         return self.roles == ("worker",)
+
+
+def job_coordinator(cfg: JobConfig, run_dir: Path, launcher: Launcher,
+                    **kw: Any) -> Coordinator:
+    """The coordinator of a strategy's node processes, with the job's `runtime.*`: a node
+    silent for time_to_dead is dead and restarted, up to restart_limit times in a row
+    (forgiven after stable_after_s); nodes load within ready_timeout_s; a stop gives them
+    stop_grace_s (a trainer's step and checkpoint) before they are killed."""
+    r = cfg.runtime
+    return Coordinator(run_dir, launcher=launcher, time_to_dead=r.time_to_dead,
+                       restart_limit=r.restart_limit, ready_timeout=r.ready_timeout_s,
+                       stable_after_s=r.stable_after_s, stop_timeout=r.stop_grace_s + 5.0,
+                       **kw)

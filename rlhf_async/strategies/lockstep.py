@@ -34,10 +34,13 @@ from rlhf_async.metrics import MetricsWriter, Progress, progress_columns
 from rlhf_async.modeling.episodes import EnvError, rollout
 from rlhf_async.modeling.precision import Precision, check_device
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
-from rlhf_async.rl.checkpoint import (
-    CheckpointError,
-    load_shared,
-    restore_learner,
+from rlhf_async.pipeline.training import (
+    build_learner,
+    load_actor,
+    restore_learner_checkpoint,
+    save_final_policy,
+    save_learner_checkpoint,
+    step_record,
 )
 from rlhf_async.rl.dynamic_sampling import dynamic_sample, refill_prompts
 from rlhf_async.rl.learner import Learner
@@ -45,13 +48,6 @@ from rlhf_async.runtime.launcher import adopt, can_fork, fork_server
 from rlhf_async.strategies.base import JobStopped, RankFailed, RunResult
 from rlhf_async.strategies.colocated import colocated_engine
 from rlhf_async.strategies.step_health import NothingTrained, StepHealth
-from rlhf_async.strategies.training import (
-    build_learner,
-    load_actor,
-    save_final_policy,
-    save_learner_checkpoint,
-    step_record,
-)
 from rlhf_async.task import Task, make_task, sampling_params
 from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.task.evaluation import StepLogs
@@ -128,7 +124,9 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
     scorer = make_scorer(cfg, art, task, actor, rank, world, device, precision)
     learner = build_learner(cfg, art, device, precision, actor)
     if start_step:  # every rank restores the same checkpoint
-        restore_learner(learner, _checkpoint_state(run_dir, start_step, rank, world, device))
+        # a launched job's ranks may be on hosts that do not see the run directory
+        restore_learner_checkpoint(learner, run_dir / "checkpoints", rank, world, device,
+                                   launched() is not None, step=start_step)
     writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
     logs = StepLogs(cfg, task, art, run_dir, start_step, device) if rank == 0 else None
     progress = Progress(cfg.train.steps, cfg.run.progress and rank == 0, start_step=start_step,
@@ -217,17 +215,6 @@ def _refilled(cfg: JobConfig, task: Task, generate: Callable[[PromptBatch, int],
             cfg.train.steps, step, round_, cfg.algo.dynamic_sampling_max_tries, G)
         return scorer(generate(prompts.split(G, world)[rank].to(device), step))
     return dynamic_sample(first, refill, P, cfg.algo.dynamic_sampling_max_tries)
-
-
-def _checkpoint_state(run_dir: Path, step: int, rank: int, world: int,
-                      device: torch.device) -> dict:
-    """The learner state of the checkpoint of `step`. Spawned ranks share this host's run
-    directory and each read it; a launched job's ranks may be on hosts that do not see it,
-    so rank 0 reads it and hands it to them."""
-    ck = load_shared(run_dir / "checkpoints", rank, world, device, launched() is not None)
-    if ck is None or ck.step != step:
-        raise CheckpointError(f"rank {rank}: checkpoint of step {step} not found")
-    return ck.state
 
 
 def _end_step(cfg: JobConfig, learner: Learner, run_dir: Path, writer: MetricsWriter | None,

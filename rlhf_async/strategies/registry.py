@@ -89,11 +89,12 @@ def build_placement(cfg: PlacementConfig, algo: str) -> tuple[Placement | None, 
     placement = strategy.preset(cfg, resolve(AlgoConfig(name=algo)), over)
     problems += validate(placement, strategy.roles)
     problems += strategy.placement_problems(cfg, placement)
-    if cfg.teacher and "scorer" not in strategy.roles:
-        problems.append(f"placement.teacher: {strategy.name} holds the teacher with the "
-                        "reference (every rank, or the reference's devices); devices of its "
-                        "own are for scorer processes: use placement.strategy = 'separation' "
-                        "or leave placement.teacher empty")
+    if cfg.teacher and "scorer" not in strategy.roles:  # (else: the reference's devices)
+        able = " or ".join(n for n, s in STRATEGIES.items() if "scorer" in s.roles)
+        problems.append(f"placement.teacher: {strategy.name} has no scorer processes, which "
+                        "hold the teacher on devices of their own (placement.teacher); use "
+                        f"placement.strategy = {able or 'one with scorers'}, or leave "
+                        "placement.teacher empty")
     return placement, problems
 
 

@@ -29,6 +29,7 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_async.config import ConfigError
 from rlhf_async.modeling.environment import Env
 from rlhf_async.task.calculator import CalculatorEnv
+from rlhf_async.task.openenv_env import OpenEnvFactory
 from rlhf_async.task.reward_fn import RewardFunctionError, load_reward_fn
 
 BUILTIN: dict[str, Callable[[], Env]] = {"calculator": CalculatorEnv}
@@ -40,9 +41,7 @@ def load_env(spec: str) -> Callable[[], Env]:
     """The environment class `spec` names; one ConfigError naming what is wrong."""
     if spec in BUILTIN:
         return BUILTIN[spec]
-    if spec.startswith(OPENENV):  # imported only here: the package takes seconds to load
-        from rlhf_async.task.openenv_env import OpenEnvFactory
-
+    if spec.startswith(OPENENV):  # (the openenv package loads when a session starts)
         return OpenEnvFactory(spec)
     if ":" not in spec:
         raise ConfigError([f"task.env: {spec!r} is neither a built-in environment "

@@ -54,7 +54,7 @@ HELDOUT_ONE_IN = 8
 
 def agent_episodes(t: TaskConfig, tok: PreTrainedTokenizerBase) -> Any:
     """`task.agent`'s episode driver (the endpoint needs aiohttp, imported only here)."""
-    try:
+    try:  # aiohttp: the endpoint's extra
         from rlhf_async.task.agent import AgentEpisodes, load_agent
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] != "aiohttp":

@@ -276,6 +276,6 @@ class VerifiersAgent:
 def episodes(t: TaskConfig, tok: Any) -> Any:
     """`task.env`'s episodes: `VerifiersAgent` driven as a `task.agent` is
     (`AgentEpisodes`, task/agent.py: one endpoint session per episode)."""
-    from rlhf_async.task.agent import AgentEpisodes
+    from rlhf_async.task.agent import AgentEpisodes  # aiohttp: the endpoint's extra
 
     return AgentEpisodes(VerifiersAgent(t), tok, bool(getattr(tok, "chat_template", None)))

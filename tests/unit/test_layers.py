@@ -73,3 +73,13 @@ def test_one_node_program_never_imports_another(tmp_path):
     done = _check(repo)
     assert done.returncode == 1 and "nodes/scorer imports nodes.trainer (nodes/trainer)" in (
         done.stdout)
+
+
+def test_a_node_program_importing_the_coordinator_side_fails(tmp_path):
+    """nodes/ stands beside strategies/: both import what they share from pipeline/."""
+    repo = _scratch(tmp_path)
+    main = repo / "nodes" / "trainer" / "main.py"
+    main.write_text(main.read_text() + "\nfrom rlhf_async.strategies.separation import driver\n")
+    done = _check(repo)
+    assert done.returncode == 1, done.stdout
+    assert "nodes/trainer imports rlhf_async.strategies.separation (strategies)" in done.stdout

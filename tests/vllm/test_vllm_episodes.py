@@ -24,7 +24,7 @@ from nodes.generator.scheduler import Scheduler
 from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import ENV, POLICY, PromptBatch
-from rlhf_async.strategies.separation.protocol import ChunkId
+from rlhf_async.pipeline.protocol import ChunkId
 from rlhf_async.task.environment import template_delta
 from tests.vllm.serving import EOS, TEMPERATURE, VOCAB, Served, gpt2
 

@@ -34,7 +34,8 @@ def _die_with_daemon() -> None:
 
 def newest_good_checkpoint(run_dir: Path) -> int | None:
     """Step of the newest checkpoint whose files match their manifest, or None."""
-    from rlhf_async.rl.checkpoint import CheckpointError, list_checkpoints, verify  # torch: lazily
+    # torch: the daemon loads it only when it reads a checkpoint
+    from rlhf_async.rl.checkpoint import CheckpointError, list_checkpoints, verify
 
     for path in reversed(list_checkpoints(run_dir / "checkpoints")):
         try:

@@ -54,6 +54,7 @@ def last_record(path: Path) -> dict[str, Any] | None:
 
 def node_states(run_dir: Path, timeout: float = 1.0) -> dict[str, dict[str, Any]]:
     """The coordinator's node table, or {} when there is no coordinator to ask."""
+    # torch (control/'s messages): the daemon loads it only when it asks a coordinator
     from rlhf_async.control.client import CoordinatorError, call_coordinator, read_coordinator_file
 
     try:

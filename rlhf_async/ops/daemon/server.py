@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import rlhf_async.ops.daemon.jobs as jobproc
+from rlhf_async.config import ConfigError, load_config
 from rlhf_async.log import get_logger
 from rlhf_async.ops.daemon.store import DONE_STATES, Job, JobStore
 
@@ -225,6 +226,7 @@ class Daemon:
     async def _scale(self, request: dict[str, Any]) -> dict[str, Any]:
         """`{"op": "scale", "id": N, "generators": 2, "scorers": 1}`: the running job's
         coordinator adds or retires processes (control/scale.py); answered once it has."""
+        # torch (control/'s messages): the daemon loads it only when a job is scaled
         from rlhf_async.control.reshape import KEYS, ReshapeError, Scale
         from rlhf_async.runtime.messages import to_payload
         from rlhf_async.strategies.registry import request_scale
@@ -257,8 +259,6 @@ class Daemon:
             raise ValueError(f"no job {job_id}") from None
 
     def _submit(self, request: dict[str, Any]) -> Job:
-        from rlhf_async.config import ConfigError, load_config
-
         assert self.store is not None
         text, name = request.get("config_text", ""), request.get("config_name", "")
         overrides, cwd = request.get("overrides", []), request.get("cwd", "")

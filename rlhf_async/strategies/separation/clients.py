@@ -14,8 +14,7 @@ from collections.abc import Iterable
 from typing import Any, Protocol, TypeVar
 
 from rlhf_async.log import get_logger
-from rlhf_async.runtime.messages import Command, Stop
-from rlhf_async.strategies.separation.protocol import (
+from rlhf_async.pipeline.protocol import (
     Connected,
     Joined,
     Receiving,
@@ -27,13 +26,15 @@ from rlhf_async.strategies.separation.protocol import (
     WeightSyncConnect,
     WeightSyncPrepare,
 )
+from rlhf_async.runtime.messages import Command, Stop
+from rlhf_async.strategies.base import RunFailed
 from rlhf_async.weight_sync import GroupSpec
 
 R = TypeVar("R")
 log = get_logger(component="pipeline")
 
 
-class PipelineError(RuntimeError):
+class PipelineError(RunFailed):
     """The pipeline cannot go on (a node died too often, the weight broadcast failed)."""
 
 

@@ -3,11 +3,11 @@
 It owns the data cursor: prompts of step s go out (cut into chunks) only when the staleness
 gate allows, i.e. when every live generator has applied a recent enough weight version of
 the current trainer's lineage. It forwards each weight publication to the generators, turns
-node events into one metrics record per trained step, re-sends chunks the trainer refused,
-and recovers from node deaths: chunks a dead node held are sent again (the trainer drops
-duplicates, so each prompt is trained on exactly once), a restarted trainer continues from
-its checkpoint, and the weight-broadcast group is rebuilt under a new epoch (`SyncGroup`,
-sync_group.py).
+node events into one metrics record per trained step (`StepRecords`, records.py), re-sends
+chunks the trainer refused, and recovers from node deaths: chunks a dead node held are sent
+again (the trainer drops duplicates, so each prompt is trained on exactly once), a
+restarted trainer continues from its checkpoint, and the weight-broadcast group is rebuilt
+under a new epoch (`SyncGroup`, sync_group.py).
 """
 
 from __future__ import annotations
@@ -17,24 +17,14 @@ import contextlib
 import enum
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from rlhf_async.config import JobConfig
 from rlhf_async.control.client import NodeEvent, NodeExited
 from rlhf_async.log import get_logger
-from rlhf_async.metrics import MetricsWriter, Progress, progress_columns, truncate_metrics
 from rlhf_async.modeling.rollout import PromptBatch
-from rlhf_async.rl.checkpoint import disk_full
-from rlhf_async.rl.staleness import StalenessPolicy
-from rlhf_async.strategies.separation.clients import (
-    ControlPlane,
-    GeneratorClient,
-    PipelineError,
-    TrainerClient,
-)
-from rlhf_async.strategies.separation.protocol import (
+from rlhf_async.pipeline.protocol import (
     SFT_LINEAGE,
     ChunkDropped,
     ChunkId,
@@ -56,10 +46,16 @@ from rlhf_async.strategies.separation.protocol import (
     decode_event,
     prompts_message,
 )
+from rlhf_async.rl.staleness import StalenessPolicy
+from rlhf_async.strategies.separation.clients import (
+    ControlPlane,
+    GeneratorClient,
+    PipelineError,
+    TrainerClient,
+)
+from rlhf_async.strategies.separation.records import StepRecords
 from rlhf_async.strategies.separation.sync_group import SyncGroup
 from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
-from rlhf_async.strategies.step_health import StepHealth
-from rlhf_async.strategies.training import step_record
 from rlhf_async.task import make_task
 from rlhf_async.weight_sync import GroupSpec
 from rlhf_async.wire.protocol import Message
@@ -114,30 +110,18 @@ class Driver:
         self.down: set[str] = set()
         self.joining: set[str] = set()  # started by a scale (scaling.py): nothing to hand back
         self.leaving: set[str] = set()  # retiring (scaling.py): out of the next sync group
-        self.on_record: list[Callable[[dict[str, Any]], None]] = []  # may add to a record
         self.ranks = ranks  # the trainer's, rank 0 ("trainer") first; several: one group
         self.trained_ids = Counter[int]()
-        self.busy: dict[str, float] = {}  # node -> cumulative busy seconds
-        self.last_busy: dict[str, float] = {}
         self.counts = Counter[str]()  # restarts, resent chunks, regroups
         self.sync = SyncGroup(coord, self.trainer, self.clients, spec, gen_ranks,
                               cfg.runtime.restart_limit, cfg.weight_sync.timeout_s,
                               self.counts, generators=lambda: [
                                   g for g in self.generators if g not in self.leaving],
                               trainer_up=lambda: "trainer" not in self.down)
-        self.progress = Progress(cfg.train.steps, cfg.run.progress, start_step=start_step,
-                                 columns=progress_columns(self.task.rule_reward,
-                                                          self.task.has_rule))
-        self.health = StepHealth(cfg, run_dir)
-        self.episode_errors: dict[int, str] = {}  # step -> its first failed episode's error
-        self.t_last = time.perf_counter()
+        self.records = StepRecords(cfg, run_dir, self.task, start_step)
         self.result: dict[str, Any] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
         self._backlog = list(backlog or [])  # events that came before every node loaded
-        self._open_logs()
-
-    def _open_logs(self) -> None:
-        self.writer = MetricsWriter(self.run_dir / "metrics.jsonl")
 
     @property
     def generators(self) -> list[str]:
@@ -156,15 +140,14 @@ class Driver:
             for task in list(self._tasks):
                 task.cancel()
             self.sync.close()
-            self.writer.close()
-            self.progress.close()
+            self.records.close()
 
     async def finish_stopping(self, grace: float) -> None:
         """After a stop request: no more prompts; the trainer is asked to stop, finishes
         its step and checkpoints, and every step it reports meanwhile is still written to
         metrics.jsonl (a checkpoint never holds a step the metrics lack)."""
         self.dispatcher.cancel()
-        self._open_logs()
+        self.records.open()
         with contextlib.suppress(TimeoutError, RuntimeError):  # it may be gone already
             await self.trainer.stop("run stopping", timeout=2.0)
         deadline = time.monotonic() + grace
@@ -182,7 +165,7 @@ class Driver:
                 if event is not None and not isinstance(event, NodeDead):
                     await self._on(ev.node_id, event)  # records, weights forwarded as usual
         finally:
-            self.writer.close()
+            self.records.writer.close()
 
     async def _next_event(self) -> NodeEvent:
         """The next node event, or the failure of a background task that must not fail."""
@@ -278,9 +261,9 @@ class Driver:
                 key = (event.step, event.chunk)
                 if self.chunk_state.get(key) == ChunkState.DISPATCHED:  # never backwards
                     self.chunk_state[key] = ChunkState.GENERATED
-                self.busy[node] = event.busy_s
+                self.records.busy[node] = event.busy_s
                 if isinstance(event, Generated) and event.episode_error:
-                    self.episode_errors.setdefault(event.step, event.episode_error)
+                    self.records.episode_error(event.step, event.episode_error)
             case Received():
                 key = (event.step, event.chunk)
                 if key in self.chunk_state:
@@ -353,13 +336,9 @@ class Driver:
         records of steps it lost are dropped, they will be trained (and logged) again."""
         self.dispatcher.cancel()
         self.lineage, self.next_step = lineage, step
-        self.progress.phase.done = step
         self.chunk_state.clear()
         self.chunk_prompts.clear()
-        self.writer.close()
-        truncate_metrics(self.run_dir, step, trainer_running=True)
-        self._open_logs()
-        self.health = StepHealth(self.cfg, self.run_dir)  # the lost steps come again
+        self.records.rollback(step)
         first = step * self.cfg.train.prompts_per_step * self.cfg.algo.group_size
         for sid in [s for s in self.trained_ids if s >= first]:
             del self.trained_ids[sid]
@@ -371,37 +350,11 @@ class Driver:
         task.add_done_callback(self._tasks.discard)
 
     def _record(self, trainer: str, t: Trained) -> None:
-        now = time.perf_counter()
-        dt, self.t_last = now - self.t_last, now
         for s in t.sample_ids:
             self.trained_ids[s] += 1
         for key in [k for k in self.chunk_state if k[0] <= t.step]:
             del self.chunk_state[key], self.chunk_prompts[key]
-        self.busy[trainer] = t.busy_s
-        util = {f"util/{n}": (b - self.last_busy.get(n, 0.0)) / dt for n, b in self.busy.items()}
-        self.last_busy = dict(self.busy)
         states = Counter(self.chunk_state.values())
-        record = step_record(
-            t.step, t.metrics, dt, rollout_version=t.rollout_version,
-            published_version=self._published(), weight_sync_s=t.weight_sync.seconds,
-            weight_sync_bytes=t.weight_sync.bytes, staleness_hist=t.staleness_hist,
-            **t.staleness, **{f"queue/{s}": states.get(s, 0) for s in ChunkState},
-            **{"queue/trainer": t.queue_trainer}, **util,
-            **{f"faults/{k}": v for k, v in self.counts.items()})
-        # the step's error may come after its record (another socket): any step's will do
-        error = self.episode_errors.pop(t.step, "") or next(
-            (e for _, e in sorted(self.episode_errors.items())), "")
-        failing = self.health.failure
-        record.update(self.health.observe(t.step, record, error))
-        for hook in self.on_record:  # online rebalancing (rebalance.py)
-            hook(record)
-        try:
-            self.writer.write(record)
-        except OSError as e:  # a full disk: one error naming it, not a traceback
-            full = disk_full(e, self.run_dir / "metrics.jsonl")
-            if full is None:
-                raise
-            raise full from None
-        self.progress.update(record)
-        if failing is None and self.health.failure is not None:  # drive() checkpoints
-            raise self.health.failure
+        self.records.write(trainer, t, published_version=self._published(),
+                           **{f"queue/{s}": states.get(s, 0) for s in ChunkState},
+                           **{f"faults/{k}": v for k, v in self.counts.items()})

@@ -25,7 +25,6 @@ from collections import Counter
 from pathlib import Path
 
 from rlhf_async.config import JobConfig, weight_sync_backend
-from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.control.reshape import ReshapeError
 from rlhf_async.runtime import NodeSpec, run_loop
 from rlhf_async.runtime.ray_cluster import (
@@ -36,7 +35,7 @@ from rlhf_async.runtime.ray_cluster import (
     reserve,
 )
 from rlhf_async.runtime.ray_launcher import RayLauncher, device_index
-from rlhf_async.strategies.base import RunResult
+from rlhf_async.strategies.base import RunResult, job_coordinator
 from rlhf_async.strategies.placement import Placement
 from rlhf_async.strategies.separation.runner import build_specs, chunks_per_step, drive
 from rlhf_async.strategies.separation.scaling import Scaler
@@ -116,12 +115,7 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
     launcher = RayLauncher(group, specs)
     # a tcp control endpoint: the coordinator makes CURVE keys in RUN_DIR/keys, which every
     # node and the prompts socket then use
-    async with Coordinator(run_dir, launcher=launcher, control=control,
-                           time_to_dead=cfg.runtime.time_to_dead,
-                           restart_limit=cfg.runtime.restart_limit,
-                           ready_timeout=cfg.runtime.ready_timeout_s,
-                           stable_after_s=cfg.runtime.stable_after_s,
-                           stop_timeout=cfg.runtime.stop_grace_s + 5.0) as coord, \
+    async with job_coordinator(cfg, run_dir, launcher, control=control) as coord, \
             Transport(keys=coord.keyring) as transport:
         coord.install_signal_handlers()
         launcher.on_move = coord.readdress  # a node restarted on another host

@@ -83,7 +83,7 @@ def neighbours(p: Placement) -> list[tuple[Scale, Placement]]:
 
 
 class Rebalancer:
-    """`observe(record)` on every step record (the Driver's `on_record`); moves through
+    """`observe(record)` on every step record (the Driver's `records.on_record`); moves through
     `scaler` in the background (`spawn`)."""
 
     def __init__(self, scaler: Scaler, every: int, gain: float, max_staleness: int,

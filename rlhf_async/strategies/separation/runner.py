@@ -25,7 +25,7 @@ from rlhf_async.log import get_logger
 from rlhf_async.runtime import NodeSpec, run_loop
 from rlhf_async.runtime.ipc_dir import make_ipc_dir
 from rlhf_async.runtime.launcher import LocalLauncher
-from rlhf_async.strategies.base import JobStopped, RunResult
+from rlhf_async.strategies.base import JobStopped, RunResult, job_coordinator
 from rlhf_async.strategies.placement import Placement, ProcessPlacement
 from rlhf_async.strategies.separation.clients import (
     GeneratorClient,
@@ -159,13 +159,8 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
     spec = GroupSpec(weight_sync_backend(cfg), "127.0.0.1", 0, 1 + len(gens),
                      timeout_s=cfg.weight_sync.timeout_s)
     async with Transport() as transport, \
-            Coordinator(run_dir, launcher=LocalLauncher(start=cfg.runtime.node_start,
-                                                    preload=NODE_MODULES),
-                        time_to_dead=cfg.runtime.time_to_dead,
-                        restart_limit=cfg.runtime.restart_limit,
-                        ready_timeout=cfg.runtime.ready_timeout_s,
-                        stable_after_s=cfg.runtime.stable_after_s,
-                        stop_timeout=cfg.runtime.stop_grace_s + 5.0) as coord:
+            job_coordinator(cfg, run_dir, LocalLauncher(start=cfg.runtime.node_start,
+                                                        preload=NODE_MODULES)) as coord:
         coord.install_signal_handlers()
         prompts = transport.channel(Endpoint("push", prompts_addr, bind=True, hwm=64))
 
@@ -204,14 +199,14 @@ async def drive(cfg: JobConfig, coord: Coordinator, prompts: Any, specs: list[No
             scaling = scaler(driver)
             coord.handle(Scale, scaling.scale)
             if cfg.placement.rebalance:
-                driver.on_record.append(Rebalancer(
+                driver.records.on_record.append(Rebalancer(
                     scaling, cfg.placement.rebalance_every, cfg.placement.rebalance_gain,
                     cfg.algo.max_staleness, driver.spawn).observe)
         try:
             result = await coord.run_until_stop(driver.run())
         except NothingTrained:  # stopped like a stop request, then the error
             await driver.finish_stopping(cfg.runtime.stop_grace_s)
-            raise driver.health.stop() from None
+            raise driver.records.health.stop() from None
         if result is None:  # stopped: the trainer finishes its step and checkpoints
             await driver.finish_stopping(cfg.runtime.stop_grace_s)
             raise JobStopped(coord.stop_reason)

@@ -31,12 +31,12 @@ from rlhf_async.config import JobConfig
 from rlhf_async.control.coordinator import Coordinator, CoordinatorError
 from rlhf_async.control.reshape import Reshape, ReshapeError, Scale, Scaled, plan_reshape
 from rlhf_async.log import get_logger
+from rlhf_async.pipeline.protocol import SFT_LINEAGE
 from rlhf_async.runtime.messages import Peers, Stop
 from rlhf_async.runtime.spec import NodeSpec
 from rlhf_async.strategies.placement import INFER, Placement, ProcessPlacement
 from rlhf_async.strategies.separation.clients import GeneratorClient
 from rlhf_async.strategies.separation.driver import ChunkState, Driver
-from rlhf_async.strategies.separation.protocol import SFT_LINEAGE
 from rlhf_async.strategies.separation.startup import generator_ranks
 
 log = get_logger(component="scaling")
@@ -238,8 +238,9 @@ class Scaler:
 
     def _forget(self, node: str) -> None:
         d = self.driver
-        for table in (d.roles, d.clients, d.applied, d.busy, d.last_busy):
+        for table in (d.roles, d.clients, d.applied):
             table.pop(node, None)  # type: ignore[attr-defined]
+        d.records.forget(node)
         d.down.discard(node)
         d.joining.discard(node)
         d.leaving.discard(node)

@@ -7,9 +7,9 @@ import time
 
 from rlhf_async.control.client import EventStream, NodeEvent
 from rlhf_async.log import get_logger
+from rlhf_async.pipeline.protocol import EventError, Loaded, NodeDead, decode_event
 from rlhf_async.strategies.placement import Placement
 from rlhf_async.strategies.separation.clients import PipelineError
-from rlhf_async.strategies.separation.protocol import EventError, Loaded, NodeDead, decode_event
 from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
 
 log = get_logger(component="pipeline")

@@ -13,11 +13,7 @@ import pytest
 from rlhf_async.config import load_config
 from rlhf_async.control.client import NodeEvent
 from rlhf_async.metrics import MetricsWriter
-from rlhf_async.rl.checkpoint import DiskFullError
-from rlhf_async.runtime.messages import Command, Msg, decode_reply, tag, to_payload
-from rlhf_async.strategies.separation.clients import ControlPlane
-from rlhf_async.strategies.separation.driver import ChunkState, Driver, PipelineError
-from rlhf_async.strategies.separation.protocol import (
+from rlhf_async.pipeline.protocol import (
     ChunkDropped,
     Done,
     Failed,
@@ -33,6 +29,10 @@ from rlhf_async.strategies.separation.protocol import (
     WeightSync,
     WeightSyncPrepare,
 )
+from rlhf_async.rl.checkpoint import DiskFullError
+from rlhf_async.runtime.messages import Command, Msg, decode_reply, tag, to_payload
+from rlhf_async.strategies.separation.clients import ControlPlane
+from rlhf_async.strategies.separation.driver import ChunkState, Driver, PipelineError
 from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
 from rlhf_async.weight_sync import GroupSpec
 from rlhf_async.wire.protocol import Message

@@ -7,6 +7,7 @@ import msgpack
 import pytest
 
 from rlhf_async.control.client import NodeEvent
+from rlhf_async.pipeline import protocol as E
 from rlhf_async.runtime.messages import (
     Command,
     MessageError,
@@ -16,7 +17,6 @@ from rlhf_async.runtime.messages import (
     tag,
     to_payload,
 )
-from rlhf_async.strategies.separation import protocol as E
 from rlhf_async.weight_sync import GroupSpec
 
 SPEC = GroupSpec("gloo", "127.0.0.1", 29500, 3, peers=("trainer", "gen0", "gen1"))

@@ -14,15 +14,15 @@ import pytest
 
 from rlhf_async.config import load_config, to_dict
 from rlhf_async.control.reshape import ReshapeError, Scale, plan_reshape
-from rlhf_async.runtime.messages import Peers, tag
-from rlhf_async.runtime.spec import NodeSpec
-from rlhf_async.strategies.registry import runnable_placement
-from rlhf_async.strategies.separation.protocol import (
+from rlhf_async.pipeline.protocol import (
     Loaded,
     NodeDead,
     Published,
     WeightSyncPrepare,
 )
+from rlhf_async.runtime.messages import Peers, tag
+from rlhf_async.runtime.spec import NodeSpec
+from rlhf_async.strategies.registry import runnable_placement
 from rlhf_async.strategies.separation.scaling import Scaler, persist, reshaped
 from rlhf_async.wire.transport import Endpoint
 from tests.unit.strategies.test_driver import LINEAGE, FakeCoord, Harness

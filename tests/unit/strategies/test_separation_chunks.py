@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
-from rlhf_async.strategies.separation.protocol import (
+from rlhf_async.pipeline.protocol import (
     ChunkFormatError,
     ChunkId,
     prompts_from_message,

@@ -8,6 +8,7 @@ import importlib.util
 import pytest
 
 from rlhf_async.config import load_config
+from rlhf_async.pipeline.protocol import WeightSyncConnect, WeightSyncPrepare
 from rlhf_async.runtime.messages import Command, decode_reply, to_payload
 from rlhf_async.strategies.placement import PlacementError
 from rlhf_async.strategies.registry import runnable_placement
@@ -16,7 +17,6 @@ from rlhf_async.strategies.separation.clients import (
     TrainerClient,
     connect_weight_sync,
 )
-from rlhf_async.strategies.separation.protocol import WeightSyncConnect, WeightSyncPrepare
 from rlhf_async.strategies.separation.runner import build_specs
 from rlhf_async.strategies.separation.startup import generator_ranks
 from rlhf_async.task.artefacts import Artefacts

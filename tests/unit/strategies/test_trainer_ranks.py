@@ -7,9 +7,9 @@ import asyncio
 import itertools
 from typing import Any, TypeVar
 
+from rlhf_async.pipeline.protocol import TrainGroupConnect, TrainGroupPrepare
 from rlhf_async.runtime.messages import Command, decode_reply
 from rlhf_async.strategies.separation.clients import ControlPlane, PipelineError
-from rlhf_async.strategies.separation.protocol import TrainGroupConnect, TrainGroupPrepare
 from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
 
 R = TypeVar("R")

@@ -80,7 +80,9 @@ def test_placement_teacher_is_separation_s_and_in_range() -> None:
     for strategy in ("flattening", "interleaving"):
         out = build_placement(PlacementConfig(strategy=strategy, devices=2, teacher=[1]),
                               "distill")[1]
-        assert len(out) == 1 and out[0].startswith(f"placement.teacher: {strategy} holds")
+        assert out == [f"placement.teacher: {strategy} has no scorer processes, which hold "
+                       "the teacher on devices of their own (placement.teacher); use "
+                       "placement.strategy = separation, or leave placement.teacher empty"]
     ray = JobConfig(placement=PlacementConfig(strategy="separation", devices=3, teacher=[2],
                                               launcher="ray"))
     assert any(p.startswith("placement.teacher:") for p in runner_problems(

@@ -11,7 +11,7 @@ from nodes.generator.scheduler import Scheduler
 from rlhf_async.engines.torch.engine import TorchEngine
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch
-from rlhf_async.strategies.separation.protocol import SFT_LINEAGE, ChunkId
+from rlhf_async.pipeline.protocol import SFT_LINEAGE, ChunkId
 
 EOS, PAD = 3, 0
 

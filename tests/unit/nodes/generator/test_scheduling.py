@@ -16,7 +16,7 @@ from rlhf_async.engines import Capabilities, Completion, Request
 from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.generation import SamplingParams, request_seed
 from rlhf_async.modeling.rollout import ENV, POLICY, PromptBatch
-from rlhf_async.strategies.separation.protocol import ChunkId
+from rlhf_async.pipeline.protocol import ChunkId
 
 PAD = 0
 PARAMS = SamplingParams(max_new_tokens=6, eos_id=99, pad_id=PAD, min_new_tokens=2)

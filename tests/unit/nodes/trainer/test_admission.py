@@ -14,14 +14,14 @@ import torch
 from nodes.trainer.assembler import BatchAssembler
 from nodes.trainer.main import _accept
 from rlhf_async.modeling.rollout import RolloutBatch
-from rlhf_async.rl.staleness import StalenessPolicy
-from rlhf_async.strategies.separation.protocol import (
+from rlhf_async.pipeline.protocol import (
     SFT_LINEAGE,
     ChunkDropped,
     ChunkId,
     Received,
     rollout_message,
 )
+from rlhf_async.rl.staleness import StalenessPolicy
 from rlhf_async.wire.protocol import Message
 
 OURS = "a1b2c3d4"  # this trainer incarnation's lineage

@@ -5,7 +5,7 @@ import torch
 
 from nodes.trainer.assembler import BatchAssembler
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
-from rlhf_async.strategies.separation.protocol import ChunkId
+from rlhf_async.pipeline.protocol import ChunkId
 
 
 def _prompts(n=8, step=0):

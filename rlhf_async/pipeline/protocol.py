@@ -3,10 +3,11 @@
 typed, tagged msgspec Structs (runtime/messages.py) in the control messages' meta.
 
 A node sends `await node.send_event(Generated(...))`; the Driver reads `decode_event(ev)`; the
-coordinator's clients (`clients.py`) send `Command[Reply]`s that nodes serve with
-`node.handle(UpdateWeights, fn)`. A payload with a missing, unknown or wrongly typed field
-raises `EventError` naming the record and the field, so a mismatch between the two sides
-fails at the first message with a clear line instead of a KeyError mid-run.
+coordinator's clients (`strategies/separation/clients.py`) send `Command[Reply]`s that
+nodes serve with `node.handle(UpdateWeights, fn)`. A payload with a missing, unknown or
+wrongly typed field raises `EventError` naming the record and the field, so a mismatch
+between the two sides fails at the first message with a clear line instead of a KeyError
+mid-run.
 
 Data: prompt chunks and rollout batches as wire messages (msgpack header + tensor frames).
 A step's global batch is cut into chunks of whole prompt groups; every message names its

@@ -1,6 +1,7 @@
-"""What every strategy's trainer does the same way: build the `Learner`, write a checkpoint,
-save the final policy, and shape one step's metrics record. The lock-step ranks
-(lockstep.py) and the Separation trainer node (nodes/trainer/main.py) both use these.
+"""What every strategy's trainer does the same way: build the `Learner`, restore it from a
+checkpoint, write one, save the final policy, and shape one step's metrics record. The
+lock-step ranks (strategies/lockstep.py) and the Separation trainer node
+(nodes/trainer/main.py) both use these.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from torch import nn
 from rlhf_async.config import JobConfig
 from rlhf_async.modeling.models import save_policy
 from rlhf_async.modeling.precision import Precision
-from rlhf_async.rl.checkpoint import learner_state, save_checkpoint
+from rlhf_async.rl.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    learner_state,
+    load_shared,
+    restore_learner,
+    save_checkpoint,
+)
 from rlhf_async.rl.learner import Learner
 from rlhf_async.task.artefacts import Artefacts, load_critic, load_sft
 
@@ -32,6 +40,21 @@ def build_learner(cfg: JobConfig, art: Artefacts, device: torch.device, precisio
     return Learner(actor if actor is not None else load_actor(art, device),
                    critic.to(device) if critic is not None else None, cfg.algo, cfg.train,
                    cfg.run.seed, cfg.generation.temperature, precision, cfg.lora)
+
+
+def restore_learner_checkpoint(learner: Learner, root: Path, rank: int, world: int,
+                               device: torch.device, share: bool,
+                               step: int | None = None) -> Checkpoint | None:
+    """Restore `learner` from the newest good checkpoint under `root` (None when there is
+    none), or from the one of `step`, which must be the newest. Every rank calls it; with
+    `share` rank 0 reads it and hands it to the others (`load_shared`), so all restore the
+    same one."""
+    ck = load_shared(root, rank, world, device, share)
+    if step is not None and (ck is None or ck.step != step):
+        raise CheckpointError(f"rank {rank}: checkpoint of step {step} not found")
+    if ck is not None:
+        restore_learner(learner, ck.state)
+    return ck
 
 
 def save_learner_checkpoint(cfg: JobConfig, learner: Learner, root: Path, step: int,
