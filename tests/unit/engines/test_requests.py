@@ -14,7 +14,7 @@ from rlhf_async.engines.interface import Completion, Request
 from rlhf_async.engines.requests import Requests, engine_rollout
 from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.generation import SamplingParams, request_seed
-from rlhf_async.strategies.separation.protocol import ChunkId
+from rlhf_async.pipeline.protocol import ChunkId
 from tests.unit.nodes.generator.test_scheduling import PARAMS, FakeEngine, OkEnv, _prompts
 
 
