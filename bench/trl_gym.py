@@ -40,7 +40,7 @@ from rlhf_async.log import configure_logging
 from rlhf_async.runtime.launcher import ready_fork_server
 from rlhf_async.strategies.registry import STRATEGIES
 from rlhf_async.task import make_task
-from rlhf_async.task.gym_data import is_gym
+from rlhf_async.task.adapters.reasoning_gym import is_gym
 from rlhf_async.task.text import TextTask
 
 OURS_ROW = "flattening"  # the example's placement; bench.trl_compare.OURS names its overrides

@@ -10,7 +10,7 @@ from rlhf_async.config.fields import opt
 
 # task.prompts drawn from a generator rather than read from a path
 REASONING_GYM = "reasoning_gym:"
-# task.env run by an installed verifiers environment (task/verifiers_env.py): its tasks are
+# task.env run by an installed verifiers environment (task/adapters/verifiers.py): its tasks are
 # the prompts, its harness the agent, its rubric the reward
 VERIFIERS = "verifiers:"
 

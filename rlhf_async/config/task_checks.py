@@ -43,7 +43,7 @@ def episode_checks(cfg: JobConfig) -> list[str]:
 
 def reward_spec_problems(reward: str) -> list[str]:
     """task.reward: a function ('module.path:function', 'file.py:function') or a reward
-    server's URL (rlhf_async.task.remote_reward)."""
+    server's URL (rlhf_async.task.rewards.remote_reward)."""
     if not reward:
         return []
     if reward.startswith(("http://", "https://")):

@@ -57,8 +57,8 @@ from rlhf_async.strategies.registry import STRATEGIES
 from rlhf_async.task import Task, check_reachable, make_task, task_preload
 from rlhf_async.task.artefacts import Artefacts, load_reward, load_sft, prepare_artefacts
 from rlhf_async.task.evaluation import evaluate
-from rlhf_async.task.remote_reward import RewardServerError
-from rlhf_async.task.teacher import check_teacher
+from rlhf_async.task.rewards.remote_reward import RewardServerError
+from rlhf_async.task.rewards.teacher import check_teacher
 
 log = get_logger(component="job")
 

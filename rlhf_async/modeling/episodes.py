@@ -307,7 +307,7 @@ async def play(prompts: PromptBatch, params: SamplingParams, spec: EpisodeSpec, 
                step: int, turn: PolicyTurn) -> list[Episode]:
     """One episode per row of `prompts`, its policy turns taken by `turn`; its environment
     seeded by (seed, step, sample id). A spec with a `driver` (an agent's episodes,
-    `task/agent.py`) runs them its own way over the same `turn`."""
+    `task/agents/agent.py`) runs them its own way over the same `turn`."""
     if spec.driver is not None:
         return list(await spec.driver(prompts, params, spec, seed, step, turn))
     ids = [int(s) for s in prompts.sample_ids]

@@ -53,7 +53,7 @@ from rlhf_async.strategies.training import (
 from rlhf_async.task import Task, make_task, sampling_params
 from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.task.evaluation import StepLogs
-from rlhf_async.task.remote_reward import RewardServerError
+from rlhf_async.task.rewards.remote_reward import RewardServerError
 
 log = get_logger(component="lockstep")
 Scorer = Callable[[RolloutBatch], RolloutBatch]

@@ -18,14 +18,14 @@ from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.generation import Decode, SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.rl.scoring import RewardMix
+from rlhf_async.task.adapters.openenv import PREFIX as OPENENV
+from rlhf_async.task.adapters.openenv import check_server
+from rlhf_async.task.adapters.verifiers import PRELOAD as VERIFIERS_PRELOAD
+from rlhf_async.task.adapters.verifiers import is_verifiers
 from rlhf_async.task.calculator import CalculatorTask, CalculatorTokenizer
-from rlhf_async.task.openenv_env import PREFIX as OPENENV
-from rlhf_async.task.openenv_env import check_server
-from rlhf_async.task.remote_reward import is_url
+from rlhf_async.task.rewards.remote_reward import is_url
 from rlhf_async.task.sort_digits import EOS, PAD, VOCAB_SIZE, SortDigitsTask
 from rlhf_async.task.text import TextTask, agent_episodes
-from rlhf_async.task.verifiers_env import PRELOAD as VERIFIERS_PRELOAD
-from rlhf_async.task.verifiers_env import is_verifiers
 
 __all__ = ["EOS", "PAD", "VOCAB_SIZE", "CalculatorTask", "SortDigitsTask", "Task",
            "check_reachable", "make_task", "reward_mix", "sampling_params"]

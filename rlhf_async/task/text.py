@@ -1,9 +1,9 @@
-"""The "text" task: the user's prompts (any source `task/dataset.py` reads), judged by the
+"""The "text" task: the user's prompts (any source `task/sources/dataset.py` reads), judged by the
 user's rule reward, a trained reward model (`reward_model.path`), or both with weights.
 
 A row's prompt is its `task.prompt_key` string, or else its `task.messages_key` chat (a last
 assistant turn, a reference answer, is dropped). Prompts are tokenised once with the
-tokenizer in `model.path` (`task/tokens.py`) and left-padded to one fixed width: the longest
+tokenizer in `model.path` (`task/sources/tokens.py`) and left-padded to one fixed width: the longest
 prompt. A fixed hash of each prompt holds about one in eight out for evaluation (at least
 one), so adding rows never moves one between the splits. Training steps walk the training
 prompts in a keyed shuffle per epoch.
@@ -11,7 +11,7 @@ prompts in a keyed shuffle per epoch.
 The rule is `task.reward` on the decoded response (up to EOS): per sample
 `f(prompt, response, **columns)`, or with `task.reward_batched` once per batch
 `f(prompts, responses, **columns) -> list[float]`; `columns` are the row's other columns
-(by name, those f takes); or a reward server (`task/remote_reward.py`) sent the same.
+(by name, those f takes); or a reward server (`task/rewards/remote_reward.py`) sent the same.
 With no reward model it is both the training reward and the reported `hidden_score`. A
 reward model scores the policy's own token ids, so it must share the policy's tokenizer
 (checked here; one with another vocabulary is refused rather than re-tokenised).
@@ -33,12 +33,14 @@ from rlhf_async.config.checks import context_problem
 from rlhf_async.modeling.determinism import key_seed
 from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.rollout import PromptBatch
-from rlhf_async.task.agent_session import NO_ENV
-from rlhf_async.task.dataset import load_rows
-from rlhf_async.task.environment import load_env, template_delta
-from rlhf_async.task.gym_data import GymScore, is_gym, read_gym
-from rlhf_async.task.remote_reward import load_rule
-from rlhf_async.task.tokens import (
+from rlhf_async.task.adapters.reasoning_gym import GymScore, is_gym, read_gym
+from rlhf_async.task.adapters.verifiers import episodes as verifiers_episodes
+from rlhf_async.task.adapters.verifiers import is_verifiers, read_verifiers
+from rlhf_async.task.agents.agent_session import NO_ENV
+from rlhf_async.task.agents.environment import load_env, template_delta
+from rlhf_async.task.rewards.remote_reward import load_rule
+from rlhf_async.task.sources.dataset import load_rows
+from rlhf_async.task.sources.tokens import (
     Prompt,
     check_chat,
     encode_prompt,
@@ -46,8 +48,6 @@ from rlhf_async.task.tokens import (
     prompt_text,
     split_chat,
 )
-from rlhf_async.task.verifiers_env import episodes as verifiers_episodes
-from rlhf_async.task.verifiers_env import is_verifiers, read_verifiers
 
 HELDOUT_ONE_IN = 8
 
@@ -55,7 +55,7 @@ HELDOUT_ONE_IN = 8
 def agent_episodes(t: TaskConfig, tok: PreTrainedTokenizerBase) -> Any:
     """`task.agent`'s episode driver (the endpoint needs aiohttp, imported only here)."""
     try:
-        from rlhf_async.task.agent import AgentEpisodes, load_agent
+        from rlhf_async.task.agents.agent import AgentEpisodes, load_agent
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] != "aiohttp":
             raise
@@ -210,7 +210,7 @@ class TextTask:
         self.index_of: dict[tuple[int, ...], int] = {}  # tokens -> first prompt index
         for i, toks in enumerate(self.tokens):
             self.index_of.setdefault(tuple(toks), i)
-        if is_gym(t.prompts):  # held out by seed (task/gym_data.py)
+        if is_gym(t.prompts):  # held out by seed (task/adapters/reasoning_gym.py)
             held = [c["heldout"] for c in self.columns]
             self.train_idx = [i for i, h in enumerate(held) if not h]
             self.eval_idx = [i for i, h in enumerate(held) if h]
@@ -229,7 +229,7 @@ class TextTask:
 
     def episode_spec(self) -> EpisodeSpec | None:
         """With `task.env`: its episodes, observations as the chat template's tool turns;
-        with `task.agent`: the agent's, through the endpoint (`task/agent.py`)."""
+        with `task.agent`: the agent's, through the endpoint (`task/agents/agent.py`)."""
         if self.agent is not None:
             return EpisodeSpec(lambda: NO_ENV, self.env_row, lambda _: [], self.decode,
                                self.max_turns, self.max_episode_tokens,

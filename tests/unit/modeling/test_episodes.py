@@ -16,7 +16,7 @@ from rlhf_async.modeling.episodes import ENDS, EnvError, _observe, rollout, run_
 from rlhf_async.modeling.episodes import Episode as _Episode
 from rlhf_async.modeling.generation import SamplingParams, generate
 from rlhf_async.modeling.rollout import ENV, POLICY, PromptBatch
-from rlhf_async.task.environment import template_delta
+from rlhf_async.task.agents.environment import template_delta
 
 TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}<|end|>"
             "{% endfor %}{% if add_generation_prompt %}<|start|>assistant\n{% endif %}")

@@ -11,7 +11,7 @@ import torch
 
 from rlhf_async.config import ConfigError, load_config
 from rlhf_async.task import make_task
-from rlhf_async.task.gym_data import GymScore
+from rlhf_async.task.adapters.reasoning_gym import GymScore
 from rlhf_async.task.text import TextTask
 from tests.text_model import make_text_model
 

@@ -16,13 +16,13 @@ import pytest
 from rlhf_async import job
 from rlhf_async.cli import main
 from rlhf_async.config import ConfigError, load_config
-from rlhf_async.task.environment import load_env
-from rlhf_async.task.openenv_env import (
+from rlhf_async.task.adapters.openenv import (
     OpenEnvFactory,
     action_field,
     check_server,
     observation_text,
 )
+from rlhf_async.task.agents.environment import load_env
 
 
 def test_an_observations_text_is_its_text_field_else_its_json():

@@ -15,8 +15,8 @@ import pytest
 from aiohttp import web
 
 from rlhf_async.config import ConfigError, JobConfig, TaskConfig, load_config
+from rlhf_async.task.adapters.verifiers import VerifiersAgent, VerifiersEpisodeFailed, load
 from rlhf_async.task.text import read_prompts
-from rlhf_async.task.verifiers_env import VerifiersAgent, VerifiersEpisodeFailed, load
 from tests.served import serving
 from tests.text_model import make_text_model
 

@@ -190,7 +190,7 @@ class _LocalServer:
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115  (lives as the server does)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlhf_async.task.openenv_env", target, str(port),
+            [sys.executable, "-m", "rlhf_async.task.adapters.openenv", target, str(port),
              str(os.getpid())],
             # a file, not a pipe: a pipe nobody reads fills and blocks the server's logging
             stdout=subprocess.DEVNULL, stderr=self.log, start_new_session=True)

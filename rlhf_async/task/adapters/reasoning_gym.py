@@ -19,7 +19,7 @@ from typing import Any
 
 from rlhf_async.config import ConfigError, TaskConfig
 from rlhf_async.config.schema import REASONING_GYM
-from rlhf_async.task.tokens import Prompt
+from rlhf_async.task.sources.tokens import Prompt
 
 EXTRA = "pip install 'rlhf-async[reasoning-gym]'"
 DEFAULT_SIZE = 500

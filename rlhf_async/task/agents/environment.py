@@ -1,7 +1,7 @@
 """The text task's environment: `task.env` loaded, and its replies rendered as tokens.
 
 `task.env` is 'file.py:Class', 'module.path:Class' (imported like `task.reward`), a
-built-in name (`BUILTIN`) or an OpenEnv server ('openenv:...', `task/openenv_env.py`).
+built-in name (`BUILTIN`) or an OpenEnv server ('openenv:...', `task/adapters/openenv.py`).
 The class is made with no arguments, once per episode; its
 `reset` and `step` must be coroutine functions (the `Env` protocol).
 
@@ -29,10 +29,10 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_async.config import ConfigError
 from rlhf_async.modeling.environment import Env
 from rlhf_async.task.calculator import CalculatorEnv
-from rlhf_async.task.reward_fn import RewardFunctionError, load_reward_fn
+from rlhf_async.task.rewards.reward_fn import RewardFunctionError, load_reward_fn
 
 BUILTIN: dict[str, Callable[[], Env]] = {"calculator": CalculatorEnv}
-OPENENV = "openenv:"  # task/openenv_env.py
+OPENENV = "openenv:"  # task/adapters/openenv.py
 _USER, _BOT = "\x00user\x00", "\x00assistant\x00"  # placeholders no template alters
 
 
@@ -41,7 +41,7 @@ def load_env(spec: str) -> Callable[[], Env]:
     if spec in BUILTIN:
         return BUILTIN[spec]
     if spec.startswith(OPENENV):  # imported only here: the package takes seconds to load
-        from rlhf_async.task.openenv_env import OpenEnvFactory
+        from rlhf_async.task.adapters.openenv import OpenEnvFactory
 
         return OpenEnvFactory(spec)
     if ":" not in spec:

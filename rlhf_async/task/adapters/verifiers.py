@@ -16,7 +16,7 @@ own default is a remote Prime sandbox, which cannot reach a local endpoint).
   file's; a row carries its task's index and key (a task is found by its prompt, so two
   tasks with one prompt are played as the first);
 - an episode (`VerifiersAgent`, an agent `async (base_url, row) -> reward`, driven by
-  `episodes` exactly as `task.agent`'s are: one endpoint session per episode, task/agent.py):
+  `episodes` exactly as `task.agent`'s are: one endpoint session per episode, task/agents/agent.py):
   the env's `run_episode` on the row's task with its client at base_url; the
   reward is the mean over the episode's trainable traces of each one's weighted rewards
   (one trace for a single-agent env); an episode verifiers marks failed raises, so it is a
@@ -41,7 +41,7 @@ from typing import Any
 
 from rlhf_async.config import ConfigError, TaskConfig
 from rlhf_async.config.schema import VERIFIERS
-from rlhf_async.task.tokens import Prompt
+from rlhf_async.task.sources.tokens import Prompt
 
 EXTRA = "pip install 'rlhf-async[verifiers]'"
 MODEL = "policy"  # any name: the endpoint serves the policy whatever a request names
@@ -275,7 +275,7 @@ class VerifiersAgent:
 
 def episodes(t: TaskConfig, tok: Any) -> Any:
     """`task.env`'s episodes: `VerifiersAgent` driven as a `task.agent` is
-    (`AgentEpisodes`, task/agent.py: one endpoint session per episode)."""
-    from rlhf_async.task.agent import AgentEpisodes
+    (`AgentEpisodes`, task/agents/agent.py: one endpoint session per episode)."""
+    from rlhf_async.task.agents.agent import AgentEpisodes
 
     return AgentEpisodes(VerifiersAgent(t), tok, bool(getattr(tok, "chat_template", None)))
