@@ -54,6 +54,7 @@ from rlhf_async.strategies.registry import (
     runnable_placement,
     runner_problems,
 )
+from rlhf_async.task.adapters import adapter_problems
 
 log = get_logger(component="planner")
 Candidate = tuple[PlacementConfig, Placement | None, Prediction | None, str]
@@ -164,6 +165,7 @@ def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
         problems += [p for p in runner_problems(cfg, placement) if p not in problems]
     problems += missing_engine_problems(cfg)
     problems += name_problems(resolve(cfg.algo))  # the config layer cannot see rl's names
+    problems += adapter_problems(cfg)  # nor the environment adapters' prefixes
     if problems or placement is None:
         raise PlacementError(problems)
     return cfg, placement

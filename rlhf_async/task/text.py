@@ -19,10 +19,12 @@ reward model scores the policy's own token ids, so it must share the policy's to
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import random
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -31,11 +33,10 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_async.config import ConfigError, JobConfig, TaskConfig
 from rlhf_async.config.checks import context_problem
 from rlhf_async.modeling.determinism import key_seed
-from rlhf_async.modeling.environment import EpisodeSpec
+from rlhf_async.modeling.environment import Env, EpisodeSpec
 from rlhf_async.modeling.rollout import PromptBatch
-from rlhf_async.task.adapters.reasoning_gym import GymScore, is_gym, read_gym
-from rlhf_async.task.adapters.verifiers import episodes as verifiers_episodes
-from rlhf_async.task.adapters.verifiers import is_verifiers, read_verifiers
+from rlhf_async.task.adapters import EnvironmentAdapter, Rows, Scorer, chosen
+from rlhf_async.task.agents import agent_episodes
 from rlhf_async.task.agents.agent_session import NO_ENV
 from rlhf_async.task.agents.environment import load_env, template_delta
 from rlhf_async.task.rewards.remote_reward import load_rule
@@ -49,28 +50,20 @@ from rlhf_async.task.sources.tokens import (
     split_chat,
 )
 
+if TYPE_CHECKING:
+    from rlhf_async.task.agents.agent import AgentEpisodes
+
 HELDOUT_ONE_IN = 8
 
 
-def agent_episodes(t: TaskConfig, tok: PreTrainedTokenizerBase) -> Any:
-    """`task.agent`'s episode driver (the endpoint needs aiohttp, imported only here)."""
-    try:
-        from rlhf_async.task.agents.agent import AgentEpisodes, load_agent
-    except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] != "aiohttp":
-            raise
-        raise ConfigError(["task.agent: the agent endpoint needs aiohttp: pip install "
-                           "'rlhf-async[agent]'"]) from None
-    return AgentEpisodes(load_agent(t.agent), tok, bool(getattr(tok, "chat_template", None)))
-
-
-def read_prompts(t: TaskConfig) -> tuple[list[Prompt], list[dict[str, Any]]]:
-    """(each row's prompt, each row's other columns) of `task.prompts`; every bad row is
-    reported in one ConfigError (the first 20)."""
-    if is_gym(t.prompts):
-        return read_gym(t)
-    if is_verifiers(t.env):
-        return read_verifiers(t)
+def read_prompts(t: TaskConfig, adapters: list[EnvironmentAdapter] | None = None) -> Rows:
+    """The rows of the adapter that gives the prompts, else of `task.prompts` (each row's
+    prompt and its other columns; every bad row reported in one ConfigError, the first
+    20)."""
+    for adapter in chosen(t) if adapters is None else adapters:
+        given = adapter.rows()
+        if given is not None:
+            return given
     rows = load_rows(t.prompts, "task.prompts", t.split, text_column=t.prompt_key)
     prompts: list[Prompt] = []
     columns, problems = [], []
@@ -97,7 +90,7 @@ def read_prompts(t: TaskConfig) -> tuple[list[Prompt], list[dict[str, Any]]]:
                         "text task needs >= 2 (one is held out for evaluation)")
     if problems:
         raise ConfigError(problems[:20])
-    return prompts, columns
+    return Rows(prompts, columns)
 
 
 def longest_prompt(model_path: str, t: TaskConfig) -> int:
@@ -105,22 +98,14 @@ def longest_prompt(model_path: str, t: TaskConfig) -> int:
     stages tokenise it (chat template included): what the planner prices."""
     if t.max_prompt_tokens:
         return t.max_prompt_tokens
-    return _longest_in_data(model_path, t.prompts, t.split, t.prompt_key, t.messages_key,
-                            t.chat_template, json.dumps(t.reasoning_gym, sort_keys=True),
-                            t.env if is_verifiers(t.env) else "",
-                            json.dumps(t.verifiers, sort_keys=True))
+    return _longest_in_data(model_path, json.dumps(dataclasses.asdict(t), sort_keys=True))
 
 
 @functools.lru_cache(maxsize=4)
-def _longest_in_data(model_path: str, prompts: str, split: str, prompt_key: str,
-                     messages_key: str, chat_template: bool, gym: str, verifiers_env: str,
-                     verifiers: str) -> int:
-    t = TaskConfig(prompts=prompts, split=split, prompt_key=prompt_key,
-                   messages_key=messages_key, chat_template=chat_template,
-                   reasoning_gym=json.loads(gym), env=verifiers_env,
-                   verifiers=json.loads(verifiers))
+def _longest_in_data(model_path: str, task: str) -> int:
+    t = TaskConfig(**json.loads(task))
     tok = load_tokenizer(model_path)
-    return max(len(encode_prompt(tok, p, chat_template)) for p in read_prompts(t)[0])
+    return max(len(encode_prompt(tok, p, t.chat_template)) for p in read_prompts(t).prompts)
 
 
 def heldout_split(prompts: list[str]) -> tuple[list[int], list[int]]:
@@ -191,9 +176,12 @@ class TextTask:
                                 "model directory with a tokenizer")])
         self.cfg = t
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.prompts, self.columns = read_prompts(t)
-        self.rule = load_rule(t, "task.prompts") if t.reward or not is_gym(t.prompts) \
-            else GymScore(t)
+        adapters = chosen(t)  # task.env's or task.prompts' (task/adapters/)
+        rows = read_prompts(t, adapters)
+        self.prompts, self.columns = rows.prompts, rows.columns
+        # task.reward, else an adapter's own scorer
+        self.rule: Scorer | None = load_rule(t, "task.prompts") if t.reward else \
+            next((r for a in adapters if (r := a.rule()) is not None), None)
         # an environment's (an agent's) rewards are its rule
         self.has_rule = self.rule is not None or bool(t.env) or bool(t.agent)
         self.rule_reward = not cfg.reward_model.path  # no reward model: the rule is it
@@ -210,22 +198,29 @@ class TextTask:
         self.index_of: dict[tuple[int, ...], int] = {}  # tokens -> first prompt index
         for i, toks in enumerate(self.tokens):
             self.index_of.setdefault(tuple(toks), i)
-        if is_gym(t.prompts):  # held out by seed (task/adapters/reasoning_gym.py)
-            held = [c["heldout"] for c in self.columns]
-            self.train_idx = [i for i, h in enumerate(held) if not h]
-            self.eval_idx = [i for i, h in enumerate(held) if h]
+        if rows.heldout is not None:  # the adapter's own split
+            self.train_idx = [i for i, h in enumerate(rows.heldout) if not h]
+            self.eval_idx = [i for i, h in enumerate(rows.heldout) if h]
         else:
             self.train_idx, self.eval_idx = heldout_split([split_key(p) for p in self.prompts])
-        self.env = load_env(t.env) if t.env and not is_verifiers(t.env) else None
+        self.env, self.agent = self._episodes(t, adapters)
         if self.env is not None:  # a tokenizer without a chat template: stopped before work
             template_delta(self.tokenizer)
-        self.agent = agent_episodes(t, self.tokenizer) if t.agent else None
         self.max_turns, self.env_timeout_s = t.max_turns, t.env_timeout_s
-        if is_verifiers(t.env):  # its harness is an agent, run as task.agent's are
-            self.agent = verifiers_episodes(t, self.tokenizer)
         self.max_episode_tokens = cfg.generation.max_episode_tokens
 
     stop_ids: tuple[int, ...] = ()
+
+    def _episodes(self, t: TaskConfig, adapters: list[EnvironmentAdapter],
+                  ) -> tuple[Callable[[], Env] | None, AgentEpisodes | None]:
+        """(environment class, agent driver): an adapter's, else `task.env`'s or
+        `task.agent`'s (at most one of them: the config checks)."""
+        for adapter in adapters:
+            env, agent = adapter.environment(), adapter.agent(self.tokenizer)
+            if env is not None or agent is not None:
+                return env, agent
+        return (load_env(t.env) if t.env else None,
+                agent_episodes(t.agent, self.tokenizer) if t.agent else None)
 
     def episode_spec(self) -> EpisodeSpec | None:
         """With `task.env`: its episodes, observations as the chat template's tool turns;
