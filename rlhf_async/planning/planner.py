@@ -150,6 +150,11 @@ def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
     """Before anything starts: `auto` resolved to a strategy (logged with its reason), and
     the placement checked as a plan (memory included) and for what this build's runner
     executes, every problem in one PlacementError."""
+    # the environment adapters' own checks (the config layer cannot see them), first:
+    # pricing reads the prompts an adapter gives
+    adapters = adapter_problems(cfg)
+    if adapters:
+        raise PlacementError(adapters)
     auto = cfg.placement.strategy == AUTO
     cfg, strategy_why = _resolved(cfg) if auto else (cfg, "")
     # the generation engine chosen once, here: every process of the job reads this one
@@ -165,7 +170,6 @@ def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
         problems += [p for p in runner_problems(cfg, placement) if p not in problems]
     problems += missing_engine_problems(cfg)
     problems += name_problems(resolve(cfg.algo))  # the config layer cannot see rl's names
-    problems += adapter_problems(cfg)  # nor the environment adapters' prefixes
     if problems or placement is None:
         raise PlacementError(problems)
     return cfg, placement
