@@ -25,8 +25,9 @@ from contextlib import contextmanager
 from nodes.generator.inflight import Span, Weights
 from rlhf_async.engines import Completion, GenerationEngine, Request
 from rlhf_async.engines.requests import PrefillTally, assemble, chunk_requests, turn_request
+from rlhf_async.modeling.env_calls import env_loop
 from rlhf_async.modeling.environment import EpisodeSpec
-from rlhf_async.modeling.episodes import Episode, env_loop, episode_batch, play
+from rlhf_async.modeling.episodes import Episode, episode_batch, play
 from rlhf_async.modeling.generation import SamplingParams, request_seed
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.strategies.separation.protocol import ChunkId

@@ -257,7 +257,7 @@ def _job_errors(job: Any) -> int:
     """Failures a user can act on, as one message (configuration errors pass through)."""
     from rlhf_async.control.coordinator import CoordinatorError
     from rlhf_async.job.lock import RunLockError
-    from rlhf_async.modeling.episodes import EnvError
+    from rlhf_async.modeling.env_calls import EnvError
     from rlhf_async.rl.checkpoint import CheckpointError
     from rlhf_async.runtime.ray_cluster import RayPlacementError
     from rlhf_async.strategies.base import RankFailed, UserCodeFailed

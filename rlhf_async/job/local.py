@@ -37,7 +37,7 @@ from rlhf_async.job.signals import on_stop_signals
 from rlhf_async.job.summary import format_summary, reward_model_used, step_totals
 from rlhf_async.log import get_logger, log_to_file
 from rlhf_async.metrics import truncate_metrics
-from rlhf_async.modeling.episodes import EnvError
+from rlhf_async.modeling.env_calls import EnvError
 from rlhf_async.modeling.models import ScalarHeadModel
 from rlhf_async.ops.plotting import plot_metrics
 from rlhf_async.ops.reporting import Reporter

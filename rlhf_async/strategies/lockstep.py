@@ -29,7 +29,8 @@ from rlhf_async.config import JobConfig, collective_backend
 from rlhf_async.engines.process_group import exit_rank, free_port, launched, rank_group
 from rlhf_async.log import configure_logging, console_settings, get_logger, log_to_file
 from rlhf_async.metrics import MetricsWriter, Progress, progress_columns
-from rlhf_async.modeling.episodes import EnvError, rollout
+from rlhf_async.modeling.env_calls import EnvError
+from rlhf_async.modeling.episodes import rollout
 from rlhf_async.modeling.precision import Precision, check_device
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.rl.checkpoint import (

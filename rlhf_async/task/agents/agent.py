@@ -32,8 +32,9 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_async.config import ConfigError
+from rlhf_async.modeling.env_calls import warn, where
 from rlhf_async.modeling.environment import EpisodeSpec
-from rlhf_async.modeling.episodes import Episode, PolicyTurn, episode_rows, warn, where
+from rlhf_async.modeling.episodes import Episode, PolicyTurn, episode_rows
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import POLICY, PromptBatch
 from rlhf_async.task.agents.agent_session import NO_ENV, Session

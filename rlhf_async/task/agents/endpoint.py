@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from rlhf_async.log import get_logger
-from rlhf_async.modeling.episodes import env_loop
+from rlhf_async.modeling.env_calls import env_loop
 from rlhf_async.task.agents.agent_session import PolicyFailed, RequestError, Session
 
 log = get_logger(component="endpoint")

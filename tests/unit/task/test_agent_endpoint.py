@@ -15,8 +15,9 @@ from openai import AsyncOpenAI, BadRequestError
 from structlog.testing import capture_logs
 
 from bench.agent_endpoint import Setup
+from rlhf_async.modeling.env_calls import env_loop
 from rlhf_async.modeling.environment import EpisodeSpec
-from rlhf_async.modeling.episodes import ENDS, Episode, env_loop, episode_batch, play
+from rlhf_async.modeling.episodes import ENDS, Episode, episode_batch, play
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import ENV, POLICY, PromptBatch
 from rlhf_async.task.agents import endpoint as endpoint_module
