@@ -49,16 +49,23 @@ def _named(value: str) -> tuple[str, type[EnvironmentAdapter], str] | None:
 
 
 def chosen(t: TaskConfig) -> list[EnvironmentAdapter]:
-    """The adapters `task.env` and `task.prompts` name (none, one or two), made for `t`."""
-    out = []
+    """The adapters `task.env` and `task.prompts` name (none, one or two), made for `t`;
+    their own problems are one ConfigError here, so whatever reads an adapter's rows (the
+    task, the planner's prompt length) never meets a bad argument."""
+    out, problems = [], []
     for key in KEYS:
         found = _named(getattr(t, key))
         if found is None:
             continue
         prefix, cls, argument = found
         if cls.key != key:
-            raise ConfigError([_misplaced(key, getattr(t, key), prefix, cls)])
-        out.append(cls(argument, t))
+            problems.append(_misplaced(key, getattr(t, key), prefix, cls))
+            continue
+        adapter = cls(argument, t)
+        problems += adapter.problems()
+        out.append(adapter)
+    if problems:
+        raise ConfigError(problems)
     return out
 
 

@@ -183,7 +183,7 @@ def load(name: str, t: TaskConfig) -> Loaded:
 
 def name_problems(name: str, t: TaskConfig) -> list[str]:
     return [] if name else [f"task.env: {t.env!r} names no environment; expected "
-                            "'<prefix>:<taskset id>'"]
+                            f"'{t.env}<taskset id>'"]  # (t.env is the bare prefix)
 
 
 def task_prompt(data: Any, appends_system: bool, chat: bool) -> Prompt:
