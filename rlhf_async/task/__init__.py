@@ -4,6 +4,11 @@
 the built-in multi-turn tool-use task (SFT, then episodes with a `calc` tool); `text` takes
 the user's prompts file and rule reward function (and, with `task.env`, the user's
 environment). `make_task(cfg)` builds the configured one.
+
+Their parts, one subpackage each: where rows come from (`sources/`), what plays an
+episode (`agents/`), how a response is judged beside a reward model (`rewards/`), and
+outside packages' environments and datasets behind one registry of prefixes
+(`adapters/`, asked here for what they reach and preload).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from rlhf_async.task.sort_digits import EOS, PAD, VOCAB_SIZE, SortDigitsTask
 from rlhf_async.task.text import TextTask
 
 __all__ = ["EOS", "PAD", "VOCAB_SIZE", "CalculatorTask", "SortDigitsTask", "Task",
-           "check_reachable", "make_task", "reward_mix", "sampling_params"]
+           "check_reachable", "make_task", "reward_mix", "sampling_params", "task_preload"]
 
 
 class Task(Protocol):
