@@ -29,9 +29,9 @@ from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.episodes import ENDS, rollout
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
-from rlhf_async.task.agent import AgentEpisodes
-from rlhf_async.task.environment import template_delta
-from rlhf_async.task.tokens import encode_prompt
+from rlhf_async.task.agents.agent import AgentEpisodes
+from rlhf_async.task.agents.environment import template_delta
+from rlhf_async.task.sources.tokens import encode_prompt
 from tests.chat_tokenizers import chatml_tokenizer
 
 TURNS = 3

@@ -41,7 +41,8 @@ from rlhf_async.log import configure_logging
 from rlhf_async.runtime.launcher import ready_fork_server
 from rlhf_async.strategies.registry import STRATEGIES
 from rlhf_async.task import make_task
-from rlhf_async.task.gym_data import is_gym
+from rlhf_async.task.adapters import chosen
+from rlhf_async.task.adapters.reasoning_gym import ReasoningGymAdapter
 from rlhf_async.task.text import TextTask
 
 OURS_ROW = "flattening"  # the example's placement; bench.trl_compare.OURS names its overrides
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             "run.checkpoint_every=0", *args.overrides]
     try:
         cfg = load_config(args.config, base)
-        if cfg.task.name != "text" or not is_gym(cfg.task.prompts) or cfg.task.reward:
+        if cfg.task.name != "text" or not any(isinstance(a, ReasoningGymAdapter) for a in chosen(cfg.task)) or cfg.task.reward:
             raise ConfigError([f"{args.config}: this benchmark needs task.name = 'text' with "
                                "task.prompts = 'reasoning_gym:<dataset>' and no task.reward "
                                "(the dataset's scorer is the reward on both sides)"])

@@ -26,7 +26,7 @@ from nodes.generator.inflight import Span, Weights
 from nodes.generator.scheduler import Scheduler
 from rlhf_async.config import weight_sync_backend
 from rlhf_async.engines import GenerationEngine, generation_engine, make_engine
-from rlhf_async.modeling.episodes import EnvError
+from rlhf_async.modeling.env_calls import EnvError
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.pipeline.protocol import (
     ChunkId,

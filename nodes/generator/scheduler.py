@@ -30,8 +30,9 @@ from rlhf_async.engines.requests import (
     assemble,
     episode_turns,
 )
+from rlhf_async.modeling.env_calls import env_loop
 from rlhf_async.modeling.environment import EpisodeSpec
-from rlhf_async.modeling.episodes import Episode, env_loop, episode_batch, play
+from rlhf_async.modeling.episodes import Episode, episode_batch, play
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.pipeline.protocol import ChunkId

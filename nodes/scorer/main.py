@@ -23,8 +23,8 @@ from rlhf_async.rl.scoring import score
 from rlhf_async.runtime import Node
 from rlhf_async.task import reward_mix
 from rlhf_async.task.artefacts import load_reward, load_sft
-from rlhf_async.task.reward_fn import RewardFunctionError
-from rlhf_async.task.teacher import load_teacher, teacher_device
+from rlhf_async.task.rewards.reward_fn import RewardFunctionError
+from rlhf_async.task.rewards.teacher import load_teacher, teacher_device
 
 
 async def main(node: Node) -> None:

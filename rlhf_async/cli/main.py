@@ -257,7 +257,7 @@ def _job_errors(job: Any) -> int:
     """Failures a user can act on, as one message (configuration errors pass through)."""
     # the modules that define them load torch: only the commands that run a job pay that
     from rlhf_async.control.coordinator import CoordinatorError
-    from rlhf_async.modeling.episodes import EnvError
+    from rlhf_async.modeling.env_calls import EnvError
     from rlhf_async.rl.checkpoint import CheckpointError
     from rlhf_async.runtime.ray_cluster import RayPlacementError
     from rlhf_async.strategies.base import RunFailed

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
             raise
         raise UserError(f"serve-reward needs aiohttp: pip install 'rlhf-async[{EXTRA}]'") \
             from None
-    from rlhf_async.task.reward_fn import RuleReward  # torch: only this command loads it
+    from rlhf_async.task.rewards.reward_fn import RuleReward  # torch: only this command loads it
 
     if args.timeout_s <= 0:
         raise UserError(f"--timeout-s: {args.timeout_s:g} must be > 0")

@@ -302,7 +302,7 @@ def model_dir_problems(key: str, path: str) -> list[str]:
 
 
 def distill_problems(cfg: JobConfig) -> list[str]:
-    """A distillation term needs its teacher (whose vocabulary `task/teacher.py` checks)."""
+    """A distillation term needs its teacher (whose vocabulary `task/rewards/teacher.py` checks)."""
     a, out = cfg.algo, []
     if distills(a) and not cfg.teacher.path:
         why = "algo.name = 'distill'" if a.name == "distill" else "algo.distill_coef > 0"

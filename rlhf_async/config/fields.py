@@ -17,9 +17,13 @@ class ConfigError(ValueError):
 
 
 def opt(default: Any, help: str, *, choices: tuple[Any, ...] | None = None,
-        ge: float | None = None, gt: float | None = None, le: float | None = None) -> Any:
-    """A config field with its help text and accepted values (used by validation and docs)."""
-    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le}
+        ge: float | None = None, gt: float | None = None, le: float | None = None,
+        adapter: str | None = None) -> Any:
+    """A config field with its help text and accepted values (used by validation and docs).
+    `adapter`: the field is the knobs of the environment adapter whose prefix is the
+    field's name, named in that key of the same section (`task.verifiers`: 'env')."""
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le,
+            "adapter": adapter}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     if isinstance(default, dict):

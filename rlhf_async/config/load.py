@@ -15,11 +15,11 @@ from rlhf_async.config.checks import cross_checks
 from rlhf_async.config.fields import ConfigError
 from rlhf_async.config.hub import DATA_KEYS, MODEL_KEYS, resolve_hub_id
 from rlhf_async.config.schema import (
-    REASONING_GYM,
     TASK_DEFAULTS,
     JobConfig,
 )
 from rlhf_async.config.sizing import SIZED_KEYS, apply_model_defaults
+from rlhf_async.config.task import adapter_syntax
 from rlhf_async.log import get_logger
 
 log = get_logger(component="config")
@@ -162,7 +162,7 @@ def _resolve_hub_ids(cfg: JobConfig, base_dir: Path | None, problems: list[str])
 def _resolve_paths(cfg: JobConfig, base_dir: Path) -> None:
     for section, key in PATH_KEYS:
         value = getattr(getattr(cfg, section), key)
-        if value and not Path(value).is_absolute() and not value.startswith(REASONING_GYM):
+        if value and not Path(value).is_absolute() and not adapter_syntax(value):
             setattr(getattr(cfg, section), key, str(base_dir / value))
     where, sep, name = cfg.task.reward.rpartition(":")
     if sep and where.endswith(".py") and not Path(where).is_absolute():  # a file, not a module

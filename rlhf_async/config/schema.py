@@ -14,10 +14,10 @@ from typing import Any
 
 from rlhf_async.config.fields import opt
 from rlhf_async.config.presets import AlgoConfig
-from rlhf_async.config.task import REASONING_GYM, TASK_DEFAULTS, VERIFIERS, TaskConfig
+from rlhf_async.config.task import TASK_DEFAULTS, TaskConfig
 
 # re-exported: config/task.py
-__all__ = ["REASONING_GYM", "TASK_DEFAULTS", "VERIFIERS", "TaskConfig"]
+__all__ = ["TASK_DEFAULTS", "TaskConfig"]
 
 @dataclass
 class RunConfig:

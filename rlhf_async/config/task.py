@@ -3,16 +3,21 @@ reward and environment), and the built-in tasks' own defaults."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from rlhf_async.config.fields import opt
 
-# task.prompts drawn from a generator rather than read from a path
-REASONING_GYM = "reasoning_gym:"
-# task.env run by an installed verifiers environment (task/verifiers_env.py): its tasks are
-# the prompts, its harness the agent, its rubric the reward
-VERIFIERS = "verifiers:"
+# an environment adapter's name: '<prefix>:<argument>' (task.env, task.prompts); which
+# prefixes exist only task/adapters/ knows (this layer cannot import it)
+_ADAPTER = re.compile(r"[A-Za-z_]\w*:")
+
+
+def adapter_syntax(value: str) -> bool:
+    """Whether `value` is written as an adapter's '<prefix>:<argument>' (also the shape of
+    a 'module:Class' without dots: the adapter registry tells them apart)."""
+    return _ADAPTER.match(value) is not None
 
 
 # A built-in task's own defaults, used where the config file and the overrides leave a key
@@ -105,13 +110,14 @@ class TaskConfig:
                                         "(e.g. {size = 500, seed = 1, ...its difficulty "
                                         "knobs}); held-out prompts come from seed + 1; "
                                         "system_prompt = one of reasoning-gym's by name "
-                                        "(default, direct, ...)")
+                                        "(default, direct, ...)", adapter="prompts")
     verifiers: dict[str, Any] = opt({}, "text with task.env = "  # noqa: RUF009
                                     "'verifiers:<taskset id>': the rest of verifiers' [env] "
                                     "block (e.g. {taskset = {...its knobs}, agent = "
                                     "{timeout = {rollout = 60}}}; a role without a runtime "
                                     "runs in verifiers' subprocess runtime) and select = "
-                                    "{limit = N, shuffle = true, ...}: which tasks are read")
+                                    "{limit = N, shuffle = true, ...}: which tasks are read",
+                                    adapter="env")
     max_turns: int = opt(3, "policy turns per episode (with an environment)", ge=1)
     env_timeout_s: float = opt(30.0, "longest one environment reset/step may take (s); past "
                                "it the episode ends there", gt=0.0)

@@ -4,11 +4,13 @@ prompts and its reward need of each other and of the rest of the config (called 
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from rlhf_async.config.presets import distills
-from rlhf_async.config.schema import REASONING_GYM, VERIFIERS, JobConfig
+from rlhf_async.config.schema import JobConfig, TaskConfig
+from rlhf_async.config.task import adapter_syntax
 
 
 def has_env(cfg: JobConfig) -> bool:
@@ -43,7 +45,7 @@ def episode_checks(cfg: JobConfig) -> list[str]:
 
 def reward_spec_problems(reward: str) -> list[str]:
     """task.reward: a function ('module.path:function', 'file.py:function') or a reward
-    server's URL (rlhf_async.task.remote_reward)."""
+    server's URL (rlhf_async.task.rewards.remote_reward)."""
     if not reward:
         return []
     if reward.startswith(("http://", "https://")):
@@ -66,28 +68,20 @@ def text_task_checks(cfg: JobConfig) -> list[str]:
     if not cfg.model.path:
         out.append("model.path: task.name = 'text' needs a local Hugging Face model "
                    "directory with a tokenizer")
-    verifiers = t.env.startswith(VERIFIERS)  # its taskset gives the prompts
-    if verifiers and t.prompts:
-        out.append(f"task.prompts: {t.prompts!r} beside task.env = {t.env!r}: the verifiers "
-                   "environment's tasks are the prompts; remove task.prompts (task.verifiers' "
-                   "select = {...} picks tasks)")
-    elif not t.prompts and not verifiers:
+    # an adapter's name ('<prefix>:...') is checked by the adapter registry (task/adapters/,
+    # before anything starts): it knows whether its rows are the prompts, its score the reward
+    named_env, named_prompts = adapter_syntax(t.env), adapter_syntax(t.prompts)
+    if not t.prompts and not named_env:
         out.append("task.prompts: task.name = 'text' needs prompts: a data file (.jsonl, "
                    ".json, .parquet, .arrow, .csv, .txt), a directory or a cached dataset id "
-                   f"(or a task.env = '{VERIFIERS}<environment>' whose tasks are the prompts)")
-    elif t.prompts and not Path(t.prompts).exists() \
-            and not t.prompts.startswith(REASONING_GYM):
-        out.append(f"task.prompts: {t.prompts!r} is neither a file nor a directory (nor "
-                   f"'{REASONING_GYM}<dataset>')")
-    if t.verifiers and not verifiers:
-        out.append(f"task.verifiers: configures a verifiers environment; task.env is "
-                   f"{t.env!r}, not '{VERIFIERS}<environment>'")
-    gym = t.prompts.startswith(REASONING_GYM)  # scored by the dataset's own score_answer
-    if t.reasoning_gym and not gym:
-        out.append(f"task.reasoning_gym: configures a reasoning-gym dataset; task.prompts "
-                   f"is {t.prompts!r}, not '{REASONING_GYM}<dataset>'")
-    if not t.reward and not cfg.reward_model.path and not t.env and not t.agent and not gym \
-            and not distills(cfg.algo):
+                   "(or an environment adapter's task.env = '<prefix>:...' whose rows are the "
+                   "prompts)")
+    elif t.prompts and not Path(t.prompts).exists() and not named_prompts:
+        out.append(f"task.prompts: {t.prompts!r} is neither a file nor a directory (nor an "
+                   "adapter's '<prefix>:<argument>')")
+    out += adapter_table_checks(t)
+    if not (t.reward or cfg.reward_model.path or t.env or t.agent or named_prompts
+            or distills(cfg.algo)):
         out.append("task.reward: task.name = 'text' needs 'module.path:function', "
                    "'path/to/file.py:function' or a reward server 'http://HOST:PORT/PATH' "
                    "(or a reward_model.path, or a task.env whose steps give the reward, or "
@@ -102,4 +96,16 @@ def text_task_checks(cfg: JobConfig) -> list[str]:
     if t.reward_weight and not (t.reward and cfg.reward_model.path):
         out.append("task.reward_weight: adds task.reward's score to reward_model.path's; "
                    "it needs both (without a reward model the rule is the whole reward)")
+    return out
+
+
+def adapter_table_checks(t: TaskConfig) -> list[str]:
+    """An adapter's knobs (`task.<prefix>`, a field marked `adapter=`) without the adapter
+    named in its key: they would be ignored."""
+    out = []
+    for f in fields(TaskConfig):
+        key = f.metadata.get("adapter")
+        if key and getattr(t, f.name) and not getattr(t, key).startswith(f"{f.name}:"):
+            out.append(f"task.{f.name}: configures the '{f.name}:' adapter; task.{key} is "
+                       f"{getattr(t, key)!r}, not '{f.name}:...'")
     return out

@@ -37,7 +37,7 @@ from rlhf_async.job.signals import on_stop_signals
 from rlhf_async.job.summary import format_summary, reward_model_used, step_totals
 from rlhf_async.log import get_logger, log_to_file
 from rlhf_async.metrics import truncate_metrics
-from rlhf_async.modeling.episodes import EnvError
+from rlhf_async.modeling.env_calls import EnvError
 from rlhf_async.modeling.models import ScalarHeadModel
 from rlhf_async.ops.plotting import plot_metrics
 from rlhf_async.ops.reporting import Reporter
@@ -57,8 +57,8 @@ from rlhf_async.strategies.registry import STRATEGIES
 from rlhf_async.task import Task, check_reachable, make_task, task_preload
 from rlhf_async.task.artefacts import Artefacts, load_reward, load_sft, prepare_artefacts
 from rlhf_async.task.evaluation import evaluate
-from rlhf_async.task.remote_reward import RewardServerError
-from rlhf_async.task.teacher import check_teacher
+from rlhf_async.task.rewards.remote_reward import RewardServerError
+from rlhf_async.task.rewards.teacher import check_teacher
 
 log = get_logger(component="job")
 

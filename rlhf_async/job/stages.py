@@ -34,9 +34,9 @@ from rlhf_async.log import get_logger
 from rlhf_async.metrics import MetricsWriter
 from rlhf_async.modeling.models import as_scalar_model, load_actor, load_classifier
 from rlhf_async.task.artefacts import atomic_dir
+from rlhf_async.task.sources.tokens import load_tokenizer
+from rlhf_async.task.sources.user_data import Tokenised, demonstration, preference, tokenise
 from rlhf_async.task.supervised import Batch, bradley_terry_loss, fit, pair_scores, sft_loss
-from rlhf_async.task.tokens import load_tokenizer
-from rlhf_async.task.user_data import Tokenised, demonstration, preference, tokenise
 
 log = get_logger(component="stages")
 

@@ -42,6 +42,6 @@ class EpisodeSpec:
     max_tokens: int  # tokens of an episode after its prompt (both sides), the response width
     timeout_s: float  # longest one reset/step call may take; past it the episode ends
     name: str = "env"  # for logs and errors
-    # runs the episodes itself (an agent's, `task/agent.py`): called as `play` is, with the
+    # runs the episodes itself (an agent's, `task/agents/agent.py`): called as `play` is, with the
     # same policy turn; None = `play`'s reset/step loop over `make_env`'s environments
     driver: Callable[..., Awaitable[list[Any]]] | None = None

@@ -4,7 +4,7 @@ Each policy turn is one batched `sample` over the episodes still running, contin
 each one's prompt and earlier turns as token ids; each environment turn appends the tokens
 the task renders for its observation (a chat template's delta, tokenised once). Nothing is
 ever re-tokenised, so the ids trained on are exactly the ids sampled and read. The
-environment calls of a turn run concurrently on one event loop of this process.
+environment calls of a turn run concurrently on one event loop of this process (`env_calls`).
 
 An episode is a row of one `RolloutBatch`: its response holds every turn after the prompt,
 `response_mask` marking the policy's tokens POLICY and the environment's ENV, so the
@@ -23,18 +23,22 @@ same tokens.
 from __future__ import annotations
 
 import asyncio
-import threading
-import traceback
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
 
-from rlhf_async.log import get_logger
 from rlhf_async.modeling.determinism import key_seed, seeded_uniform
+from rlhf_async.modeling.env_calls import (
+    call,
+    checked_reset,
+    checked_step,
+    env_loop,
+    timed_out,
+    warn,
+)
 from rlhf_async.modeling.environment import Env, EpisodeSpec
 from rlhf_async.modeling.generation import (
     Between,
@@ -46,10 +50,6 @@ from rlhf_async.modeling.generation import (
 )
 from rlhf_async.modeling.rollout import ENV, POLICY, PromptBatch, RolloutBatch
 
-log = get_logger(component="episodes")
-T = TypeVar("T")
-
-
 # How an episode ended (`RolloutBatch.episode_ends`, counted per step as `episodes/<how>`):
 # the environment said done; max_turns policy turns were taken; truncated: a policy turn ran
 # out of tokens (generation.max_new_tokens, or the episode's max_episode_tokens) before it
@@ -58,75 +58,6 @@ T = TypeVar("T")
 # than task.env_timeout_s (an agent's episode: longer than task.agent_timeout_s); failed: an
 # agent (`task.agent`) raised, returned no reward or never called the policy.
 ENDS = ("done", "max_turns", "truncated", "timeout", "failed")
-
-
-class EnvError(RuntimeError):
-    """An environment's reset or step raised, or answered something of the wrong type: the
-    user's environment is wrong, and running it again would repeat it, so the run stops
-    with this (the exception's type, message and where in the user's code it was raised)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(f"task.env: {message}")
-
-
-def where(e: BaseException) -> str:
-    """' (at file.py:LINE)': the innermost frame of the exception's traceback."""
-    frames = traceback.extract_tb(e.__traceback__)
-    if not frames:
-        return ""
-    f = frames[-1]
-    return f" (at {f.filename}:{f.lineno})"
-
-
-class _Warnings:
-    """Repeated environment warnings as counts: the first of each kind is logged, then one
-    line per `every` more, with the count so far (a hanging environment would otherwise
-    print a line per call)."""
-
-    def __init__(self, every: int = 100) -> None:
-        self.every, self.counts = every, Counter[tuple[str, str]]()
-
-    def warn(self, event: str, env: str, **fields: Any) -> None:
-        self.counts[event, env] += 1
-        n = self.counts[event, env]
-        if n == 1 or n % self.every == 0:
-            log.warning(event, env=env, count=n, **fields)
-
-
-_WARN = _Warnings()
-
-
-def warn(event: str, env: str, **fields: Any) -> None:
-    """A warning about a user's environment or agent, repeats counted (`_Warnings`)."""
-    _WARN.warn(event, env, **fields)
-
-
-class _EnvLoop:
-    """One event loop on a daemon thread for every environment call of this process: the
-    callers are synchronous (a rank's loop, a generator's worker thread) and may run inside
-    another loop, where `asyncio.run` is not allowed."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="env-loop", daemon=True).start()
-
-    def run(self, coro: Awaitable[T]) -> T:
-        return asyncio.run_coroutine_threadsafe(_as_coro(coro), self.loop).result()
-
-
-async def _as_coro(aw: Awaitable[T]) -> T:
-    return await aw
-
-
-_LOOP: list[_EnvLoop] = []
-_LOOP_LOCK = threading.Lock()
-
-
-def env_loop() -> _EnvLoop:
-    with _LOOP_LOCK:
-        if not _LOOP:
-            _LOOP.append(_EnvLoop())
-        return _LOOP[0]
 
 
 @dataclass
@@ -154,44 +85,8 @@ class Episode:
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
 
 
-async def _call(spec: EpisodeSpec, what: str, aw: Awaitable[Any]) -> tuple[bool, Any]:
-    """(finished in time, its value). Past `spec.timeout_s` the call is abandoned (its
-    episode ends); an exception is the environment's bug and stops the run, named."""
-    try:
-        return True, await asyncio.wait_for(aw, spec.timeout_s)
-    except TimeoutError:
-        _WARN.warn("environment call timed out; its episode ends", spec.name, call=what,
-                   timeout_s=spec.timeout_s)
-        return False, None
-    except Exception as e:  # whatever the user's environment raises
-        raise EnvError(f"{spec.name!r}: {what}() raised {type(e).__name__}: {e}"
-                       f"{where(e)}") from e
-
-
-def _timed_out(spec: EpisodeSpec, what: str) -> str:
-    return f"{spec.name}: {what}() took longer than {spec.timeout_s:g} s (task.env_timeout_s)"
-
-
-def _checked_reset(spec: EpisodeSpec, out: Any) -> str:
-    if out is None:
-        return ""
-    if not isinstance(out, str):
-        raise EnvError(f"{spec.name!r}: reset() must return the first observation as str "
-                       f"('' or None for none), got {type(out).__name__} {str(out)[:80]!r}")
-    return out
-
-
-def _checked_step(spec: EpisodeSpec, out: Any) -> tuple[str, float, bool]:
-    ok = (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], str)
-          and isinstance(out[1], int | float) and not isinstance(out[1], bool))
-    if not ok:
-        raise EnvError(f"{spec.name!r}: step() must return (observation: str, reward: "
-                       f"float, done: bool), got {str(out)[:120]!r}")
-    return out[0], float(out[1]), bool(out[2])
-
-
 async def _reset_all(spec: EpisodeSpec, eps: list[Episode], rows: list[dict]) -> list[Any]:
-    return list(await asyncio.gather(*(_call(spec, "reset", e.env.reset(r))
+    return list(await asyncio.gather(*(call(spec, "reset", e.env.reset(r))
                                        for e, r in zip(eps, rows, strict=True))))
 
 
@@ -204,12 +99,12 @@ async def _close_all(spec: EpisodeSpec, eps: list[Episode]) -> None:
                                 return_exceptions=True)
     failed = [d for d in done if isinstance(d, BaseException)]
     if failed:
-        _WARN.warn("environment close failed or timed out", spec.name,
+        warn("environment close failed or timed out", spec.name,
                    error=str(failed[0])[:200])
 
 
 async def _step_all(spec: EpisodeSpec, eps: list[Episode], actions: list[str]) -> list[Any]:
-    return list(await asyncio.gather(*(_call(spec, "step", e.env.step(a))
+    return list(await asyncio.gather(*(call(spec, "step", e.env.step(a))
                                        for e, a in zip(eps, actions, strict=True))))
 
 
@@ -307,7 +202,7 @@ async def play(prompts: PromptBatch, params: SamplingParams, spec: EpisodeSpec, 
                step: int, turn: PolicyTurn) -> list[Episode]:
     """One episode per row of `prompts`, its policy turns taken by `turn`; its environment
     seeded by (seed, step, sample id). A spec with a `driver` (an agent's episodes,
-    `task/agent.py`) runs them its own way over the same `turn`."""
+    `task/agents/agent.py`) runs them its own way over the same `turn`."""
     if spec.driver is not None:
         return list(await spec.driver(prompts, params, spec, seed, step, turn))
     ids = [int(s) for s in prompts.sample_ids]
@@ -318,8 +213,8 @@ async def play(prompts: PromptBatch, params: SamplingParams, spec: EpisodeSpec, 
     for e, (ok, obs) in zip(eps, await _reset_all(spec, eps, rows), strict=True):
         if not ok:
             e.finish("timeout")
-            e.error = _timed_out(spec, "reset")
-        elif first := _checked_reset(spec, obs):
+            e.error = timed_out(spec, "reset")
+        elif first := checked_reset(spec, obs):
             _observe(spec, e, first, params.stops)
     for k in range(spec.max_turns):
         for e in eps:
@@ -341,9 +236,9 @@ async def play(prompts: PromptBatch, params: SamplingParams, spec: EpisodeSpec, 
         for i, (ok, out) in zip(acting, results, strict=True):
             if not ok:
                 eps[i].finish("timeout")
-                eps[i].error = _timed_out(spec, "step")
+                eps[i].error = timed_out(spec, "step")
                 continue
-            obs, reward, done = _checked_step(spec, out)
+            obs, reward, done = checked_step(spec, out)
             eps[i].reward += reward
             if done:
                 eps[i].finish("done")

@@ -1,5 +1,5 @@
 """`rlhf-async serve-reward path.py:fn`: a Python reward function served over HTTP, for
-`task.reward = "http://HOST:PORT/PATH"` (the client: `task/remote_reward.py`).
+`task.reward = "http://HOST:PORT/PATH"` (the client: `task/rewards/remote_reward.py`).
 
 POST PATH with `{"prompts": [str, ...], "responses": [str, ...], "columns": {name: [one
 value per row], ...}}` ("columns" may be left out) -> 200 `{"rewards": [float, ...]}`. The
@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from rlhf_async.log import get_logger
-from rlhf_async.task.reward_fn import RewardFunctionError, RuleReward
+from rlhf_async.task.rewards.reward_fn import RewardFunctionError, RuleReward
 
 log = get_logger(component="reward_server")
 MAX_BODY = 64 << 20  # bytes of one request; more is answered 413

@@ -53,6 +53,7 @@ from rlhf_async.strategies.registry import (
     runnable_placement,
     runner_problems,
 )
+from rlhf_async.task.adapters import adapter_problems
 
 log = get_logger(component="planner")
 Candidate = tuple[PlacementConfig, Placement | None, Prediction | None, str]
@@ -153,6 +154,11 @@ def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
     algo_names = name_problems(resolve(cfg.algo))
     if engine_names := engine_name_problems(cfg):
         raise PlacementError(engine_names + algo_names)
+    # the environment adapters' own checks (the config layer cannot see them), next:
+    # pricing reads the prompts an adapter gives
+    adapters = adapter_problems(cfg)
+    if adapters:
+        raise PlacementError(adapters + algo_names)
     auto = cfg.placement.strategy == AUTO
     cfg, strategy_why = _resolved(cfg) if auto else (cfg, "")
     # the generation engine chosen once, here: every process of the job reads this one

@@ -19,7 +19,7 @@ from rlhf_async.config import JobConfig, weight_sync_backend
 from rlhf_async.engines import BUILTIN, GenerationEngine, generation_engine, make_engine
 from rlhf_async.engines.requests import engine_rollout
 from rlhf_async.log import get_logger
-from rlhf_async.modeling.episodes import env_loop
+from rlhf_async.modeling.env_calls import env_loop
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.precision import Precision
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch

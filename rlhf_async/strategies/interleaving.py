@@ -50,7 +50,7 @@ from rlhf_async.strategies.placement import (
 from rlhf_async.strategies.pricing import Pricing, StepCosts, in_turn
 from rlhf_async.task import Task, reward_mix
 from rlhf_async.task.artefacts import Artefacts, load_reward
-from rlhf_async.task.teacher import load_teacher
+from rlhf_async.task.rewards.teacher import load_teacher
 
 GATHERED = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 

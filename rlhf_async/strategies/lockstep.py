@@ -31,7 +31,8 @@ from rlhf_async.engines import adopt_engine_lines, engine_lines
 from rlhf_async.engines.process_group import exit_rank, free_port, launched, rank_group
 from rlhf_async.log import configure_logging, console_settings, get_logger, log_to_file
 from rlhf_async.metrics import MetricsWriter, Progress, progress_columns
-from rlhf_async.modeling.episodes import EnvError, rollout
+from rlhf_async.modeling.env_calls import EnvError
+from rlhf_async.modeling.episodes import rollout
 from rlhf_async.modeling.precision import Precision, check_device
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.pipeline.training import (
@@ -51,7 +52,7 @@ from rlhf_async.strategies.step_health import NothingTrained, StepHealth
 from rlhf_async.task import Task, make_task, sampling_params
 from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.task.evaluation import StepLogs
-from rlhf_async.task.remote_reward import RewardServerError
+from rlhf_async.task.rewards.remote_reward import RewardServerError
 
 log = get_logger(component="lockstep")
 Scorer = Callable[[RolloutBatch], RolloutBatch]

@@ -4,6 +4,11 @@
 the built-in multi-turn tool-use task (SFT, then episodes with a `calc` tool); `text` takes
 the user's prompts file and rule reward function (and, with `task.env`, the user's
 environment). `make_task(cfg)` builds the configured one.
+
+Their parts, one subpackage each: where rows come from (`sources/`), what plays an
+episode (`agents/`), how a response is judged beside a reward model (`rewards/`), and
+outside packages' environments and datasets behind one registry of prefixes
+(`adapters/`, asked here for what they reach and preload).
 """
 
 from __future__ import annotations
@@ -18,17 +23,15 @@ from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.generation import Decode, SamplingParams
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.rl.scoring import RewardMix
+from rlhf_async.task import adapters
+from rlhf_async.task.agents import agent_episodes
 from rlhf_async.task.calculator import CalculatorTask, CalculatorTokenizer
-from rlhf_async.task.openenv_env import PREFIX as OPENENV
-from rlhf_async.task.openenv_env import check_server
-from rlhf_async.task.remote_reward import is_url
+from rlhf_async.task.rewards.remote_reward import is_url
 from rlhf_async.task.sort_digits import EOS, PAD, VOCAB_SIZE, SortDigitsTask
-from rlhf_async.task.text import TextTask, agent_episodes
-from rlhf_async.task.verifiers_env import PRELOAD as VERIFIERS_PRELOAD
-from rlhf_async.task.verifiers_env import is_verifiers
+from rlhf_async.task.text import TextTask
 
 __all__ = ["EOS", "PAD", "VOCAB_SIZE", "CalculatorTask", "SortDigitsTask", "Task",
-           "check_reachable", "make_task", "reward_mix", "sampling_params"]
+           "check_reachable", "make_task", "reward_mix", "sampling_params", "task_preload"]
 
 
 class Task(Protocol):
@@ -56,7 +59,7 @@ def make_task(cfg: JobConfig) -> Task:
     if cfg.task.name == "text":
         return TextTask(cfg)
     if cfg.task.name == "calculator":  # with task.agent, the agent plays its episodes
-        return CalculatorTask(cfg, agent_episodes(cfg.task, CalculatorTokenizer())
+        return CalculatorTask(cfg, agent_episodes(cfg.task.agent, CalculatorTokenizer())
                               if cfg.task.agent else None)
     return SortDigitsTask(cfg.task)
 
@@ -64,16 +67,15 @@ def make_task(cfg: JobConfig) -> Task:
 def check_reachable(cfg: JobConfig) -> None:
     """What the task reaches outside this process, checked once before anything starts
     (`run`'s checks and --dry-run; not again in every node or rank, where it would cost
-    each seconds): an OpenEnv server's `module:app` imports, its URL answers. Problems are
-    a ConfigError."""
-    if cfg.task.env.startswith(OPENENV):
-        check_server(cfg.task.env)
+    each seconds): the environment adapters' (an OpenEnv server's `module:app` imports,
+    its URL answers). Problems are a ConfigError."""
+    adapters.check_reachable(cfg.task)
 
 
 def task_preload(cfg: JobConfig) -> tuple[str, ...]:
     """Modules the task imports as it loads that take long enough to stall a node's first
     heartbeats (a verifiers environment: seconds): the fork server imports them once."""
-    return VERIFIERS_PRELOAD if is_verifiers(cfg.task.env) else ()
+    return adapters.preload(cfg.task)
 
 
 def reward_mix(cfg: JobConfig, task: Task) -> RewardMix:

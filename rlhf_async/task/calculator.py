@@ -132,7 +132,7 @@ class CalculatorTask:
 
     def __init__(self, cfg: JobConfig, driver: Any = None) -> None:
         self.cfg = cfg
-        self.driver = driver  # task.agent's episodes (`task/agent.py`), else CalculatorEnv's
+        self.driver = driver  # task.agent's episodes (`task/agents/agent.py`), else CalculatorEnv's
 
     @property
     def decode(self) -> Any:

@@ -25,7 +25,7 @@ from torch import Tensor
 from rlhf_async.config import TaskConfig
 from rlhf_async.modeling.determinism import key_seed
 from rlhf_async.modeling.rollout import PromptBatch
-from rlhf_async.task.remote_reward import load_rule
+from rlhf_async.task.rewards.remote_reward import load_rule
 
 PAD, BOS, SEP, EOS = 0, 1, 2, 3
 FIRST_DIGIT = 4

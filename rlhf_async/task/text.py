@@ -1,9 +1,9 @@
-"""The "text" task: the user's prompts (any source `task/dataset.py` reads), judged by the
+"""The "text" task: the user's prompts (any source `task/sources/dataset.py` reads), judged by the
 user's rule reward, a trained reward model (`reward_model.path`), or both with weights.
 
 A row's prompt is its `task.prompt_key` string, or else its `task.messages_key` chat (a last
 assistant turn, a reference answer, is dropped). Prompts are tokenised once with the
-tokenizer in `model.path` (`task/tokens.py`) and left-padded to one fixed width: the longest
+tokenizer in `model.path` (`task/sources/tokens.py`) and left-padded to one fixed width: the longest
 prompt. A fixed hash of each prompt holds about one in eight out for evaluation (at least
 one), so adding rows never moves one between the splits. Training steps walk the training
 prompts in a keyed shuffle per epoch.
@@ -11,7 +11,7 @@ prompts in a keyed shuffle per epoch.
 The rule is `task.reward` on the decoded response (up to EOS): per sample
 `f(prompt, response, **columns)`, or with `task.reward_batched` once per batch
 `f(prompts, responses, **columns) -> list[float]`; `columns` are the row's other columns
-(by name, those f takes); or a reward server (`task/remote_reward.py`) sent the same.
+(by name, those f takes); or a reward server (`task/rewards/remote_reward.py`) sent the same.
 With no reward model it is both the training reward and the reported `hidden_score`. A
 reward model scores the policy's own token ids, so it must share the policy's tokenizer
 (checked here; one with another vocabulary is refused rather than re-tokenised).
@@ -19,10 +19,12 @@ reward model scores the policy's own token ids, so it must share the policy's to
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import random
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -31,14 +33,15 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_async.config import ConfigError, JobConfig, TaskConfig
 from rlhf_async.config.checks import context_problem
 from rlhf_async.modeling.determinism import key_seed
-from rlhf_async.modeling.environment import EpisodeSpec
+from rlhf_async.modeling.environment import Env, EpisodeSpec
 from rlhf_async.modeling.rollout import PromptBatch
-from rlhf_async.task.agent_session import NO_ENV
-from rlhf_async.task.dataset import load_rows
-from rlhf_async.task.environment import load_env, template_delta
-from rlhf_async.task.gym_data import GymScore, is_gym, read_gym
-from rlhf_async.task.remote_reward import load_rule
-from rlhf_async.task.tokens import (
+from rlhf_async.task.adapters import EnvironmentAdapter, Rows, Scorer, chosen
+from rlhf_async.task.agents import agent_episodes
+from rlhf_async.task.agents.agent_session import NO_ENV
+from rlhf_async.task.agents.environment import load_env, template_delta
+from rlhf_async.task.rewards.remote_reward import load_rule
+from rlhf_async.task.sources.dataset import load_rows
+from rlhf_async.task.sources.tokens import (
     Prompt,
     check_chat,
     encode_prompt,
@@ -46,31 +49,21 @@ from rlhf_async.task.tokens import (
     prompt_text,
     split_chat,
 )
-from rlhf_async.task.verifiers_env import episodes as verifiers_episodes
-from rlhf_async.task.verifiers_env import is_verifiers, read_verifiers
+
+if TYPE_CHECKING:
+    from rlhf_async.task.agents.agent import AgentEpisodes
 
 HELDOUT_ONE_IN = 8
 
 
-def agent_episodes(t: TaskConfig, tok: PreTrainedTokenizerBase) -> Any:
-    """`task.agent`'s episode driver (the endpoint needs aiohttp, imported only here)."""
-    try:  # aiohttp: the endpoint's extra
-        from rlhf_async.task.agent import AgentEpisodes, load_agent
-    except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] != "aiohttp":
-            raise
-        raise ConfigError(["task.agent: the agent endpoint needs aiohttp: pip install "
-                           "'rlhf-async[agent]'"]) from None
-    return AgentEpisodes(load_agent(t.agent), tok, bool(getattr(tok, "chat_template", None)))
-
-
-def read_prompts(t: TaskConfig) -> tuple[list[Prompt], list[dict[str, Any]]]:
-    """(each row's prompt, each row's other columns) of `task.prompts`; every bad row is
-    reported in one ConfigError (the first 20)."""
-    if is_gym(t.prompts):
-        return read_gym(t)
-    if is_verifiers(t.env):
-        return read_verifiers(t)
+def read_prompts(t: TaskConfig, adapters: list[EnvironmentAdapter] | None = None) -> Rows:
+    """The rows of the adapter that gives the prompts, else of `task.prompts` (each row's
+    prompt and its other columns; every bad row reported in one ConfigError, the first
+    20)."""
+    for adapter in chosen(t) if adapters is None else adapters:
+        given = adapter.rows()
+        if given is not None:
+            return given
     rows = load_rows(t.prompts, "task.prompts", t.split, text_column=t.prompt_key)
     prompts: list[Prompt] = []
     columns, problems = [], []
@@ -97,7 +90,7 @@ def read_prompts(t: TaskConfig) -> tuple[list[Prompt], list[dict[str, Any]]]:
                         "text task needs >= 2 (one is held out for evaluation)")
     if problems:
         raise ConfigError(problems[:20])
-    return prompts, columns
+    return Rows(prompts, columns)
 
 
 def longest_prompt(model_path: str, t: TaskConfig) -> int:
@@ -105,22 +98,14 @@ def longest_prompt(model_path: str, t: TaskConfig) -> int:
     stages tokenise it (chat template included): what the planner prices."""
     if t.max_prompt_tokens:
         return t.max_prompt_tokens
-    return _longest_in_data(model_path, t.prompts, t.split, t.prompt_key, t.messages_key,
-                            t.chat_template, json.dumps(t.reasoning_gym, sort_keys=True),
-                            t.env if is_verifiers(t.env) else "",
-                            json.dumps(t.verifiers, sort_keys=True))
+    return _longest_in_data(model_path, json.dumps(dataclasses.asdict(t), sort_keys=True))
 
 
 @functools.lru_cache(maxsize=4)
-def _longest_in_data(model_path: str, prompts: str, split: str, prompt_key: str,
-                     messages_key: str, chat_template: bool, gym: str, verifiers_env: str,
-                     verifiers: str) -> int:
-    t = TaskConfig(prompts=prompts, split=split, prompt_key=prompt_key,
-                   messages_key=messages_key, chat_template=chat_template,
-                   reasoning_gym=json.loads(gym), env=verifiers_env,
-                   verifiers=json.loads(verifiers))
+def _longest_in_data(model_path: str, task: str) -> int:
+    t = TaskConfig(**json.loads(task))
     tok = load_tokenizer(model_path)
-    return max(len(encode_prompt(tok, p, chat_template)) for p in read_prompts(t)[0])
+    return max(len(encode_prompt(tok, p, t.chat_template)) for p in read_prompts(t).prompts)
 
 
 def heldout_split(prompts: list[str]) -> tuple[list[int], list[int]]:
@@ -191,9 +176,12 @@ class TextTask:
                                 "model directory with a tokenizer")])
         self.cfg = t
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.prompts, self.columns = read_prompts(t)
-        self.rule = load_rule(t, "task.prompts") if t.reward or not is_gym(t.prompts) \
-            else GymScore(t)
+        adapters = chosen(t)  # task.env's or task.prompts' (task/adapters/)
+        rows = read_prompts(t, adapters)
+        self.prompts, self.columns = rows.prompts, rows.columns
+        # task.reward, else an adapter's own scorer
+        self.rule: Scorer | None = load_rule(t, "task.prompts") if t.reward else \
+            next((r for a in adapters if (r := a.rule()) is not None), None)
         # an environment's (an agent's) rewards are its rule
         self.has_rule = self.rule is not None or bool(t.env) or bool(t.agent)
         self.rule_reward = not cfg.reward_model.path  # no reward model: the rule is it
@@ -210,26 +198,33 @@ class TextTask:
         self.index_of: dict[tuple[int, ...], int] = {}  # tokens -> first prompt index
         for i, toks in enumerate(self.tokens):
             self.index_of.setdefault(tuple(toks), i)
-        if is_gym(t.prompts):  # held out by seed (task/gym_data.py)
-            held = [c["heldout"] for c in self.columns]
-            self.train_idx = [i for i, h in enumerate(held) if not h]
-            self.eval_idx = [i for i, h in enumerate(held) if h]
+        if rows.heldout is not None:  # the adapter's own split
+            self.train_idx = [i for i, h in enumerate(rows.heldout) if not h]
+            self.eval_idx = [i for i, h in enumerate(rows.heldout) if h]
         else:
             self.train_idx, self.eval_idx = heldout_split([split_key(p) for p in self.prompts])
-        self.env = load_env(t.env) if t.env and not is_verifiers(t.env) else None
+        self.env, self.agent = self._episodes(t, adapters)
         if self.env is not None:  # a tokenizer without a chat template: stopped before work
             template_delta(self.tokenizer)
-        self.agent = agent_episodes(t, self.tokenizer) if t.agent else None
         self.max_turns, self.env_timeout_s = t.max_turns, t.env_timeout_s
-        if is_verifiers(t.env):  # its harness is an agent, run as task.agent's are
-            self.agent = verifiers_episodes(t, self.tokenizer)
         self.max_episode_tokens = cfg.generation.max_episode_tokens
 
     stop_ids: tuple[int, ...] = ()
 
+    def _episodes(self, t: TaskConfig, adapters: list[EnvironmentAdapter],
+                  ) -> tuple[Callable[[], Env] | None, AgentEpisodes | None]:
+        """(environment class, agent driver): an adapter's, else `task.env`'s or
+        `task.agent`'s (at most one of them: the config checks)."""
+        for adapter in adapters:
+            env, agent = adapter.environment(), adapter.agent(self.tokenizer)
+            if env is not None or agent is not None:
+                return env, agent
+        return (load_env(t.env) if t.env else None,
+                agent_episodes(t.agent, self.tokenizer) if t.agent else None)
+
     def episode_spec(self) -> EpisodeSpec | None:
         """With `task.env`: its episodes, observations as the chat template's tool turns;
-        with `task.agent`: the agent's, through the endpoint (`task/agent.py`)."""
+        with `task.agent`: the agent's, through the endpoint (`task/agents/agent.py`)."""
         if self.agent is not None:
             return EpisodeSpec(lambda: NO_ENV, self.env_row, lambda _: [], self.decode,
                                self.max_turns, self.max_episode_tokens,

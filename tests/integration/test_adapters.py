@@ -54,7 +54,7 @@ PROMPTS = ["guess a digit .", "name a digit .", "give one digit .", "what is the
 def guess_server():
     """The example OpenEnv server, served for real by uvicorn (not a fake)."""
     pytest.importorskip("openenv")
-    from rlhf_async.task.openenv_env import _LocalServer
+    from rlhf_async.task.adapters.openenv import _LocalServer
 
     server = _LocalServer(GUESS_APP)
     yield server.url
@@ -89,7 +89,7 @@ def test_a_verifiers_environment_trains(model, tmp_path, strategy, monkeypatch):
     """The example verifiers environment (built with the verifiers package): its harness
     calls the policy's endpoint, its rubric is the reward."""
     pytest.importorskip("verifiers")
-    pytest.importorskip("rlhf_async.task.agent")  # the endpoint its harness calls
+    pytest.importorskip("rlhf_async.task.agents.agent")  # the endpoint its harness calls
     monkeypatch.syspath_prepend(str(VF_EXAMPLE))  # node processes: the fork server's path
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(VF_EXAMPLE), *filter(None, [os.environ.get("PYTHONPATH")])]))

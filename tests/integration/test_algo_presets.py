@@ -133,7 +133,7 @@ def _no_nan_on_disk(run_dir):
 
 
 @pytest.mark.parametrize(("name", "value", "extra", "error"), [
-    # the user's function is checked at its call (task/reward_fn.py), naming the prompt
+    # the user's function is checked at its call (task/rewards/reward_fn.py), naming the prompt
     ("nan_reward", "nan", ["algo.name=grpo"], r"bad returned nan on prompt \d+ of "
      r"task.prompts; it must return a finite number"),
     ("huge_ppo", "1e30", ["algo.name=ppo"], r"step \d+: the critic loss is not finite"),

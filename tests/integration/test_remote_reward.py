@@ -24,7 +24,7 @@ from rlhf_async.metrics import read_metrics
 from rlhf_async.rl.checkpoint import PREFIX
 from rlhf_async.strategies.base import UserCodeFailed
 from rlhf_async.strategies.separation.startup import PipelineError
-from rlhf_async.task.remote_reward import RewardServerError
+from rlhf_async.task.rewards.remote_reward import RewardServerError
 from rlhf_async.task.sort_digits import rule
 from tests.served import serving
 

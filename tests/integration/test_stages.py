@@ -194,8 +194,8 @@ def test_the_smollm2_examples_data_reads_as_its_stages_read_it(files):
     from pathlib import Path
 
     from rlhf_async.config import load_config
-    from rlhf_async.task.tokens import load_tokenizer
-    from rlhf_async.task.user_data import demonstration, preference, tokenise
+    from rlhf_async.task.sources.tokens import load_tokenizer
+    from rlhf_async.task.sources.user_data import demonstration, preference, tokenise
 
     root = Path(__file__).parents[2]
     cfg = load_config(root / "deploy" / "configs" / "smollm2_rlhf.toml",

@@ -103,7 +103,7 @@ def test_trl_text_rule_reward_reads_conversational_and_plain_text():
     from types import SimpleNamespace
 
     from bench.trl_text import RuleReward
-    from rlhf_async.task.reward_fn import RuleReward as Rule
+    from rlhf_async.task.rewards.reward_fn import RuleReward as Rule
 
     seen = []
     fn = Rule(lambda p, r: seen.append((p, r)) or float(len(r)), "f", False, 5.0)

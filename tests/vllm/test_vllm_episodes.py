@@ -25,7 +25,7 @@ from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import ENV, POLICY, PromptBatch
 from rlhf_async.pipeline.protocol import ChunkId
-from rlhf_async.task.environment import template_delta
+from rlhf_async.task.agents.environment import template_delta
 from tests.vllm.serving import EOS, TEMPERATURE, VOCAB, Served, gpt2
 
 TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}<|end|>"

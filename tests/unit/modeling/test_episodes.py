@@ -10,13 +10,14 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from rlhf_async.modeling import episodes
+from rlhf_async.modeling import env_calls
+from rlhf_async.modeling.env_calls import EnvError
 from rlhf_async.modeling.environment import EpisodeSpec
-from rlhf_async.modeling.episodes import ENDS, EnvError, _observe, rollout, run_episodes
+from rlhf_async.modeling.episodes import ENDS, _observe, rollout, run_episodes
 from rlhf_async.modeling.episodes import Episode as _Episode
 from rlhf_async.modeling.generation import SamplingParams, generate
 from rlhf_async.modeling.rollout import ENV, POLICY, PromptBatch
-from rlhf_async.task.environment import template_delta
+from rlhf_async.task.agents.environment import template_delta
 
 TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}<|end|>"
             "{% endfor %}{% if add_generation_prompt %}<|start|>assistant\n{% endif %}")
@@ -247,8 +248,8 @@ def test_a_turn_cut_at_the_token_limit_ends_truncated_without_a_step():
 
 def test_repeated_environment_warnings_become_counts(monkeypatch):
     lines = []
-    monkeypatch.setattr(episodes.log, "warning", lambda event, **kw: lines.append(kw["count"]))
-    w = episodes._Warnings(every=10)
+    monkeypatch.setattr(env_calls.log, "warning", lambda event, **kw: lines.append(kw["count"]))
+    w = env_calls._Warnings(every=10)
     for _ in range(25):
         w.warn("environment call timed out", "env", call="step")
     assert lines == [1, 10, 20]

@@ -13,7 +13,7 @@ import pytest
 
 from rlhf_async.cli.main import main as cli_main
 from rlhf_async.ops.reward_server import make_app
-from rlhf_async.task.reward_fn import RuleReward
+from rlhf_async.task.rewards.reward_fn import RuleReward
 from tests.served import serving
 
 pytestmark = [pytest.mark.timeout(60)]

@@ -9,7 +9,7 @@ import pytest
 
 from rlhf_async.config import ConfigError, load_config
 from rlhf_async.task import make_task, sampling_params
-from rlhf_async.task.agent import AgentEpisodes, load_agent
+from rlhf_async.task.agents.agent import AgentEpisodes, load_agent
 from tests.unit.task.test_task_text import cfg_for, files  # noqa: F401  (files: a fixture)
 
 AGENT = "async def run(base_url, row):\n    return 1.0\n\ndef sync(base_url, row):\n    return 1.0\n"

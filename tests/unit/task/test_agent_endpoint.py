@@ -15,14 +15,15 @@ from openai import AsyncOpenAI, BadRequestError
 from structlog.testing import capture_logs
 
 from bench.agent_endpoint import Setup
+from rlhf_async.modeling.env_calls import env_loop
 from rlhf_async.modeling.environment import EpisodeSpec
-from rlhf_async.modeling.episodes import ENDS, Episode, env_loop, episode_batch, play
+from rlhf_async.modeling.episodes import ENDS, Episode, episode_batch, play
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import ENV, POLICY, PromptBatch
-from rlhf_async.task import endpoint as endpoint_module
-from rlhf_async.task.agent import AgentEpisodes, agent_loop
-from rlhf_async.task.agent_session import NO_ENV, parse_tool_calls
-from rlhf_async.task.tokens import encode_prompt
+from rlhf_async.task.agents import endpoint as endpoint_module
+from rlhf_async.task.agents.agent import AgentEpisodes, agent_loop
+from rlhf_async.task.agents.agent_session import NO_ENV, parse_tool_calls
+from rlhf_async.task.sources.tokens import encode_prompt
 from tests.chat_tokenizers import chatml_tokenizer, llama3_tokenizer
 
 pytestmark = [pytest.mark.timeout(60)]

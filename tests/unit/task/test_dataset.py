@@ -1,4 +1,4 @@
-"""The user's rows from every source `task/dataset.py` reads: .jsonl/.txt natively; .json,
+"""The user's rows from every source `task/sources/dataset.py` reads: .jsonl/.txt natively; .json,
 .parquet, .arrow, .csv, save_to_disk directories, data-file folders and dataset ids in a
 fake local HF cache through `datasets`; each bad source one clear ConfigError."""
 
@@ -11,7 +11,7 @@ import pytest
 from huggingface_hub import constants
 
 from rlhf_async.config import ConfigError, load_config
-from rlhf_async.task.dataset import load_rows
+from rlhf_async.task.sources.dataset import load_rows
 from tests.fake_hub import fake_snapshot
 
 datasets = pytest.importorskip("datasets")

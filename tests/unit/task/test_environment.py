@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rlhf_async.config import ConfigError
+from rlhf_async.task.agents.environment import load_env
 from rlhf_async.task.calculator import CalculatorEnv
-from rlhf_async.task.environment import load_env
 
 GOOD = """
 class Env:

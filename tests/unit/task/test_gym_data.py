@@ -11,7 +11,7 @@ import torch
 
 from rlhf_async.config import ConfigError, load_config
 from rlhf_async.task import make_task
-from rlhf_async.task.gym_data import GymScore
+from rlhf_async.task.adapters.reasoning_gym import GymScore
 from rlhf_async.task.text import TextTask
 from tests.text_model import make_text_model
 
@@ -92,8 +92,8 @@ def test_without_the_extra_one_error_says_what_to_install(model, monkeypatch):
 
 def test_the_table_is_only_for_a_reasoning_gym_source(model, tmp_path):
     (tmp_path / "p.txt").write_text("a\nb\n")
-    with pytest.raises(ConfigError, match=r"task.reasoning_gym: configures a reasoning-gym "
-                                          r"dataset"):
+    with pytest.raises(ConfigError, match=r"task.reasoning_gym: configures the "
+                                          r"'reasoning_gym:' adapter; task.prompts is"):
         load_config(None, [f"model.path={json.dumps(str(model))}", "task.name=text",
                            f"task.prompts={json.dumps(str(tmp_path / 'p.txt'))}",
                            "task.reward=x.py:f", "task.reasoning_gym={size = 4}"])

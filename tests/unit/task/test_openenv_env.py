@@ -15,9 +15,9 @@ import pytest
 
 from rlhf_async import job
 from rlhf_async.cli import main
-from rlhf_async.config import ConfigError, load_config
-from rlhf_async.task.environment import load_env
-from rlhf_async.task.openenv_env import (
+from rlhf_async.config import ConfigError, TaskConfig, load_config
+from rlhf_async.task.adapters.openenv import (
+    OpenEnvAdapter,
     OpenEnvFactory,
     action_field,
     check_server,
@@ -64,8 +64,11 @@ def test_the_action_field_is_the_schemas_one_string_field():
 
 
 def test_a_spec_without_a_server_and_a_missing_extra_are_one_error(monkeypatch):
+    none = TaskConfig(name="text", env="openenv:")
+    assert [p.split(";")[0] for p in OpenEnvAdapter("", none).problems()] == [
+        "task.env: 'openenv:' names no server"]
     with pytest.raises(ConfigError, match=r"'openenv:' names no server"):
-        load_env("openenv:")
+        OpenEnvAdapter("", none).environment()
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "openenv" else real(name, *a))

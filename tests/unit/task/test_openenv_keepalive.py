@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rlhf_async.task import openenv_env
+from rlhf_async.task.adapters import openenv
 
 uvicorn = pytest.importorskip("uvicorn")  # the [openenv] extra's
 
@@ -16,6 +16,6 @@ def test_the_local_server_runs_without_keepalive_pings(monkeypatch):
     seen: dict = {}
     monkeypatch.setattr(uvicorn, "run", lambda target, **kw: seen.update(kw, target=target))
     monkeypatch.setattr(sys, "path", list(sys.path))
-    openenv_env._serve("examples.openenv_guess.server:app", 0, os.getppid())
+    openenv._serve("examples.openenv_guess.server:app", 0, os.getppid())
     assert seen["target"] == "examples.openenv_guess.server:app"
     assert seen["ws_ping_interval"] is None

@@ -20,8 +20,8 @@ from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.ops.reward_server import make_app
 from rlhf_async.rl.scoring import RewardMix
 from rlhf_async.task import make_task, reward_mix
-from rlhf_async.task.remote_reward import RemoteReward, RewardServerError, load_rule
-from rlhf_async.task.reward_fn import RewardFunctionError, RuleReward
+from rlhf_async.task.rewards.remote_reward import RemoteReward, RewardServerError, load_rule
+from rlhf_async.task.rewards.reward_fn import RewardFunctionError, RuleReward
 from rlhf_async.task.sort_digits import TOKEN_CHARS, SortDigitsTask, rule, tokens_text
 from tests.served import serving
 

@@ -13,7 +13,7 @@ from rlhf_async.modeling.environment import EpisodeSpec
 from rlhf_async.modeling.episodes import run_episodes
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import ENV
-from rlhf_async.task.sandbox import network_namespace, run_python, run_tool
+from rlhf_async.task.agents.sandbox import network_namespace, run_python, run_tool
 from tests.unit.modeling.test_episodes import _prompts, tiny_lm
 
 NET = ("import socket\n"

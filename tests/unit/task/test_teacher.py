@@ -12,8 +12,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from rlhf_async.config import ConfigError, JobConfig, PlacementConfig
 from rlhf_async.config.load import load_config
 from rlhf_async.strategies.registry import build_placement, runner_problems
+from rlhf_async.task.rewards.teacher import check_teacher, teacher_device, teacher_problems
 from rlhf_async.task.sort_digits import VOCAB_SIZE
-from rlhf_async.task.teacher import check_teacher, teacher_device, teacher_problems
 from tests.text_model import make_text_model
 
 

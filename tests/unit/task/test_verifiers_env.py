@@ -15,8 +15,9 @@ import pytest
 from aiohttp import web
 
 from rlhf_async.config import ConfigError, JobConfig, TaskConfig, load_config
+from rlhf_async.task.adapters import adapter_problems
+from rlhf_async.task.adapters.verifiers import VerifiersAgent, VerifiersEpisodeFailed, load
 from rlhf_async.task.text import read_prompts
-from rlhf_async.task.verifiers_env import VerifiersAgent, VerifiersEpisodeFailed, load
 from tests.served import serving
 from tests.text_model import make_text_model
 
@@ -65,21 +66,21 @@ def _word(body) -> str:
 
 
 def test_the_tasks_are_the_prompts_as_the_harness_sends_them():
-    prompts, columns = read_prompts(_task())
-    loaded = load(_task())
+    prompts, columns = read_prompts(_task()).prompts, read_prompts(_task()).columns
+    loaded = load("vf_repeat", _task())
     words = [t.data.answer for t in loaded.tasks]
     assert sorted(words) == sorted(WORDS)  # one task per word, in the taskset's order
     assert prompts == [[SYSTEM, _user(w)] for w in words]  # ChatHarness sends the system
     assert columns == [{"vf_task": i, "vf_key": t.key} for i, t in enumerate(loaded.tasks)]
     # without a chat template: one string; `select` bounds and picks the tasks
-    flat, _ = read_prompts(replace(_task(select={"limit": 2}), chat_template=False))
+    flat = read_prompts(replace(_task(select={"limit": 2}), chat_template=False)).prompts
     assert flat == [f"Answer with one word.\n\n{_user(w)['content']}" for w in words[:2]]
     # a role left without a runtime runs in the local subprocess runtime
     assert loaded.env.config.agent.runtime.type == "subprocess"
 
 
 def _episodes(reply, rows):
-    agent = VerifiersAgent(_task())
+    agent = VerifiersAgent("vf_repeat", _task())
     fake = FakeEndpoint(reply)
 
     async def run(url):
@@ -91,8 +92,8 @@ def _episodes(reply, rows):
 
 
 def test_an_episode_is_the_harness_calling_the_endpoint_scored_by_the_rubric():
-    _, columns = read_prompts(_task())
-    words = [t.data.answer for t in load(_task()).tasks]
+    columns = read_prompts(_task()).columns
+    words = [t.data.answer for t in load("vf_repeat", _task()).tasks]
     replies = {words[0]: words[0], words[1]: f"it is {words[1]}.", words[2]: "no idea"}
     # three episodes at once: they share the environment's serving resources
     rewards, bodies, agent = _episodes(lambda b: replies[_word(b)],
@@ -109,7 +110,7 @@ def test_an_episode_is_the_harness_calling_the_endpoint_scored_by_the_rubric():
 
 
 def test_a_failed_episode_raises_with_the_error_verifiers_recorded():
-    _, columns = read_prompts(_task())
+    columns = read_prompts(_task()).columns
     (out,), bodies, _ = _episodes(lambda b: None, [{**columns[0], "prompt": "", "seed": 0}])
     assert isinstance(out, VerifiersEpisodeFailed) and len(bodies) == 1
     assert "verifiers:vf_repeat: episode failed:" in str(out) and "500" in str(out)
@@ -118,20 +119,20 @@ def test_a_failed_episode_raises_with_the_error_verifiers_recorded():
 def test_what_a_user_gets_wrong_is_one_clear_error(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"'no_such_env' is not an installed verifiers "
                                           r"environment .*installed: .*textarena"):
-        load(TaskConfig(name="text", env="verifiers:no_such_env"))
+        load("no_such_env", TaskConfig(name="text", env="verifiers:no_such_env"))
     with pytest.raises(ConfigError, match=r"task.verifiers: the verifiers environment "
                                           r"'vf_repeat' refuses its config: taskset.colour"):
-        load(_task(taskset={"colour": 1}))
+        load("vf_repeat", _task(taskset={"colour": 1}))
     with pytest.raises(ConfigError, match=r"task.verifiers: select: "):
-        load(_task(select={"limit": 0}))
+        load("vf_repeat", _task(select={"limit": 0}))
     with pytest.raises(ConfigError, match=r"names no environment"):
-        load(TaskConfig(name="text", env="verifiers:"))
+        load("", TaskConfig(name="text", env="verifiers:"))
     monkeypatch.setitem(sys.modules, "verifiers", None)  # as if not installed
     monkeypatch.setitem(sys.modules, "verifiers.v1", None)
     monkeypatch.setitem(sys.modules, "verifiers.v1.utils", None)
     with pytest.raises(ConfigError, match=r"needs the verifiers package: pip install "
                                           r"'rlhf-async\[verifiers\]'"):
-        load(TaskConfig(name="text", env="verifiers:other_env"))
+        load("other_env", TaskConfig(name="text", env="verifiers:other_env"))
 
 
 def test_the_config_checks_know_the_environment_gives_prompts_and_reward(tmp_path):
@@ -139,9 +140,16 @@ def test_the_config_checks_know_the_environment_gives_prompts_and_reward(tmp_pat
     base = [f"model.path={json.dumps(str(model))}", "task.name=text"]
     cfg = load_config(None, [*base, "task.env=verifiers:vf_repeat"])  # no prompts, no reward
     assert cfg.task.env == "verifiers:vf_repeat"
-    with pytest.raises(ConfigError, match=r"the verifiers environment's tasks are the prompts"):
-        load_config(None, [*base, "task.env=verifiers:vf_repeat", "task.prompts=p.jsonl"])
-    with pytest.raises(ConfigError, match=r"task.verifiers: configures a verifiers "):
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    prompts = f"task.prompts={json.dumps(str(tmp_path / 'p.jsonl'))}"
+    both = load_config(None, [*base, "task.env=verifiers:vf_repeat", prompts])
+    # the adapter registry's check (before anything starts: prepare_run, --dry-run)
+    assert adapter_problems(both) == [
+        f"task.prompts: {both.task.prompts!r} beside task.env = 'verifiers:vf_repeat': the "
+        "'verifiers:' adapter's rows are the prompts; remove task.prompts"]
+    assert adapter_problems(cfg) == []
+    with pytest.raises(ConfigError, match=r"task.verifiers: configures the 'verifiers:' "
+                                          r"adapter; task.env is '', not 'verifiers:...'"):
         load_config(None, [*base, "task.prompts=p.jsonl", "task.reward=r.py:f",
                            "task.verifiers={select = {limit = 2}}"])
 
@@ -157,7 +165,7 @@ def test_an_error_in_the_environments_code_names_it_and_where(tmp_path, monkeypa
     with pytest.raises(ConfigError, match=r"loading the verifiers environment 'vf_broken' "
                                           r"failed: ValueError: no rows today \(at .*"
                                           r"vf_broken.py:6\)"):
-        load(TaskConfig(name="text", env="verifiers:vf_broken"))
+        load("vf_broken", TaskConfig(name="text", env="verifiers:vf_broken"))
 
 
 def test_the_fork_server_imports_verifiers_for_a_verifiers_environment():

@@ -38,8 +38,8 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_async.modeling.episodes import Episode, after_turn
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import ENV, POLICY
-from rlhf_async.task.environment import chat_delta
-from rlhf_async.task.tokens import encode_prompt
+from rlhf_async.task.agents.environment import chat_delta
+from rlhf_async.task.sources.tokens import encode_prompt
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 ROLES = ("system", "developer", "user", "assistant", "tool")

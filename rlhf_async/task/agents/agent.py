@@ -32,13 +32,14 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_async.config import ConfigError
+from rlhf_async.modeling.env_calls import warn, where
 from rlhf_async.modeling.environment import EpisodeSpec
-from rlhf_async.modeling.episodes import Episode, PolicyTurn, episode_rows, warn, where
+from rlhf_async.modeling.episodes import Episode, PolicyTurn, episode_rows
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import POLICY, PromptBatch
-from rlhf_async.task.agent_session import NO_ENV, Session
-from rlhf_async.task.endpoint import endpoint
-from rlhf_async.task.environment import load_named
+from rlhf_async.task.agents.agent_session import NO_ENV, Session
+from rlhf_async.task.agents.endpoint import endpoint
+from rlhf_async.task.agents.environment import load_named
 
 Agent = Callable[[str, dict[str, Any]], Awaitable[Any]]
 BATCH_WAIT_S, BATCH_MAX_S = 0.005, 0.05

@@ -13,7 +13,7 @@ ends), so a server must allow as many concurrent sessions as episodes run at onc
 The package is an extra (`pip install 'rlhf-async[openenv]'`), imported only here (it
 takes seconds: gradio), so a run without an OpenEnv environment never pays for it.
 
-Before anything starts (the run's checks and --dry-run, `task.check_reachable`),
+Before anything starts (the run's checks and --dry-run: `OpenEnvAdapter.check_reachable`),
 `check_server` imports a `module:app` in a fresh interpreter, as its server will, and
 reads a URL's /schema: a mistake there is one ConfigError, not the first episode's.
 """
@@ -32,27 +32,33 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
-from rlhf_async.config import ConfigError
+from rlhf_async.config import ConfigError, TaskConfig
+from rlhf_async.modeling.environment import Env
+from rlhf_async.task.adapters.interface import Rows, Scorer
 
-PREFIX = "openenv:"
 EXTRA = "pip install 'rlhf-async[openenv]'"
 TEXT_KEYS = ("text", "prompt", "message", "observation", "content", "output")
 START_TIMEOUT_S = 180.0  # its imports alone take ~10 s on an idle core
 URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
 IMPORT_TIMEOUT_S = 120.0  # a fresh interpreter importing the user's app (openenv: ~4-10 s)
-ACCEPTED = (f"accepted: '{PREFIX}module.path:app' (an ASGI app such as OpenEnv's "
+
+
+def accepted(prefix: str) -> str:
+    """What task.env may say after `prefix` (the adapter's, from the spec the user wrote)."""
+    return (f"accepted: '{prefix}:module.path:app' (an ASGI app such as OpenEnv's "
             "create_app(...), importable from the working directory; the run serves it) or "
-            f"'{PREFIX}http://HOST:PORT' (a running OpenEnv server; also https, ws, wss)")
+            f"'{prefix}:http://HOST:PORT' (a running OpenEnv server; also https, ws, wss)")
 
 
 def _client() -> Any:
     try:
         from openenv.core.generic_client import GenericEnvClient
     except ImportError:
-        raise ConfigError([f"task.env: '{PREFIX}...' needs the openenv-core package: "
-                           f"{EXTRA}"]) from None
+        raise ConfigError([f"task.env: an OpenEnv environment needs the openenv-core "
+                           f"package: {EXTRA}"]) from None
     return GenericEnvClient
 
 
@@ -65,7 +71,7 @@ def _get(url: str, timeout: float = 5.0) -> Any:
         return json.loads(r.read())
 
 
-def action_field(base: str, timeout: float = 5.0) -> str:
+def action_field(base: str, timeout: float = 5.0, prefix: str = "<prefix>") -> str:
     """The action's one string field in the server's /schema; one ConfigError otherwise
     (a server that cannot be reached, or answers no OpenEnv schema)."""
     try:
@@ -73,15 +79,16 @@ def action_field(base: str, timeout: float = 5.0) -> str:
         props = schema.get("properties", {})
     except urllib.error.HTTPError as e:  # before OSError: it is one
         raise ConfigError([f"task.env: OpenEnv server {base}: its /schema answered HTTP "
-                           f"{e.code}; {ACCEPTED}"]) from None
+                           f"{e.code}; {accepted(prefix)}"]) from None
     except OSError as e:  # refused, no such host, timed out
         raise ConfigError([f"task.env: OpenEnv server {base} cannot be reached "
-                           f"({getattr(e, 'reason', e)}): start it first; {ACCEPTED}"]) \
+                           f"({getattr(e, 'reason', e)}): start it first; "
+                           f"{accepted(prefix)}"]) \
             from None
     except (KeyError, ValueError, TypeError, AttributeError) as e:
         raise ConfigError([f"task.env: OpenEnv server {base}: its /schema is not an "
                            f"OpenEnv server's (no action schema: {type(e).__name__} {e}); "
-                           f"{ACCEPTED}"]) from None
+                           f"{accepted(prefix)}"]) from None
     text = [k for k, v in props.items() if k != "metadata" and v.get("type") == "string"]
     if len(text) != 1:
         raise ConfigError([f"task.env: OpenEnv server {base}: its action must have exactly "
@@ -140,8 +147,15 @@ def _app_problem(target: str) -> str | None:
     return lines[-1] if lines else f"importing it exited with code {done.returncode}"
 
 
-def _spec_problem(target: str) -> str | None:
+def _split(spec: str) -> tuple[str, str]:
+    """(prefix, target) of `task.env`'s '<prefix>:<target>'."""
+    prefix, _, target = spec.partition(":")
+    return prefix, target
+
+
+def _spec_problem(spec: str) -> str | None:
     """A target that is neither a URL nor 'module.path:app' (what uvicorn serves)."""
+    prefix, target = _split(spec)
     if not target:
         return "names no server"
     if target.startswith(URL_SCHEMES):
@@ -153,7 +167,7 @@ def _spec_problem(target: str) -> str | None:
         if module.startswith(("/", "..")):
             return problem
         dotted = module.removesuffix(".py").removeprefix("./").replace("/", ".")
-        return f"{problem}: '{PREFIX}{dotted}:{attrs or 'app'}'?"
+        return f"{problem}: '{prefix}:{dotted}:{attrs or 'app'}'?"
     names = [*module.split("."), *attrs.split(".")]
     if not attrs or not all(n.isidentifier() for n in names):
         return "is neither a URL nor 'module.path:app'"
@@ -164,16 +178,16 @@ def check_server(spec: str) -> None:
     """Before anything starts (the run's checks, --dry-run): an OpenEnv URL answers with an
     action of one string field; a 'module:app' imports in a fresh interpreter, as the
     run's server will, and names an app. One ConfigError saying what is wrong."""
-    target = spec[len(PREFIX):]
+    target = _split(spec)[1]
     if target.startswith(URL_SCHEMES):
-        action_field(target)
+        action_field(target, prefix=_split(spec)[0])
         return
-    problem = _spec_problem(target)
+    problem = _spec_problem(spec)
     if problem:
-        raise ConfigError([f"task.env: {spec!r} {problem}; {ACCEPTED}"])
+        raise ConfigError([f"task.env: {spec!r} {problem}; {accepted(_split(spec)[0])}"])
     problem = _app_problem(target)
     if problem:
-        raise ConfigError([f"task.env: {spec!r}: {problem}; {ACCEPTED}"])
+        raise ConfigError([f"task.env: {spec!r}: {problem}; {accepted(_split(spec)[0])}"])
 
 
 class _LocalServer:
@@ -190,7 +204,7 @@ class _LocalServer:
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115  (lives as the server does)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlhf_async.task.openenv_env", target, str(port),
+            [sys.executable, "-m", "rlhf_async.task.adapters.openenv", target, str(port),
              str(os.getpid())],
             # a file, not a pipe: a pipe nobody reads fills and blocks the server's logging
             stdout=subprocess.DEVNULL, stderr=self.log, start_new_session=True)
@@ -241,14 +255,14 @@ class OpenEnvEpisode:
 
 
 class OpenEnvFactory:
-    """`task.env = "openenv:..."`: makes an episode's environment; a local server is
+    """`task.env`'s OpenEnv server: makes an episode's environment; a local server is
     started at the first episode (only processes that run episodes start one)."""
 
     def __init__(self, spec: str) -> None:
-        self.target = spec[len(PREFIX):]
-        problem = _spec_problem(self.target)
+        self.prefix, self.target = _split(spec)
+        problem = _spec_problem(spec)
         if problem:
-            raise ConfigError([f"task.env: {spec!r} {problem}; {ACCEPTED}"])
+            raise ConfigError([f"task.env: {spec!r} {problem}; {accepted(_split(spec)[0])}"])
         if importlib.util.find_spec("openenv") is None:  # one error when the task loads
             _client()
         self.remote = self.target.startswith(URL_SCHEMES)
@@ -262,11 +276,40 @@ class OpenEnvFactory:
                 if not self.remote:
                     self._server = _LocalServer(self.target)
                 url = self.target if self.remote else self._server.url  # type: ignore[union-attr]
-                self._ready = (url, action_field(url))
+                self._ready = (url, action_field(url, prefix=self.prefix))
             return self._ready
 
     def __call__(self) -> OpenEnvEpisode:
         return OpenEnvEpisode(*self._connection())
+
+
+class OpenEnvAdapter:
+    """`task.env = "openenv:<module:app or URL>"`: each episode a session of the server."""
+
+    key, gives_prompts, gives_reward, preload = "env", False, True, ()
+
+    def __init__(self, argument: str, task: TaskConfig) -> None:
+        self.spec = task.env
+
+    def problems(self) -> list[str]:
+        problem = _spec_problem(self.spec)
+        return [f"task.env: {self.spec!r} {problem}; {accepted(_split(self.spec)[0])}"] \
+            if problem else []
+
+    def check_reachable(self) -> None:
+        check_server(self.spec)
+
+    def rows(self) -> Rows | None:
+        return None  # task.prompts are the prompts
+
+    def rule(self) -> Scorer | None:
+        return None  # the episode's step rewards
+
+    def environment(self) -> Callable[[], Env]:
+        return OpenEnvFactory(self.spec)
+
+    def agent(self, tokenizer: Any) -> None:
+        return None
 
 
 def _serve(target: str, port: int, parent: int) -> None:

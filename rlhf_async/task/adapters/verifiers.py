@@ -16,7 +16,7 @@ own default is a remote Prime sandbox, which cannot reach a local endpoint).
   file's; a row carries its task's index and key (a task is found by its prompt, so two
   tasks with one prompt are played as the first);
 - an episode (`VerifiersAgent`, an agent `async (base_url, row) -> reward`, driven by
-  `episodes` exactly as `task.agent`'s are: one endpoint session per episode, task/agent.py):
+  `episodes` exactly as `task.agent`'s are: one endpoint session per episode, task/agents/agent.py):
   the env's `run_episode` on the row's task with its client at base_url; the
   reward is the mean over the episode's trainable traces of each one's weighted rewards
   (one trace for a single-agent env); an episode verifiers marks failed raises, so it is a
@@ -37,11 +37,15 @@ import pkgutil
 import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhf_async.config import ConfigError, TaskConfig
-from rlhf_async.config.schema import VERIFIERS
-from rlhf_async.task.tokens import Prompt
+from rlhf_async.task.adapters.interface import Rows
+from rlhf_async.task.agents import agent_episodes
+from rlhf_async.task.sources.tokens import Prompt
+
+if TYPE_CHECKING:
+    from rlhf_async.task.agents.agent import AgentEpisodes
 
 EXTRA = "pip install 'rlhf-async[verifiers]'"
 MODEL = "policy"  # any name: the endpoint serves the policy whatever a request names
@@ -52,10 +56,6 @@ LOCAL_RUNTIME = {"type": "subprocess"}
 
 class VerifiersEpisodeFailed(RuntimeError):
     """verifiers marked the episode failed (its harness, task or env raised, or timed out)."""
-
-
-def is_verifiers(spec: str) -> bool:
-    return spec.startswith(VERIFIERS)
 
 
 # what the fork server imports for a verifiers environment (seconds of CPU, which would
@@ -70,8 +70,8 @@ def _loaders() -> Any:
     except ImportError as e:
         if (e.name or "").split(".")[0] != "verifiers":
             raise
-        raise ConfigError([f"task.env: '{VERIFIERS}...' needs the verifiers package: "
-                           f"{EXTRA}"]) from None
+        raise ConfigError([f"task.env: a verifiers environment needs the verifiers "
+                           f"package: {EXTRA}"]) from None
     return loaders
 
 
@@ -172,13 +172,18 @@ def _load(name: str, conf_json: str) -> Loaded:
     return Loaded(env, tasks, appends, {t.key: i for i, t in enumerate(tasks)})
 
 
-def load(t: TaskConfig) -> Loaded:
-    """`task.env`'s environment, loaded once per process and configuration."""
-    name = t.env[len(VERIFIERS):]
-    if not name:
-        raise ConfigError([f"task.env: {t.env!r} names no environment; expected "
-                           f"'{VERIFIERS}<taskset id>'"])
+def load(name: str, t: TaskConfig) -> Loaded:
+    """The environment `name` with `task.verifiers`, loaded once per process and
+    configuration."""
+    problems = name_problems(name, t)
+    if problems:
+        raise ConfigError(problems)
     return _load(name, json.dumps(t.verifiers, sort_keys=True))
+
+
+def name_problems(name: str, t: TaskConfig) -> list[str]:
+    return [] if name else [f"task.env: {t.env!r} names no environment; expected "
+                            f"'{t.env}<taskset id>'"]  # (t.env is the bare prefix)
 
 
 def task_prompt(data: Any, appends_system: bool, chat: bool) -> Prompt:
@@ -201,22 +206,22 @@ def task_prompt(data: Any, appends_system: bool, chat: bool) -> Prompt:
     return "\n\n".join(m["content"] for m in turns)
 
 
-def read_verifiers(t: TaskConfig) -> tuple[list[Prompt], list[dict[str, Any]]]:
-    """(each task's prompt, its row's columns: the task's index and key)."""
-    loaded = load(t)
+def read_verifiers(name: str, t: TaskConfig) -> Rows:
+    """Each task's prompt, its row's columns the task's index and key."""
+    loaded = load(name, t)
     prompts = [task_prompt(x.data, loaded.appends_system, t.chat_template)
                for x in loaded.tasks]
     columns = [{"vf_task": i, "vf_key": x.key} for i, x in enumerate(loaded.tasks)]
-    return prompts, columns
+    return Rows(prompts, columns)
 
 
 class VerifiersAgent:
     """One episode of `task.env`'s verifiers environment per call, as an agent: `await
     agent(base_url, row) -> reward` (see the module)."""
 
-    def __init__(self, t: TaskConfig) -> None:
+    def __init__(self, name: str, t: TaskConfig) -> None:
         self.name = t.env
-        self.loaded = load(t)
+        self.loaded = load(name, t)
         self.users = 0  # episodes in flight: they share one `env.serving()`
         self.serving: contextlib.AsyncExitStack | None = None
         self.locks: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
@@ -273,9 +278,31 @@ class VerifiersAgent:
         return sum(x.reward for x in traces) / len(traces)
 
 
-def episodes(t: TaskConfig, tok: Any) -> Any:
-    """`task.env`'s episodes: `VerifiersAgent` driven as a `task.agent` is
-    (`AgentEpisodes`, task/agent.py: one endpoint session per episode)."""
-    from rlhf_async.task.agent import AgentEpisodes  # aiohttp: the endpoint's extra
+class VerifiersAdapter:
+    """`task.env = "verifiers:<environment>"`: its tasks the prompts, its harness the
+    agent, its rubric the reward (see the module)."""
 
-    return AgentEpisodes(VerifiersAgent(t), tok, bool(getattr(tok, "chat_template", None)))
+    key, gives_prompts, gives_reward, preload = "env", True, True, PRELOAD
+
+    def __init__(self, argument: str, task: TaskConfig) -> None:
+        self.name, self.task = argument, task
+
+    def problems(self) -> list[str]:
+        return name_problems(self.name, self.task)  # the rest when it loads (its import)
+
+    def check_reachable(self) -> None:
+        pass  # a harness runs in a local subprocess runtime: nothing to reach before start
+
+    def rows(self) -> Rows:
+        return read_verifiers(self.name, self.task)
+
+    def rule(self) -> None:
+        return None  # the rubric's score, as the agent's reward
+
+    def environment(self) -> None:
+        return None
+
+    def agent(self, tokenizer: Any) -> AgentEpisodes:
+        """`VerifiersAgent` driven as a `task.agent` is (`AgentEpisodes`: one endpoint
+        session per episode)."""
+        return agent_episodes(VerifiersAgent(self.name, self.task), tokenizer)

@@ -6,7 +6,7 @@ Demonstrations (`sft.data`): a row's `prompt_key` + `response_key` strings, or i
 (`reward_model.data`): `prompt_key` (a string or a chat) with `chosen_key` / `rejected_key`
 responses (strings, or chats whose last turn is the response; their earlier turns are the
 prompt when the row has no `prompt_key`). Prompts are encoded as the RL prompts are
-(`task/tokens.py`, `task.chat_template`), so the policy is trained on the prompt format RL
+(`task/sources/tokens.py`, `task.chat_template`), so the policy is trained on the prompt format RL
 will show it. About one row in eight is held out by a hash of its prompt, as for RL
 prompts; training steps walk the rest in keyed shuffled epochs.
 """
@@ -19,16 +19,16 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_async.config import ConfigError
-from rlhf_async.task.dataset import Row, load_rows
-from rlhf_async.task.supervised import Batch, pad_batch
-from rlhf_async.task.text import epoch_walk, heldout_split, split_key
-from rlhf_async.task.tokens import (
+from rlhf_async.task.sources.dataset import Row, load_rows
+from rlhf_async.task.sources.tokens import (
     Prompt,
     check_chat,
     encode_prompt,
     encode_response,
     split_chat,
 )
+from rlhf_async.task.supervised import Batch, pad_batch
+from rlhf_async.task.text import epoch_walk, heldout_split, split_key
 
 MAX_PROBLEMS = 20
 

@@ -1,7 +1,8 @@
 """The text task's environment: `task.env` loaded, and its replies rendered as tokens.
 
 `task.env` is 'file.py:Class', 'module.path:Class' (imported like `task.reward`), a
-built-in name (`BUILTIN`) or an OpenEnv server ('openenv:...', `task/openenv_env.py`).
+built-in name (`BUILTIN`); an environment adapter's ('<prefix>:...', an OpenEnv server)
+comes from `task/adapters/` instead.
 The class is made with no arguments, once per episode; its
 `reset` and `step` must be coroutine functions (the `Env` protocol).
 
@@ -29,11 +30,9 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_async.config import ConfigError
 from rlhf_async.modeling.environment import Env
 from rlhf_async.task.calculator import CalculatorEnv
-from rlhf_async.task.openenv_env import OpenEnvFactory
-from rlhf_async.task.reward_fn import RewardFunctionError, load_reward_fn
+from rlhf_async.task.rewards.reward_fn import RewardFunctionError, load_reward_fn
 
 BUILTIN: dict[str, Callable[[], Env]] = {"calculator": CalculatorEnv}
-OPENENV = "openenv:"  # task/openenv_env.py
 _USER, _BOT = "\x00user\x00", "\x00assistant\x00"  # placeholders no template alters
 
 
@@ -41,8 +40,6 @@ def load_env(spec: str) -> Callable[[], Env]:
     """The environment class `spec` names; one ConfigError naming what is wrong."""
     if spec in BUILTIN:
         return BUILTIN[spec]
-    if spec.startswith(OPENENV):  # (the openenv package loads when a session starts)
-        return OpenEnvFactory(spec)
     if ":" not in spec:
         raise ConfigError([f"task.env: {spec!r} is neither a built-in environment "
                            f"({', '.join(sorted(BUILTIN))}) nor 'file.py:Class' / "

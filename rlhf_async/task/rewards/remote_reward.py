@@ -31,7 +31,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rlhf_async.config import TaskConfig
-from rlhf_async.task.reward_fn import RewardFunctionError, RuleReward
+from rlhf_async.task.rewards.reward_fn import RewardFunctionError, RuleReward
 
 RETRIED = frozenset({408, 429, 502, 503, 504})  # what a busy or restarting server answers
 SNIPPET = 200  # characters of an unexpected answer shown in the error

@@ -18,32 +18,27 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlhf_async.config import ConfigError, TaskConfig
-from rlhf_async.config.schema import REASONING_GYM
-from rlhf_async.task.tokens import Prompt
+from rlhf_async.task.adapters.interface import Rows
+from rlhf_async.task.sources.tokens import Prompt
 
 EXTRA = "pip install 'rlhf-async[reasoning-gym]'"
 DEFAULT_SIZE = 500
 ADAPTER_KEYS = ("seed", "size", "system_prompt")  # task.reasoning_gym keys that are ours
 
 
-def is_gym(prompts: str) -> bool:
-    return prompts.startswith(REASONING_GYM)
-
-
 def _package() -> Any:
     try:
         import reasoning_gym
     except ImportError:
-        raise ConfigError([f"task.prompts: '{REASONING_GYM}...' needs the reasoning-gym "
+        raise ConfigError(["task.prompts: a reasoning-gym dataset needs the reasoning-gym "
                            f"package: {EXTRA}"]) from None
     return reasoning_gym
 
 
-def datasets(t: TaskConfig) -> tuple[Any, Any]:
-    """(training dataset, held-out dataset) of `task.prompts`; one ConfigError naming an
-    unknown dataset (with some accepted names) or a config the dataset refuses."""
+def datasets(name: str, t: TaskConfig) -> tuple[Any, Any]:
+    """(training dataset, held-out dataset) `name`; one ConfigError naming an unknown
+    dataset (with some accepted names) or a config the dataset refuses."""
     rg = _package()
-    name = t.prompts[len(REASONING_GYM):]
     known = sorted(rg.factory.DATASETS)
     if name not in known:
         raise ConfigError([f"task.prompts: {name!r} is not a reasoning-gym dataset; "
@@ -73,12 +68,13 @@ def system_prompt(t: TaskConfig) -> str:
     return str(known[name])
 
 
-def read_gym(t: TaskConfig) -> tuple[list[Prompt], list[dict[str, Any]]]:
-    """(each question as a prompt, each row's columns: its dataset entry and split)."""
+def read_gym(name: str, t: TaskConfig) -> Rows:
+    """Each question as a prompt, its row's columns its dataset entry; held out: the
+    second dataset's."""
     system = system_prompt(t)
     prompts: list[Prompt] = []
     columns: list[dict[str, Any]] = []
-    for heldout, ds in enumerate(datasets(t)):
+    for heldout, ds in enumerate(datasets(name, t)):
         for i in range(len(ds)):
             entry = ds[i]
             q = entry["question"]
@@ -86,14 +82,14 @@ def read_gym(t: TaskConfig) -> tuple[list[Prompt], list[dict[str, Any]]]:
                             {"role": "user", "content": q}] if t.chat_template
                            else f"{system}\n\n{q}")
             columns.append({"entry": entry, "heldout": bool(heldout)})
-    return prompts, columns
+    return Rows(prompts, columns, [c["heldout"] for c in columns])
 
 
 class GymScore:
     """The dataset's own scorer as the text task's rule (`TextTask.rule`)."""
 
-    def __init__(self, t: TaskConfig) -> None:
-        self.train, self.heldout = datasets(t)
+    def __init__(self, name: str, t: TaskConfig) -> None:
+        self.train, self.heldout = datasets(name, t)
         self.extract = _package().utils.extract_answer
 
     def answer(self, response: str) -> str:
@@ -111,3 +107,33 @@ class GymScore:
             ds = self.heldout if c.get("heldout") else self.train
             out.append(float(ds.score_answer(answer=self.answer(r), entry=entry)))
         return out
+
+
+class ReasoningGymAdapter:
+    """`task.prompts = "reasoning_gym:<dataset>"`: its questions, scored by its scorer."""
+
+    key, gives_prompts, gives_reward, preload = "prompts", True, True, ()
+
+    def __init__(self, argument: str, task: TaskConfig) -> None:
+        self.name, self.task = argument, task
+
+    def problems(self) -> list[str]:
+        # the dataset's name and knobs are checked where the package is imported (the
+        # task's load, before anything starts): listing its datasets takes its import
+        return [] if self.name else [f"task.prompts: {self.task.prompts!r} names no "
+                                     "reasoning-gym dataset"]
+
+    def check_reachable(self) -> None:
+        pass  # procedural: nothing outside this process
+
+    def rows(self) -> Rows:
+        return read_gym(self.name, self.task)
+
+    def rule(self) -> GymScore:
+        return GymScore(self.name, self.task)
+
+    def environment(self) -> None:
+        return None
+
+    def agent(self, tokenizer: Any) -> None:
+        return None

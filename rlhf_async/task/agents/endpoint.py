@@ -35,8 +35,8 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from rlhf_async.log import get_logger
-from rlhf_async.modeling.episodes import env_loop
-from rlhf_async.task.agent_session import PolicyFailed, RequestError, Session
+from rlhf_async.modeling.env_calls import env_loop
+from rlhf_async.task.agents.agent_session import PolicyFailed, RequestError, Session
 
 log = get_logger(component="endpoint")
 MODEL = "policy"  # the name /models lists
