@@ -132,7 +132,7 @@ class ApiServer:
         return handle
 
     async def _sampler(self, request: web.Request) -> web.Response:
-        return _json(self.service.get_sampler(request.match_info["sid"]))
+        return _json(await self.service.get_sampler(request.match_info["sid"]))
 
     async def _finish(self, request: web.Request) -> web.Response:
         return _json(self.service.finish_session(request.match_info["sid"]))
