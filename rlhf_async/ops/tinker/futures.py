@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ class Futures:
     """Request id -> its result once there; `wait` long-polls."""
 
     def __init__(self) -> None:
-        self._results: dict[str, Result] = {}
+        self._results: OrderedDict[str, Result] = OrderedDict()  # oldest result first
         self._events: dict[str, asyncio.Event] = {}
 
     def new(self, prefix: str = "") -> str:
@@ -87,9 +88,13 @@ class Futures:
         return self._results.get(rid)
 
     def _sweep(self, now: float) -> None:
-        old = [rid for rid, r in self._results.items() if now - r.done_at > KEEP_S]
-        for rid in old:
-            del self._results[rid]
+        """Drop the results older than KEEP_S (from the front: a long run resolves
+        thousands, and this runs at each)."""
+        while self._results:
+            rid = next(iter(self._results))
+            if now - self._results[rid].done_at <= KEEP_S:
+                return
+            self._results.popitem(last=False)
 
 
 class Worker:

@@ -158,3 +158,21 @@ def test_serve_api_refuses_a_public_address_without_a_key(tmp_path: object) -> N
     assert "rlhf-async serve: error: --api 0.0.0.0: a non-loopback address needs an API " \
            "key" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_results_older_than_an_hour_go_and_newer_ones_stay(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlhf_async.ops.tinker import futures as fmod
+
+    f = Futures()
+    clock = [1000.0]
+    monkeypatch.setattr(fmod.time, "time", lambda: clock[0])
+    old = [f.new() for _ in range(3)]
+    for rid in old:
+        f.done(rid, {})
+    clock[0] += fmod.KEEP_S / 2
+    young = f.new()
+    f.done(young, {})
+    clock[0] += fmod.KEEP_S / 2 + 1
+    last = f.new()
+    f.done(last, {})  # sweeps: the first three are past KEEP_S, `young` is not
+    assert [f.known(r) for r in (*old, young, last)] == [False, False, False, True, True]
