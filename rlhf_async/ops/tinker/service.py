@@ -79,7 +79,8 @@ class TinkerService:
                 continue
             rid = self.futures.new()
             entry = ModelEntry(rec.id, rec.session_id, rec.base_model, lora,
-                               self._sequencer(rec, rec.next_seq), rid, created=rec.created,
+                               self._sequencer(rec, self.store.next_seq(rec)), rid,
+                               created=rec.created,
                                record=rec, restored=True)
             self.futures.done(rid, {"type": "create_model", "model_id": rec.id})
             if rec.changed:
@@ -93,7 +94,7 @@ class TinkerService:
     def _sequencer(self, rec: ModelRecord, next_seq: int = 1) -> Sequencer:
         def accepted(nxt: int) -> None:
             rec.next_seq = nxt
-            self.store.save_model(rec)
+            self.store.append_seq(rec.id, nxt)
         return Sequencer(self.worker, next_seq, on_accept=accepted)
 
     def note(self, entry: ModelEntry, **changes: Any) -> None:
@@ -111,6 +112,7 @@ class TinkerService:
         for sampler in self.samplers.values():
             await sampler.close()
         await asyncio.to_thread(self.worker.shutdown)
+        self.store.close()
 
     def run_id(self, model_id: str) -> str:
         """A model's training run id in `tinker://` paths (its id, ':' -> '_')."""
