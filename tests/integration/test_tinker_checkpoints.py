@@ -70,8 +70,12 @@ def test_a_checkpoint_resumes_training_exactly(tmp_path: Path, one_thread: None)
 
 
 def _retrieve(url: str, request_id: str) -> tuple[int, str]:
-    req = urllib.request.Request(f"{url}/api/v1/retrieve_future", method="POST",
-                                 data=json.dumps({"request_id": request_id}).encode(),
+    return _post(url, "retrieve_future", {"request_id": request_id})
+
+
+def _post(url: str, path: str, body: dict[str, str]) -> tuple[int, str]:
+    req = urllib.request.Request(f"{url}/api/v1/{path}", method="POST",
+                                 data=json.dumps(body).encode(),
                                  headers={"X-API-Key": KEY, "Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
@@ -110,3 +114,24 @@ def test_after_a_restart_lost_futures_say_so_and_models_come_back(tmp_path: Path
         assert untouched.forward(data, "cross_entropy").result().metrics["loss:sum"] == \
             pytest.approx(untouched_loss, rel=1e-6)
         service.close("success").result()
+
+
+def test_a_finished_sessions_models_let_go_and_its_checkpoints_stay(tmp_path: Path,
+                                                                   one_thread: None) -> None:
+    with running_api(tmp_path) as url:
+        service = tinker.ServiceClient(base_url=url, api_key=KEY)
+        training = service.create_lora_training_client(base_model=BUILTIN, rank=2,
+                                                       seed=0).result()
+        data = _data(training.get_tokenizer())
+        _step(training, data)
+        path = training.save_state("end").result().path
+        loss = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
+        model_id = training.get_info().model_id
+        service.close("success").result()  # the client refuses calls after this
+        # its model no longer serves (its memory is freed), and says why
+        status, body = _post(url, "get_info", {"model_id": model_id})
+        assert status == 410 and "has finished" in body
+        again = tinker.ServiceClient(base_url=url, api_key=KEY)
+        resumed = again.create_training_client_from_state(path).result()
+        assert resumed.forward(data, "cross_entropy").result().metrics["loss:sum"] == \
+            pytest.approx(loss, rel=1e-6)

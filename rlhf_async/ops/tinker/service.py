@@ -72,6 +72,9 @@ class TinkerService:
         for s in self.store.sessions():
             self.sessions[s.id] = s
         for rec in self.store.models():
+            session = self.sessions.get(rec.session_id)
+            if session is None or session.finished:  # its checkpoints stay loadable
+                continue
             try:
                 lora = Lora(**rec.lora)
             except TypeError:
@@ -150,8 +153,26 @@ class TinkerService:
         s = self.session(sid)
         s.finished = True
         self.store.save_session(s)
+        self._release_session(sid)
         log.info("session finished", session=sid)
         return {}
+
+    def _release_session(self, sid: str) -> None:
+        """A finished session's models and samplers let their memory go (a long-running
+        server sees many sessions); their checkpoints stay, loadable from any session."""
+        for e in [e for e in self.models.values() if e.session_id == sid]:
+            e.closed = (f"its session {sid} has finished; go on from a checkpoint "
+                        "(create_training_client_from_state) in a new session")
+
+            def free(e: ModelEntry = e) -> tuple[dict[str, Any], str]:
+                e.trained = None  # on the model thread: no request of it is running
+                return {}, "json"
+
+            self.worker.submit(self.futures.new(), free, "release")  # type: ignore[arg-type]
+        for key in [k for k in self.samplers if k.split(":", 1)[0] == sid]:
+            task = asyncio.create_task(self.samplers.pop(key).close())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     # ---- training models ---------------------------------------------------------------
     def create_model(self, req: schema.CreateModel) -> dict[str, Any]:
@@ -209,6 +230,8 @@ class TinkerService:
         """On the model thread: the model, which its create_model loaded before (a restored
         one loads now). `replacing`: the request loads a checkpoint into it (allowed after
         a restart lost its training)."""
+        if entry.closed is not None:
+            raise UserError(f"model {entry.id}: {entry.closed}")
         if entry.trained is None and entry.restored and entry.error is None:
             reload(entry, self.root, self.models_dir, self.device)
         if entry.trained is None:
@@ -219,6 +242,8 @@ class TinkerService:
 
     def get_info(self, req: schema.ModelRef) -> dict[str, Any]:
         e = self.entry(req.model_id)
+        if e.closed is not None:
+            raise ApiError(410, f"model {e.id}: {e.closed}")
         if e.error is not None:
             raise ApiError(400, f"model {e.id} could not be created: {e.error}")
         if e.base is None and e.restored:
@@ -373,8 +398,10 @@ class TinkerService:
                 "sample_sequence_ids": [f"{rid}:{i}" for i in range(max(req.num_samples, 0))]}
 
     def _why_unknown(self, sid: str) -> str:
-        session = sid.split(":", 1)[0]
-        if session in self.sessions and ":sample:" in sid:
+        session = self.sessions.get(sid.split(":", 1)[0])
+        if session is not None and session.finished:
+            return f": its session {session.id} has finished"
+        if session is not None and ":sample:" in sid:
             return (": its session outlived a server restart, but a sampler made by "
                     "save_weights_and_get_sampling_client held its weights in memory only; "
                     "save the weights for the sampler again")

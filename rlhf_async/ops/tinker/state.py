@@ -75,6 +75,7 @@ class ModelEntry:
     record: ModelRecord | None = None
     restored: bool = False  # made from its record by a restarted server, loaded on first use
     lost: str | None = None  # what a restart lost; requests fail with it until load_weights
+    closed: str | None = None  # why it serves no more (its session finished)
 
     def make_record(self) -> ModelRecord:
         self.record = ModelRecord(self.id, self.session_id, self.base_name,
