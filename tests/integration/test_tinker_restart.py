@@ -102,9 +102,27 @@ def test_a_killed_server_restarts_with_its_sessions_models_and_checkpoints(
         prompt = types.ModelInput.from_ints(data[0].model_input.to_ints()[:4])
         params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=3)
         before = sampler.sample(prompt, 1, params).result().sequences[0].tokens
+        # requests in flight when the server dies: a long sample, a long forward_backward
+        busy = service.create_lora_training_client(base_model=BUILTIN, rank=2).result()
+        long_row = list(range(3, 250)) * 4
+        in_flight_fb = busy.forward_backward([types.Datum(
+            model_input=types.ModelInput.from_ints(long_row),
+            loss_fn_inputs={"target_tokens": long_row})] * 8, "cross_entropy")
+        in_flight_sample = sampler.sample(prompt, 2, types.SamplingParams(
+            max_tokens=500, temperature=1.0, stop=[], seed=5))
+        time.sleep(1.0)  # most likely accepted by then; either way neither may hang
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     with serving(tmp_path, port):
+        # the sample is sent again by the client (410 for its lost future) and completes
+        assert [len(s.tokens) for s in in_flight_sample.result(timeout=300).sequences] == \
+            [500, 500]
+        # the training request's future is gone: said, naming the restart (or, had the
+        # kill come before the server took it, the client sent it again and it ran)
+        try:
+            in_flight_fb.result(timeout=300)
+        except ValueError as e:
+            assert "server restarted" in str(e)
         # the saved model resumes where it was, on the client's own seq_ids
         assert _loss(kept, data) == pytest.approx(kept_loss, rel=1e-6)
         _step(kept, data)
