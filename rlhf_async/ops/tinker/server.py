@@ -176,6 +176,7 @@ class ApiServer:
             raise ApiConfigError(f"--api: cannot listen on {self.host}:{self.port}: "
                                  f"{e.strerror or e}") from None
         self.port = runner.addresses[0][1]
+        self.service.start_reaper()
         url = f"http://{self.host}:{self.port}"
         log.info("tinker api serving", url=url, auth=self.api_key is not None,
                  state_dir=str(self.service.root))

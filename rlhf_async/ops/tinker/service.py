@@ -34,6 +34,7 @@ from rlhf_async.ops.tinker.training import Lora, TrainedModel
 
 log = get_logger(component="tinker_api")
 LONG_POLL_S = 20.0  # a retrieve_future waits this long for its result (the client: 45 s)
+SESSION_IDLE_S = 1800.0  # a session not heard from this long ends (the client beats every 10 s)
 SAMPLERS_KEPT = 4  # a training model's newest samplers from save_weights_for_sampler
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a checkpoint's name
 SAMPLE_PREFIX = "s-"  # a sampling request's id: lost in a restart, the client resends it
@@ -70,6 +71,7 @@ class TinkerService:
         models load on first use, as their last checkpoint; one that had trained past it
         fails its requests with what was lost until the client loads a checkpoint."""
         for s in self.store.sessions():
+            s.last_seen = time.time()  # its client gets SESSION_IDLE_S to come back
             self.sessions[s.id] = s
         for rec in self.store.models():
             session = self.sessions.get(rec.session_id)
@@ -153,16 +155,40 @@ class TinkerService:
         s = self.session(sid)
         s.finished = True
         self.store.save_session(s)
-        self._release_session(sid)
+        self._release_session(sid, f"its session {sid} has finished")
         log.info("session finished", session=sid)
         return {}
 
-    def _release_session(self, sid: str) -> None:
+    def start_reaper(self, every_s: float = 60.0) -> None:
+        """End idle sessions (`expire_idle`) every `every_s` seconds while serving."""
+        async def reap() -> None:
+            while True:
+                await asyncio.sleep(every_s)
+                self.expire_idle(time.time())
+
+        task = asyncio.create_task(reap())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def expire_idle(self, now: float) -> list[str]:
+        """End the sessions not heard from in SESSION_IDLE_S (a client that died without
+        closing), their models and samplers released; their ids."""
+        idle = [s for s in self.sessions.values()
+                if not s.finished and now - s.last_seen > SESSION_IDLE_S]
+        for s in idle:
+            s.finished = True
+            self.store.save_session(s)
+            self._release_session(s.id, f"its session {s.id} ended: no heartbeat for "
+                                        f"{SESSION_IDLE_S / 60:.0f} min")
+            log.warning("idle session ended", session=s.id, idle_s=round(now - s.last_seen))
+        return [s.id for s in idle]
+
+    def _release_session(self, sid: str, why: str) -> None:
         """A finished session's models and samplers let their memory go (a long-running
         server sees many sessions); their checkpoints stay, loadable from any session."""
         for e in [e for e in self.models.values() if e.session_id == sid]:
-            e.closed = (f"its session {sid} has finished; go on from a checkpoint "
-                        "(create_training_client_from_state) in a new session")
+            e.closed = (f"{why}; go on from a checkpoint (create_training_client_from_state) "
+                        "in a new session")
 
             def free(e: ModelEntry = e) -> tuple[dict[str, Any], str]:
                 e.trained = None  # on the model thread: no request of it is running
