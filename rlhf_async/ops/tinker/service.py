@@ -10,6 +10,7 @@ import asyncio
 import re
 import time
 import uuid
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ from rlhf_async.log import get_logger
 from rlhf_async.ops.tinker import proto, schema
 from rlhf_async.ops.tinker.base_models import BUILTIN, resolve
 from rlhf_async.ops.tinker.futures import ApiError, Futures, Sequencer, UserError, Worker
-from rlhf_async.ops.tinker.sampling import Sampler, read_sampler_base, save_sampler_weights
+from rlhf_async.ops.tinker.samplers import SAMPLE_PREFIX, SamplingSessions
+from rlhf_async.ops.tinker.sampling import Sampler, save_sampler_weights
 from rlhf_async.ops.tinker.state import (
     ModelEntry,
     ModelRecord,
@@ -35,9 +37,7 @@ from rlhf_async.ops.tinker.training import Lora, TrainedModel
 log = get_logger(component="tinker_api")
 LONG_POLL_S = 20.0  # a retrieve_future waits this long for its result (the client: 45 s)
 SESSION_IDLE_S = 1800.0  # a session not heard from this long ends (the client beats every 10 s)
-SAMPLERS_KEPT = 4  # a training model's newest samplers from save_weights_for_sampler
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a checkpoint's name
-SAMPLE_PREFIX = "s-"  # a sampling request's id: lost in a restart, the client resends it
 
 
 def client_config() -> dict[str, Any]:
@@ -59,11 +59,9 @@ class TinkerService:
         self.worker = Worker(self.futures)
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, ModelEntry] = {}
-        self.samplers: dict[str, Sampler] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._released: set[str] = set()  # snapshot samplers let go (SAMPLERS_KEPT)
         self.store = Store(self.root)
-        self._saved_samplers: dict[str, dict[str, Any]] = {}  # restorable after a restart
+        self.sampling = SamplingSessions(self)
         self.restore()
 
     def restore(self) -> None:
@@ -91,10 +89,10 @@ class TinkerService:
             if rec.changed:
                 entry.lost = lost_message(rec)
             self.models[rec.id] = entry
-        self._saved_samplers = self.store.samplers()
+        self.sampling.saved = self.store.samplers()
         if self.sessions or self.models:
             log.info("tinker state restored", sessions=len(self.sessions),
-                     models=len(self.models), samplers=len(self._saved_samplers))
+                     models=len(self.models), samplers=len(self.sampling.saved))
 
     def _sequencer(self, rec: ModelRecord, next_seq: int = 1) -> Sequencer:
         def accepted(nxt: int) -> None:
@@ -114,8 +112,7 @@ class TinkerService:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for sampler in self.samplers.values():
-            await sampler.close()
+        await self.sampling.aclose()
         await asyncio.to_thread(self.worker.shutdown)
         self.store.close()
 
@@ -166,9 +163,7 @@ class TinkerService:
                 await asyncio.sleep(every_s)
                 self.expire_idle(time.time())
 
-        task = asyncio.create_task(reap())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.spawn(reap())
 
     def expire_idle(self, now: float) -> list[str]:
         """End the sessions not heard from in SESSION_IDLE_S (a client that died without
@@ -195,10 +190,7 @@ class TinkerService:
                 return {}, "json"
 
             self.worker.submit(self.futures.new(), free, "release")  # type: ignore[arg-type]
-        for key in [k for k in self.samplers if k.split(":", 1)[0] == sid]:
-            task = asyncio.create_task(self.samplers.pop(key).close())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        self.sampling.release_session(sid)
 
     # ---- training models ---------------------------------------------------------------
     def create_model(self, req: schema.CreateModel) -> dict[str, Any]:
@@ -344,106 +336,17 @@ class TinkerService:
             sid = f"{e.session_id}:sample:{req.sampling_session_seq_id}"
             sampler = Sampler(sid, e.base, None, weights, self.device)
             # registered on the loop before the result is: the client asks for it next
-            loop.call_soon_threadsafe(self._keep_sampler, e, sampler)
+            loop.call_soon_threadsafe(self.sampling.keep, e, sampler)
             return {"type": "save_weights_for_sampler", "sampling_session_id": sid}, "json"
 
         rid = e.seq.submit(req.seq_id, job, "save_weights_for_sampler")
         return {"request_id": rid, "model_id": e.id}
 
-    def _keep_sampler(self, e: ModelEntry, sampler: Sampler) -> None:
-        """Register a snapshot sampler; a model's older ones beyond SAMPLERS_KEPT go (an RL
-        loop makes one a step; each holds a copy of the model)."""
-        self.samplers[sampler.id] = sampler
-        e.samplers.append(sampler.id)
-        while len(e.samplers) > SAMPLERS_KEPT:
-            old = self.samplers.pop(e.samplers.pop(0), None)
-            if old is not None:
-                self._released.add(old.id)
-                task = asyncio.create_task(old.close())
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-
-    async def create_sampling_session(self, req: schema.CreateSamplingSession,
-                                      ) -> dict[str, Any]:
-        self.session(req.session_id)
-        sid = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
-        if sid not in self.samplers:
-            self.samplers[sid] = await self._new_sampler(sid, req.base_model, req.model_path)
-            self.store.save_sampler(sid, req.base_model, req.model_path)
-        return {"type": "create_sampling_session", "sampling_session_id": sid}
-
-    async def _known_sampler(self, sid: str) -> Sampler | None:
-        """A sampler by id; one a previous server made from saved weights, made again."""
-        if sid not in self.samplers and sid in self._saved_samplers:
-            rec = self._saved_samplers.pop(sid)
-            self.samplers[sid] = await self._new_sampler(sid, rec.get("base_model"),
-                                                         rec.get("model_path"))
-        return self.samplers.get(sid)
-
-    async def _new_sampler(self, sid: str, base_model: str | None,
-                           model_path: str | None) -> Sampler:
-        try:
-            weights = None
-            if model_path is not None:
-                weights = self.checkpoint_dir(model_path, "sampler_weights")
-                base_model = read_sampler_base(weights)
-            if base_model is None:
-                raise UserError("a sampler needs a base_model or a model_path")
-            base = await asyncio.to_thread(resolve, base_model, self.models_dir)
-        except UserError as e:
-            raise ApiError(400, str(e)) from None
-        return Sampler(sid, base, model_path, weights, self.device)
-
-    async def get_sampler(self, sid: str) -> dict[str, Any]:
-        sampler = await self._known_sampler(sid)
-        if sampler is None:
-            raise ApiError(404, f"unknown sampler {sid!r}{self._why_unknown(sid)}")
-        return sampler.describe()
-
-    async def asample(self, req: schema.Sample) -> dict[str, Any]:
-        if req.sampling_session_id is not None:
-            sampler = await self._known_sampler(req.sampling_session_id)
-            if sampler is None and req.sampling_session_id in self._released:
-                raise ApiError(404, f"sampling session {req.sampling_session_id!r} was "
-                                    f"released: a training model keeps its {SAMPLERS_KEPT} "
-                                    "newest samplers; save the weights again")
-            if sampler is None:
-                raise ApiError(404, f"unknown sampling session {req.sampling_session_id!r}"
-                                    f"{self._why_unknown(req.sampling_session_id)}")
-        else:  # sampling without a session: one sampler per model named
-            sid = f"direct:{req.model_path or req.base_model}"
-            if sid not in self.samplers:
-                self.samplers[sid] = await self._new_sampler(sid, req.base_model,
-                                                             req.model_path)
-            sampler = self.samplers[sid]
-        rid = self.futures.new(SAMPLE_PREFIX)
-        task = asyncio.create_task(self._sample(rid, sampler, req))
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` as a task the service cancels when it closes."""
+        task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return {"request_id": rid,
-                "sample_sequence_ids": [f"{rid}:{i}" for i in range(max(req.num_samples, 0))]}
-
-    def _why_unknown(self, sid: str) -> str:
-        session = self.sessions.get(sid.split(":", 1)[0])
-        if session is not None and session.finished:
-            return f": its session {session.id} has finished"
-        if session is not None and ":sample:" in sid:
-            return (": its session outlived a server restart, but a sampler made by "
-                    "save_weights_and_get_sampling_client held its weights in memory only; "
-                    "save the weights for the sampler again")
-        return ""
-
-    async def _sample(self, rid: str, sampler: Sampler, req: schema.Sample) -> None:
-        try:
-            value = await sampler.sample(rid, req)
-        except UserError as e:
-            self.futures.fail(rid, str(e), "user")
-        except Exception as e:
-            log.exception("sampling failed", sampler=sampler.id, request_id=rid)
-            self.futures.fail(rid, f"server error in asample: {type(e).__name__}: {e}",
-                              "server")
-        else:
-            self.futures.done(rid, value, "proto")
 
     # ---- futures -----------------------------------------------------------------------
     async def retrieve(self, req: schema.RetrieveFuture) -> tuple[str, Any]:
