@@ -117,6 +117,10 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               "an agent's policy calls over HTTP cost ~20 ms each; share one HTTP client "
               "(docs/howto/agents.md)", ("agent_endpoint.json",),
               "Agents through the endpoint"),
+    Benchmark("tinker-api", "tinker_api.py",
+              "a Tinker forward_backward + optim_step round trip, and sampling through the API "
+              "against our engine called directly (docs/howto/tinker.md)",
+              ("tinker_api*.json",), "The Tinker API"),
 )}
 
 # modules in bench/ that are shared parts, not benchmarks

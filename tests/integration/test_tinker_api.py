@@ -120,3 +120,37 @@ def test_the_client_finds_the_server_from_the_environment(api: str,
     training = tinker.ServiceClient().create_lora_training_client(base_model=BUILTIN,
                                                                   rank=2).result()
     assert training.get_info().model_id.endswith(":train:0")
+
+
+def test_forward_backward_custom_trains_as_the_built_in_loss(api: str) -> None:
+    """The client's forward_backward_custom (a forward, the loss and its gradient on the
+    client, a backward with weights = -dloss/dlp) on this server: an importance-sampling
+    loss written by hand gives the built-in's value and the same update."""
+    torch = pytest.importorskip("torch")
+    service = tinker.ServiceClient(base_url=api, api_key=KEY)
+    built_in, custom = (service.create_lora_training_client(base_model=BUILTIN, rank=4,
+                                                            seed=2).result() for _ in range(2))
+    tokens = built_in.get_tokenizer().encode("2+2=4, 3+3=6")
+    n = len(tokens) - 1
+    q = [-5.0 - 0.1 * (i % 4) for i in range(n)]
+    adv = [1.0 if i % 3 else -0.5 for i in range(n)]
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": q,
+                                        "advantages": adv})
+
+    def is_loss(data: list[types.Datum], lps: list[object]) -> tuple[object, dict[str, float]]:
+        loss = sum((-torch.exp(lp - torch.tensor(d.loss_fn_inputs["logprobs"].data))
+                    * torch.tensor(d.loss_fn_inputs["advantages"].data)).sum()
+                   for d, lp in zip(data, lps, strict=True))
+        return loss, {"is_loss": float(loss)}
+
+    want = built_in.forward_backward([datum], "importance_sampling").result()
+    got = custom.forward_backward_custom([datum], is_loss).result()
+    assert got.metrics["loss:sum"] == pytest.approx(want.metrics["loss:sum"], rel=1e-5)
+    assert got.metrics["is_loss"] == pytest.approx(want.metrics["loss:sum"], rel=1e-5)
+    for client in (built_in, custom):
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after = [c.forward([datum], "importance_sampling").result().metrics["loss:sum"]
+             for c in (built_in, custom)]
+    assert after[1] == pytest.approx(after[0], rel=1e-4)
+    assert after[0] != pytest.approx(want.metrics["loss:sum"], rel=1e-4)  # a step was taken

@@ -5,6 +5,9 @@ restarted on the same state directory."""
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -66,7 +69,22 @@ def test_a_checkpoint_resumes_training_exactly(tmp_path: Path, one_thread: None)
         service.close("success").result()
 
 
-def test_after_a_restart_the_client_gets_a_clear_error_not_a_hang(tmp_path: Path,
+def _retrieve(url: str, request_id: str) -> tuple[int, str]:
+    return _post(url, "retrieve_future", {"request_id": request_id})
+
+
+def _post(url: str, path: str, body: dict[str, str]) -> tuple[int, str]:
+    req = urllib.request.Request(f"{url}/api/v1/{path}", method="POST",
+                                 data=json.dumps(body).encode(),
+                                 headers={"X-API-Key": KEY, "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_after_a_restart_lost_futures_say_so_and_models_come_back(tmp_path: Path,
                                                                  one_thread: None) -> None:
     with running_api(tmp_path) as url:
         port = int(url.rsplit(":", 1)[1])
@@ -75,14 +93,45 @@ def test_after_a_restart_the_client_gets_a_clear_error_not_a_hang(tmp_path: Path
                                                        seed=0).result()
         data = _data(training.get_tokenizer())
         _step(training, data)
-        path = training.save_state("before").result().path
-    with running_api(tmp_path, port=port):  # the same address, a new server process state
-        with pytest.raises(tinker.NotFoundError, match="server restarted"):
-            training.forward_backward(data, "cross_entropy").result(timeout=60)
-        # what the error says to do: a new training client from the checkpoint
-        again = service.create_training_client_from_state(path)
-        with pytest.raises(tinker.NotFoundError, match="unknown session"):
-            again.result(timeout=60)  # the old session is gone too
-        fresh = tinker.ServiceClient(base_url=url, api_key=KEY)
-        resumed = fresh.create_training_client_from_state(path).result()
-        assert resumed.forward(data, "cross_entropy").result().metrics["loss:sum"] > 0
+        fresh = service.create_lora_training_client(base_model=BUILTIN, rank=2,
+                                                    seed=5).result()
+        _step(fresh, data)  # never saved: lost with the server
+        untouched = service.create_lora_training_client(base_model=BUILTIN, rank=3,
+                                                        seed=5).result()
+        untouched_loss = untouched.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    with running_api(tmp_path, port=port):  # the same address and state directory
+        # a training request's future is gone: the client is told, not left polling
+        status, body = _retrieve(url, "0123abcd")
+        assert status == 404 and "server restarted" in body
+        # a sample's is 410, which the client answers by sending the sample again
+        status, body = _retrieve(url, "s-0123abcd")
+        assert status == 410 and "send it again" in body
+        # never saved, trained since: said, with what to do
+        with pytest.raises(tinker.RequestFailedError, match="never saved"):
+            fresh.forward(data, "cross_entropy").result(timeout=60)
+        # a model never trained comes back as created (its LoRA from its seed)
+        assert untouched.get_info().lora_rank == 3
+        assert untouched.forward(data, "cross_entropy").result().metrics["loss:sum"] == \
+            pytest.approx(untouched_loss, rel=1e-6)
+        service.close("success").result()
+
+
+def test_a_finished_sessions_models_let_go_and_its_checkpoints_stay(tmp_path: Path,
+                                                                   one_thread: None) -> None:
+    with running_api(tmp_path) as url:
+        service = tinker.ServiceClient(base_url=url, api_key=KEY)
+        training = service.create_lora_training_client(base_model=BUILTIN, rank=2,
+                                                       seed=0).result()
+        data = _data(training.get_tokenizer())
+        _step(training, data)
+        path = training.save_state("end").result().path
+        loss = training.forward(data, "cross_entropy").result().metrics["loss:sum"]
+        model_id = training.get_info().model_id
+        service.close("success").result()  # the client refuses calls after this
+        # its model no longer serves (its memory is freed), and says why
+        status, body = _post(url, "get_info", {"model_id": model_id})
+        assert status == 410 and "has finished" in body
+        again = tinker.ServiceClient(base_url=url, api_key=KEY)
+        resumed = again.create_training_client_from_state(path).result()
+        assert resumed.forward(data, "cross_entropy").result().metrics["loss:sum"] == \
+            pytest.approx(loss, rel=1e-6)

@@ -13,10 +13,10 @@ from typing import Any
 
 from rlhf_async.ops.tinker import schema
 from rlhf_async.ops.tinker.base_models import resolve
-from rlhf_async.ops.tinker.futures import ApiError, Sequencer, UserError
-from rlhf_async.ops.tinker.service import NAME, ModelEntry, TinkerService
+from rlhf_async.ops.tinker.futures import ApiError, UserError
+from rlhf_async.ops.tinker.service import NAME, TinkerService
 from rlhf_async.ops.tinker.training import Lora, TrainedModel
-from rlhf_async.rl.checkpoint import CheckpointError, load_latest, save_checkpoint
+from rlhf_async.rl.checkpoint import CheckpointError, save_checkpoint
 
 
 def save_weights(svc: TinkerService, req: schema.SaveWeights) -> dict[str, Any]:
@@ -37,19 +37,17 @@ def save_weights(svc: TinkerService, req: schema.SaveWeights) -> dict[str, Any]:
                             "overwrite=True or another name")
         meta = {"base_model": e.base_name, "lora": dataclasses.asdict(e.lora),
                 "model_id": e.id}
-        save_checkpoint(root, trained.steps, trained.state(), meta, keep=1)
+        state = trained.state()
+        save_checkpoint(root, trained.steps, state, meta, keep=1)
+        # a restarted server brings the model back as this checkpoint; gradients
+        # accumulated before it are not in it
+        svc.note(e, origin=f"tinker://{run}/weights/{name}",
+                 origin_optimizer=state["optimizer"] is not None,
+                 changed=trained.has_gradients)
         return {"type": "save_weights", "path": f"tinker://{run}/weights/{name}"}, "json"
 
     rid = e.seq.submit(req.seq_id, job, "save_weights")
     return {"request_id": rid, "model_id": e.id}
-
-
-def _checkpoint(svc: TinkerService, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(state, meta) of the newest intact checkpoint under a tinker://RUN/weights/NAME."""
-    ckpt = load_latest(svc.checkpoint_dir(path, "weights"))
-    if ckpt is None:
-        raise UserError(f"{path}: no intact checkpoint there (see the server's log)")
-    return ckpt.state, ckpt.meta
 
 
 def load_weights(svc: TinkerService, req: schema.LoadWeights) -> dict[str, Any]:
@@ -57,13 +55,15 @@ def load_weights(svc: TinkerService, req: schema.LoadWeights) -> dict[str, Any]:
         e = svc.entry(req.model_id)
 
         def load() -> tuple[dict[str, Any], str]:
-            trained = svc.trained(e)
-            state, meta = _checkpoint(svc, req.path)
+            trained = svc.trained(e, replacing=True)
+            state, meta = svc.read_checkpoint(req.path)
             if meta.get("base_model") != e.base_name:
                 raise UserError(f"{req.path} was trained on {meta.get('base_model')!r}, "
                                 f"this model is {e.base_name!r}")
             trained.load_state(state, req.optimizer)
             trained.steps = int(meta.get("step", 0))
+            e.lost = None
+            svc.note(e, origin=req.path, origin_optimizer=req.optimizer, changed=False)
             return {"type": "load_weights", "path": req.path, "model_id": e.id}, "json"
 
         rid = e.seq.submit(req.seq_id, load, "load_weights")
@@ -82,21 +82,20 @@ def _create_from(svc: TinkerService, req: schema.LoadWeights) -> dict[str, Any]:
     if model_id in svc.models:
         return {"request_id": svc.models[model_id].create_rid, "model_id": model_id}
     try:
-        _, meta = _checkpoint(svc, req.path)
+        _, meta = svc.read_checkpoint(req.path)
         lora = Lora(**meta["lora"])
     except (UserError, CheckpointError, KeyError, TypeError) as err:
         raise ApiError(400, f"load_weights: {req.path}: {err}") from None
     base_name = req.base_model or str(meta["base_model"])
     rid = svc.futures.new()
-    entry = ModelEntry(model_id, req.session_id, base_name, lora, Sequencer(svc.worker),
-                       rid)
-    svc.models[model_id] = entry
+    entry = svc.new_entry(model_id, req.session_id, base_name, lora, rid, req.path,
+                          req.optimizer)
 
     def load() -> tuple[dict[str, Any], str]:
         try:
             entry.base = resolve(base_name, svc.models_dir)
             trained = entry.trained = TrainedModel(entry.base, lora, svc.device)
-            state, meta = _checkpoint(svc, req.path)
+            state, meta = svc.read_checkpoint(req.path)
             trained.load_state(state, req.optimizer)
             trained.steps = int(meta.get("step", 0))
         except Exception as e:

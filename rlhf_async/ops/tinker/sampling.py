@@ -3,9 +3,11 @@
 
 A sampler holds one frozen copy of a policy: a base model, a training model's weights at
 `save_weights_for_sampler` (adapters merged), or weights saved under a `tinker://` path.
-The engine fixes temperature, top-k, top-p and the stops for its life, while a Tinker
-request brings its own; so a sampler keeps one engine per distinct setting (at most
-`ENGINES_KEPT`, the oldest closed), all decoding over the sampler's one module. Each of a
+The engine fixes temperature, top-k, top-p, the stops and the longest response for its
+life, while a Tinker request brings its own; so a sampler keeps one engine per distinct
+setting and response-length class (a power of two from 64 up: an engine sized for the
+model's whole context copies that much KV at every admission), at most `ENGINES_KEPT`,
+the oldest closed, all decoding over the sampler's one module. Each of a
 request's `num_samples` sequences is one engine request keyed by (seed, sample index).
 """
 
@@ -35,7 +37,8 @@ from rlhf_async.ops.tinker.base_models import BaseModel
 from rlhf_async.ops.tinker.futures import UserError
 from rlhf_async.weight_sync import load_into_module
 
-ENGINES_KEPT = 4
+ENGINES_KEPT = 6
+MIN_ROOM = 64  # the smallest response-length class of an engine
 MAX_SAMPLES = 256  # num_samples of one request
 WEIGHTS_FILE, META_FILE = "weights.safetensors", "checkpoint.json"
 
@@ -90,7 +93,7 @@ class Sampler:
         self._weights, self.device = weights, device
         self._module: Any = None  # the HF causal LM, once loaded
         self._tok: Any = None
-        self._engines: OrderedDict[Setting, TorchEngine] = OrderedDict()
+        self._engines: OrderedDict[tuple[Setting, int], TorchEngine] = OrderedDict()
         self._lock = asyncio.Lock()
 
     def describe(self) -> dict[str, Any]:
@@ -111,21 +114,23 @@ class Sampler:
         tok = AutoTokenizer.from_pretrained(self.base.path, local_files_only=True)
         return module, tok
 
-    async def _engine(self, s: Setting) -> TorchEngine:
+    async def _engine(self, s: Setting, room: int) -> TorchEngine:
+        """The engine for setting `s` whose responses take up to `room` tokens."""
+        key = (s, room)
         async with self._lock:
             if self._module is None:
                 self._module, self._tok = await asyncio.to_thread(self._load)
-            if s in self._engines:
-                self._engines.move_to_end(s)
-                return self._engines[s]
+            if key in self._engines:
+                self._engines.move_to_end(key)
+                return self._engines[key]
             eos = self._tok.eos_token_id if s.eos else -1  # -1: never sampled
-            params = SamplingParams(max_new_tokens=self.base.max_length or 4096, eos_id=eos,
+            params = SamplingParams(max_new_tokens=room, eos_id=eos,
                                     pad_id=self._tok.pad_token_id or 0,
                                     temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                     stop_ids=s.stop_ids, stop_strings=s.stop_strings,
                                     decode=self._tok.decode if s.stop_strings else None)
             engine = TorchEngine.serving(self._module, params, prefix_cache_mb=0)
-            self._engines[s] = engine
+            self._engines[key] = engine
             if len(self._engines) > ENGINES_KEPT:
                 _, old = self._engines.popitem(last=False)
                 await old.close()
@@ -155,7 +160,8 @@ class Sampler:
         if last_n is not None and not 1 <= last_n <= len(prompt) - 1:
             raise UserError(f"asample: prompt_logprobs_last_n must be 1..{len(prompt) - 1}, "
                             f"got {last_n}")
-        engine = await self._engine(setting(req.sampling_params))
+        engine = await self._engine(setting(req.sampling_params),
+                                    length_class(max_tokens, limit))
         assert self._module is not None
         vocab = int(self._module.get_input_embeddings().weight.shape[0])
         if min(prompt) < 0 or max(prompt) >= vocab:
@@ -186,6 +192,15 @@ class Sampler:
         for engine in self._engines.values():
             await engine.close()
         self._engines.clear()
+
+
+def length_class(max_tokens: int, limit: int) -> int:
+    """The engine size a response of up to `max_tokens` goes to: the power of two at or
+    above it (at least MIN_ROOM), at most the model's context `limit`."""
+    room = MIN_ROOM
+    while room < max_tokens:
+        room *= 2
+    return min(room, limit)
 
 
 def _untie(module: Any) -> None:

@@ -93,9 +93,10 @@ class ApiServer:
                 schema.decode(b, schema.OptimStep, "optim_step")),
             "save_weights_for_sampler": lambda b: s.save_weights_for_sampler(
                 schema.decode(b, schema.SaveWeightsForSampler, "save_weights_for_sampler")),
-            "create_sampling_session": lambda b: s.create_sampling_session(
+            "create_sampling_session": lambda b: s.sampling.create(
                 schema.decode(b, schema.CreateSamplingSession, "create_sampling_session")),
-            "asample": lambda b: s.asample(schema.decode(b, schema.Sample, "asample")),
+            "asample": lambda b: s.sampling.asample(
+                schema.decode(b, schema.Sample, "asample")),
             "save_weights": lambda b: checkpoints.save_weights(
                 s, schema.decode(b, schema.SaveWeights, "save_weights")),
             "load_weights": lambda b: checkpoints.load_weights(
@@ -132,7 +133,7 @@ class ApiServer:
         return handle
 
     async def _sampler(self, request: web.Request) -> web.Response:
-        return _json(self.service.get_sampler(request.match_info["sid"]))
+        return _json(await self.service.sampling.get(request.match_info["sid"]))
 
     async def _finish(self, request: web.Request) -> web.Response:
         return _json(self.service.finish_session(request.match_info["sid"]))
@@ -176,6 +177,7 @@ class ApiServer:
             raise ApiConfigError(f"--api: cannot listen on {self.host}:{self.port}: "
                                  f"{e.strerror or e}") from None
         self.port = runner.addresses[0][1]
+        self.service.start_reaper()
         url = f"http://{self.host}:{self.port}"
         log.info("tinker api serving", url=url, auth=self.api_key is not None,
                  state_dir=str(self.service.root))

@@ -10,7 +10,7 @@ import asyncio
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +18,26 @@ import torch
 
 from rlhf_async.log import get_logger
 from rlhf_async.ops.tinker import proto, schema
-from rlhf_async.ops.tinker.base_models import BUILTIN, BaseModel, resolve
+from rlhf_async.ops.tinker.base_models import BUILTIN, resolve
 from rlhf_async.ops.tinker.futures import ApiError, Futures, Sequencer, UserError, Worker
-from rlhf_async.ops.tinker.sampling import Sampler, read_sampler_base, save_sampler_weights
+from rlhf_async.ops.tinker.samplers import SAMPLE_PREFIX, SamplingSessions
+from rlhf_async.ops.tinker.sampling import Sampler, save_sampler_weights
+from rlhf_async.ops.tinker.state import (
+    ModelEntry,
+    ModelRecord,
+    Session,
+    Store,
+    checkpoint_dir,
+    lost_message,
+    read_checkpoint,
+    reload,
+)
 from rlhf_async.ops.tinker.training import Lora, TrainedModel
 
 log = get_logger(component="tinker_api")
 LONG_POLL_S = 20.0  # a retrieve_future waits this long for its result (the client: 45 s)
-SAMPLERS_KEPT = 4  # a training model's newest samplers from save_weights_for_sampler
+SESSION_IDLE_S = 1800.0  # a session not heard from this long ends (the client beats every 10 s)
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a checkpoint's name
-TINKER_PATH = re.compile(r"^tinker://([A-Za-z0-9._-]+)/(sampler_weights|weights)/([A-Za-z0-9._-]+)$")
 
 
 def client_config() -> dict[str, Any]:
@@ -40,30 +50,6 @@ def client_config() -> dict[str, Any]:
             "custom_loss_server_side": False, "sample_join_sampling_session": False}
 
 
-@dataclass
-class Session:
-    id: str
-    sdk_version: str
-    created: float
-    last_seen: float
-    finished: bool = False
-
-
-@dataclass
-class ModelEntry:
-    id: str
-    session_id: str
-    base_name: str
-    lora: Lora
-    seq: Sequencer
-    create_rid: str
-    base: BaseModel | None = None
-    trained: TrainedModel | None = None
-    error: str | None = None
-    created: float = field(default_factory=time.time)
-    samplers: list[str] = field(default_factory=list)  # snapshots, oldest first
-
-
 class TinkerService:
     def __init__(self, state_dir: Path, device: str | None = None) -> None:
         self.root = Path(state_dir) / "tinker"
@@ -73,36 +59,79 @@ class TinkerService:
         self.worker = Worker(self.futures)
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, ModelEntry] = {}
-        self.samplers: dict[str, Sampler] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._released: set[str] = set()  # snapshot samplers let go (SAMPLERS_KEPT)
+        self.store = Store(self.root)
+        self.sampling = SamplingSessions(self)
+        self.restore()
+
+    def restore(self) -> None:
+        """Sessions, models and sampling sessions as a previous server left them (state.py):
+        models load on first use, as their last checkpoint; one that had trained past it
+        fails its requests with what was lost until the client loads a checkpoint."""
+        for s in self.store.sessions():
+            s.last_seen = time.time()  # its client gets SESSION_IDLE_S to come back
+            self.sessions[s.id] = s
+        for rec in self.store.models():
+            session = self.sessions.get(rec.session_id)
+            if session is None or session.finished:  # its checkpoints stay loadable
+                continue
+            try:
+                lora = Lora(**rec.lora)
+            except TypeError:
+                log.warning("tinker model record skipped: bad lora", model=rec.id)
+                continue
+            rid = self.futures.new()
+            entry = ModelEntry(rec.id, rec.session_id, rec.base_model, lora,
+                               self._sequencer(rec, self.store.next_seq(rec)), rid,
+                               created=rec.created,
+                               record=rec, restored=True)
+            self.futures.done(rid, {"type": "create_model", "model_id": rec.id})
+            if rec.changed:
+                entry.lost = lost_message(rec)
+            self.models[rec.id] = entry
+        self.sampling.saved = self.store.samplers()
+        if self.sessions or self.models:
+            log.info("tinker state restored", sessions=len(self.sessions),
+                     models=len(self.models), samplers=len(self.sampling.saved))
+
+    def _sequencer(self, rec: ModelRecord, next_seq: int = 1) -> Sequencer:
+        def accepted(nxt: int) -> None:
+            rec.next_seq = nxt
+            self.store.append_seq(rec.id, nxt)
+        return Sequencer(self.worker, next_seq, on_accept=accepted)
+
+    def note(self, entry: ModelEntry, **changes: Any) -> None:
+        """Update a model's persisted record (from any thread) where it changes."""
+        rec = entry.record
+        if rec is not None and any(getattr(rec, k) != v for k, v in changes.items()):
+            for k, v in changes.items():
+                setattr(rec, k, v)
+            self.store.save_model(rec)
 
     async def aclose(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for sampler in self.samplers.values():
-            await sampler.close()
+        await self.sampling.aclose()
         await asyncio.to_thread(self.worker.shutdown)
+        self.store.close()
 
     def run_id(self, model_id: str) -> str:
         """A model's training run id in `tinker://` paths (its id, ':' -> '_')."""
         return model_id.replace(":", "_")
 
     def checkpoint_dir(self, path: str, kind: str) -> Path:
-        m = TINKER_PATH.match(path)
-        if m is None or m.group(2) != kind:
-            raise UserError(f"{path!r} is not a tinker://RUN/{kind}/NAME path")
-        out = self.root / "runs" / m.group(1) / kind / m.group(3)
-        if not out.is_dir():
-            raise UserError(f"no checkpoint {path!r} on this server")
-        return out
+        return checkpoint_dir(self.root, path, kind)
+
+    def read_checkpoint(self, path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        return read_checkpoint(self.root, path)
 
     # ---- sessions ----------------------------------------------------------------------
     def create_session(self, req: schema.CreateSession) -> dict[str, Any]:
         sid = f"session-{uuid.uuid4().hex[:16]}"
         now = time.time()
         self.sessions[sid] = Session(sid, req.sdk_version, now, now)
+        self.store.save_session(self.sessions[sid])
         log.info("session created", session=sid, sdk=req.sdk_version)
         return {"type": "create_session", "session_id": sid}
 
@@ -120,9 +149,48 @@ class TinkerService:
         return {"type": "session_heartbeat"}
 
     def finish_session(self, sid: str) -> dict[str, Any]:
-        self.session(sid).finished = True
+        s = self.session(sid)
+        s.finished = True
+        self.store.save_session(s)
+        self._release_session(sid, f"its session {sid} has finished")
         log.info("session finished", session=sid)
         return {}
+
+    def start_reaper(self, every_s: float = 60.0) -> None:
+        """End idle sessions (`expire_idle`) every `every_s` seconds while serving."""
+        async def reap() -> None:
+            while True:
+                await asyncio.sleep(every_s)
+                self.expire_idle(time.time())
+
+        self.spawn(reap())
+
+    def expire_idle(self, now: float) -> list[str]:
+        """End the sessions not heard from in SESSION_IDLE_S (a client that died without
+        closing), their models and samplers released; their ids."""
+        idle = [s for s in self.sessions.values()
+                if not s.finished and now - s.last_seen > SESSION_IDLE_S]
+        for s in idle:
+            s.finished = True
+            self.store.save_session(s)
+            self._release_session(s.id, f"its session {s.id} ended: no heartbeat for "
+                                        f"{SESSION_IDLE_S / 60:.0f} min")
+            log.warning("idle session ended", session=s.id, idle_s=round(now - s.last_seen))
+        return [s.id for s in idle]
+
+    def _release_session(self, sid: str, why: str) -> None:
+        """A finished session's models and samplers let their memory go (a long-running
+        server sees many sessions); their checkpoints stay, loadable from any session."""
+        for e in [e for e in self.models.values() if e.session_id == sid]:
+            e.closed = (f"{why}; go on from a checkpoint (create_training_client_from_state) "
+                        "in a new session")
+
+            def free(e: ModelEntry = e) -> tuple[dict[str, Any], str]:
+                e.trained = None  # on the model thread: no request of it is running
+                return {}, "json"
+
+            self.worker.submit(self.futures.new(), free, "release")  # type: ignore[arg-type]
+        self.sampling.release_session(sid)
 
     # ---- training models ---------------------------------------------------------------
     def create_model(self, req: schema.CreateModel) -> dict[str, Any]:
@@ -140,9 +208,7 @@ class TinkerService:
         seed = cfg.seed if cfg.seed is not None else int(uuid.uuid4().int % (1 << 31))
         lora = Lora(cfg.rank, seed, cfg.train_mlp, cfg.train_attn, cfg.train_unembed)
         rid = self.futures.new()
-        entry = ModelEntry(model_id, req.session_id, req.base_model, lora,
-                           Sequencer(self.worker), rid)
-        self.models[model_id] = entry
+        entry = self.new_entry(model_id, req.session_id, req.base_model, lora, rid, None)
 
         def load() -> tuple[dict[str, Any], str]:
             try:
@@ -158,6 +224,19 @@ class TinkerService:
         self.worker.submit(rid, load, "create_model")  # type: ignore[arg-type]
         return {"request_id": rid, "model_id": model_id}
 
+    def new_entry(self, model_id: str, session_id: str, base_model: str, lora: Lora,
+                  rid: str, origin: str | None, optimizer: bool = False) -> ModelEntry:
+        """A new training model, registered and persisted (its weights load on the model
+        thread)."""
+        entry = ModelEntry(model_id, session_id, base_model, lora, Sequencer(self.worker),
+                           rid)
+        rec = entry.make_record()
+        rec.origin, rec.origin_optimizer = origin, optimizer
+        entry.seq = self._sequencer(rec)
+        self.store.save_model(rec)
+        self.models[model_id] = entry
+        return entry
+
     def entry(self, model_id: str) -> ModelEntry:
         e = self.models.get(model_id)
         if e is None:
@@ -165,17 +244,32 @@ class TinkerService:
                                 "server restarted since)")
         return e
 
-    def trained(self, entry: ModelEntry) -> TrainedModel:
-        """On the model thread: the model, which its create_model loaded before."""
+    def trained(self, entry: ModelEntry, replacing: bool = False) -> TrainedModel:
+        """On the model thread: the model, which its create_model loaded before (a restored
+        one loads now). `replacing`: the request loads a checkpoint into it (allowed after
+        a restart lost its training)."""
+        if entry.closed is not None:
+            raise UserError(f"model {entry.id}: {entry.closed}")
+        if entry.trained is None and entry.restored and entry.error is None:
+            reload(entry, self.root, self.models_dir, self.device)
         if entry.trained is None:
             raise UserError(f"model {entry.id} could not be created: {entry.error}")
+        if entry.lost is not None and not replacing:
+            raise UserError(entry.lost)
         return entry.trained
 
     def get_info(self, req: schema.ModelRef) -> dict[str, Any]:
         e = self.entry(req.model_id)
+        if e.closed is not None:
+            raise ApiError(410, f"model {e.id}: {e.closed}")
         if e.error is not None:
             raise ApiError(400, f"model {e.id} could not be created: {e.error}")
-        if e.base is None or e.trained is None:
+        if e.base is None and e.restored:
+            try:
+                e.base = resolve(e.base_name, self.models_dir)
+            except UserError as err:
+                raise ApiError(400, f"model {e.id}: {err}") from None
+        if e.base is None or (e.trained is None and not e.restored):
             raise ApiError(409, f"model {e.id} is still loading")
         return {"type": "get_info", "model_id": e.id, "model_name": e.base.name,
                 "model_data": {"arch": e.base.arch, "model_name": e.base.name,
@@ -197,6 +291,8 @@ class TinkerService:
                 raise UserError(f"{what}: {req.problem}")
             outputs, metrics = self.trained(entry).forward_backward(
                 req.data, req.loss_fn, req.loss_fn_config, req.forward_only)
+            if not req.forward_only:
+                self.note(entry, changed=True)
             return proto.forward_backward_output(outputs, metrics), "proto"
 
         rid = entry.seq.submit(req.seq_id or None, job, what)
@@ -211,6 +307,7 @@ class TinkerService:
         def job() -> tuple[dict[str, Any], str]:
             metrics = self.trained(e).optim_step(p.learning_rate, p.beta1, p.beta2, p.eps,
                                                   p.weight_decay, p.grad_clip_norm)
+            self.note(e, changed=True)
             return {"type": "optim_step", "metrics": metrics}, "json"
 
         rid = e.seq.submit(req.seq_id, job, "optim_step")
@@ -239,91 +336,25 @@ class TinkerService:
             sid = f"{e.session_id}:sample:{req.sampling_session_seq_id}"
             sampler = Sampler(sid, e.base, None, weights, self.device)
             # registered on the loop before the result is: the client asks for it next
-            loop.call_soon_threadsafe(self._keep_sampler, e, sampler)
+            loop.call_soon_threadsafe(self.sampling.keep, e, sampler)
             return {"type": "save_weights_for_sampler", "sampling_session_id": sid}, "json"
 
         rid = e.seq.submit(req.seq_id, job, "save_weights_for_sampler")
         return {"request_id": rid, "model_id": e.id}
 
-    def _keep_sampler(self, e: ModelEntry, sampler: Sampler) -> None:
-        """Register a snapshot sampler; a model's older ones beyond SAMPLERS_KEPT go (an RL
-        loop makes one a step; each holds a copy of the model)."""
-        self.samplers[sampler.id] = sampler
-        e.samplers.append(sampler.id)
-        while len(e.samplers) > SAMPLERS_KEPT:
-            old = self.samplers.pop(e.samplers.pop(0), None)
-            if old is not None:
-                self._released.add(old.id)
-                task = asyncio.create_task(old.close())
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-
-    async def create_sampling_session(self, req: schema.CreateSamplingSession,
-                                      ) -> dict[str, Any]:
-        self.session(req.session_id)
-        sid = f"{req.session_id}:sample:{req.sampling_session_seq_id}"
-        if sid not in self.samplers:
-            self.samplers[sid] = await self._new_sampler(sid, req.base_model, req.model_path)
-        return {"type": "create_sampling_session", "sampling_session_id": sid}
-
-    async def _new_sampler(self, sid: str, base_model: str | None,
-                           model_path: str | None) -> Sampler:
-        try:
-            weights = None
-            if model_path is not None:
-                weights = self.checkpoint_dir(model_path, "sampler_weights")
-                base_model = read_sampler_base(weights)
-            if base_model is None:
-                raise UserError("a sampler needs a base_model or a model_path")
-            base = await asyncio.to_thread(resolve, base_model, self.models_dir)
-        except UserError as e:
-            raise ApiError(400, str(e)) from None
-        return Sampler(sid, base, model_path, weights, self.device)
-
-    def get_sampler(self, sid: str) -> dict[str, Any]:
-        sampler = self.samplers.get(sid)
-        if sampler is None:
-            raise ApiError(404, f"unknown sampler {sid!r}")
-        return sampler.describe()
-
-    async def asample(self, req: schema.Sample) -> dict[str, Any]:
-        if req.sampling_session_id is not None:
-            sampler = self.samplers.get(req.sampling_session_id)
-            if sampler is None and req.sampling_session_id in self._released:
-                raise ApiError(404, f"sampling session {req.sampling_session_id!r} was "
-                                    f"released: a training model keeps its {SAMPLERS_KEPT} "
-                                    "newest samplers; save the weights again")
-            if sampler is None:
-                raise ApiError(404, f"unknown sampling session {req.sampling_session_id!r}")
-        else:  # sampling without a session: one sampler per model named
-            sid = f"direct:{req.model_path or req.base_model}"
-            if sid not in self.samplers:
-                self.samplers[sid] = await self._new_sampler(sid, req.base_model,
-                                                             req.model_path)
-            sampler = self.samplers[sid]
-        rid = self.futures.new()
-        task = asyncio.create_task(self._sample(rid, sampler, req))
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` as a task the service cancels when it closes."""
+        task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return {"request_id": rid,
-                "sample_sequence_ids": [f"{rid}:{i}" for i in range(max(req.num_samples, 0))]}
-
-    async def _sample(self, rid: str, sampler: Sampler, req: schema.Sample) -> None:
-        try:
-            value = await sampler.sample(rid, req)
-        except UserError as e:
-            self.futures.fail(rid, str(e), "user")
-        except Exception as e:
-            log.exception("sampling failed", sampler=sampler.id, request_id=rid)
-            self.futures.fail(rid, f"server error in asample: {type(e).__name__}: {e}",
-                              "server")
-        else:
-            self.futures.done(rid, value, "proto")
 
     # ---- futures -----------------------------------------------------------------------
     async def retrieve(self, req: schema.RetrieveFuture) -> tuple[str, Any]:
         """("json", dict) or ("proto", bytes): the result, a failure, or try-again."""
         if not self.futures.known(req.request_id):
+            if req.request_id.startswith(SAMPLE_PREFIX):  # the client sends the sample again
+                raise ApiError(410, f"sample request {req.request_id!r} is gone (the server "
+                                    "restarted since it was made); send it again")
             raise ApiError(404, f"unknown request id {req.request_id!r} (too old, or the "
                                 "server restarted since it was made)")
         result = await self.futures.wait(req.request_id, LONG_POLL_S)

@@ -219,6 +219,11 @@ class TrainedModel:
         return {k: v.detach().clone() for k, v in merged_weights(self.model).items()}
 
     @property
+    def has_gradients(self) -> bool:
+        """forward_backward added gradients that no optim_step has applied yet."""
+        return any(p.grad is not None for p in self.params)
+
+    @property
     def trainable(self) -> int:
         return sum(p.numel() for p in self.params)
 

@@ -113,3 +113,54 @@ def test_the_builtin_model_is_made_once_and_tokenizes_any_text(tmp_path: Path) -
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(UserError, match="unknown base_model 'no/such-model'"):
         resolve("no/such-model", tmp_path)
+
+
+def _rl_datum(tokens: list[int], q: list[float], adv: list[float]) -> Datum:
+    d = _datum(tokens)
+    d.inputs["logprobs"] = np.array(q, dtype=np.float32)
+    d.inputs["advantages"] = np.array(adv, dtype=np.float32)
+    return d
+
+
+# d(per-token loss)/d(lp) by the API docs' formulas, r = exp(lp - q):
+#   importance_sampling -r*A          -> -r*A
+#   ppo  -min(r*A, clip(r)*A)         -> -r*A where the unclipped term is the min, else 0
+#   cispo -sg(clip(r))*lp*A           -> -clip(r)*A
+#   dro  -(lp*A - beta/2*(lp-q)^2)    -> -(A - beta*(lp-q))
+def _dloss_dlp(name: str, lp: np.ndarray, q: np.ndarray, a: np.ndarray) -> np.ndarray:
+    r = np.exp(lp - q)
+    if name == "importance_sampling":
+        return -r * a
+    if name == "ppo":
+        return np.where(r * a <= np.clip(r, 0.8, 1.2) * a, -r * a, 0.0)
+    if name == "cispo":
+        return -np.clip(r, 0.0, 4.0) * a
+    return -(a - 0.05 * (lp - q))
+
+
+@pytest.mark.parametrize("name", ["importance_sampling", "ppo", "cispo", "dro"])
+def test_each_rl_loss_backpropagates_its_own_gradient_through_the_model(
+        base: object, name: str, one_thread: None) -> None:
+    """The parameter gradient of an RL loss is the chain rule through the returned
+    log-probs: equal to cross_entropy's with weights = -dloss/dlp (hand formula)."""
+    rl = TrainedModel(base, Lora(4, 7), torch.device("cpu"))  # type: ignore[arg-type]
+    ce = TrainedModel(base, Lora(4, 7), torch.device("cpu"))  # type: ignore[arg-type]
+    # sampler log-probs around the model's own (-5.6) so that ratios fall both in and
+    # out of PPO's clip range; advantages of both signs
+    data = [_rl_datum([40, 41, 42, 43, 44], [-5.4, -5.9, -5.0, -6.3, -5.6],
+                      [1.0, -0.5, 2.0, 1.5, -1.0]),
+            _rl_datum([60, 61, 62], [-5.2, -6.0, -5.7], [-2.0, 0.5, 1.0])]
+    outputs, _ = rl.forward_backward(data, name, {}, forward_only=False)
+    ratios = np.concatenate([np.exp(o["logprobs"] - d.inputs["logprobs"])
+                             for o, d in zip(outputs, data, strict=True)])
+    if name == "ppo":  # the test covers both branches of the min
+        assert (ratios > 1.2).any() and (ratios < 1.2).any()
+    weighted = [_datum(d.tokens, list(-_dloss_dlp(name, o["logprobs"], d.inputs["logprobs"],
+                                                   d.inputs["advantages"])))
+                for o, d in zip(outputs, data, strict=True)]
+    ce.forward_backward(weighted, "cross_entropy", {}, forward_only=False)
+    grads = [(a.grad, b.grad) for a, b in zip(rl.params, ce.params, strict=True)]
+    assert any(float(g.abs().sum()) > 0 for g, _ in grads if g is not None)
+    for a, b in grads:
+        assert a is not None and b is not None
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)

@@ -104,6 +104,39 @@ def test_training_requests_run_in_seq_id_order_and_a_retry_is_the_same_request()
     assert asyncio.run(go()) == [1, 2, 3]
 
 
+def test_a_seq_id_that_never_comes_fails_the_requests_after_it_not_a_hang() -> None:
+    async def go() -> None:
+        futures = Futures()
+        worker = Worker(futures)
+        now = [100.0]
+        accepted: list[int] = []
+        seq = Sequencer(worker, next_seq=5, gap_timeout_s=60.0, clock=lambda: now[0],
+                        on_accept=accepted.append)
+        ok = seq.submit(5, lambda: ({"n": 5}, "json"), "a")
+        late = [seq.submit(s, lambda: ({"n": 0}, "json"), "forward_backward") for s in (7, 9)]
+        assert accepted == [6, 8, 10] and seq.blocked  # 6 (and 8) never come
+        now[0] = 159.0
+        seq.expire(now[0])
+        assert seq.blocked  # not yet 60 s
+        now[0] = 161.0
+        seq.expire(now[0])
+        assert not seq.blocked and seq.next_seq == 10
+        for rid in late:
+            result = await futures.wait(rid, 1.0)
+            assert result is not None and result.kind == "error"
+            message, category = result.value
+            assert "seq_id 6, 8, which never reached the server" in message
+            assert category == "server"
+        assert (await futures.wait(ok, 10.0)).kind == "json"  # type: ignore[union-attr]
+        after = seq.submit(10, lambda: ({"n": 10}, "json"), "b")  # the order goes on
+        assert (await futures.wait(after, 10.0)).kind == "json"  # type: ignore[union-attr]
+        with pytest.raises(ApiError, match="accepted before a server restart is lost"):
+            seq.submit(6, lambda: ({}, "json"), "a")
+        worker.shutdown()
+
+    asyncio.run(go())
+
+
 def test_the_server_needs_a_key_off_loopback_and_a_tml_key() -> None:
     check_key("127.0.0.1", None)
     check_key("0.0.0.0", "tml-abc")
@@ -125,3 +158,21 @@ def test_serve_api_refuses_a_public_address_without_a_key(tmp_path: object) -> N
     assert "rlhf-async serve: error: --api 0.0.0.0: a non-loopback address needs an API " \
            "key" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_results_older_than_an_hour_go_and_newer_ones_stay(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlhf_async.ops.tinker import futures as fmod
+
+    f = Futures()
+    clock = [1000.0]
+    monkeypatch.setattr(fmod.time, "time", lambda: clock[0])
+    old = [f.new() for _ in range(3)]
+    for rid in old:
+        f.done(rid, {})
+    clock[0] += fmod.KEEP_S / 2
+    young = f.new()
+    f.done(young, {})
+    clock[0] += fmod.KEEP_S / 2 + 1
+    last = f.new()
+    f.done(last, {})  # sweeps: the first three are past KEEP_S, `young` is not
+    assert [f.known(r) for r in (*old, young, last)] == [False, False, False, True, True]
