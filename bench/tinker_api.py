@@ -37,7 +37,7 @@ from transformers import AutoModelForCausalLM
 
 from bench.output import write_json
 from rlhf_async.engines.interface import Request
-from rlhf_async.engines.torch_engine import TorchEngine
+from rlhf_async.engines.torch.engine import TorchEngine
 from rlhf_async.modeling.cpu_attention import cpu_attention
 from rlhf_async.modeling.determinism import key_seed
 from rlhf_async.modeling.generation import SamplingParams
