@@ -11,6 +11,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from rlhf_async.config import JobConfig, config_from_dict
+from rlhf_async.engines.sim import simulate
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.precision import Precision, check_device
 from rlhf_async.runtime import Node
@@ -42,6 +43,7 @@ async def load_context(node: Node) -> NodeContext:
     hf_logging.disable_progress_bar()
     p = node.params
     cfg = config_from_dict(p["config"])
+    simulate(cfg)  # simulated devices (placement.device = sim): the engines time them
     art = Artefacts(Path(p["sft_dir"]), Path(p["rm_dir"]) if p["rm_dir"] else None, {}, {})
     device = torch.device(node.spec.device if node.spec.device.startswith("cuda") else "cpu")
     if device.type == "cuda":

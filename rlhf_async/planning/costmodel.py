@@ -37,9 +37,8 @@ from rlhf_async.modeling.roofline import (
     dtype_bytes,
     forward_s,
     kv_bytes_per_token,
-    optimizer_s,
     prefill_s,
-    train_compute_s,
+    train_step_s,
 )
 from rlhf_async.strategies.placement import TRAIN, ModelPlacement, Placement
 from rlhf_async.strategies.pricing import StepCosts
@@ -256,21 +255,16 @@ def _train_times(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
                  cal: Calibration, zero3: bool) -> dict[int, float]:
     busy = {d: 0.0 for d in range(p.num_devices)}
     seq = w.prompt_len + w.gen_len
-    updates = w.epochs * w.minibatches
     for m in p.models:
         if m.runtime != TRAIN:
             continue
         reps = max(1, m.replicas)
         rows = math.ceil(w.samples / reps)
-        t = train_compute_s(shape, rows, seq, w.epochs, w.minibatches, m.tensor_parallel,
-                            dev, cal)
-        grads = dtype_bytes(m.dtype) * shape.params / m.tensor_parallel
-        if reps > 1:
-            volume = 2 * grads * (reps - 1) / reps * (2.5 if sharded(m, zero3) else 1.0)
-            t += updates * volume / _bw(m.devices, dev, cal)
-            if m.model == "actor":  # the critic's gradients travel with the actor's
-                t += train_collectives(w) * cal.collective_s
-        t += updates * optimizer_s(shape, m.tensor_parallel, reps if zero3 else 1, dev, cal)
+        t = train_step_s(shape, rows, seq, w.epochs, w.minibatches, m.tensor_parallel, reps,
+                         sharded(m, zero3), dtype_bytes(m.dtype), _bw(m.devices, dev, cal),
+                         dev, cal)
+        if reps > 1 and m.model == "actor":  # the critic's gradients travel with the actor's
+            t += train_collectives(w) * cal.collective_s
         for d in m.devices:
             busy[d] = busy.get(d, 0.0) + t
     return busy

@@ -192,6 +192,7 @@ def missing_engine_problems(cfg: JobConfig) -> list[str]:
         engine_class(generation_engine(cfg))
     except MissingExtraError as e:
         here = [n for n, x in ENGINES.items()
-                if x.extra is None or importlib.util.find_spec(x.extra) is not None]
+                if (x.extra is None or importlib.util.find_spec(x.extra) is not None)
+                and cfg.placement.device in engine_capabilities(n).devices]
         return [f"generation.backend: {e}; accepted here: {', '.join(here)}"]
     return []

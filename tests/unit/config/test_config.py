@@ -146,7 +146,7 @@ def test_a_removed_key_names_its_replacement_and_an_older_name_warns():
     assert e.value.problems == [
         "placement.backend: removed; each engine is chosen once for the job: train.backend "
         "(actor and critic: torch | deepspeed) and generation.backend (the generators: "
-        "torch | vllm)"]
+        "torch | vllm | sim)"]
     with capture_logs() as logs:
         cfg = load_config(None, ["algo.name=grpo", "algo.is_cap=3"])
     recipe = resolve(cfg.algo)  # still read: TIS with that cap
