@@ -22,7 +22,8 @@ import asyncio
 import contextlib
 import dataclasses
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -47,7 +48,8 @@ class SimEngine:
     def __init__(self, model_dir: str, params: SamplingParams, *, dtype: str = "float32",
                  tensor_parallel: int = 1, sync_backend: str = "gloo",
                  device: torch.device | str = "cpu", module: nn.Module | None = None,
-                 spec: SimSpec | None = None) -> None:
+                 spec: SimSpec | None = None, clock: Callable[[], float] | None = None,
+                 ) -> None:
         if tensor_parallel != 1:
             raise ValueError("the sim engine simulates one GPU per generator (tensor_parallel "
                              f"1, got {tensor_parallel})")
@@ -63,7 +65,8 @@ class SimEngine:
         self._version = 0
         self._paused = False
         self._requests: dict[str, tuple[Request, asyncio.Future[Completion]]] = {}
-        self._since = 0.0  # the loop time the batch was last brought up to
+        self._clock = clock or time.monotonic  # real seconds (a test's own clock)
+        self._since = 0.0  # the clock's time the batch was last brought up to
         self._wake: asyncio.Event | None = None
         self._runner: asyncio.Task[None] | None = None
 
@@ -156,7 +159,7 @@ class SimEngine:
         """The batch changed: the runner plans its next boundary again."""
         if self._runner is None:
             self._wake = asyncio.Event()
-            self._since = asyncio.get_running_loop().time()
+            self._since = self._clock()
             self._runner = asyncio.ensure_future(self._run())
         assert self._wake is not None
         self._wake.set()
@@ -166,7 +169,7 @@ class SimEngine:
         up to date, and hand back the requests that ended meanwhile."""
         if self._runner is None:
             return
-        now = asyncio.get_running_loop().time()
+        now = self._clock()
         passed, self._since = (now - self._since) / self.spec.time_scale, now
         if not self._paused:
             ended = self.batch.advance(passed, self._version)
