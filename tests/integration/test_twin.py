@@ -29,7 +29,7 @@ TWIN = ["model.hidden=16", "model.layers=1", "model.heads=2", "sft.steps=1",
         "reward_model.steps=1", "reward_model.heldout_pairs=16", "run.eval_prompts=4",
         "run.plot=false", "run.progress=false", "algo.group_size=2",
         "placement.strategy=separation", "placement.device=sim", "train.backend=sim",
-        "runtime.node_start=fork", "sim.model=7B", "sim.time_scale=0.02"]
+        "train.gradient_checkpointing=true", "runtime.node_start=fork", "sim.model=7B", "sim.time_scale=0.02"]
 
 
 def _config(tmp_path: Path, cache: Path, name: str, *more: str):

@@ -1,0 +1,209 @@
+"""The cluster in a box, measured: Separation jobs on simulated GPUs (`placement.device =
+sim`, docs/howto/twin.md), each node process running its real program.
+
+    python -m bench.twin acceptance --nodes 128 --steps 50   # one job; RSS/PSS, s/step
+    python -m bench.twin overhead --nodes 8 32 64 128        # control plane vs node count
+    python -m bench.twin grid --models 7B 13B --gpus 8 16    # twin vs the cost model
+
+Every job is `rlhf-async run` in a process of its own (a session of its own, so it can be
+stopped whole), nodes started by the fork server (`runtime.node_start = fork`: children
+share the server's pages). While it runs, the total RSS and PSS of the run process and all
+its descendants are sampled, and the box's available memory: below `--min-available-gb`
+the job is killed (other jobs share this box). A layout of N GPUs is 3/4 generators, 1/8
+scorers, 1/8 trainer ranks (128: 96 / 16 / 16), two samples a prompt, four a generator.
+
+From each run's metrics.jsonl: the simulated step time (median over the steps after the
+first two), the real seconds per step, the control plane's real CPU seconds per step
+(`control/real_s`: the coordinator, driver and transport) and its share of a simulated
+step, exactly-once (trainer's log), and the cost model's prediction of the same placement
+(`planning.costmodel.predict`). Load average with
+every number. Results: bench/results/twin_*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.output import write_json
+from rlhf_async.config import load_config
+from rlhf_async.engines.sim import SimSpec
+from rlhf_async.metrics import read_metrics
+from rlhf_async.planning.costmodel import Workload, predict
+from rlhf_async.strategies.registry import plan_placement
+
+GiB = 1024**3
+BASE = ["model.hidden=16", "model.layers=1", "model.heads=2", "sft.steps=1",
+        "reward_model.steps=1", "reward_model.heldout_pairs=16", "run.eval_prompts=4",
+        "run.plot=false", "run.progress=false", "algo.group_size=2", "algo.max_staleness=1",
+        "placement.strategy=separation", "placement.device=sim", "train.backend=sim",
+        "train.gradient_checkpointing=true", "runtime.node_start=fork", "runtime.time_to_dead=30", "runtime.step_deadline_s=600",
+        "weight_sync.timeout_s=120", "run.checkpoint_every=10"]
+
+
+def layout(nodes: int) -> list[str]:
+    """3/4 generators, 1/8 scorers, 1/8 trainer ranks (at least one each), each on GPUs
+    of its own."""
+    trainers, scorers = max(1, nodes // 8), max(1, nodes // 8)
+    gens = nodes - trainers - scorers
+    return [f"placement.devices={nodes}", f"placement.actor={list(range(trainers))}",
+            f"placement.generator={list(range(trainers, trainers + gens))}",
+            f"placement.reward={list(range(trainers + gens, nodes))}",
+            f"train.prompts_per_step={2 * gens}"]
+
+
+class Watch:
+    """Samples the memory of a process tree and of the box on a thread."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], min_available: float) -> None:
+        self.proc, self.min_available = proc, min_available
+        self.peak_rss = self.peak_pss = 0.0
+        self.low_available = float("inf")
+        self.procs = 0
+        self.aborted = ""
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _tree(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def _run(self) -> None:
+        n = 0
+        while not self.stop.wait(2.0):
+            avail = psutil.virtual_memory().available
+            self.low_available = min(self.low_available, avail)
+            if avail < self.min_available:
+                self.aborted = f"available memory {avail / GiB:.1f} GiB"
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                return
+            tree, rss, pss = self._tree(), 0.0, 0.0
+            full = n % 5 == 0  # PSS reads every page map: every 10 s
+            for p in tree:
+                try:
+                    if full:
+                        info = p.memory_full_info()
+                        rss, pss = rss + info.rss, pss + info.pss
+                    else:
+                        rss += p.memory_info().rss
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+            self.procs = max(self.procs, len(tree))
+            self.peak_rss = max(self.peak_rss, rss)
+            if full:
+                self.peak_pss = max(self.peak_pss, pss)
+            n += 1
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def run_job(out_dir: Path, name: str, overrides: list[str], min_available_gb: float,
+            timeout_s: float) -> dict[str, Any]:
+    """One twin job; its summary (memory, times, exactly-once, the cost model's step)."""
+    args = [*BASE, f"run.output_dir={json.dumps(str(out_dir))}",
+            f"run.cache_dir={json.dumps(str(out_dir / 'cache'))}", f"run.name={name}",
+            *overrides]
+    load0, t0 = os.getloadavg(), time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_async", "run", *args],
+                            start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=open(out_dir / f"{name}.log", "wb"))  # noqa: SIM115
+    watch = Watch(proc, min_available_gb * GiB)
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        rc, watch.aborted = proc.wait(), f"past {timeout_s:.0f} s"
+    watch.close()
+    wall = time.monotonic() - t0
+    run_dir = out_dir / name
+    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() \
+        else []
+    steady = records[2:] or records
+    counts: Counter[int] = Counter()
+    if (run_dir / "trained_samples.jsonl").exists():
+        for line in (run_dir / "trained_samples.jsonl").read_text().splitlines():
+            counts.update(json.loads(line)["sample_ids"])
+
+    def med(key: str) -> float | None:
+        vals = [r[key] for r in steady if isinstance(r.get(key), int | float)]
+        return statistics.median(vals) if vals else None
+    cfg = load_config(None, args)
+    return {"name": name, "rc": rc, "aborted": watch.aborted, "wall_s": round(wall, 1),
+            "steps": len(records), "processes": watch.procs,
+            "exactly_once": bool(counts) and set(counts.values()) == {1}
+            and len(counts) == len(records) * cfg.train.prompts_per_step * 2,
+            "peak_rss_gb": round(watch.peak_rss / GiB, 2),
+            "peak_pss_gb": round(watch.peak_pss / GiB, 2),
+            "low_available_gb": round(watch.low_available / GiB, 1),
+            "sim_step_s": med("time_step"), "real_step_s": med("real/time_step"),
+            "control_real_s": med("control/real_s"), "control_share": med("control/share"),
+            "samples_per_s": med("samples_per_s"), "predicted_step_s": predicted(args),
+            "load_start": [round(x, 2) for x in load0],
+            "load_end": [round(x, 2) for x in os.getloadavg()]}
+
+
+def predicted(args: list[str]) -> float:
+    """The cost model's step time of the same placement and simulated workload."""
+    cfg = load_config(None, args)
+    spec = SimSpec.of(cfg)
+    placement = plan_placement(cfg.placement, cfg.algo.name)
+    w = Workload(spec.samples, spec.prompt_tokens, spec.response_tokens, spec.epochs,
+                 spec.minibatches, True, cfg.algo.max_staleness,
+                 checkpointing=cfg.train.gradient_checkpointing)
+    return predict(placement, spec.shape, w, spec.device, spec.cal).step_s
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=("acceptance", "overhead", "grid"))
+    ap.add_argument("--nodes", type=int, nargs="+", default=[32])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--models", nargs="+", default=["7B"])
+    ap.add_argument("--gpus", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--time-scale", type=float, default=0.1)
+    ap.add_argument("--min-available-gb", type=float, default=6.0)
+    ap.add_argument("--timeout-s", type=float, default=1800.0)
+    ap.add_argument("--dir", default="runs/twin")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args(argv)
+    out_dir = Path(a.dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    scale = f"sim.time_scale={a.time_scale}"
+    jobs: list[tuple[str, list[str]]] = []
+    if a.what in ("acceptance", "overhead"):
+        jobs = [(f"{a.what}{n}", [*layout(n), f"train.steps={a.steps}", scale])
+                for n in a.nodes]
+    else:
+        jobs = [(f"grid_{m}_{g}", [*layout(g), f"train.steps={a.steps}", f"sim.model={m}",
+                                   scale]) for m in a.models for g in a.gpus]
+    results = []
+    for name, overrides in jobs:
+        r = run_job(out_dir, name, overrides, a.min_available_gb, a.timeout_s)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        if r["aborted"]:
+            break
+    write_json(Path(a.out or f"bench/results/twin_{a.what}.json"),
+               {"what": a.what, "time_scale": a.time_scale, "results": results})
+
+
+if __name__ == "__main__":
+    main()
