@@ -41,6 +41,7 @@ from bench.output import write_json
 from rlhf_async.config import load_config
 from rlhf_async.engines.sim import SimSpec
 from rlhf_async.metrics import read_metrics
+from rlhf_async.modeling.roofline import DEVICES, LLAMA
 from rlhf_async.planning.costmodel import Workload, predict
 from rlhf_async.strategies.registry import plan_placement
 
@@ -53,10 +54,20 @@ BASE = ["model.hidden=16", "model.layers=1", "model.heads=2", "sft.steps=1",
         "weight_sync.timeout_s=120", "run.checkpoint_every=10"]
 
 
-def layout(nodes: int) -> list[str]:
-    """3/4 generators, 1/8 scorers, 1/8 trainer ranks (at least one each), each on GPUs
-    of its own."""
-    trainers, scorers = max(1, nodes // 8), max(1, nodes // 8)
+def fitting_ranks(model: str, gpu: str = "H100") -> int:
+    """The fewest trainer ranks (a power of two) whose ZeRO-3 shares of the actor's and
+    critic's training states (2 x 16 bytes a parameter) leave room for activations."""
+    states, room, ranks = 32 * LLAMA[model].params, 0.65 * DEVICES[gpu].memory, 1
+    while states / ranks > room:
+        ranks *= 2
+    return ranks
+
+
+def layout(nodes: int, trainers: int = 0) -> list[str]:
+    """1/8 trainer ranks (or `trainers`), then 6/7 of the rest generators and the others
+    scorers (at least one each), each on GPUs of its own; 128: 96 / 16 / 16."""
+    trainers = trainers or max(1, nodes // 8)
+    scorers = max(1, (nodes - trainers) // 7)
     gens = nodes - trainers - scorers
     return [f"placement.devices={nodes}", f"placement.actor={list(range(trainers))}",
             f"placement.generator={list(range(trainers, trainers + gens))}",
@@ -189,11 +200,12 @@ def main(argv: list[str] | None = None) -> None:
     scale = f"sim.time_scale={a.time_scale}"
     jobs: list[tuple[str, list[str]]] = []
     if a.what in ("acceptance", "overhead"):
-        jobs = [(f"{a.what}{n}", [*layout(n), f"train.steps={a.steps}", scale])
-                for n in a.nodes]
+        jobs = [(f"{a.what}{n}", [*layout(n, max(n // 8, fitting_ranks("7B"))),
+                                  f"train.steps={a.steps}", scale]) for n in a.nodes]
     else:
-        jobs = [(f"grid_{m}_{g}", [*layout(g), f"train.steps={a.steps}", f"sim.model={m}",
-                                   scale]) for m in a.models for g in a.gpus]
+        jobs = [(f"grid_{m}_{g}", [*layout(g, max(g // 8, fitting_ranks(m))),
+                                   f"train.steps={a.steps}", f"sim.model={m}", scale])
+                for m in a.models for g in a.gpus if fitting_ranks(m) < g]
     results = []
     for name, overrides in jobs:
         r = run_job(out_dir, name, overrides, a.min_available_gb, a.timeout_s)
