@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -72,7 +73,13 @@ def layout(nodes: int, trainers: int = 0) -> list[str]:
     return [f"placement.devices={nodes}", f"placement.actor={list(range(trainers))}",
             f"placement.generator={list(range(trainers, trainers + gens))}",
             f"placement.reward={list(range(trainers + gens, nodes))}",
-            f"train.prompts_per_step={2 * gens}"]
+            f"train.prompts_per_step={_prompts(gens, trainers)}"]
+
+
+def _prompts(gens: int, trainers: int) -> int:
+    """At least two prompts a generator, dividing over the trainer ranks and generators."""
+    step = math.lcm(gens, trainers)
+    return step * math.ceil(2 * gens / step)
 
 
 class Watch:
