@@ -4,6 +4,7 @@ sim`, docs/howto/twin.md), each node process running its real program.
     python -m bench.twin acceptance --nodes 128 --steps 50   # one job; RSS/PSS, s/step
     python -m bench.twin overhead --nodes 8 32 64 128        # control plane vs node count
     python -m bench.twin grid --models 7B 13B --gpus 8 16    # twin vs the cost model
+    python -m bench.twin report                              # table + plot of all results
 
 Every job is `rlhf-async run` in a process of its own (a session of its own, so it can be
 stopped whole), nodes started by the fork server (`runtime.node_start = fork`: children
@@ -26,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -43,6 +45,7 @@ from rlhf_async.config import load_config
 from rlhf_async.engines.sim import SimSpec
 from rlhf_async.metrics import read_metrics
 from rlhf_async.modeling.roofline import DEVICES, LLAMA
+from rlhf_async.ops.plotting import pyplot
 from rlhf_async.planning.costmodel import Workload, predict
 from rlhf_async.strategies.registry import plan_placement
 
@@ -164,7 +167,7 @@ def run_job(out_dir: Path, name: str, overrides: list[str], min_available_gb: fl
         vals = [r[key] for r in steady if isinstance(r.get(key), int | float)]
         return statistics.median(vals) if vals else None
     cfg = load_config(None, args)
-    return {"name": name, "rc": rc, "aborted": watch.aborted, "wall_s": round(wall, 1),
+    return {"name": name, "nodes": cfg.placement.devices, "rc": rc, "aborted": watch.aborted, "wall_s": round(wall, 1),
             "steps": len(records), "processes": watch.procs,
             "exactly_once": bool(counts) and set(counts.values()) == {1}
             and len(counts) == len(records) * cfg.train.prompts_per_step * 2,
@@ -189,9 +192,50 @@ def predicted(args: list[str]) -> float:
     return predict(placement, spec.shape, w, spec.device, spec.cal).step_s
 
 
+def _nodes(r: dict[str, Any]) -> int:
+    """A result's node count (older results: from its name, e.g. acceptance128)."""
+    return int(r.get("nodes") or re.sub(r"^\D*", "", r["name"]).split("_")[0])
+
+
+def report(results_dir: Path) -> str:
+    """One markdown table of every bench/results/twin_*.json run, and a plot
+    (twin_overhead.png: the control plane's real seconds per step against node count; the
+    twin's step against the cost model's)."""
+    rows = [r for f in sorted(results_dir.glob("twin_*.json"))
+            for r in json.loads(f.read_text())["results"] if r.get("steps")]
+    head = ("| run | nodes | steps | once | twin step (sim s) | cost model (s) | twin / model | "
+            "real s/step | control s/step | control share | peak PSS GB | peak RSS GB | "
+            "load |\n| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | "
+            "---: | ---: | --- |")
+    lines = [head]
+    for r in rows:
+        ratio = r["sim_step_s"] / r["predicted_step_s"]
+        lines.append(
+            f"| {r['name']} | {_nodes(r)} | {r['steps']} | {r['exactly_once']} | "
+            f"{r['sim_step_s']:.1f} | {r['predicted_step_s']:.1f} | {ratio:.2f} | "
+            f"{r['real_step_s']:.2f} | {r['control_real_s']:.3f} | "
+            f"{100 * r['control_share']:.2f}% | {r['peak_pss_gb']:.1f} | "
+            f"{r['peak_rss_gb']:.1f} | {r['load_start'][0]:.1f}-{r['load_end'][0]:.1f} |")
+    plt = pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    over = sorted((_nodes(r), r["control_real_s"]) for r in rows
+                  if r["name"].startswith(("acceptance", "overhead")))
+    a.plot([n for n, _ in over], [c for _, c in over], "o-")
+    a.set(xlabel="nodes (simulated GPUs)", ylabel="control plane CPU s / step",
+          title="control-plane cost vs nodes")
+    b.scatter([r["predicted_step_s"] for r in rows], [r["sim_step_s"] for r in rows])
+    top = max([r["sim_step_s"] for r in rows] + [1.0])
+    b.plot([0, top], [0, top], "k--", lw=0.8)
+    b.set(xlabel="cost model step (s)", ylabel="twin step (simulated s)",
+          title="twin vs analytical")
+    fig.tight_layout()
+    fig.savefig(results_dir / "twin_overhead.png", dpi=100)
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("acceptance", "overhead", "grid"))
+    ap.add_argument("what", choices=("acceptance", "overhead", "grid", "report"))
     ap.add_argument("--nodes", type=int, nargs="+", default=[32])
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--models", nargs="+", default=["7B"])
@@ -202,6 +246,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dir", default="runs/twin")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
+    if a.what == "report":
+        print(report(Path("bench/results")))
+        return
     out_dir = Path(a.dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     scale = f"sim.time_scale={a.time_scale}"
