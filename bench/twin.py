@@ -4,6 +4,7 @@ sim`, docs/howto/twin.md), each node process running its real program.
     python -m bench.twin acceptance --nodes 128 --steps 50   # one job; RSS/PSS, s/step
     python -m bench.twin overhead --nodes 8 32 64 128        # control plane vs node count
     python -m bench.twin grid --models 7B 13B --gpus 8 16    # twin vs the cost model
+    python -m bench.twin elastic                             # 8 -> 16 -> 8 generators
     python -m bench.twin report                              # table + plot of all results
 
 Every job is `rlhf-async run` in a process of its own (a session of its own, so it can be
@@ -42,12 +43,14 @@ import psutil
 
 from bench.output import write_json
 from rlhf_async.config import load_config
+from rlhf_async.control.reshape import Scale
 from rlhf_async.engines.sim import SimSpec
 from rlhf_async.metrics import read_metrics
 from rlhf_async.modeling.roofline import DEVICES, LLAMA
 from rlhf_async.ops.plotting import pyplot
 from rlhf_async.planning.costmodel import Workload, predict
-from rlhf_async.strategies.registry import plan_placement
+from rlhf_async.runtime import run_loop
+from rlhf_async.strategies.registry import plan_placement, request_scale
 
 GiB = 1024**3
 BASE = ["model.hidden=16", "model.layers=1", "model.heads=2", "sft.steps=1",
@@ -177,19 +180,85 @@ def run_job(out_dir: Path, name: str, overrides: list[str], min_available_gb: fl
             "sim_step_s": med("time_step"), "real_step_s": med("real/time_step"),
             "control_real_s": med("control/real_s"), "control_share": med("control/share"),
             "samples_per_s": med("samples_per_s"), "predicted_step_s": predicted(args),
+            "gate_cycle_s": gate_cycle(args),
             "load_start": [round(x, 2) for x in load0],
             "load_end": [round(x, 2) for x in os.getloadavg()]}
 
 
 def predicted(args: list[str]) -> float:
     """The cost model's step time of the same placement and simulated workload."""
+    return _prediction(args)[0]
+
+
+def gate_cycle(args: list[str]) -> float:
+    """The step the staleness gate allows at best: step s + k's generation waits for the
+    weights of step s - 1, so over k + 1 steps one chunk's generation, scoring, training
+    and broadcast happen in turn, (generate + score + train + sync) / (k + 1); the cost
+    model's Separation step (the busiest side) leaves this cycle out."""
+    step, phases, k = _prediction(args)
+    cycle = sum(phases.get(p, 0.0) for p in ("generate", "score", "train", "sync")) / (k + 1)
+    return max(step, cycle)
+
+
+def _prediction(args: list[str]) -> tuple[float, dict[str, float], int]:
     cfg = load_config(None, args)
     spec = SimSpec.of(cfg)
     placement = plan_placement(cfg.placement, cfg.algo.name)
     w = Workload(spec.samples, spec.prompt_tokens, spec.response_tokens, spec.epochs,
                  spec.minibatches, True, cfg.algo.max_staleness,
                  checkpointing=cfg.train.gradient_checkpointing)
-    return predict(placement, spec.shape, w, spec.device, spec.cal).step_s
+    pred = predict(placement, spec.shape, w, spec.device, spec.cal)
+    return pred.step_s, pred.phases, cfg.algo.max_staleness
+
+
+ELASTIC = ["placement.devices=26", f"placement.actor={list(range(8))}",
+           f"placement.generator={list(range(8, 16))}", "placement.reward=[16,17]",
+           "train.prompts_per_step=512", "sim.lengths=long_tail", "algo.max_staleness=1"]
+
+
+def elastic(out_dir: Path, steps: int, scale: float, min_available_gb: float) -> dict[str, Any]:
+    """A generation-bound job (long-tail lengths: the KV cache holds few rows, so a
+    generator decodes its chunk in several waves), scaled 8 -> 16 generators after step
+    `steps // 3` and back after `2 * steps // 3`; samples/s in each phase (simulated)."""
+    run_dir = out_dir / "elastic"
+    marks: list[tuple[int, Any]] = []
+    ended = threading.Event()
+
+    def scaler() -> None:
+        for at, n in ((steps // 3, 16), (2 * steps // 3, 8)):
+            while len(_records(run_dir)) < at:
+                if ended.wait(0.5):
+                    return
+            got = run_loop(request_scale(run_dir, Scale(generators=n), timeout=300))
+            marks.append((len(_records(run_dir)), got.counts))
+    thread = threading.Thread(target=scaler, daemon=True)
+    thread.start()
+    r = run_job(out_dir, "elastic", [*ELASTIC, f"train.steps={steps}",
+                                     f"sim.time_scale={scale}"], min_available_gb, 3600)
+    ended.set()
+    thread.join()
+    recs = _records(run_dir)
+    bounds = [m[0] for m in marks] + [len(recs)]
+    phases, start = [], 0
+    for end in bounds:  # a phase's steps after the scale's own step
+        part = [x["samples_per_s"] for x in recs[start + 1: end]] or \
+            [x["samples_per_s"] for x in recs[start:end]]
+        phases.append(statistics.median(part) if part else None)
+        start = end
+    return {**r, "scaled_at": marks, "samples_per_s_phases": phases}
+
+
+def _args_of(r: dict[str, Any]) -> list[str]:
+    """The overrides a result of `main` ran with (for results written before they were
+    kept): its layout by its name."""
+    model = r["name"].split("_")[1] if r["name"].startswith("grid_") else "7B"
+    n = _nodes(r)
+    return [*BASE, *layout(n, max(n // 8, fitting_ranks(model))), f"sim.model={model}"]
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    return read_metrics(path) if path.exists() else []
 
 
 def _nodes(r: dict[str, Any]) -> int:
@@ -204,15 +273,18 @@ def report(results_dir: Path) -> str:
     rows = [r for f in sorted(results_dir.glob("twin_*.json"))
             for r in json.loads(f.read_text())["results"] if r.get("steps")]
     head = ("| run | nodes | steps | once | twin step (sim s) | cost model (s) | twin / model | "
+            "model + gate cycle (s) | twin / that | "
             "real s/step | control s/step | control share | peak PSS GB | peak RSS GB | "
             "load |\n| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | "
-            "---: | ---: | --- |")
+            "---: | ---: | --- | ---: | ---: |")
     lines = [head]
     for r in rows:
         ratio = r["sim_step_s"] / r["predicted_step_s"]
+        cycle = r.get("gate_cycle_s") or gate_cycle(_args_of(r))
         lines.append(
             f"| {r['name']} | {_nodes(r)} | {r['steps']} | {r['exactly_once']} | "
             f"{r['sim_step_s']:.1f} | {r['predicted_step_s']:.1f} | {ratio:.2f} | "
+            f"{cycle:.1f} | {r['sim_step_s'] / cycle:.2f} | "
             f"{r['real_step_s']:.2f} | {r['control_real_s']:.3f} | "
             f"{100 * r['control_share']:.2f}% | {r['peak_pss_gb']:.1f} | "
             f"{r['peak_rss_gb']:.1f} | {r['load_start'][0]:.1f}-{r['load_end'][0]:.1f} |")
@@ -235,7 +307,7 @@ def report(results_dir: Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("acceptance", "overhead", "grid", "report"))
+    ap.add_argument("what", choices=("acceptance", "overhead", "grid", "elastic", "report"))
     ap.add_argument("--nodes", type=int, nargs="+", default=[32])
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--models", nargs="+", default=["7B"])
@@ -252,6 +324,12 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(a.dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     scale = f"sim.time_scale={a.time_scale}"
+    if a.what == "elastic":
+        r = elastic(out_dir, a.steps, a.time_scale, a.min_available_gb)
+        print(json.dumps(r), flush=True)
+        write_json(Path(a.out or "bench/results/twin_elastic.json"),
+                   {"what": "elastic", "time_scale": a.time_scale, "results": [r]})
+        return
     jobs: list[tuple[str, list[str]]] = []
     if a.what in ("acceptance", "overhead"):
         jobs = [(f"{a.what}{n}", [*layout(n, max(n // 8, fitting_ranks("7B"))),
