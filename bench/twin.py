@@ -211,9 +211,11 @@ def _prediction(args: list[str]) -> tuple[float, dict[str, float], int]:
     return pred.step_s, pred.phases, cfg.algo.max_staleness
 
 
-ELASTIC = ["placement.devices=26", f"placement.actor={list(range(8))}",
-           f"placement.generator={list(range(8, 16))}", "placement.reward=[16,17]",
-           "train.prompts_per_step=512", "sim.lengths=long_tail", "algo.max_staleness=1"]
+# trainer ranks enough that generation bounds the step (one epoch a batch)
+ELASTIC = ["placement.devices=40", f"placement.actor={list(range(16))}",
+           f"placement.generator={list(range(16, 24))}", "placement.reward=[24,25]",
+           "train.prompts_per_step=512", "train.epochs=1", "sim.lengths=long_tail",
+           "algo.max_staleness=1"]
 
 
 def elastic(out_dir: Path, steps: int, scale: float, min_available_gb: float) -> dict[str, Any]:
