@@ -5,6 +5,7 @@ sim`, docs/howto/twin.md), each node process running its real program.
     python -m bench.twin overhead --nodes 8 32 64 128        # control plane vs node count
     python -m bench.twin grid --models 7B 13B --gpus 8 16    # twin vs the cost model
     python -m bench.twin elastic                             # 8 -> 16 -> 8 generators
+    python -m bench.twin chaos --nodes 64 --kills 20         # SIGKILLs + a SIGSTOP
     python -m bench.twin report                              # table + plot of all results
 
 Every job is `rlhf-async run` in a process of its own (a session of its own, so it can be
@@ -43,6 +44,7 @@ import psutil
 
 from bench.output import write_json
 from rlhf_async.config import load_config
+from rlhf_async.control.chaos import freeze_nodes, kill_random
 from rlhf_async.control.reshape import Scale
 from rlhf_async.engines.sim import SimSpec
 from rlhf_async.metrics import read_metrics
@@ -258,6 +260,32 @@ def _args_of(r: dict[str, Any]) -> list[str]:
     return [*BASE, *layout(n, max(n // 8, fitting_ranks(model))), f"sim.model={model}"]
 
 
+def chaos(out_dir: Path, nodes: int, steps: int, kills: int, scale: float,
+          min_available_gb: float) -> dict[str, Any]:
+    """`kills` SIGKILLs of random ready nodes (every step from step 2: generators,
+    scorers, trainer ranks alike) and one generator SIGSTOPped (declared dead, replaced,
+    then SIGCONTed), during one job; its exactly-once record."""
+    run_dir, ended = out_dir / "chaos", threading.Event()
+    killed: list[tuple[str, int]] = []
+    frozen: list[dict[str, Any]] = []
+    threads = [threading.Thread(target=kill_random, args=(run_dir, kills, 1, ended, killed, 7),
+                                daemon=True),
+               threading.Thread(target=freeze_nodes, args=(run_dir, ["gen1"], 3, ended, frozen),
+                                daemon=True)]
+    for t in threads:
+        t.start()
+    r = run_job(out_dir, "chaos", [*layout(nodes, max(nodes // 8, fitting_ranks("7B"))),
+                                   f"train.steps={steps}", f"sim.time_scale={scale}",
+                                   "run.checkpoint_every=1", "runtime.restart_limit=30",
+                                   "runtime.time_to_dead=10"], min_available_gb, 3600)
+    ended.set()
+    for t in threads:
+        t.join()
+    recs = _records(run_dir)
+    return {**r, "killed": killed, "frozen": frozen,
+            "restarts": recs[-1].get("faults/restarts", 0) if recs else None}
+
+
 def _records(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     return read_metrics(path) if path.exists() else []
@@ -309,7 +337,9 @@ def report(results_dir: Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("acceptance", "overhead", "grid", "elastic", "report"))
+    ap.add_argument("what", choices=("acceptance", "overhead", "grid", "elastic", "chaos",
+                                     "report"))
+    ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--nodes", type=int, nargs="+", default=[32])
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--models", nargs="+", default=["7B"])
@@ -326,6 +356,12 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(a.dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     scale = f"sim.time_scale={a.time_scale}"
+    if a.what == "chaos":
+        r = chaos(out_dir, a.nodes[0], a.steps, a.kills, a.time_scale, a.min_available_gb)
+        print(json.dumps(r), flush=True)
+        write_json(Path(a.out or "bench/results/twin_chaos.json"),
+                   {"what": "chaos", "time_scale": a.time_scale, "results": [r]})
+        return
     if a.what == "elastic":
         r = elastic(out_dir, a.steps, a.time_scale, a.min_available_gb)
         print(json.dumps(r), flush=True)
