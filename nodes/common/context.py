@@ -12,6 +12,7 @@ from transformers.utils import logging as hf_logging
 
 from rlhf_async.config import JobConfig, config_from_dict
 from rlhf_async.engines import adopt_engine_lines
+from rlhf_async.engines.sim import simulate
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.precision import Precision, check_device
 from rlhf_async.pipeline.protocol import ChunkFormatError
@@ -44,6 +45,7 @@ async def load_context(node: Node) -> NodeContext:
     p = node.params
     adopt_engine_lines(p.get("engines", {}))  # a line the coordinator registered at run time
     cfg = config_from_dict(p["config"])
+    simulate(cfg)  # simulated devices (placement.device = sim): the engines time them
     art = Artefacts(Path(p["sft_dir"]), Path(p["rm_dir"]) if p["rm_dir"] else None, {}, {})
     device = torch.device(node.spec.device if node.spec.device.startswith("cuda") else "cpu")
     if device.type == "cuda":

@@ -4,12 +4,17 @@ reference log-probs (and the teacher's)."""
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Awaitable
 
 import torch
 
 from nodes.common.context import NodeContext, load_context, message_errors
 from nodes.common.stage import StageClock
+from rlhf_async.engines.sim import SimSpec, current
+from rlhf_async.engines.sim.scoring import score_s
 from rlhf_async.modeling.models import ScalarHeadModel, freeze
+from rlhf_async.modeling.rollout import RolloutBatch
 from rlhf_async.pipeline.protocol import (
     Loaded,
     Scored,
@@ -37,7 +42,7 @@ async def main(node: Node) -> None:
     T, mix = job.cfg.generation.temperature, reward_mix(job.cfg, task)
     packed = job.cfg.train.max_tokens_per_microbatch > 0  # the trainer packs: so do we
     inp, out = node.socket("rollouts"), node.socket("scored")
-    clock = StageClock()
+    clock, sim = StageClock(), current()
     torch.set_grad_enabled(False)
     await node.send_event(Loaded())
     while not node.stopping:
@@ -54,9 +59,9 @@ async def main(node: Node) -> None:
             continue
         try:
             scored = await clock.busy(node.watchdog.run(
-                "score", job.cfg.runtime.step_deadline_s, asyncio.to_thread(
+                "score", job.cfg.runtime.step_deadline_s, _timed(sim, asyncio.to_thread(
                     score, reward_model, reference, batch.to(job.device), T, mix, packed,
-                    teacher)))
+                    teacher), batch, 1 + (reward_model is not None))))
         except RewardFunctionError as e:  # the user's reward: the same on any restart
             await fail(node, "; ".join(e.problems))
             return
@@ -68,6 +73,17 @@ async def main(node: Node) -> None:
         node.info.update(clock.snapshot())
         await node.send_event(Scored(cid.step, cid.chunk, cid.chunks, clock.busy_s,
                                      clock.idle_s), step=cid.step)
+
+
+async def _timed(sim: SimSpec | None, scoring: Awaitable[RolloutBatch], batch: RolloutBatch,
+                 models: int) -> RolloutBatch:
+    """The scored chunk; on simulated GPUs after its forwards' time on them (the stand-in
+    models' real forwards inside it)."""
+    t0 = time.perf_counter()
+    scored = await scoring
+    if sim is not None:
+        await sim.pause(score_s(sim, batch, models), time.perf_counter() - t0)
+    return scored
 
 
 def _models(job: NodeContext) -> tuple[ScalarHeadModel | None, torch.nn.Module]:

@@ -87,6 +87,11 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="measure this machine (short runs) and write a calibration JSON")
     plan.add_argument("--out", type=Path, default=Path("runs/calibration.json"),
                       help="where --calibrate writes (use it as placement.calibration)")
+    plan.add_argument("--twin", action="store_true",
+                      help="run the job for --steps steps on simulated devices "
+                           "(placement.device = sim) and print what it measured beside the plan")
+    plan.add_argument("--steps", type=int, default=10,
+                      help="--twin: steps to run (default 10)")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
 
     resume = sub.add_parser("resume", help="continue a run from its newest good checkpoint")

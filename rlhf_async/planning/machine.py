@@ -13,6 +13,7 @@ from rlhf_async.config import ConfigError, JobConfig
 from rlhf_async.config.presets import resolve
 from rlhf_async.planning.costmodel import (
     DEVICES,
+    LLAMA,
     Calibration,
     DeviceSpec,
     GiB,
@@ -50,7 +51,7 @@ def machine(cfg: JobConfig) -> tuple[DeviceSpec, Calibration]:
     cal, device = CPU_CALIBRATION, None
     if cfg.placement.calibration:
         cal, device = load_calibration(cfg.placement.calibration)
-    if cfg.placement.device == "cuda":
+    if cfg.placement.device in ("cuda", "sim"):  # (sim: the GPUs it simulates)
         dev = DEVICES[cfg.placement.gpu]
         cal = cal if cfg.placement.calibration else Calibration()
     else:
@@ -62,7 +63,10 @@ def machine(cfg: JobConfig) -> tuple[DeviceSpec, Calibration]:
 
 
 def shape_of(cfg: JobConfig) -> ModelShape:
-    """The actor's shape: the user's HF config, else the built-in tiny model's."""
+    """The actor's shape: the simulated model's (placement.device = sim), the user's HF
+    config, else the built-in tiny model's."""
+    if cfg.placement.device == "sim":
+        return LLAMA[cfg.sim.model]
     if cfg.model.path:
         hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
         h = int(hf.get("hidden_size", hf.get("n_embd", 0)))
@@ -79,7 +83,10 @@ def shape_of(cfg: JobConfig) -> ModelShape:
 def workload_of(cfg: JobConfig) -> Workload:
     prompt_len = longest_prompt(cfg.model.path, cfg.task) if cfg.task.name == "text" \
         else cfg.task.max_len + 2
-    return Workload(cfg.train.prompts_per_step * cfg.algo.group_size, prompt_len,
-                    cfg.generation.max_new_tokens, cfg.train.epochs, cfg.train.minibatches,
+    gen_len = cfg.generation.max_new_tokens
+    if cfg.placement.device == "sim":  # the simulated lengths, not the stand-in task's
+        prompt_len, gen_len = cfg.sim.prompt_tokens, cfg.sim.response_tokens
+    return Workload(cfg.train.prompts_per_step * cfg.algo.group_size, prompt_len, gen_len,
+                    cfg.train.epochs, cfg.train.minibatches,
                     resolve(cfg.algo).has_critic, cfg.algo.max_staleness, cfg.train.grad_accum,
                     cfg.train.gradient_checkpointing)

@@ -162,9 +162,10 @@ def model_placement(cfg: PlacementConfig, name: str, devices: list[int] | tuple[
 
 def default_dtype(cfg: PlacementConfig) -> str:
     """The dtype of a model `placement.dtype` does not name: its bare entry (the last one),
-    else bf16 on cuda and fp32 on cpu."""
+    else bf16 on GPUs (cuda, and the simulated ones: their stand-in models too) and fp32 on
+    cpu."""
     bare = [d.strip() for d in cfg.dtype if d.strip() in DTYPES]
-    return bare[-1] if bare else "bf16" if cfg.device == "cuda" else "fp32"
+    return bare[-1] if bare else "bf16" if cfg.device in ("cuda", "sim") else "fp32"
 
 
 # ---- checks every strategy shares ----------------------------------------------------

@@ -21,6 +21,7 @@ from rlhf_async.config import JobConfig, to_dict, weight_sync_backend
 from rlhf_async.control.coordinator import Coordinator
 from rlhf_async.control.reshape import Scale
 from rlhf_async.engines import ENGINES, engine_lines, generation_engine
+from rlhf_async.engines.sim.metrics import SimulatedTime
 from rlhf_async.log import get_logger
 from rlhf_async.runtime import NodeSpec, run_loop
 from rlhf_async.runtime.ipc_dir import make_ipc_dir
@@ -195,6 +196,8 @@ async def drive(cfg: JobConfig, coord: Coordinator, prompts: Any, specs: list[No
                                          gen_ranks)
         driver = Driver(cfg, coord, events, prompts, roles, spec, run_dir, chunks,
                         start_step, loaded["trainer"].lineage, ranks, backlog, gen_ranks)
+        if cfg.placement.device == "sim":  # first: the rebalancer reads simulated seconds
+            driver.records.on_record.append(SimulatedTime(cfg.sim.time_scale))
         if scaler is not None:
             scaling = scaler(driver)
             coord.handle(Scale, scaling.scale)

@@ -8,13 +8,16 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from rlhf_async.engines import ENGINES
+from rlhf_async.engines import ENGINES, engine_capabilities
 
 ROOT = Path(__file__).resolve().parents[3]
 ALLOWED = ("rlhf_async/engines/",)
 # "torch" is also the tensor library's name, so only the other engines are searched for;
-# SGLang is the engine the interface names as next
-NAMES = sorted({n for n in ENGINES if n != "torch"} | {"sglang"})
+# nor is "sim": the simulated devices' kind (placement.device, the [sim] section) has the
+# name of the one engine that runs on it (chosen by its capabilities' devices, never by
+# name); SGLang is the engine the interface names as next
+NAMES = sorted({n for n in ENGINES if n != "torch"
+                and engine_capabilities(n).devices != (n,)} | {"sglang"})
 
 
 def _hits(root: Path) -> list[str]:

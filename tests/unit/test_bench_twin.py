@@ -1,0 +1,24 @@
+"""bench.twin's layouts and the staleness gate's bound, without running a job."""
+
+from __future__ import annotations
+
+from bench.twin import BASE, _prompts, fitting_ranks, gate_cycle, layout, predicted
+from rlhf_async.config import load_config
+
+
+def test_layouts_put_every_role_on_gpus_of_its_own_and_prompts_divide():
+    assert [fitting_ranks(m) for m in ("7B", "13B", "33B", "65B")] == [4, 8, 32, 64]
+    for n in (8, 16, 32, 64, 128):
+        cfg = load_config(None, [*BASE, *layout(n, max(n // 8, 4))])
+        p = cfg.placement
+        devices = [*p.actor, *p.generator, *p.reward]
+        assert sorted(devices) == list(range(n))
+        assert cfg.train.prompts_per_step % len(p.actor) == 0
+        assert cfg.train.prompts_per_step % len(p.generator) == 0
+    assert layout(128, 16)[-1] == "train.prompts_per_step=192"  # 96 generators, two each
+    assert _prompts(3, 4) == 12
+
+
+def test_the_gate_cycle_bounds_a_step_at_least_as_the_cost_model_does():
+    args = [*BASE, *layout(8, 4), "sim.model=7B"]
+    assert gate_cycle(args) >= predicted(args) > 0
