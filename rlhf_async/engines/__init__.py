@@ -53,6 +53,7 @@ class Backend:
 
     path: str
     extra: str | None = None
+    devices: tuple[str, ...] = ("cpu", "cuda")  # the placement.device kinds it trains on
 
 
 # The training backends (`train.backend`). A new backend is one module implementing
@@ -61,7 +62,7 @@ TRAINING_BACKENDS: dict[str, Backend] = {
     "torch": Backend("rlhf_async.engines.torch_train:TorchTrainBackend"),
     "deepspeed": Backend("rlhf_async.engines.deepspeed_train:DeepSpeedTrainBackend",
                          "deepspeed"),
-    "sim": Backend("rlhf_async.engines.sim.train:SimTrainBackend"),
+    "sim": Backend("rlhf_async.engines.sim.train:SimTrainBackend", devices=("sim",)),
 }
 
 
@@ -205,10 +206,15 @@ def extra_problems(cfg: JobConfig) -> list[str]:
         except MissingExtraError as e:
             here = [n for n, x in registry.items()
                     if (x.extra is None or importlib.util.find_spec(x.extra) is not None)
-                    and (registry is not ENGINES
-                         or cfg.placement.device in engine_capabilities(n).devices)]
+                    and cfg.placement.device in _devices(registry, n)]
             out.append(f"{key}: {e}; accepted here: {', '.join(here)}")
     return out
+
+
+def _devices(registry: Mapping[str, Engine] | Mapping[str, Backend], name: str) -> tuple[str, ...]:
+    """The device kinds a registry line runs on (a generation engine's from its class)."""
+    line = registry[name]
+    return line.devices if isinstance(line, Backend) else engine_capabilities(name).devices
 
 
 def engine_lines(cfg: JobConfig) -> dict[str, Any]:
