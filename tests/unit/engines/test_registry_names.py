@@ -25,8 +25,8 @@ from rlhf_async.engines import (
 from rlhf_async.planning.planner import plan_job, prepare_run
 from rlhf_async.strategies.placement import PlacementError
 
-UNKNOWN = ["generation.backend: unknown 'nope'; accepted: auto, torch, vllm",
-           "train.backend: unknown 'jax'; accepted: torch, deepspeed"]
+UNKNOWN = ["generation.backend: unknown 'nope'; accepted: auto, torch, vllm, sim",
+           "train.backend: unknown 'jax'; accepted: torch, deepspeed, sim"]
 
 
 def test_an_unknown_engine_name_is_one_config_error_listing_the_accepted_ones(capsys):
@@ -49,8 +49,8 @@ def test_a_registered_name_is_accepted_and_listed(monkeypatch):
     assert len(engine_name_problems(cfg)) == 2
     monkeypatch.setitem(ENGINES, "toy", Engine("somewhere:Toy"))
     assert engine_name_problems(cfg) == ["train.backend: unknown 'toy'; accepted: torch, "
-                                         "deepspeed"]
-    assert "accepted: auto, torch, vllm, toy" in engine_name_problems(
+                                         "deepspeed, sim"]
+    assert "accepted: auto, torch, vllm, sim, toy" in engine_name_problems(
         load_config(None, ["generation.backend=nope"]))[0]
     monkeypatch.setitem(TRAINING_BACKENDS, "toy", Backend("somewhere:Toy"))
     assert engine_name_problems(cfg) == []
@@ -72,7 +72,7 @@ def test_a_training_backend_is_imported_when_chosen_and_given_the_settings_it_na
                                 zero_stage=3, grad_accum=2)  # the learner passes every one
     assert isinstance(got, Plain) and got.module is lin and got.lr == 0.5
     with pytest.raises(ValueError, match="train.backend 'nope': accepted: torch, deepspeed, "
-                       "plain"):
+                       "sim, plain"):
         make_training_backend("nope", lin, lr=0.5, weight_decay=0.0, grad_clip=1.0)
 
 
@@ -80,8 +80,7 @@ def test_the_chosen_lines_reach_a_process_whose_registries_lack_them(monkeypatch
     monkeypatch.setitem(ENGINES, "toy", Engine("somewhere:Toy", "toy_extra"))
     lines = engine_lines(load_config(None, ["generation.backend=toy"]))
     assert lines == {"generation": ["toy", dataclasses.asdict(ENGINES["toy"])],
-                     "training": ["torch", {"path": TRAINING_BACKENDS["torch"].path,
-                                            "extra": None}]}
+                     "training": ["torch", dataclasses.asdict(TRAINING_BACKENDS["torch"])]}
     del ENGINES["toy"]  # a node process: the built-in lines only
     torch_line = TRAINING_BACKENDS["torch"]
     adopt_engine_lines({**lines, "training": ["torch", {"path": "elsewhere:X",
