@@ -317,6 +317,10 @@ class PlacementConfig:
                    choices=("A100", "H100", "H200"))
     calibration: str = opt("", "calibration JSON from `rlhf-async plan --calibrate`; empty = "
                            "the built-in one")
+    peak_flops: float = opt(0.0, "one device's peak FLOP/s in the actor's dtype, what mfu/* "
+                            "metrics divide by; 0 = resolved when the run starts (and written "
+                            "in its config.json): placement.calibration's measured peak, the "
+                            "GPU's data sheet, or a short matmul measurement on CPU", ge=0.0)
     rebalance: bool = opt(False, "separation: move a device between generators and scorers "
                           "while the job runs when measured stage times predict a faster step")
     rebalance_every: int = opt(5, "steps of stage times each rebalancing decision averages; "

@@ -30,6 +30,7 @@ from rlhf_async.engines.process_group import exit_rank, free_port, launched, ran
 from rlhf_async.log import configure_logging, console_settings, get_logger, log_to_file
 from rlhf_async.metrics import MetricsWriter, Progress, progress_columns
 from rlhf_async.modeling.episodes import EnvError, rollout
+from rlhf_async.modeling.flops import Utilization
 from rlhf_async.modeling.precision import Precision, check_device
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.rl.checkpoint import (
@@ -50,6 +51,7 @@ from rlhf_async.strategies.training import (
     save_learner_checkpoint,
     step_record,
 )
+from rlhf_async.strategies.utilization import job_utilization
 from rlhf_async.task import Task, make_task, sampling_params
 from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.task.evaluation import StepLogs
@@ -128,6 +130,7 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
     if start_step:  # every rank restores the same checkpoint
         restore_learner(learner, _checkpoint_state(run_dir, start_step, rank, world, device))
     writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
+    mfu = job_utilization(cfg, art, world) if rank == 0 else None
     logs = StepLogs(cfg, task, art, run_dir, start_step, device) if rank == 0 else None
     progress = Progress(cfg.train.steps, cfg.run.progress and rank == 0, start_step=start_step,
                         columns=progress_columns(task.rule_reward, task.has_rule))
@@ -172,7 +175,7 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
         if logs is not None:  # samples.jsonl; the held-out evaluation when due
             metrics.update(logs.after_step(step, batch, learner))
         metrics.update(health.observe(step, metrics, error))
-        saved = _end_step(cfg, learner, run_dir, writer, progress, step, metrics,
+        saved = _end_step(cfg, learner, run_dir, (writer, mfu), progress, step, metrics,
                           (t0, t1, t2, t3), strategy)
         failed = health.failure is not None  # on every rank alike: metrics are global
         if failed or (stop is not None and step + 1 < cfg.train.steps and stop.agreed(world)):
@@ -228,16 +231,19 @@ def _checkpoint_state(run_dir: Path, step: int, rank: int, world: int,
     return ck.state
 
 
-def _end_step(cfg: JobConfig, learner: Learner, run_dir: Path, writer: MetricsWriter | None,
-              progress: Progress, step: int, metrics: dict, times: tuple[float, ...],
-              strategy: str) -> bool:
-    """Metrics line, then (when due) the checkpoint that includes the step; whether one
-    was written."""
-    t0, t1, t2, t3 = times
+def _end_step(cfg: JobConfig, learner: Learner, run_dir: Path,
+              out: tuple[MetricsWriter | None, Utilization | None], progress: Progress,
+              step: int, metrics: dict, times: tuple[float, ...], strategy: str) -> bool:
+    """Metrics line (utilization: every rank took part in each phase), then (when due) the
+    checkpoint that includes the step; whether one was written."""
+    (writer, mfu), (t0, t1, t2, t3) = out, times
     every = cfg.run.checkpoint_every
     due = bool(every) and (step + 1) % every == 0 and step + 1 < cfg.train.steps
     if writer is not None:
-        record = step_record(step, metrics, t3 - t0, time_generate=t1 - t0,
+        world = mfu.devices if mfu is not None else 1
+        busy = {"generate": (t1 - t0) * world, "score": (t2 - t1) * world,
+                "train": (t3 - t2) * world}
+        record = step_record(step, metrics, t3 - t0, mfu, busy, time_generate=t1 - t0,
                              time_score=t2 - t1, time_train=t3 - t2)
         writer.write(record)  # before the checkpoint that includes the step
         progress.update(record)

@@ -25,6 +25,7 @@ from rlhf_async.config import JobConfig
 from rlhf_async.control.client import NodeEvent, NodeExited
 from rlhf_async.log import get_logger
 from rlhf_async.metrics import MetricsWriter, Progress, progress_columns, truncate_metrics
+from rlhf_async.modeling.flops import Utilization
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.rl.checkpoint import disk_full
 from rlhf_async.rl.staleness import StalenessPolicy
@@ -60,6 +61,7 @@ from rlhf_async.strategies.separation.sync_group import SyncGroup
 from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
 from rlhf_async.strategies.step_health import StepHealth
 from rlhf_async.strategies.training import step_record
+from rlhf_async.strategies.utilization import stage_busy
 from rlhf_async.task import make_task
 from rlhf_async.weight_sync import GroupSpec
 from rlhf_async.wire.protocol import Message
@@ -96,8 +98,10 @@ class Driver:
     def __init__(self, cfg: JobConfig, coord: ControlPlane, events: Events,
                  prompts: Prompts, roles: dict[str, str], spec: GroupSpec, run_dir: Path,
                  chunks_per_step: int, start_step: int, lineage: str, ranks: TrainerRanks,
-                 backlog: list[NodeEvent] | None = None, gen_ranks: int = 1) -> None:
+                 backlog: list[NodeEvent] | None = None, gen_ranks: int = 1,
+                 utilization: Utilization | None = None) -> None:
         self.cfg, self.coord, self.events, self.chan = cfg, coord, events, prompts
+        self.utilization = utilization  # mfu/* in the step records (one device a process)
         self.trainer = TrainerClient(coord)
         self.clients = {n: GeneratorClient(coord, n) for n, r in roles.items()
                         if r == "generator"}
@@ -382,7 +386,8 @@ class Driver:
         self.last_busy = dict(self.busy)
         states = Counter(self.chunk_state.values())
         record = step_record(
-            t.step, t.metrics, dt, rollout_version=t.rollout_version,
+            t.step, t.metrics, dt, self.utilization, stage_busy(util, self.roles, dt),
+            rollout_version=t.rollout_version,
             published_version=self._published(), weight_sync_s=t.weight_sync.seconds,
             weight_sync_bytes=t.weight_sync.bytes, staleness_hist=t.staleness_hist,
             **t.staleness, **{f"queue/{s}": states.get(s, 0) for s in ChunkState},
