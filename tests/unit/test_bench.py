@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bench import trl_compare, ttq
-from bench.__main__ import series
+from bench.__main__ import mfu_means, print_table, series
 from bench.bench_decode import compare as decode_compare
 from bench.plots import plot_runs
 from rlhf_async.config import TaskConfig, load_config
@@ -270,3 +270,15 @@ def test_trl_text_only_moves_overrides_and_refuses_unknown_rows(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "unknown row(s) 'separation'" in err and "'separation k=1'" in err
+
+
+def test_bench_table_shows_mfu_weighted_by_step_time(capsys):
+    rows = [{"time_step": 1.0, "mfu/step": 0.2, "mfu/train": 0.4},
+            {"time_step": 3.0, "mfu/step": 0.6, "mfu/train": 0.8}]
+    mfu = mfu_means(rows)
+    assert mfu == pytest.approx({"step": 0.5, "train": 0.7})
+    print_table({"flattening": {"samples_per_s": 10.0, "tokens_per_s": 100.0, "rl_wall_s": 5.0,
+                                "sft_hidden_score": 0.1, "final_hidden_score": 0.2,
+                                "utilisation": {"train": 0.5}, "mfu": mfu}})
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert "50.0%" in line and "train=70.0%" in line

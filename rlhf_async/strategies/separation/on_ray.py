@@ -144,4 +144,4 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
                            lambda driver: Scaler(cfg, coord, driver, placement, specs_for,
                                                  lambda p: chunks_per_step(cfg, p), run_dir,
                                                  devices),
-                           job_utilization(cfg, art, len(roles)))
+                           job_utilization(cfg, art, placement.num_devices))

@@ -178,7 +178,7 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
                            chunks_per_step(cfg, placement), generator_ranks(placement),
                            lambda driver: Scaler(cfg, coord, driver, placement, specs_for,
                                                  lambda p: chunks_per_step(cfg, p), run_dir),
-                           job_utilization(cfg, art, len(roles)))
+                           job_utilization(cfg, art, placement.num_devices))
 
 
 async def drive(cfg: JobConfig, coord: Coordinator, prompts: Any, specs: list[NodeSpec],
