@@ -136,6 +136,10 @@ GENERATION_ENGINES = ("torch", "vllm")
 class GenerationConfig:
     max_new_tokens: int = opt(8, "response length limit (tokens, EOS included); with an "
                               "environment, of each policy turn", ge=1)
+    compile: str = opt("auto", "our torch engine's decode step compiled by torch.compile "
+                       "(inductor; GPT-2 shapes): on, off, or auto = on CPU when the run "
+                       "decodes enough steps to repay the warm-up (logged)",
+                       choices=("auto", "on", "off"))
     max_episode_tokens: int = opt(32, "with an environment: an episode's tokens after its "
                                   "prompt, every turn's (policy and environment)", ge=1)
     temperature: float = opt(1.0, "sampling temperature (also used for training log-probs)",

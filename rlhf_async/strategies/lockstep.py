@@ -29,6 +29,7 @@ from rlhf_async.config import JobConfig, collective_backend
 from rlhf_async.engines.process_group import exit_rank, free_port, launched, rank_group
 from rlhf_async.log import configure_logging, console_settings, get_logger, log_to_file
 from rlhf_async.metrics import MetricsWriter, Progress, progress_columns
+from rlhf_async.modeling.compiled_decode import choose as choose_decode
 from rlhf_async.modeling.episodes import EnvError, rollout
 from rlhf_async.modeling.flops import Utilization
 from rlhf_async.modeling.precision import Precision, check_device
@@ -138,6 +139,8 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
     params, seed, G = sampling_params(cfg, task), cfg.run.seed, cfg.algo.group_size
     generating = generation_precision(cfg, precision)
     check_device(generating, device)
+    choose_decode(device, cfg.train.steps * cfg.generation.max_new_tokens,
+                  cfg.generation.compile)
     engine = colocated_engine(cfg, art, params, device, generating)
     if engine is not None and start_step:  # resumed: the engine serves the SFT policy
         engine.update(learner)
