@@ -177,7 +177,7 @@ def train_grpo(model_path: str, tokenizer_path: str, data: Any, reward: Any, thr
     t_setup = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         gcfg = GRPOConfig(
-            output_dir=tmp, use_cpu=True, gradient_accumulation_steps=1,
+            output_dir=tmp, use_cpu=settings.pop("use_cpu", True), gradient_accumulation_steps=1,
             steps_per_generation=1, num_iterations=1, top_p=1.0, lr_scheduler_type="constant",
             warmup_steps=0, loss_type="dapo", scale_rewards="group", logging_steps=1,
             save_strategy="no", report_to="none", disable_tqdm=True,
@@ -213,7 +213,8 @@ def run_trl(cfg: JobConfig, args: argparse.Namespace, threads: int, target: floa
             max_completion_length=width, temperature=1.0, top_k=0, **fixed,
             learning_rate=args.lr, weight_decay=0.0, max_grad_norm=1.0, beta=args.beta,
             epsilon=0.2, max_steps=args.steps, seed=cfg.run.seed,
-            bf16=bf16)  # TRL defaults to bf16 autocast; ours computes in fp32
+            bf16=bf16,  # TRL defaults to bf16 autocast; ours computes in fp32
+            use_cpu=cfg.placement.device != "cuda")  # on the GPU ours runs on (gpu_check)
     n = min(len(step_s), len(reward.hidden))
     out = summarise(step_s[:n], [args.prompts * args.group] * n, reward.tokens[:n],
                     reward.hidden[:n], args.warmup, target)
