@@ -60,7 +60,7 @@ def test_a_compiler_failure_falls_back_to_the_eager_step(traced, monkeypatch):
     out = _sample(model, True)
     assert torch.equal(out.response_ids, eager.response_ids)
     torch.testing.assert_close(out.logprobs, eager.logprobs)
-    assert cd._FAILED == {"gpt2"}
+    assert "gpt2" in cd._FAILED and len(cd._FAILED) == 1
 
 
 def test_compile_only_where_it_pays():
