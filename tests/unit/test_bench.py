@@ -282,3 +282,26 @@ def test_bench_table_shows_mfu_weighted_by_step_time(capsys):
                                 "utilisation": {"train": 0.5}, "mfu": mfu}})
     line = capsys.readouterr().out.splitlines()[-1]
     assert "50.0%" in line and "train=70.0%" in line
+
+
+def test_trl_and_ours_mfu_computed_the_same_way(tmp_path):
+    from types import SimpleNamespace
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlhf_async.modeling.flops import TOKEN_KEYS, FlopShape, train_flops
+    from rlhf_async.modeling.models import scalar_model_from_actor
+
+    lm = GPT2LMHeadModel(GPT2Config(vocab_size=10, n_positions=16, n_embd=8, n_layer=2,
+                                    n_head=2))
+    lm.save_pretrained(tmp_path / "sft")
+    scalar_model_from_actor(lm, 0).save(tmp_path / "rm")
+    art = SimpleNamespace(sft_dir=tmp_path / "sft", rm_dir=tmp_path / "rm")
+    counts = dict(zip(TOKEN_KEYS, (5.0, 3.0, 1.0, 9.0, 4.0, 21.0), strict=True)) | {
+        "samples": 2.0}
+    ours = {**counts, "flops/train": train_flops(FlopShape.of_module(lm), None, 3.0, counts)}
+    trl = trl_compare.step_mfu(art, [counts], 3.0, wall=2.0, peak=1e4)
+    assert trl == trl_compare.step_mfu(art, [ours], None, wall=2.0, peak=1e4)
+    # by hand (tests/unit/modeling/test_flops.py): generate 19744, score 52352, train 3/4 of
+    # the 105600 of four passes
+    assert trl == pytest.approx((19744 + 52352 + 79200) / 2e4)
