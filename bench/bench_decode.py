@@ -1,13 +1,14 @@
 """Sampling with the functional decode step against stepping the HF model, side by side.
 
-    python bench/bench_decode.py [--rounds 5] [--rows 16] [--new-tokens 49]
+    python bench/bench_decode.py [--rounds 5] [--rows 16] [--new-tokens 49] [--compiled]
 
 For each model size: `modeling.generation.sample` on the same prompts and uniforms, with
 `decode_step` (the default) and with it turned off (every token through the model's own
 forward), taking turns round by round on one thread. Prints the median milliseconds per
 call of each, their ratio, whether the tokens are equal and the largest log-prob
 difference, with the load average before and after (compare ratios from one run on an
-idle box). Random weights are enough: the cost of a step does not depend on them.
+idle box). `--compiled`: our eager step against the compiled one
+(`modeling/compiled_decode.py`, GPT-2 sizes), its warm-up timed apart. Random weights are enough: the cost of a step does not depend on them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig
 
 from rlhf_async.modeling import generation
+from rlhf_async.modeling.compiled_decode import compiled_decode_step
 from rlhf_async.modeling.generation import SamplingParams
 
 SIZES = {"gpt2 2x64": ("gpt2", 2, 64, 4), "gpt2 4x128": ("gpt2", 4, 128, 4),
@@ -45,7 +47,9 @@ def model_config(arch: str, layers: int, hidden: int, heads: int) -> PretrainedC
                       n_head=heads, activation_function="gelu_pytorch_tanh", **special)
 
 
-def compare(name: str, rounds: int, rows: int, new_tokens: int) -> dict:
+def compare(name: str, rounds: int, rows: int, new_tokens: int, compiled: bool = False) -> dict:
+    """HF forward vs our eager step; with `compiled`, our eager step vs the compiled one
+    (its first call, compiling or loading inductor's cache, timed apart as warm-up)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(model_config(*SIZES[name])).eval()
     ids = torch.randint(3, VOCAB, (rows, 8))  # [B, P], a quarter of the rows left-padded
@@ -57,17 +61,25 @@ def compare(name: str, rounds: int, rows: int, new_tokens: int) -> dict:
     own = generation.decode_step
     times: dict[str, list[float]] = {"hf": [], "step": []}
     outs = {}
+    first = ("hf", lambda model, most=0: None)
+    warm = 0.0
+    if compiled:  # "hf" is then the eager step, "step" the compiled one
+        first, own = ("hf", own), compiled_decode_step
+        generation.decode_step, t0 = own, time.perf_counter()
+        generation.sample(model, ids, mask, params, uniforms)
+        warm = time.perf_counter() - t0
     try:
         for _ in range(rounds):
-            for path, pick in (("hf", lambda model, most=0: None), ("step", own)):
+            for path, pick in (first, ("step", own)):
                 generation.decode_step = pick
                 t0 = time.perf_counter()
                 outs[path] = generation.sample(model, ids, mask, params, uniforms)
                 times[path].append(time.perf_counter() - t0)
     finally:
-        generation.decode_step = own
+        generation.decode_step = first[1] if compiled else own
     hf, step = (statistics.median(times[p]) for p in ("hf", "step"))
     return {"model": name, "hf_ms": hf * 1e3, "step_ms": step * 1e3, "speedup": hf / step,
+            "warmup_s": warm,
             "tokens_equal": torch.equal(outs["hf"].response_ids, outs["step"].response_ids),
             "logprob_max_diff": float((outs["hf"].logprobs - outs["step"].logprobs).abs().max())}
 
@@ -78,16 +90,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=49)
     ap.add_argument("--only", nargs="*", choices=list(SIZES), default=list(SIZES))
+    ap.add_argument("--compiled", action="store_true",
+                    help="our eager step against the compiled one (GPT-2 sizes)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     print(f"load average before {os.getloadavg()[0]:.2f}; {args.rows} rows x "
           f"{args.new_tokens} new tokens, medians of {args.rounds} calls, one thread")
-    print(f"{'model':<12} {'HF forward ms':>14} {'decode step ms':>15} {'speed-up':>9}  "
-          "tokens equal  log-prob max diff")
+    a, b = ("eager step ms", "compiled ms") if args.compiled else \
+        ("HF forward ms", "decode step ms")
+    print(f"{'model':<12} {a:>14} {b:>15} {'speed-up':>9}  tokens equal  log-prob max diff"
+          + ("  warm-up s" if args.compiled else ""))
     for name in args.only:
-        r = compare(name, args.rounds, args.rows, args.new_tokens)
+        r = compare(name, args.rounds, args.rows, args.new_tokens, args.compiled)
         print(f"{name:<12} {r['hf_ms']:>14.1f} {r['step_ms']:>15.1f} {r['speedup']:>8.2f}x  "
-              f"{r['tokens_equal']!s:<12}  {r['logprob_max_diff']:.1e}")
+              f"{r['tokens_equal']!s:<12}  {r['logprob_max_diff']:.1e}"
+              + (f"  {r['warmup_s']:9.1f}" if args.compiled else ""))
     print(f"load average after {os.getloadavg()[0]:.2f}")
 
 

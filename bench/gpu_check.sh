@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # GPU check: install missing engines from carried wheels, run the GPU tests, run a short
-# engine benchmark, write JSON. Budget: under 8 minutes on one GPU.
+# engine benchmark and the utilization sections (compiled decode, MFU per stage of the
+# built-in job and of a SmolLM2-shaped model, TRL's GRPOTrainer beside ours), write JSON
+# (OUT, and OUT with .json -> _mfu.json). Budget: under 8 minutes on one GPU.
 #
 #   bench/gpu_check.sh [--dry-run] [--out FILE]
 #
 # --dry-run: CPU, tiny sizes, installs nothing (exercised by tests/integration/test_gpu_check.py).
-# Wheels: put deepspeed/vllm wheels (and their deps) in .whl/ at the repository root; only
-# what `import` cannot find is installed, with --no-index (no network needed).
+# Wheels: put deepspeed/vllm/trl wheels (and their deps: trl needs datasets, dill,
+# multiprocess) in .whl/ at the repository root; only what `import` cannot find is
+# installed, with --no-index (no network needed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -22,7 +25,7 @@ done
 START=$(date +%s)
 
 if [[ $DRY -eq 0 ]]; then
-  for mod in deepspeed vllm; do
+  for mod in deepspeed vllm trl; do
     if ! "$PY" -c "import $mod" 2>/dev/null; then
       if ls .whl/"$mod"-*.whl >/dev/null 2>&1; then
         echo "gpu_check: installing $mod from .whl/"
@@ -38,7 +41,7 @@ fi
 
 echo "gpu_check: GPU tests"
 TESTS_RC=0
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/gpu || TESTS_RC=$?
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/gpu || TESTS_RC=$?
 # pytest exit 5 = nothing collected/all skipped is fine on CPU
 [[ $TESTS_RC -eq 5 ]] && TESTS_RC=0
 
@@ -46,7 +49,16 @@ echo "gpu_check: benchmark"
 BENCH_ARGS=(--out "$OUT")
 [[ $DRY -eq 1 ]] && BENCH_ARGS+=(--dry-run)
 BENCH_RC=0
-timeout 300 "$PY" -m bench.gpu_bench "${BENCH_ARGS[@]}" || BENCH_RC=$?
+timeout 150 "$PY" -m bench.gpu_bench "${BENCH_ARGS[@]}" || BENCH_RC=$?
 
-echo "gpu_check: tests rc=$TESTS_RC bench rc=$BENCH_RC in $(( $(date +%s) - START ))s -> $OUT"
-[[ $TESTS_RC -eq 0 && $BENCH_RC -eq 0 ]]
+echo "gpu_check: utilization"
+MFU_OUT="${OUT%.json}_mfu.json"
+MFU_ARGS=(--out "$MFU_OUT")
+# the dry run leaves out what needs minutes on CPU (inductor's compile, TRL)
+[[ $DRY -eq 1 ]] && MFU_ARGS+=(--dry-run --sections mfu_builtin mfu_smollm2)
+MFU_RC=0
+timeout 200 "$PY" -m bench.gpu_mfu "${MFU_ARGS[@]}" || MFU_RC=$?
+
+echo "gpu_check: tests rc=$TESTS_RC bench rc=$BENCH_RC mfu rc=$MFU_RC in" \
+  "$(( $(date +%s) - START ))s -> $OUT $MFU_OUT"
+[[ $TESTS_RC -eq 0 && $BENCH_RC -eq 0 && $MFU_RC -eq 0 ]]

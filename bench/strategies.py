@@ -59,6 +59,14 @@ def series(records: list[dict]) -> dict[str, list[float]]:
     return out
 
 
+def mfu_means(rows: list[dict]) -> dict[str, float]:
+    """Each `mfu/*` over the steady steps, weighted by step time (FLOPs over device time)."""
+    keys = sorted({k for r in rows for k in r if k.startswith("mfu/")})
+    wall = sum(r["time_step"] for r in rows) or 1.0
+    return {k.removeprefix("mfu/"): sum(r.get(k, 0.0) * r["time_step"] for r in rows) / wall
+            for k in keys}
+
+
 def measured_run(cfg: JobConfig, warmup: int, bench: str = "bench") -> tuple[dict, list[dict]]:
     """Run one job and measure its steady steps (after `warmup`): (the measures, the
     job's metrics records), shared by this benchmark and bench/longtail.py."""
@@ -69,6 +77,7 @@ def measured_run(cfg: JobConfig, warmup: int, bench: str = "bench") -> tuple[dic
     st = steady(recs, warmup)
     tokens = sum(r["samples"] * r["response_length"] for r in recs[warmup:])
     return {**st, "tokens_per_s": tokens / st["wall_s"], "series": series(recs),
+            "mfu": mfu_means(recs[warmup:]),
             "run_dir": s["run_dir"], "rl_wall_s": s["rl_seconds"],
             "sft_hidden_score": s["sft_hidden_score"],
             "final_hidden_score": s["final_hidden_score"],
@@ -84,13 +93,17 @@ def run_variant(name: str, base: list[str], warmup: int) -> dict:
 def print_table(results: dict[str, dict]) -> None:
     flat = results.get("flattening", {}).get("samples_per_s")
     print(f"\n{'strategy':16s} {'samples/s':>9s} {'tokens/s':>9s} {'vs flat':>7s} "
-          f"{'RL wall s':>9s} {'hidden SFT->final':>18s}  utilisation")
+          f"{'RL wall s':>9s} {'hidden SFT->final':>18s}  {'MFU':>5s}  utilisation  "
+          "(MFU per stage)")
     for name, r in results.items():
         vs = f"{r['samples_per_s'] / flat:.2f}x" if flat else "-"
         util = " ".join(f"{k}={v:.2f}" for k, v in r["utilisation"].items())
+        mfu = r.get("mfu", {})
+        stages = " ".join(f"{k}={v:.1%}" for k, v in mfu.items() if k != "step")
+        step = f"{mfu['step']:.1%}" if "step" in mfu else "-"
         print(f"{name:16s} {r['samples_per_s']:9.1f} {r['tokens_per_s']:9.0f} {vs:>7s} "
               f"{r['rl_wall_s']:9.1f} {r['sft_hidden_score']:8.3f} -> "
-              f"{r['final_hidden_score']:.3f}  {util}")
+              f"{r['final_hidden_score']:.3f}  {step:>5s}  {util}  ({stages})")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -121,6 +121,10 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               "a Tinker forward_backward + optim_step round trip, and sampling through the API "
               "against our engine called directly (docs/howto/tinker.md)",
               ("tinker_api*.json",), "The Tinker API"),
+    Benchmark("gpu-mfu", "gpu_mfu.py",
+              "MFU per stage of the built-in job and a SmolLM2-shaped model on a GPU (from "
+              "gpu_check.sh; docs/howto/utilization.md)", ("gpu_check.json",),
+              "Utilization (MFU) and the compiled decode step"),
     Benchmark("twin", "twin.py",
               "the real control plane at 128 simulated GPUs, its overhead against node count, "
               "the twin against the cost model (docs/howto/twin.md, docs/benchmarks/twin.md)",

@@ -17,6 +17,10 @@ excluded), the whole RL phase's wall time (process start and model loading inclu
 ours; TRL's `train()`), and the wall-clock until the hidden score (the task's true score;
 rolling mean of 3 training batches) first reaches the target.
 
+MFU: both sides' model FLOPs per step (modeling/flops.py, from the same token counts:
+generation, reward and reference forwards, training's passes) over the steady wall time
+and the fp32 matmul peak of `--cores` one-thread slots, measured at start.
+
 `--new-tokens N`, generation-heavy: both sides generate N tokens (EOS only as the N-th; the
 task's answer is 7), the reward model scores all N and the hidden score is no learning
 signal (throughput only). Needs the `bench` extra. Writes bench/results/trl_compare.json.
@@ -44,6 +48,13 @@ from rlhf_async import job
 from rlhf_async.config import JobConfig, load_config
 from rlhf_async.log import configure_logging
 from rlhf_async.metrics import read_metrics
+from rlhf_async.modeling.flops import (
+    Utilization,
+    measure_peak,
+    shape_of_dir,
+    token_counts,
+    train_flops,
+)
 from rlhf_async.modeling.models import sequence_scores
 from rlhf_async.runtime.launcher import ready_fork_server
 from rlhf_async.strategies.registry import STRATEGIES
@@ -89,7 +100,7 @@ def new_tokens(args: argparse.Namespace) -> list[str]:
 
 
 def run_ours(name: str, base: list[str], warmup: int, target: float,
-             config_path: str | None = None) -> dict:
+             config_path: str | None = None, peak: float = 0.0) -> dict:
     over = {**OURS, **OURS_BF16}[name]
     cfg = load_config(config_path, base + over + [f"run.name=ours-{time.time_ns()}"])
     s = job.run(cfg)
@@ -104,6 +115,8 @@ def run_ours(name: str, base: list[str], warmup: int, target: float,
                     [r["samples"] * r["response_length"] for r in recs],
                     [r["hidden_score"] for r in recs], warmup, target)
     out["rl_wall_s"] = s["rl_seconds"]
+    out["mfu_step"] = step_mfu(prepare_artefacts(cfg, SortDigitsTask(cfg.task)),
+                               recs[warmup:], None, out["steady_wall_s"], peak)
     # the held-out evaluation of the policy before and after (run.eval_prompts x eval_samples)
     out["eval"] = {"initial": s["sft_hidden_score"], "final": s["final_hidden_score"],
                    "prompts": s["eval_prompts"], "samples": s.get("eval_samples", 1)}
@@ -131,6 +144,7 @@ class RewardFn:
         self.rm, self.task, self.width = rm, task, width
         self.hidden: list[float] = []
         self.tokens: list[float] = []
+        self.counts: list[dict[str, float]] = []  # each batch's token counts (its FLOPs)
 
     @torch.no_grad()
     def __call__(self, prompts: list, completions: list, completion_ids: list[list[int]],
@@ -139,6 +153,8 @@ class RewardFn:
         r_ids, r_mask = self.task.encode_responses(completion_ids, self.width)
         self.hidden.append(float(self.task.hidden_scores(p_ids, r_ids, r_mask).mean()))
         self.tokens.append(float(r_mask.sum()))
+        self.counts.append({k: float(v.sum()) for k, v in token_counts(p_mask, r_mask).items()}
+                           | {"samples": float(len(r_mask))})
         return sequence_scores(self.rm, p_ids, p_mask, r_ids, r_mask).tolist()
 
 
@@ -178,7 +194,7 @@ def train_grpo(model_path: str, tokenizer_path: str, data: Any, reward: Any, thr
     t_setup = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         gcfg = GRPOConfig(
-            output_dir=tmp, use_cpu=True, gradient_accumulation_steps=1,
+            output_dir=tmp, use_cpu=settings.pop("use_cpu", True), gradient_accumulation_steps=1,
             steps_per_generation=1, num_iterations=1, top_p=1.0, lr_scheduler_type="constant",
             warmup_steps=0, loss_type="dapo", scale_rewards="group", logging_steps=1,
             save_strategy="no", report_to="none", disable_tqdm=True,
@@ -214,12 +230,43 @@ def run_trl(cfg: JobConfig, args: argparse.Namespace, threads: int, target: floa
             max_completion_length=width, temperature=1.0, top_k=0, **fixed,
             learning_rate=args.lr, weight_decay=0.0, max_grad_norm=1.0, beta=args.beta,
             epsilon=0.2, max_steps=args.steps, seed=cfg.run.seed,
-            bf16=bf16)  # TRL defaults to bf16 autocast; ours computes in fp32
+            bf16=bf16,  # TRL defaults to bf16 autocast; ours computes in fp32
+            use_cpu=cfg.placement.device != "cuda")  # on the GPU ours runs on (gpu_check)
     n = min(len(step_s), len(reward.hidden))
     out = summarise(step_s[:n], [args.prompts * args.group] * n, reward.tokens[:n],
                     reward.hidden[:n], args.warmup, target)
     out["rl_wall_s"], out["setup_s"] = total, setup
+    # TRL's GRPO step: generation, reward and reference forwards, one forward + backward
+    # (no separate old-log-prob forward with one iteration per generation)
+    out["mfu_step"] = step_mfu(art, reward.counts[args.warmup:n], 3.0, out["steady_wall_s"],
+                               args.machine_peak)
     return out
+
+
+def machine_peak(cores: int) -> float:
+    """The fp32 matmul peak of `cores` one-thread slots (ours runs one per core; TRL's
+    threads use the same cores): the MFU denominator of both sides."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return cores * measure_peak(torch.float32, seconds=1.0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def step_mfu(art: Any, records: list[dict[str, float]], passes: float | None, wall: float,
+             peak: float) -> float:
+    """Model FLOPs of the steps of `records` (token counts; ours carry `flops/train`, else
+    `passes` over the actor) over `wall` seconds of the whole machine's `peak`: ours and
+    TRL's computed the same way (modeling/flops.py)."""
+    actor = shape_of_dir(art.sft_dir, lm=True)
+    u = Utilization(actor, shape_of_dir(art.rm_dir, lm=False), actor, None, peak, 1)
+    total = 0.0
+    for r in records:
+        f = u.flops({**r, "flops/train": r.get("flops/train") or
+                     train_flops(actor, None, passes or 0.0, r)})
+        total += sum(f.values())
+    return total / (wall * peak)
 
 
 def print_table(size: str, rows: dict[str, dict], target: float) -> None:
@@ -228,13 +275,13 @@ def print_table(size: str, rows: dict[str, dict], target: float) -> None:
               default=None)
     print(f"\n[{size}] target hidden score {target}")
     print(f"{'system':28s} {'compl/s':>8s} {'tok/s':>8s} {'vs TRL':>7s} {'RL wall s':>9s} "
-          f"{'to target s':>11s} {'hidden first->last':>19s}")
+          f"{'to target s':>11s} {'hidden first->last':>19s} {'MFU':>6s}")
     for name, r in rows.items():
         vs = f"{r['completions_per_s'] / trl:.2f}x" if trl else "-"
         tt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"
         print(f"{name:28s} {r['completions_per_s']:8.1f} {r['tokens_per_s']:8.0f} {vs:>7s} "
               f"{r['rl_wall_s']:9.1f} {tt:>11s} {r['first_hidden']:8.3f} -> "
-              f"{r['last_hidden']:.3f}")
+              f"{r['last_hidden']:.3f} {r.get('mfu_step', 0.0):6.1%}")
 
 
 def report(path: Path, target: float, window: int) -> int:
@@ -307,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     # our nodes' imports (the fork server's) paid before any clock, as TRL's in this process
     ready_fork_server(STRATEGIES["separation"].fork_preload)
     load_start = os.getloadavg()
+    args.machine_peak = machine_peak(args.cores)
     results: dict = {}
     ttq: dict[str, dict] = {}
     for size in args.size:
@@ -322,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
                 threads, bf16 = trl[name]
                 rows[name] = run_trl(cfg, args, threads, args.target, bf16)
             else:
-                rows[name] = run_ours(name, base, args.warmup, args.target)
+                rows[name] = run_ours(name, base, args.warmup, args.target,
+                                      peak=args.machine_peak)
         label = f"{size} {args.new_tokens} tokens" if args.new_tokens else size
         print_table(label, rows, args.target)
         ttq[label] = time_to_quality(rows, args.target, args.window)

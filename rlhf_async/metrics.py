@@ -17,7 +17,7 @@ from rlhf_async.progress import Phase
 PROGRESS_KEYS = (("reward", "rm"), ("hidden_score", "hidden"), ("kl", "kl"),
                  ("policy_loss", "pg"), ("value_loss", "vf"), ("entropy", "ent"),
                  ("response_length", "len"), ("samples_per_s", "smp/s"),
-                 ("failed_steps", "failed"))
+                 ("mfu/step", "mfu"), ("failed_steps", "failed"))
 NONZERO_ONLY = {"failed_steps"}  # shown only when there is something to say
 
 

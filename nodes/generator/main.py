@@ -26,6 +26,7 @@ from nodes.generator.inflight import Span, Weights
 from nodes.generator.scheduler import Scheduler
 from rlhf_async.config import weight_sync_backend
 from rlhf_async.engines import GenerationEngine, generation_engine, make_engine
+from rlhf_async.modeling.compiled_decode import choose as choose_decode
 from rlhf_async.modeling.env_calls import EnvError
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.pipeline.protocol import (
@@ -48,6 +49,8 @@ from rlhf_async.weight_sync import WeightSyncError
 
 async def main(node: Node) -> None:
     job = await load_context(node)
+    choose_decode(job.device, job.cfg.train.steps * job.cfg.generation.max_new_tokens,
+                  job.cfg.generation.compile)  # our engine's decode step, compiled or not
     # version 0 = the SFT policy; loaded off the loop so heartbeats go on
     engine = await asyncio.to_thread(_engine, job, int(node.params.get("tensor_parallel", 1)))
     gen = job.cfg.generation

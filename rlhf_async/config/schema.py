@@ -132,6 +132,10 @@ class TeacherConfig:
 class GenerationConfig:
     max_new_tokens: int = opt(8, "response length limit (tokens, EOS included); with an "
                               "environment, of each policy turn", ge=1)
+    compile: str = opt("auto", "our torch engine's decode step compiled by torch.compile "
+                       "(inductor; GPT-2 shapes): on, off, or auto = on CPU when the run "
+                       "decodes enough steps to repay the warm-up (logged)",
+                       choices=("auto", "on", "off"))
     max_episode_tokens: int = opt(32, "with an environment: an episode's tokens after its "
                                   "prompt, every turn's (policy and environment)", ge=1)
     temperature: float = opt(1.0, "sampling temperature (also used for training log-probs)",
@@ -317,6 +321,10 @@ class PlacementConfig:
                    choices=("A100", "H100", "H200"))
     calibration: str = opt("", "calibration JSON from `rlhf-async plan --calibrate`; empty = "
                            "the built-in one")
+    peak_flops: float = opt(0.0, "one device's peak FLOP/s in the actor's dtype, what mfu/* "
+                            "metrics divide by; 0 = resolved when the run starts (and written "
+                            "in its config.json): placement.calibration's measured peak, the "
+                            "GPU's data sheet, or a short matmul measurement on CPU", ge=0.0)
     rebalance: bool = opt(False, "separation: move a device between generators and scorers "
                           "while the job runs when measured stage times predict a faster step")
     rebalance_every: int = opt(5, "steps of stage times each rebalancing decision averages; "

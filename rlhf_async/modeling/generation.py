@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from rlhf_async.modeling.compiled_decode import compiled_decode_step, compiling
 from rlhf_async.modeling.decode_step import DecodeStep, decode_step
 from rlhf_async.modeling.determinism import key_seed, keyed_uniform
 from rlhf_async.modeling.environment import EpisodeSpec
@@ -148,6 +149,12 @@ def inverse_cdf(logp: Tensor, u: Tensor) -> Tensor:
     return torch.searchsorted(cdf, target).squeeze(1).clamp(max=cdf.shape[-1] - 1)
 
 
+def _step_for(actor: nn.Module, steps: int) -> DecodeStep | None:
+    """The decode step of a call of `steps` steps: compiled where this process chose it
+    (`compiled_decode.choose`), else eager."""
+    return compiled_decode_step(actor, steps) if compiling() else decode_step(actor, steps)
+
+
 class _Decoder:
     """The model and its KV cache for one `sample` call, chosen once after the prefill:
     our preallocated cache stepped by `decode_step` (HF's module tree skipped) where the
@@ -163,7 +170,7 @@ class _Decoder:
         """The module's weights changed in place (a partial rollout's swap): remake the
         fast step, whose packed weight copies (CPU) were taken from the old ones."""
         if self.fast is not None:
-            self.fast = decode_step(self.actor, steps)
+            self.fast = _step_for(self.actor, steps)
 
     def drop(self, keep: Tensor) -> None:
         """Keep only rows `keep` [b'] of the cache."""
@@ -202,7 +209,7 @@ def _prefill(actor: nn.Module, prompt_ids: Tensor, mask: Tensor, pos: Tensor,
              R: int) -> tuple[_Decoder, Tensor]:
     """`prefill` for a call of R new tokens: (the decoder, first logits [B, V])."""
     cache, logits, ours = prefill(actor, prompt_ids, mask, pos, prompt_ids.shape[1] + R)
-    return _Decoder(actor, cache, decode_step(actor, R - 1) if ours else None), logits
+    return _Decoder(actor, cache, _step_for(actor, R - 1) if ours else None), logits
 
 
 @torch.no_grad()

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from rlhf_async.config import JobConfig
+from rlhf_async.modeling.flops import Utilization
 from rlhf_async.modeling.models import save_policy
 from rlhf_async.modeling.precision import Precision
 from rlhf_async.rl.checkpoint import (
@@ -82,11 +83,16 @@ def save_final_policy(cfg: JobConfig, learner: Learner, policy_dir: Path, strate
 
 
 def step_record(step: int, metrics: Mapping[str, float], time_step: float,
+                utilization: Utilization | None = None, busy: Mapping[str, float] | None = None,
                 **parts: Any) -> dict[str, Any]:
     """One line of metrics.jsonl. Every strategy writes the step, the learner's metrics,
     the step's wall time and its throughput (samples trained on: a failed episode's row
     has nothing to train); `parts` are the strategy's own (phase times, queues, weight
-    sync)."""
+    sync). With `utilization`: `mfu/*` and tokens/s per device, each stage's FLOPs over
+    its `busy` device-seconds (modeling/flops.py)."""
     trained = metrics.get("trained_samples", metrics["samples"])
-    return {"step": step, **metrics, "time_step": time_step,
-            "samples_per_s": trained / time_step, **parts}
+    record = {"step": step, **metrics, "time_step": time_step,
+              "samples_per_s": trained / time_step, **parts}
+    if utilization is not None:
+        record.update(utilization.of(record, busy or {}))
+    return record

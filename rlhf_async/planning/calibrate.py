@@ -1,6 +1,8 @@
 """`rlhf-async plan --calibrate`: measure this machine and write a calibration JSON.
 
-Measures one CPU slot's peak matmul FLOP/s (the faster of fp32 and bf16) and copy
+Measures one device's matmul peak per dtype at `placement.cpu_threads` threads (what a
+run's `mfu/*` metrics divide by, `placement.peak_flops`), one CPU slot's peak matmul FLOP/s
+for the fit (the faster of fp32 and bf16) and copy
 bandwidth, gloo collective latency and bandwidth between two processes, then short
 Flattening runs of the given config: one process at two batch sizes, to fit per phase
 (generate, score, train) a fixed cost per layer pass and an effective fraction of the
@@ -27,6 +29,8 @@ import torch.multiprocessing as mp
 from rlhf_async.config import JobConfig
 from rlhf_async.engines.process_group import exit_rank, free_port, rank_group
 from rlhf_async.metrics import read_metrics
+from rlhf_async.modeling.flops import measure_peak
+from rlhf_async.modeling.precision import DTYPES
 from rlhf_async.planning.costmodel import Calibration, ModelShape, Workload, train_collectives
 from rlhf_async.planning.machine import CPU_DEVICE, shape_of, workload_of
 from rlhf_async.strategies import flattening
@@ -51,6 +55,19 @@ def peak_flops() -> dict[str, float]:
     bf16 gets an efficiency at most 1 instead of one clipped against fp32's speed."""
     out = {"fp32": _matmul_flops(torch.float32), "bf16": _matmul_flops(torch.bfloat16)}
     return {**out, "peak": max(out.values())}
+
+
+def device_peaks(threads: int, seconds: float = 1.0) -> dict[str, float]:
+    """One device's matmul peak per dtype at its `threads` torch threads (a CPU slot of
+    `placement.cpu_threads`): what the run's `mfu/*` metrics divide by (`device_peak` in
+    machine.py reads it back from the calibration JSON)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return {"threads": threads, **{name: measure_peak(DTYPES[name], seconds=seconds)
+                                       for name in ("fp32", "bf16")}}
+    finally:
+        torch.set_num_threads(before)
 
 
 def _copy_bw() -> float:
@@ -169,6 +186,7 @@ def median_round(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[st
 def calibrate(cfg: JobConfig, out: Path, steps: int = 4, rounds: int = 1,
               measured: list[dict[str, dict[str, float]]] | None = None) -> dict:
     """Measure (or take `measured` rounds), fit, and write the calibration JSON."""
+    slot = device_peaks(cfg.placement.cpu_threads)
     torch.set_num_threads(1)
     peaks, bw = peak_flops(), _copy_bw()
     flops = peaks["peak"]
@@ -182,6 +200,7 @@ def calibrate(cfg: JobConfig, out: Path, steps: int = 4, rounds: int = 1,
             "measured": {"batch_prompts": cfg.train.prompts_per_step, "rounds": rounds_m,
                          "median": m, "matmul_flops": flops,
                          "matmul_flops_fp32": peaks["fp32"], "matmul_flops_bf16": peaks["bf16"],
+                         "peak_flops": slot,
                          "copy_bytes_per_s": bw,
                          "gloo_latency_s": latency, "gloo_bytes_per_s": link}}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,9 +8,12 @@ import json
 from pathlib import Path
 
 import psutil
+import torch
 
 from rlhf_async.config import ConfigError, JobConfig
 from rlhf_async.config.presets import resolve
+from rlhf_async.modeling.flops import GPU_PEAKS, gpu_kind, measure_peak
+from rlhf_async.modeling.precision import DTYPES
 from rlhf_async.planning.costmodel import (
     DEVICES,
     LLAMA,
@@ -90,3 +93,29 @@ def workload_of(cfg: JobConfig) -> Workload:
                     cfg.train.epochs, cfg.train.minibatches,
                     resolve(cfg.algo).has_critic, cfg.algo.max_staleness, cfg.train.grad_accum,
                     cfg.train.gradient_checkpointing)
+
+
+def device_peak(cfg: JobConfig, dtype: str) -> tuple[float, str]:
+    """One device's peak FLOP/s in `dtype` (the actor's) and where it comes from:
+    placement.peak_flops when set; on GPUs the data sheet of the visible device (else
+    placement.gpu's); on CPU the peak `plan --calibrate` measured at this thread count,
+    else a short measurement now (the best of a few products: a loaded box only slows it)."""
+    p = cfg.placement
+    if p.peak_flops:
+        return p.peak_flops, "placement.peak_flops"
+    if p.device == "cuda":
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+        kind = gpu_kind(name) or p.gpu
+        return GPU_PEAKS[kind][dtype], f"{kind} data sheet, {dtype} dense"
+    if p.calibration:
+        measured = json.loads(Path(p.calibration).read_text()).get("measured", {})
+        peak = measured.get("peak_flops", {})
+        if peak.get("threads") == p.cpu_threads and dtype in peak:
+            return float(peak[dtype]), f"{p.calibration} ({dtype}, {p.cpu_threads} threads)"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(p.cpu_threads)
+    try:
+        flops = measure_peak(DTYPES[dtype], n=512, seconds=0.15)
+    finally:
+        torch.set_num_threads(threads)
+    return flops, f"measured now ({dtype} matmul, {p.cpu_threads} threads)"

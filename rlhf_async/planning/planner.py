@@ -36,7 +36,7 @@ from rlhf_async.planning.costmodel import (
     kv_cache_room,
     predict,
 )
-from rlhf_async.planning.machine import machine, shape_of, workload_of
+from rlhf_async.planning.machine import device_peak, machine, shape_of, workload_of
 from rlhf_async.rl.registry import name_problems
 from rlhf_async.strategies.placement import (
     Placement,
@@ -176,7 +176,17 @@ def prepare_run(cfg: JobConfig) -> tuple[JobConfig, Placement]:
     problems += algo_names
     if problems or placement is None:
         raise PlacementError(problems)
-    return cfg, placement
+    return _with_peak(cfg, placement), placement
+
+
+def _with_peak(cfg: JobConfig, placement: Placement) -> JobConfig:
+    """placement.peak_flops resolved (what the run's mfu/* metrics divide by), logged."""
+    dtype = placement.precision().name("actor")
+    peak, source = device_peak(cfg, dtype)
+    if not cfg.placement.peak_flops:
+        log.info("device peak", flops=peak, source=source)
+    return dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement,
+                                                                   peak_flops=peak))
 
 
 def plan_job(cfg: JobConfig) -> tuple[Placement, Prediction]:

@@ -20,6 +20,7 @@ from rlhf_async.engines import TrainingBackend, make_training_backend
 from rlhf_async.engines.lora import add_adapters, merged_weights
 from rlhf_async.modeling.collectives import all_reduce_sum
 from rlhf_async.modeling.determinism import key_seed
+from rlhf_async.modeling.flops import FlopShape, shape_or_none, train_flops, train_passes
 from rlhf_async.modeling.models import ScalarHeadModel, checkpoint_activations, disable_dropout
 from rlhf_async.modeling.packing import ResponseView
 from rlhf_async.modeling.precision import FP32, Precision
@@ -91,6 +92,8 @@ class Learner:
             checkpoint_activations(actor)
             if critic is not None:
                 checkpoint_activations(critic.trunk)
+        self.shapes: tuple[FlopShape, FlopShape | None] = (  # before an engine wraps them
+            FlopShape.of_module(actor), shape_or_none(critic if self.recipe.has_critic else None))
         self.version = 0
         self.last_advantages: Tensor | None = None  # [B, R] of the last train_step's shard
         self.kl_coef = algo.kl_coef  # moved by the adaptive controller when kl_target > 0
@@ -391,6 +394,9 @@ class Learner:
                                  **mismatch_stats(b, old_lp, self.recipe.ratio_level,
                                                  self.recipe.mismatch_cap), **grad_norms, **lrs,
                                  "version": self.version, "kl_coef": self.kl_coef}
+        passes = train_passes(self.train.epochs, not (self._reuses_forward()
+                              or self._reuses_logprobs()), self.train.gradient_checkpointing)
+        out["flops/train"] = train_flops(*self.shapes, passes, out)  # model FLOPs (flops.py)
         if b.teacher_logprobs is not None:
             out["teacher_reverse_kl"] = reverse_kl_per_token(b)
         if self.algo.kl_target > 0:  # from the global KL: every rank moves it alike

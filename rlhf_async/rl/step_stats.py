@@ -8,8 +8,11 @@ from torch import Tensor
 
 from rlhf_async.modeling.collectives import all_gather_1d, all_reduce_sum
 from rlhf_async.modeling.episodes import ENDS
+from rlhf_async.modeling.flops import token_counts
 from rlhf_async.modeling.rollout import PREFILL_COUNTS, RolloutBatch
 from rlhf_async.rl import algorithms as A
+
+SUMS = ("episodes/", "kv/", "tokens/", "attn_pairs/")  # reported as global sums, not means
 
 
 def global_stats(b: RolloutBatch, kl: Tensor, adv: Tensor, sums: dict[str, Tensor],
@@ -33,13 +36,15 @@ def global_stats(b: RolloutBatch, kl: Tensor, adv: Tensor, sums: dict[str, Tenso
     if b.prefill_counts is not None:  # prompt KV reused from a prefix cache (counts)
         for j, name in enumerate(PREFILL_COUNTS):
             per_sample[f"kv/{name}"] = b.prefill_counts[:, j].float()
+    # the step's tokens and attention pairs (sums): what its model FLOPs are counted from
+    per_sample.update(token_counts(b.prompt_mask, b.response_mask))
     # rows with a token to train on (a failed agent episode has none): what throughput counts
     trained = (m.sum(dim=1) > 0).float().sum()
     vec = torch.stack([v.sum() for v in per_sample.values()] + list(sums.values())
                       + [trained, m.new_tensor(float(len(b)))])
     vec = all_reduce_sum(vec.double())
     count = vec[-1].clamp(min=1.0)
-    out = {k: float(vec[i] if k.startswith(("episodes/", "kv/")) else vec[i] / count)
+    out = {k: float(vec[i] if k.startswith(SUMS) else vec[i] / count)
            for i, k in enumerate(per_sample)}
     if b.prefill_counts is not None:
         prompt = out["kv/reused_tokens"] + out["kv/prefilled_tokens"]

@@ -31,8 +31,10 @@ from rlhf_async.engines import adopt_engine_lines, engine_lines
 from rlhf_async.engines.process_group import exit_rank, free_port, launched, rank_group
 from rlhf_async.log import configure_logging, console_settings, get_logger, log_to_file
 from rlhf_async.metrics import MetricsWriter, Progress, progress_columns
+from rlhf_async.modeling.compiled_decode import choose as choose_decode
 from rlhf_async.modeling.env_calls import EnvError
 from rlhf_async.modeling.episodes import rollout
+from rlhf_async.modeling.flops import Utilization
 from rlhf_async.modeling.precision import Precision, check_device
 from rlhf_async.modeling.rollout import PromptBatch, RolloutBatch
 from rlhf_async.pipeline.training import (
@@ -49,6 +51,7 @@ from rlhf_async.runtime.launcher import adopt, can_fork, fork_server
 from rlhf_async.strategies.base import JobStopped, RankFailed, RunResult
 from rlhf_async.strategies.colocated import colocated_engine
 from rlhf_async.strategies.step_health import NothingTrained, StepHealth
+from rlhf_async.strategies.utilization import job_utilization
 from rlhf_async.task import Task, make_task, sampling_params
 from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.task.evaluation import StepLogs
@@ -129,6 +132,7 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
         restore_learner_checkpoint(learner, run_dir / "checkpoints", rank, world, device,
                                    launched() is not None, step=start_step)
     writer = MetricsWriter(run_dir / "metrics.jsonl") if rank == 0 else None
+    mfu = job_utilization(cfg, art, world) if rank == 0 else None
     logs = StepLogs(cfg, task, art, run_dir, start_step, device) if rank == 0 else None
     progress = Progress(cfg.train.steps, cfg.run.progress and rank == 0, start_step=start_step,
                         columns=progress_columns(task.rule_reward, task.has_rule))
@@ -136,6 +140,8 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
     params, seed, G = sampling_params(cfg, task), cfg.run.seed, cfg.algo.group_size
     generating = generation_precision(cfg, precision)
     check_device(generating, device)
+    choose_decode(device, cfg.train.steps * cfg.generation.max_new_tokens,
+                  cfg.generation.compile)
     engine = colocated_engine(cfg, art, params, device, generating)
     if engine is not None and start_step:  # resumed: the engine serves the SFT policy
         engine.update(learner)
@@ -173,7 +179,7 @@ def rank_loop(cfg: JobConfig, art: Artefacts, run_dir: Path, rank: int, world: i
         if logs is not None:  # samples.jsonl; the held-out evaluation when due
             metrics.update(logs.after_step(step, batch, learner))
         metrics.update(health.observe(step, metrics, error))
-        saved = _end_step(cfg, learner, run_dir, writer, progress, step, metrics,
+        saved = _end_step(cfg, learner, run_dir, (writer, mfu), progress, step, metrics,
                           (t0, t1, t2, t3), strategy)
         failed = health.failure is not None  # on every rank alike: metrics are global
         if failed or (stop is not None and step + 1 < cfg.train.steps and stop.agreed(world)):
@@ -218,16 +224,19 @@ def _refilled(cfg: JobConfig, task: Task, generate: Callable[[PromptBatch, int],
     return dynamic_sample(first, refill, P, cfg.algo.dynamic_sampling_max_tries)
 
 
-def _end_step(cfg: JobConfig, learner: Learner, run_dir: Path, writer: MetricsWriter | None,
-              progress: Progress, step: int, metrics: dict, times: tuple[float, ...],
-              strategy: str) -> bool:
-    """Metrics line, then (when due) the checkpoint that includes the step; whether one
-    was written."""
-    t0, t1, t2, t3 = times
+def _end_step(cfg: JobConfig, learner: Learner, run_dir: Path,
+              out: tuple[MetricsWriter | None, Utilization | None], progress: Progress,
+              step: int, metrics: dict, times: tuple[float, ...], strategy: str) -> bool:
+    """Metrics line (utilization: every rank took part in each phase), then (when due) the
+    checkpoint that includes the step; whether one was written."""
+    (writer, mfu), (t0, t1, t2, t3) = out, times
     every = cfg.run.checkpoint_every
     due = bool(every) and (step + 1) % every == 0 and step + 1 < cfg.train.steps
     if writer is not None:
-        record = step_record(step, metrics, t3 - t0, time_generate=t1 - t0,
+        world = mfu.devices if mfu is not None else 1
+        busy = {"generate": (t1 - t0) * world, "score": (t2 - t1) * world,
+                "train": (t3 - t2) * world}
+        record = step_record(step, metrics, t3 - t0, mfu, busy, time_generate=t1 - t0,
                              time_score=t2 - t1, time_train=t3 - t2)
         writer.write(record)  # before the checkpoint that includes the step
         progress.update(record)

@@ -27,6 +27,10 @@ def test_gpu_check_dry_run(tmp_path):
         assert "error" not in res[section], res[section]
     assert res["weight_sync"]["broadcast_s"] > 0
     assert res["ppo_step"]["flattening_step_s"] > 0 and res["ppo_step"]["separation_step_s"] > 0
+    mfu = json.loads(out.with_name("gpu_check_mfu.json").read_text())
+    for section in ("mfu_builtin", "mfu_smollm2"):
+        assert "error" not in mfu[section], mfu[section]
+        assert 0 < mfu[section]["mfu/step"] < 1
 
 
 def test_gpu_check_rejects_unknown_arguments():

@@ -15,7 +15,8 @@ TINY = ["model.hidden=32", "model.layers=1", "model.heads=2", "sft.steps=20",
         "reward_model.steps=20", "reward_model.heldout_pairs=64", "run.eval_prompts=16",
         "train.steps=5", "train.prompts_per_step=4", "algo.group_size=2", "run.plot=false",
         "placement.cpu_threads=1", "run.progress=false", "placement.strategy=flattening"]
-TIMES = {"time_step", "time_generate", "time_score", "time_train", "samples_per_s"}
+TIMES = {"time_step", "time_generate", "time_score", "time_train", "samples_per_s",
+         "tokens_per_s_per_device", "mfu/generate", "mfu/score", "mfu/train", "mfu/step"}
 
 
 def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:

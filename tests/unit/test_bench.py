@@ -9,7 +9,7 @@ import torch
 from bench import trl_compare, ttq
 from bench.bench_decode import compare as decode_compare
 from bench.plots import plot_runs
-from bench.strategies import series
+from bench.strategies import mfu_means, print_table, series
 from rlhf_async.config import TaskConfig, load_config
 from rlhf_async.strategies.registry import plan_placement, runner_problems
 from rlhf_async.task import SortDigitsTask
@@ -272,3 +272,38 @@ def test_trl_text_only_moves_overrides_and_refuses_unknown_rows(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "unknown row(s) 'separation'" in err and "'separation k=1'" in err
+
+
+def test_bench_table_shows_mfu_weighted_by_step_time(capsys):
+    rows = [{"time_step": 1.0, "mfu/step": 0.2, "mfu/train": 0.4},
+            {"time_step": 3.0, "mfu/step": 0.6, "mfu/train": 0.8}]
+    mfu = mfu_means(rows)
+    assert mfu == pytest.approx({"step": 0.5, "train": 0.7})
+    print_table({"flattening": {"samples_per_s": 10.0, "tokens_per_s": 100.0, "rl_wall_s": 5.0,
+                                "sft_hidden_score": 0.1, "final_hidden_score": 0.2,
+                                "utilisation": {"train": 0.5}, "mfu": mfu}})
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert "50.0%" in line and "train=70.0%" in line
+
+
+def test_trl_and_ours_mfu_computed_the_same_way(tmp_path):
+    from types import SimpleNamespace
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlhf_async.modeling.flops import TOKEN_KEYS, FlopShape, train_flops
+    from rlhf_async.modeling.models import scalar_model_from_actor
+
+    lm = GPT2LMHeadModel(GPT2Config(vocab_size=10, n_positions=16, n_embd=8, n_layer=2,
+                                    n_head=2))
+    lm.save_pretrained(tmp_path / "sft")
+    scalar_model_from_actor(lm, 0).save(tmp_path / "rm")
+    art = SimpleNamespace(sft_dir=tmp_path / "sft", rm_dir=tmp_path / "rm")
+    counts = dict(zip(TOKEN_KEYS, (5.0, 3.0, 1.0, 9.0, 4.0, 21.0), strict=True)) | {
+        "samples": 2.0}
+    ours = {**counts, "flops/train": train_flops(FlopShape.of_module(lm), None, 3.0, counts)}
+    trl = trl_compare.step_mfu(art, [counts], 3.0, wall=2.0, peak=1e4)
+    assert trl == trl_compare.step_mfu(art, [ours], None, wall=2.0, peak=1e4)
+    # by hand (tests/unit/modeling/test_flops.py): generate 19744, score 52352, train 3/4 of
+    # the 105600 of four passes
+    assert trl == pytest.approx((19744 + 52352 + 79200) / 2e4)

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf_async.engines.torch.prefix_kv import Prefix, prefill_after, row_prefix, suffix_after
+from rlhf_async.modeling.compiled_decode import step_for
 from rlhf_async.modeling.decode_step import PACK_MIN_STEPS, DecodeStep, decode_step
 from rlhf_async.modeling.generation import (
     Generated,
@@ -171,7 +172,7 @@ class ContinuousBatch:
 
     def reload(self) -> None:
         """The module's weights changed in place: remake the decode step (its packed copies)."""
-        step = decode_step(self.actor, PACK_MIN_STEPS)
+        step = step_for(self.actor, PACK_MIN_STEPS)
         assert step is not None  # checked in __init__
         self.fast: DecodeStep = step
 

@@ -5,6 +5,9 @@ Series (documented in deploy/README.md; labels in braces):
     rlhf_daemon_jobs{state}                 jobs per state (queued, running, ...)
     rlhf_job_step{job}                      last step in the running job's metrics.jsonl
     rlhf_job_samples_per_second{job}        samples/s of that step
+    rlhf_job_mfu{job,stage}                 model FLOPs utilization of that step (0..1) per
+                                            stage (generate, score, train) and the step
+    rlhf_job_tokens_per_second_per_device{job}  prompt + response tokens/s per device
     rlhf_job_queue_depth{job,queue}         Separation queues (dispatched, generated,
                                             scored, trainer)
     rlhf_job_staleness{job,stat}            rollout staleness statistics of that step
@@ -84,6 +87,9 @@ class JobCollector(Collector):
         fams = {name: GaugeMetricFamily(name, text, labels=labels) for name, text, labels in (
             ("rlhf_job_step", "last trained step", ["job"]),
             ("rlhf_job_samples_per_second", "samples per second", ["job"]),
+            ("rlhf_job_mfu", "model FLOPs utilization (0..1)", ["job", "stage"]),
+            ("rlhf_job_tokens_per_second_per_device", "tokens per second per device",
+             ["job"]),
             ("rlhf_job_queue_depth", "items per pipeline queue", ["job", "queue"]),
             ("rlhf_job_staleness", "rollout staleness (weight versions)", ["job", "stat"]),
             ("rlhf_job_weight_sync_seconds", "last weight sync time", ["job"]),
@@ -96,7 +102,8 @@ class JobCollector(Collector):
         rec = last_record(run_dir / "metrics.jsonl")
         if rec is not None:
             simple = (("rlhf_job_step", "step"), ("rlhf_job_samples_per_second", "samples_per_s"),
-                      ("rlhf_job_weight_sync_seconds", "weight_sync_s"))
+                      ("rlhf_job_weight_sync_seconds", "weight_sync_s"),
+                      ("rlhf_job_tokens_per_second_per_device", "tokens_per_s_per_device"))
             for name, key in simple:
                 if isinstance(rec.get(key), (int, float)):
                     fams[name].add_metric([job], float(rec[key]))
@@ -107,6 +114,8 @@ class JobCollector(Collector):
                     fams["rlhf_job_queue_depth"].add_metric([job, key[6:]], float(value))
                 elif key.startswith("staleness/"):
                     fams["rlhf_job_staleness"].add_metric([job, key[10:]], float(value))
+                elif key.startswith("mfu/"):
+                    fams["rlhf_job_mfu"].add_metric([job, key[4:]], float(value))
         for node, n in node_states(run_dir).items():
             up = 1.0 if n.get("state") == "ready" else 0.0
             fams["rlhf_job_node_up"].add_metric([job, node, str(n.get("role", ""))], up)

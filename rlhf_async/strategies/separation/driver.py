@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from rlhf_async.config import JobConfig
 from rlhf_async.control.client import NodeEvent, NodeExited
 from rlhf_async.log import get_logger
+from rlhf_async.modeling.flops import Utilization
 from rlhf_async.modeling.rollout import PromptBatch
 from rlhf_async.pipeline.protocol import (
     SFT_LINEAGE,
@@ -92,7 +93,8 @@ class Driver:
     def __init__(self, cfg: JobConfig, coord: ControlPlane, events: Events,
                  prompts: Prompts, roles: dict[str, str], spec: GroupSpec, run_dir: Path,
                  chunks_per_step: int, start_step: int, lineage: str, ranks: TrainerRanks,
-                 backlog: list[NodeEvent] | None = None, gen_ranks: int = 1) -> None:
+                 backlog: list[NodeEvent] | None = None, gen_ranks: int = 1,
+                 utilization: Utilization | None = None) -> None:
         self.cfg, self.coord, self.events, self.chan = cfg, coord, events, prompts
         self.trainer = TrainerClient(coord)
         self.clients = {n: GeneratorClient(coord, n) for n, r in roles.items()
@@ -118,7 +120,7 @@ class Driver:
                               self.counts, generators=lambda: [
                                   g for g in self.generators if g not in self.leaving],
                               trainer_up=lambda: "trainer" not in self.down)
-        self.records = StepRecords(cfg, run_dir, self.task, start_step)
+        self.records = StepRecords(cfg, run_dir, self.task, start_step, roles, utilization)
         self.result: dict[str, Any] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
         self._backlog = list(backlog or [])  # events that came before every node loaded

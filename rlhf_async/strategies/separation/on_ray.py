@@ -40,6 +40,7 @@ from rlhf_async.strategies.placement import Placement
 from rlhf_async.strategies.separation.runner import build_specs, chunks_per_step, drive
 from rlhf_async.strategies.separation.scaling import Scaler
 from rlhf_async.strategies.separation.tcp import tcp_specs
+from rlhf_async.strategies.utilization import job_utilization
 from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.weight_sync import GroupSpec
 from rlhf_async.wire.transport import Endpoint, Transport
@@ -136,4 +137,5 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
                            chunks_per_step(cfg, placement), 1,
                            lambda driver: Scaler(cfg, coord, driver, placement, specs_for,
                                                  lambda p: chunks_per_step(cfg, p), run_dir,
-                                                 devices))
+                                                 devices),
+                           job_utilization(cfg, art, placement.num_devices))

@@ -14,16 +14,20 @@ from typing import Any
 
 from rlhf_async.config import JobConfig
 from rlhf_async.metrics import MetricsWriter, Progress, progress_columns, truncate_metrics
+from rlhf_async.modeling.flops import Utilization
 from rlhf_async.pipeline.protocol import Trained
 from rlhf_async.pipeline.training import step_record
 from rlhf_async.rl.checkpoint import disk_full
 from rlhf_async.strategies.step_health import StepHealth
+from rlhf_async.strategies.utilization import stage_busy
 from rlhf_async.task import Task
 
 
 class StepRecords:
-    def __init__(self, cfg: JobConfig, run_dir: Path, task: Task, start_step: int) -> None:
-        self.cfg, self.run_dir = cfg, run_dir
+    def __init__(self, cfg: JobConfig, run_dir: Path, task: Task, start_step: int,
+                 roles: dict[str, str], utilization: Utilization | None = None) -> None:
+        self.cfg, self.run_dir, self.roles = cfg, run_dir, roles
+        self.utilization = utilization  # mfu/* in the step records (one device a process)
         self.progress = Progress(cfg.train.steps, cfg.run.progress, start_step=start_step,
                                  columns=progress_columns(task.rule_reward, task.has_rule))
         self.health = StepHealth(cfg, run_dir)
@@ -53,7 +57,8 @@ class StepRecords:
         util = {f"util/{n}": (b - self.last_busy.get(n, 0.0)) / dt for n, b in self.busy.items()}
         self.last_busy = dict(self.busy)
         record = step_record(
-            t.step, t.metrics, dt, rollout_version=t.rollout_version,
+            t.step, t.metrics, dt, self.utilization, stage_busy(util, self.roles, dt),
+            rollout_version=t.rollout_version,
             weight_sync_s=t.weight_sync.seconds, weight_sync_bytes=t.weight_sync.bytes,
             staleness_hist=t.staleness_hist, **t.staleness, **state,
             **{"queue/trainer": t.queue_trainer}, **util)

@@ -23,6 +23,7 @@ from rlhf_async.control.reshape import Scale
 from rlhf_async.engines import ENGINES, engine_lines, generation_engine
 from rlhf_async.engines.sim.metrics import SimulatedTime
 from rlhf_async.log import get_logger
+from rlhf_async.modeling.flops import Utilization
 from rlhf_async.runtime import NodeSpec, run_loop
 from rlhf_async.runtime.ipc_dir import make_ipc_dir
 from rlhf_async.runtime.launcher import LocalLauncher
@@ -40,6 +41,7 @@ from rlhf_async.strategies.separation.scaling import Scaler
 from rlhf_async.strategies.separation.startup import generator_ranks, wait_loaded
 from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
 from rlhf_async.strategies.step_health import NothingTrained
+from rlhf_async.strategies.utilization import job_utilization
 from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.weight_sync import GroupSpec
 from rlhf_async.wire.transport import Endpoint, Transport
@@ -171,13 +173,15 @@ async def _run(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placeme
         return await drive(cfg, coord, prompts, specs, roles, spec, gens, run_dir, start_step,
                            chunks_per_step(cfg, placement), generator_ranks(placement),
                            lambda driver: Scaler(cfg, coord, driver, placement, specs_for,
-                                                 lambda p: chunks_per_step(cfg, p), run_dir))
+                                                 lambda p: chunks_per_step(cfg, p), run_dir),
+                           job_utilization(cfg, art, placement.num_devices))
 
 
 async def drive(cfg: JobConfig, coord: Coordinator, prompts: Any, specs: list[NodeSpec],
                 roles: Any, spec: GroupSpec, gens: list[str], run_dir: Path,
                 start_step: int, chunks: int, gen_ranks: int = 1,
-                scaler: Callable[[Driver], Scaler] | None = None) -> Any:
+                scaler: Callable[[Driver], Scaler] | None = None,
+                utilization: Utilization | None = None) -> Any:
     """Launch the nodes, check the trainer restored `start_step`, join the weight-sync
     group (`gen_ranks` ranks per generator) and run the Driver to the end, each step's
     prompts cut into `chunks` (local and multi-host runs alike); with `scaler`, the
@@ -195,7 +199,8 @@ async def drive(cfg: JobConfig, coord: Coordinator, prompts: Any, specs: list[No
                                          [GeneratorClient(coord, g) for g in gens], spec,
                                          gen_ranks)
         driver = Driver(cfg, coord, events, prompts, roles, spec, run_dir, chunks,
-                        start_step, loaded["trainer"].lineage, ranks, backlog, gen_ranks)
+                        start_step, loaded["trainer"].lineage, ranks, backlog, gen_ranks,
+                        utilization)
         if cfg.placement.device == "sim":  # first: the rebalancer reads simulated seconds
             driver.records.on_record.append(SimulatedTime(cfg.sim.time_scale))
         if scaler is not None:

@@ -115,7 +115,9 @@ def _grads(learner: Learner) -> dict[str, torch.Tensor]:
 
         backend.step = capture
     stats = learner.train_step(batch())
-    seen.update({f"stat.{k}": torch.tensor(v) for k, v in stats.items()})
+    # flops/train counts the passes run (a token budget adds the old-log-prob forward), not
+    # a result of them
+    seen.update({f"stat.{k}": torch.tensor(v) for k, v in stats.items() if k != "flops/train"})
     return seen
 
 
