@@ -29,13 +29,12 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-# dense peak FLOP/s per GPU kind and dtype (vendor data sheets, SXM parts, no sparsity);
+from rlhf_async.modeling.roofline import DEVICES
+
+# dense peak FLOP/s per GPU kind and dtype (the data sheets of roofline.DEVICES, no sparsity);
 # fp32 is the non-tensor-core rate (TF32 is off unless a user enables it)
 GPU_PEAKS: dict[str, dict[str, float]] = {
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-}
+    kind: {"bf16": d.flops, "fp16": d.flops, "fp32": d.fp32_flops} for kind, d in DEVICES.items()}
 STAGES = ("generate", "score", "train")
 # the global sums `token_counts` adds to a step's metrics
 TOKEN_KEYS = ("tokens/prompt", "tokens/response", "tokens/decoded", "attn_pairs/prefill",

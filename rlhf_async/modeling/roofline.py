@@ -26,12 +26,14 @@ class DeviceSpec:
     link_bw: float  # bytes/s per device inside a node (NVLink; loopback for CPU slots)
     net_bw: float  # bytes/s per device across nodes
     per_node: int  # devices per node
+    fp32_flops: float = 0.0  # peak dense fp32 FLOP/s (the data sheet's, without tensor cores)
 
 
+# the data sheets': one table for the cost model, the simulated devices and MFU's peaks
 DEVICES = {
-    "A100": DeviceSpec("A100-SXM4-80GB", 312e12, 80 * GiB, 2.04e12, 300e9, 25e9, 8),
-    "H100": DeviceSpec("H100-SXM5-80GB", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, 8),
-    "H200": DeviceSpec("H200-SXM-141GB", 989e12, 141 * GiB, 4.8e12, 450e9, 50e9, 8),
+    "A100": DeviceSpec("A100-SXM4-80GB", 312e12, 80 * GiB, 2.04e12, 300e9, 25e9, 8, 19.5e12),
+    "H100": DeviceSpec("H100-SXM5-80GB", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, 8, 67e12),
+    "H200": DeviceSpec("H200-SXM-141GB", 989e12, 141 * GiB, 4.8e12, 450e9, 50e9, 8, 67e12),
 }
 
 
