@@ -7,25 +7,42 @@ them, and what a restart or a finished session left of them. Part of `TinkerServ
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
 
 from rlhf_async.log import get_logger
 from rlhf_async.ops.tinker import schema
 from rlhf_async.ops.tinker.base_models import resolve
-from rlhf_async.ops.tinker.futures import ApiError, UserError
+from rlhf_async.ops.tinker.futures import ApiError, Futures, UserError
 from rlhf_async.ops.tinker.sampling import Sampler, read_sampler_base
-from rlhf_async.ops.tinker.state import ModelEntry
-
-if TYPE_CHECKING:  # the service holds this; a type only, not an import cycle
-    from rlhf_async.ops.tinker.service import TinkerService
+from rlhf_async.ops.tinker.state import ModelEntry, Session, Store
 
 log = get_logger(component="tinker_api")
 SAMPLERS_KEPT = 4  # a training model's newest samplers from save_weights_for_sampler
 SAMPLE_PREFIX = "s-"  # a sampling request's id: lost in a restart, the client resends it
 
 
+class Service(Protocol):
+    """What the sampling sessions use of the service that holds them (`TinkerService`)."""
+
+    device: torch.device
+    futures: Futures
+    models_dir: Path
+    sessions: dict[str, Session]
+    store: Store
+
+    def checkpoint_dir(self, path: str, kind: str) -> Path: ...
+
+    def session(self, sid: str) -> Session: ...
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
+
+
 class SamplingSessions:
-    def __init__(self, svc: TinkerService) -> None:
+    def __init__(self, svc: Service) -> None:
         self.svc = svc
         self.samplers: dict[str, Sampler] = {}
         self._released: set[str] = set()  # snapshot samplers let go (SAMPLERS_KEPT)
