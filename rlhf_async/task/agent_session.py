@@ -35,7 +35,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from rlhf_async.modeling.episodes import Episode, after_turn
+from rlhf_async.modeling.episodes import Episode, after_turn, warn
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import ENV, POLICY
 from rlhf_async.task.environment import chat_delta
@@ -194,12 +194,20 @@ class Session:
     max_tokens: int
     max_calls: int
     chat: bool = True  # the tokenizer has a chat template (else /completions only)
+    name: str = "task.agent"  # the agent (or verifiers environment), for warnings
     segments: list[Segment] = field(default_factory=list)
     calls: int = 0
     truncated: bool = False  # a reply ran out of tokens, or a call found no room left
 
     def _open(self, tokens: list[int], **match: Any) -> Segment:
-        """A new segment over `tokens` (a whole conversation rendered once)."""
+        """A new segment over `tokens` (a whole conversation rendered once); what does not
+        fit the batch's prompt width is context in the response, said once per run."""
+        if len(tokens) > self.width and not self.segments:
+            warn("agent prompt over task.max_prompt_tokens", self.name,
+                 prompt_tokens=len(tokens), width=self.width,
+                 hint=f"its last {len(tokens) - self.width} tokens count in "
+                      f"generation.max_episode_tokens = {self.max_tokens}; set "
+                      f"task.max_prompt_tokens = {len(tokens)} or more to hold it")
         head = tokens[:self.width]
         ep = Episode(head, NO_ENV)
         ep.add(tokens[self.width:], ENV)

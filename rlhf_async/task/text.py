@@ -223,6 +223,10 @@ class TextTask:
         self.max_turns, self.env_timeout_s = t.max_turns, t.env_timeout_s
         if is_verifiers(t.env):  # its harness is an agent, run as task.agent's are
             self.agent = verifiers_episodes(t, self.tokenizer)
+        if self.agent is not None and t.max_prompt_tokens:
+            # an agent renders its own prompt (a system turn, examples), not the data's:
+            # task.max_prompt_tokens is its room, or the rest would be response tokens
+            self.prompt_len = t.max_prompt_tokens
         self.max_episode_tokens = cfg.generation.max_episode_tokens
 
     stop_ids: tuple[int, ...] = ()

@@ -359,3 +359,31 @@ def test_clients_never_closed_leave_at_most_max_idle_connections(monkeypatch):
     assert server._runner is not None and len(server._runner.server.connections) == 2
     for client in leaked:
         asyncio.run_coroutine_threadsafe(client.close(), agent_loop()).result()
+
+
+def test_an_agents_prompt_past_the_batch_width_is_named_once_with_its_room():
+    """An agent renders its own prompt (a system turn, examples): what does not fit the
+    batch's prompt width is context in the response, counted in the episode's tokens, so
+    the run says so once, naming task.max_prompt_tokens and the width that would hold it."""
+    tok = chatml_tokenizer()
+    system = {"role": "system", "content": "you answer questions about numbers . " * 6}
+
+    @_closing
+    async def agent(client, row):
+        msgs = [system, {"role": "user", "content": row["prompt"]}]
+        await client.chat.completions.create(model="policy", messages=msgs)
+        return 1.0
+
+    prompts = ("what is two plus three", "what is four times six")
+    rendered = [len(encode_prompt(tok, [system, {"role": "user", "content": p}], True))
+                for p in prompts]
+    with capture_logs() as logs:
+        eps, batch, _ = _run(tok, agent, ["five"], prompts=prompts, name="long.py:run")
+        roomy, _, _ = _run(tok, agent, ["five"], prompts=prompts, width=max(rendered))
+    width = batch.prompt_ids.shape[1]
+    over = [e for e in logs if e["event"] == "agent prompt over task.max_prompt_tokens"]
+    assert len(over) == 1 and over[0]["env"] == "long.py:run"
+    assert over[0]["prompt_tokens"] == rendered[0] and over[0]["width"] == width
+    assert eps[0].kinds[:rendered[0] - width] == [ENV] * (rendered[0] - width)
+    assert all(len(e.prompt) == r and e.kinds[0] == POLICY
+               for e, r in zip(roomy, rendered, strict=True))
