@@ -179,6 +179,7 @@ class Segment:
     messages: list[dict[str, Any]] | None = None  # chat: the conversation so far
     tools: Any = None
     text: str | None = None  # completions: the prompt text so far
+    full: bool = False  # messages found no room in the episode's tokens: nothing more fits
 
 
 @dataclass
@@ -208,15 +209,20 @@ class Session:
                  hint=f"its last {len(tokens) - self.width} tokens count in "
                       f"generation.max_episode_tokens = {self.max_tokens}; set "
                       f"task.max_prompt_tokens = {len(tokens)} or more to hold it")
-        head = tokens[:self.width]
-        ep = Episode(head, NO_ENV)
-        ep.add(tokens[self.width:], ENV)
-        seg = Segment(ep, **match)
+        seg = Segment(Episode(tokens[:self.width], NO_ENV), **match)
+        self._extend(seg, tokens[self.width:])
         self.segments.append(seg)
         return seg
 
     def _extend(self, seg: Segment, new: list[int]) -> None:
-        seg.episode.add(after_turn(seg.episode, new, self.params.stops), ENV)
+        """Append the agent's tokens, or, as an environment's observation that does not
+        fit, none: with no room for them and a reply the episode's tokens are spent (every
+        later call on the segment is answered `length`, the episode truncated)."""
+        new = after_turn(seg.episode, new, self.params.stops)
+        if seg.full or len(seg.episode.tokens) + len(new) >= self.max_tokens:
+            seg.full = bool(new) or seg.full
+            return
+        seg.episode.add(new, ENV)
 
     def check(self, body: dict[str, Any]) -> list[str]:
         """The request's stop strings; a request for another sampler (see the module) or
@@ -233,7 +239,7 @@ class Session:
             raise RequestError(f"this episode has made its task.max_turns = {self.max_calls} "
                                "policy calls")
         ep = seg.episode
-        if len(ep.tokens) >= self.max_tokens:
+        if seg.full or len(ep.tokens) >= self.max_tokens:
             self.truncated = True  # generation.max_episode_tokens spent
             return [], "", "length"
         self.calls += 1
