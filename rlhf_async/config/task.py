@@ -70,7 +70,10 @@ class TaskConfig:
     chat_template: bool = opt(True, "text: wrap each prompt in the tokenizer's chat template "
                               "(with the generation prompt)")
     max_prompt_tokens: int = opt(0, "text: longest prompt accepted (tokens, template "
-                                 "included); 0 = the longest prompt in task.prompts", ge=0)
+                                 "included); 0 = the longest prompt in task.prompts; with "
+                                 "task.agent or a verifiers task.env also the room for the "
+                                 "prompt the agent renders (its system turn, examples)",
+                                 ge=0)
     reward_timeout_s: float = opt(60.0, "longest one call of task.reward may take (s; a "
                                   "server: each try of one request); past it the run "
                                   "stops with an error", gt=0.0)

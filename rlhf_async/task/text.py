@@ -207,6 +207,10 @@ class TextTask:
         if self.env is not None:  # a tokenizer without a chat template: stopped before work
             template_delta(self.tokenizer)
         self.max_turns, self.env_timeout_s = t.max_turns, t.env_timeout_s
+        if self.agent is not None and t.max_prompt_tokens:
+            # an agent renders its own prompt (a system turn, examples), not the data's:
+            # task.max_prompt_tokens is its room, or the rest would be response tokens
+            self.prompt_len = t.max_prompt_tokens
         self.max_episode_tokens = cfg.generation.max_episode_tokens
 
     stop_ids: tuple[int, ...] = ()

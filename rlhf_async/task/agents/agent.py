@@ -162,7 +162,7 @@ class AgentEpisodes:
                 return batcher.call(k, ep, sid)
             sessions.append(Session(self.tok, policy, spec.decode, params,
                                     prompts.prompt_ids.shape[1], spec.max_tokens,
-                                    spec.max_turns, self.chat))
+                                    spec.max_turns, self.chat, name=spec.name))
 
         async def one(session: Session, sid: int, prompt: list[int], row: dict[str, Any],
                       ) -> Episode:

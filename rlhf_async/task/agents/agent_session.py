@@ -35,7 +35,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from rlhf_async.modeling.episodes import Episode, after_turn
+from rlhf_async.modeling.episodes import Episode, after_turn, warn
 from rlhf_async.modeling.generation import SamplingParams
 from rlhf_async.modeling.rollout import ENV, POLICY
 from rlhf_async.task.agents.environment import chat_delta
@@ -179,6 +179,7 @@ class Segment:
     messages: list[dict[str, Any]] | None = None  # chat: the conversation so far
     tools: Any = None
     text: str | None = None  # completions: the prompt text so far
+    full: bool = False  # messages found no room in the episode's tokens: nothing more fits
 
 
 @dataclass
@@ -194,21 +195,34 @@ class Session:
     max_tokens: int
     max_calls: int
     chat: bool = True  # the tokenizer has a chat template (else /completions only)
+    name: str = "task.agent"  # the agent (or verifiers environment), for warnings
     segments: list[Segment] = field(default_factory=list)
     calls: int = 0
     truncated: bool = False  # a reply ran out of tokens, or a call found no room left
 
     def _open(self, tokens: list[int], **match: Any) -> Segment:
-        """A new segment over `tokens` (a whole conversation rendered once)."""
-        head = tokens[:self.width]
-        ep = Episode(head, NO_ENV)
-        ep.add(tokens[self.width:], ENV)
-        seg = Segment(ep, **match)
+        """A new segment over `tokens` (a whole conversation rendered once); what does not
+        fit the batch's prompt width is context in the response, said once per run."""
+        if len(tokens) > self.width and not self.segments:
+            warn("agent prompt over task.max_prompt_tokens", self.name,
+                 prompt_tokens=len(tokens), width=self.width,
+                 hint=f"its last {len(tokens) - self.width} tokens count in "
+                      f"generation.max_episode_tokens = {self.max_tokens}; set "
+                      f"task.max_prompt_tokens = {len(tokens)} or more to hold it")
+        seg = Segment(Episode(tokens[:self.width], NO_ENV), **match)
+        self._extend(seg, tokens[self.width:])
         self.segments.append(seg)
         return seg
 
     def _extend(self, seg: Segment, new: list[int]) -> None:
-        seg.episode.add(after_turn(seg.episode, new, self.params.stops), ENV)
+        """Append the agent's tokens, or, as an environment's observation that does not
+        fit, none: with no room for them and a reply the episode's tokens are spent (every
+        later call on the segment is answered `length`, the episode truncated)."""
+        new = after_turn(seg.episode, new, self.params.stops)
+        if seg.full or len(seg.episode.tokens) + len(new) >= self.max_tokens:
+            seg.full = bool(new) or seg.full
+            return
+        seg.episode.add(new, ENV)
 
     def check(self, body: dict[str, Any]) -> list[str]:
         """The request's stop strings; a request for another sampler (see the module) or
@@ -225,7 +239,7 @@ class Session:
             raise RequestError(f"this episode has made its task.max_turns = {self.max_calls} "
                                "policy calls")
         ep = seg.episode
-        if len(ep.tokens) >= self.max_tokens:
+        if seg.full or len(ep.tokens) >= self.max_tokens:
             self.truncated = True  # generation.max_episode_tokens spent
             return [], "", "length"
         self.calls += 1

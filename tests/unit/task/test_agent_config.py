@@ -27,6 +27,15 @@ def test_an_agent_runs_the_text_tasks_episodes(files):  # noqa: F811
     assert spec.timeout_s == 5.0 and spec.name.endswith("agent.py:run")
 
 
+def test_an_agents_prompt_batch_is_task_max_prompt_tokens_wide(files):  # noqa: F811
+    """An agent renders its own prompt (system turn, examples), longer than the data's:
+    `task.max_prompt_tokens` is its room, so none of it spills into the episode's tokens."""
+    task = make_task(cfg_for(files, _agent(files), fn=None))  # task.max_prompt_tokens=32
+    assert task.prompt_batch(0, "train", 0, count=2, group_size=1).prompt_ids.shape[1] == 32
+    plain = make_task(cfg_for(files))  # no agent: the data's longest, the least to compute
+    assert plain.prompt_batch(0, "train", 0, count=2, group_size=1).prompt_ids.shape[1] < 32
+
+
 @pytest.mark.parametrize(("more", "match"), [
     (['task.env="calculator"'], "beside task.env = 'calculator'.*set only one"),
     (['task.reward="x.py:f"'], r"task.reward: 'x.py:f' would never be called: with "

@@ -44,7 +44,7 @@ def _closing(agent):
 
 
 def _run(tok, agent, replies, prompts=("what is two plus three",), timeout_s=20.0,
-         width=None, name="agent.py:run"):
+         width=None, name="agent.py:run", max_tokens=400):
     """Each row's episode; the policy answers turn k with replies[k] + its end token."""
     end = tok.eos_token_id
     rows = [encode_prompt(tok, p, True) for p in prompts]
@@ -66,7 +66,7 @@ def _run(tok, agent, replies, prompts=("what is two plus three",), timeout_s=20.
 
     texts = {tuple(r): p for r, p in zip(rows, prompts, strict=True)}
     spec = EpisodeSpec(lambda: NO_ENV, lambda t: {"prompt": texts[tuple(t)]}, lambda _: [],
-                       lambda t: tok.decode(t, skip_special_tokens=True), 5, 400, timeout_s,
+                       lambda t: tok.decode(t, skip_special_tokens=True), 5, max_tokens, timeout_s,
                        name, AgentEpisodes(agent, tok, True))
     params = SamplingParams(64, end, tok.pad_token_id, episode=spec)
     eps = env_loop().run(play(batch, params, spec, 0, 0, turn))
@@ -360,3 +360,61 @@ def test_clients_never_closed_leave_at_most_max_idle_connections(monkeypatch):
     assert server._runner is not None and len(server._runner.server.connections) == 2
     for client in leaked:
         asyncio.run_coroutine_threadsafe(client.close(), agent_loop()).result()
+
+
+def test_an_agents_prompt_past_the_batch_width_is_named_once_with_its_room():
+    """An agent renders its own prompt (a system turn, examples): what does not fit the
+    batch's prompt width is context in the response, counted in the episode's tokens, so
+    the run says so once, naming task.max_prompt_tokens and the width that would hold it."""
+    tok = chatml_tokenizer()
+    system = {"role": "system", "content": "you answer questions about numbers . " * 6}
+
+    @_closing
+    async def agent(client, row):
+        msgs = [system, {"role": "user", "content": row["prompt"]}]
+        await client.chat.completions.create(model="policy", messages=msgs)
+        return 1.0
+
+    prompts = ("what is two plus three", "what is four times six")
+    rendered = [len(encode_prompt(tok, [system, {"role": "user", "content": p}], True))
+                for p in prompts]
+    with capture_logs() as logs:
+        eps, batch, _ = _run(tok, agent, ["five"], prompts=prompts, name="long.py:run")
+        roomy, _, _ = _run(tok, agent, ["five"], prompts=prompts, width=max(rendered))
+    width = batch.prompt_ids.shape[1]
+    over = [e for e in logs if e["event"] == "agent prompt over task.max_prompt_tokens"]
+    assert len(over) == 1 and over[0]["env"] == "long.py:run"
+    assert over[0]["prompt_tokens"] == rendered[0] and over[0]["width"] == width
+    assert eps[0].kinds[:rendered[0] - width] == [ENV] * (rendered[0] - width)
+    assert all(len(e.prompt) == r and e.kinds[0] == POLICY
+               for e, r in zip(roomy, rendered, strict=True))
+
+
+def test_messages_past_the_episodes_tokens_are_answered_length_never_recorded():
+    """A tool result (or a prompt) that leaves no room in generation.max_episode_tokens
+    ends the episode as truncated, as an environment's observation does: the call is
+    answered `length` with nothing, and the row still fits its batch."""
+    tok = chatml_tokenizer()
+    seen: list = []
+
+    @_closing
+    async def agent(client, row):
+        msgs = [{"role": "user", "content": row["prompt"]}]
+        r = await client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS)
+        m = r.choices[0].message
+        msgs += [m.model_dump(exclude_none=True), {"role": "tool", "tool_call_id":
+                                                   m.tool_calls[0].id, "content": "5 " * 40}]
+        for _ in range(2):  # the second call finds the episode as full as the first
+            r = await client.chat.completions.create(model="policy", messages=msgs,
+                                                     tools=TOOLS)
+            seen.append((r.choices[0].finish_reason, r.choices[0].message.content))
+            msgs.append({"role": "assistant", "content": r.choices[0].message.content})
+            msgs.append({"role": "user", "content": "and now ?"})
+        return 0.0
+
+    # the prompt with its tools fits the width; the call fits the 64 tokens, its result not
+    (ep,), batch, calls = _run(tok, agent, [CALL, "five"], width=140, max_tokens=64)
+    assert seen == [("length", ""), ("length", "")] and calls == [(0, 0)]
+    assert ep.end == "truncated" and ep.kinds == [POLICY] * len(ep.tokens)
+    b = episode_batch(batch, [ep], 64, tok.pad_token_id, 0, 0)
+    assert b.loss_mask.sum() == len(ep.tokens) == len(tok(CALL).input_ids) + 1
