@@ -154,8 +154,10 @@ class Daemon:
                 self.store.update(job_id, state="queued", pid=None)
                 log.info("job stopped with the daemon; requeued", job=job_id, exit_code=rc)
                 continue
-            state = "finished" if rc == 0 else "cancelled" if job.cancel_requested else "failed"
-            error = "" if rc == 0 else jobproc.job_error(Path(job.log_path), rc)
+            # a cancelled run stops cleanly (checkpoint, exit 0): still cancelled, not finished
+            state = "cancelled" if job.cancel_requested else "finished" if rc == 0 else "failed"
+            error = "" if rc == 0 or job.cancel_requested else jobproc.job_error(
+                Path(job.log_path), rc)
             self.store.update(job_id, state=state, exit_code=rc, pid=None, error=error,
                               finished=time.time())
             log.info("job ended", job=job_id, state=state, exit_code=rc)
