@@ -43,7 +43,7 @@ def _serve(state: Path, port: int) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen([sys.executable, "-m", "rlhf_async", "serve", "--state-dir",
                                  str(state), "--metrics-port", str(port), "--stop-timeout",
                                  "20"], stdout=subprocess.DEVNULL, stderr=log)
-    _wait(lambda: _answers(state), 30, "daemon answering")
+    _wait(lambda: _answers(state), 180, "daemon answering")  # a hang guard (minutes under load)
     return proc
 
 
