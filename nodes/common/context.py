@@ -18,6 +18,7 @@ from rlhf_async.modeling.precision import Precision, check_device
 from rlhf_async.pipeline.protocol import ChunkFormatError
 from rlhf_async.runtime import Node
 from rlhf_async.task import Task, make_task, sampling_params
+from rlhf_async.task.adapters import adopt_adapter_lines
 from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.wire.protocol import ProtocolError
 
@@ -43,7 +44,9 @@ async def load_context(node: Node) -> NodeContext:
     on beating its heartbeats (`runtime.time_to_dead`) meanwhile."""
     hf_logging.disable_progress_bar()
     p = node.params
-    adopt_engine_lines(p.get("engines", {}))  # a line the coordinator registered at run time
+    # the lines the coordinator registered at run time (a test, a notebook)
+    adopt_engine_lines(p.get("engines", {}))
+    adopt_adapter_lines(p.get("adapters", {}))
     cfg = config_from_dict(p["config"])
     simulate(cfg)  # simulated devices (placement.device = sim): the engines time them
     art = Artefacts(Path(p["sft_dir"]), Path(p["rm_dir"]) if p["rm_dir"] else None, {}, {})

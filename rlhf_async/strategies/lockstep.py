@@ -53,6 +53,7 @@ from rlhf_async.strategies.colocated import colocated_engine
 from rlhf_async.strategies.step_health import NothingTrained, StepHealth
 from rlhf_async.strategies.utilization import job_utilization
 from rlhf_async.task import Task, make_task, sampling_params
+from rlhf_async.task.adapters import adapter_lines, adopt_adapter_lines
 from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.task.evaluation import StepLogs
 from rlhf_async.task.rewards.remote_reward import RewardServerError
@@ -273,11 +274,13 @@ def _worker(rank: int, world: int, port: int, cfg: JobConfig, art: Artefacts, ru
             start_step: int, make_scorer: ScorerFactory, strategy: str,
             precision: Precision, stop: StopRequest, env: dict[str, str] | None = None,
             cwd: str = "", console: tuple[str, bool] = ("warning", False),
-            engines: Mapping[str, Any] | None = None) -> None:
+            registries: Mapping[str, Any] | None = None) -> None:
     stop.rank_parent = os.getppid()
     if env is not None:  # forked from the fork server: the job's environment, not the server's
         adopt(env, cwd)
-    adopt_engine_lines(engines or {})  # a line the job's process registered at run time
+    # the lines the job's process registered at run time (a test, a notebook)
+    adopt_engine_lines((registries or {}).get("engines", {}))
+    adopt_adapter_lines((registries or {}).get("adapters", {}))
     configure_logging(console[0], json=console[1])  # the job's console; JSON to the file
     # the job's process handles SIGINT/SIGTERM (they reach the whole process group) and
     # tells every rank through `stop`, so all ranks stop after the same step
@@ -360,7 +363,8 @@ def run_ranks(cfg: JobConfig, art: Artefacts, run_dir: Path, start_step: int,
                                                     precision, stop,
                                                     dict(os.environ) if fork else None,
                                                     os.getcwd(), console_settings(),
-                                                    engine_lines(cfg)),
+                                                    {"engines": engine_lines(cfg),
+                                                     "adapters": adapter_lines(cfg.task)}),
                                      nprocs=world, join=False,
                                      start_method="forkserver" if fork else "spawn")
             _children[:] = ctx.processes

@@ -1,7 +1,9 @@
 """Adding an environment adapter is one class and one registry line: a toy adapter defined
 here alone (`task.env = "toy:<count>"`: its rows the prompts, one held out; its environment
 the episodes and their reward), registered by one `ADAPTERS` line, trains end to end
-(`job.run`, tiny model, 2 steps, Flattening), and its own checks run before anything
+(`job.run`, tiny model, 2 steps, Flattening; and in the node processes of Separation and
+the rank processes of Flattening on 2 devices, which take the line from the job's
+process: it is in no module they import), and its own checks run before anything
 starts (a bad argument: one clear error from `run --dry-run` and from `run`, nothing
 written)."""
 
@@ -99,6 +101,20 @@ def test_a_toy_adapter_trains_on_its_prompts_and_episodes(toy, tmp_path):
     events = ToyAdapter.events
     assert events.index("problems") < events.index("reachable") < events.index("reset")
     assert events.count("reachable") == 1
+
+
+@pytest.mark.parametrize("placement", [
+    ["placement.strategy=separation"],
+    ["placement.strategy=flattening", "placement.devices=2", "runtime.node_start=exec"]],
+    ids=["separation-nodes", "flattening-2-exec-ranks"])
+def test_the_registry_line_reaches_every_process_of_the_job(toy, tmp_path, placement):
+    over = [o for o in toy if not o.startswith("placement.strategy")]
+    cfg = load_config(None, [*over, *placement, "task.env=toy:4", "run.name=toy"])
+    summary = job.run(cfg)
+    metrics = read_metrics(tmp_path / "runs" / "toy" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1]
+    assert all(m["episodes/done"] + m["episodes/truncated"] == 4 for m in metrics), metrics
+    assert summary["final_hidden_score"] is not None
 
 
 def test_a_bad_argument_is_one_error_before_anything_starts(toy, tmp_path, capsys):

@@ -42,6 +42,7 @@ from rlhf_async.strategies.separation.startup import generator_ranks, wait_loade
 from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
 from rlhf_async.strategies.step_health import NothingTrained
 from rlhf_async.strategies.utilization import job_utilization
+from rlhf_async.task.adapters import adapter_lines
 from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.weight_sync import GroupSpec
 from rlhf_async.wire.transport import Endpoint, Transport
@@ -87,7 +88,8 @@ def build_specs(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placem
         "config": to_dict(cfg), "sft_dir": str(art.sft_dir),
         "rm_dir": "" if art.rm_dir is None else str(art.rm_dir),
         "policy_dir": str(run_dir / "policy"), "precision": placement.precision().to_dict(),
-        "checkpoint_dir": str(run_dir / "checkpoints"), "engines": engine_lines(cfg)}
+        "checkpoint_dir": str(run_dir / "checkpoints"), "engines": engine_lines(cfg),
+        "adapters": adapter_lines(cfg.task)}
     endpoints = {
         "trainer": {"scored": Endpoint("pull", scored, bind=True, hwm=hwm)},
         "generator": {"prompts": Endpoint("pull", prompts, hwm=hwm),

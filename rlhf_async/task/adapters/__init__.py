@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Mapping
 from pathlib import Path
 
 from rlhf_async.config import ConfigError, JobConfig, TaskConfig
@@ -22,8 +23,8 @@ from rlhf_async.config.presets import distills
 from rlhf_async.config.task import adapter_syntax
 from rlhf_async.task.adapters.interface import KEYS, EnvironmentAdapter, Rows, Scorer
 
-__all__ = ["ADAPTERS", "KEYS", "EnvironmentAdapter", "Rows", "Scorer", "adapter_problems",
-           "check_reachable", "chosen", "preload"]
+__all__ = ["ADAPTERS", "KEYS", "EnvironmentAdapter", "Rows", "Scorer", "adapter_lines",
+           "adapter_problems", "adopt_adapter_lines", "check_reachable", "chosen", "preload"]
 
 # prefix -> "module:Class" (what follows '<prefix>:' is the class's argument)
 ADAPTERS: dict[str, str] = {
@@ -46,6 +47,22 @@ def _named(value: str) -> tuple[str, type[EnvironmentAdapter], str] | None:
     if not sep or prefix not in ADAPTERS:
         return None
     return prefix, _load(ADAPTERS[prefix]), argument
+
+
+def adapter_lines(t: TaskConfig) -> dict[str, str]:
+    """The `ADAPTERS` lines `t` names, as plain data for the job's processes: a line
+    registered at run time (a test, a notebook) is in this process's registry only, and the
+    nodes and ranks take it from here (`adopt_adapter_lines`)."""
+    prefixes = (getattr(t, key).partition(":") for key in KEYS)
+    return {prefix: ADAPTERS[prefix] for prefix, sep, _ in prefixes
+            if sep and prefix in ADAPTERS}
+
+
+def adopt_adapter_lines(lines: Mapping[str, str]) -> None:
+    """In a job's process: the lines of `adapter_lines` its registry lacks, added (a line
+    of the same prefix here is kept: the built-in ones are the same everywhere)."""
+    for prefix, path in lines.items():
+        ADAPTERS.setdefault(prefix, path)
 
 
 def chosen(t: TaskConfig) -> list[EnvironmentAdapter]:
