@@ -76,24 +76,32 @@ class Daemon:
 
     # ---- lifecycle -------------------------------------------------------------------
     def prepare(self) -> JobStore:
-        """Make the state dir (0700), open the store, and settle jobs a previous daemon left
-        running: a job with summary.json finished; any other goes back to the queue."""
+        """Make the state dir (0700) and open the store."""
         self.paths.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.paths.root, 0o700)
         for d in (self.paths.runs, self.paths.logs, self.paths.configs):
             d.mkdir(exist_ok=True)
-        store = self.store = JobStore(self.paths.db)
-        for job in store.list(("running",)):
-            jobproc.stop_leftover(job, self.stop_timeout)
+        self.store = JobStore(self.paths.db)
+        return self.store
+
+    async def settle_leftovers(self) -> None:
+        """Settle the jobs a previous daemon left running: each one's process stopped (it
+        checkpoints on SIGTERM: up to `stop_timeout` s, off the event loop, so the daemon
+        answers meanwhile); one with summary.json finished, a cancelled one cancelled, any
+        other back to the queue."""
+        assert self.store is not None
+        left = self.store.list(("running",))
+        await asyncio.gather(*(asyncio.to_thread(jobproc.stop_leftover, job, self.stop_timeout)
+                               for job in left))
+        for job in left:
             if (Path(job.run_dir) / "summary.json").exists():
-                store.update(job.id, state="finished", pid=None, exit_code=0,
-                             finished=time.time())
-            elif job.cancel_requested:
-                store.update(job.id, state="cancelled", pid=None, finished=time.time())
+                self.store.update(job.id, state="finished", pid=None, exit_code=0,
+                                  finished=time.time())
+            elif self.store.get(job.id).cancel_requested:  # before or while it stopped
+                self.store.update(job.id, state="cancelled", pid=None, finished=time.time())
             else:
-                store.update(job.id, state="queued", pid=None)
+                self.store.update(job.id, state="queued", pid=None)
                 log.warning("job interrupted by a daemon restart; requeued", job=job.id)
-        return store
 
     async def serve(self) -> int:
         store = self.prepare()
@@ -109,13 +117,17 @@ class Daemon:
         finally:
             os.umask(old_umask)
         log.info("daemon serving", state_dir=str(self.paths.root), pid=os.getpid(),
-                 queued=store.counts()["queued"])
+                 queued=store.counts()["queued"], left_running=store.counts()["running"])
+        settling = asyncio.create_task(self.settle_leftovers())
         try:
             while not self.stopping.is_set():
                 self._reap()
-                self._start_queued()
+                if settling.done():  # no new job beside one a previous daemon left running
+                    settling.result()
+                    self._start_queued()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stopping.wait(), self.poll_s)
+            await settling
             await self._stop_children()
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

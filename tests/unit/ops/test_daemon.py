@@ -3,6 +3,7 @@ protocol's answers to bad requests, and the /metrics collector."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -90,6 +91,7 @@ def test_restart_settles_jobs_left_running(tmp_path):
     d.store.close()
     again = _daemon(tmp_path)
     assert again.store is not None
+    asyncio.run(again.settle_leftovers())  # what serve() starts as it opens its socket
     assert [j.state for j in again.store.list()] == ["finished", "queued", "cancelled"]
 
 
@@ -250,6 +252,54 @@ def test_cli_run_base_dir_and_a_bad_toml_named_by_the_users_file(tmp_path, capsy
     with pytest.raises(ValueError, match="config file '/home/u/job.toml': not valid TOML"):
         d.handle({"op": "submit", "config_text": "[train\n", "config_name": "/home/u/job.toml",
                   "overrides": [], "cwd": "/home/u"})
+
+
+def test_a_restarted_daemon_answers_while_the_job_it_found_running_stops(tmp_path,
+                                                                         monkeypatch):
+    """A job a previous daemon left running checkpoints on SIGTERM, which may take up to
+    `stop_timeout`: the new daemon answers meanwhile (it used to open its socket only after),
+    starts nothing beside the job, then requeues it and starts it again."""
+    import asyncio
+    import subprocess
+
+    from rlhf_async.ops.daemon import call_daemon
+    from rlhf_async.ops.daemon import jobs as jobproc
+
+    released = tmp_path / "released"
+    # the leftover: its "checkpoint" lasts until the test has had its answer
+    leftover = subprocess.Popen(
+        [sys.executable, "-c", "import os, signal, sys, time\n"
+         "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True)\n"
+         f"while not os.path.exists({str(released)!r}): time.sleep(0.05)"],
+        stdout=subprocess.PIPE, start_new_session=True)
+    assert leftover.stdout is not None and leftover.stdout.readline() == b"\n"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    monkeypatch.setattr(jobproc, "job_command", lambda job, configs: (sleeper, None))
+    d = Daemon(tmp_path / "state", stop_timeout=600, poll_s=0.05)
+    store = d.prepare()
+    d.handle({"op": "submit", "overrides": []})
+    store.update(1, state="running", pid=leftover.pid,
+                 pid_started=jobproc.create_time(leftover.pid))
+    store.close()
+
+    async def scenario() -> tuple[dict, dict]:
+        serving = asyncio.create_task(d.serve())
+        while not d.paths.socket.exists():
+            await asyncio.sleep(0.05)
+        meanwhile = await asyncio.to_thread(call_daemon, d.paths.root, {"op": "job", "id": 1})
+        assert leftover.poll() is None and not d.children  # still stopping; nothing beside it
+        released.touch()
+        while 1 not in d.children:
+            await asyncio.sleep(0.05)
+        again = await asyncio.to_thread(call_daemon, d.paths.root, {"op": "job", "id": 1})
+        d._request_stop("test")
+        assert await asyncio.wait_for(serving, 60) == 0
+        return meanwhile, again
+
+    meanwhile, again = asyncio.run(scenario())
+    assert leftover.wait(60) == 0
+    assert (meanwhile["state"], meanwhile["pid"]) == ("running", leftover.pid)
+    assert again["state"] == "running" and again["pid"] != leftover.pid, again
 
 
 def test_a_failed_jobs_error_reaches_the_job_list_whole(tmp_path, monkeypatch, capsys):
