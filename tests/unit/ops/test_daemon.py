@@ -296,8 +296,12 @@ def test_a_restarted_daemon_answers_while_the_job_it_found_running_stops(tmp_pat
         assert await asyncio.wait_for(serving, 60) == 0
         return meanwhile, again
 
-    meanwhile, again = asyncio.run(scenario())
-    assert leftover.wait(60) == 0
+    try:
+        meanwhile, again = asyncio.run(scenario())
+        assert leftover.wait(60) == 0
+    finally:  # a failed or timed-out test leaves no process behind
+        released.touch()
+        leftover.kill()
     assert (meanwhile["state"], meanwhile["pid"]) == ("running", leftover.pid)
     assert again["state"] == "running" and again["pid"] != leftover.pid, again
 
