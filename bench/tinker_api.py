@@ -14,7 +14,11 @@ process without HTTP, taking turns round by round.
   sets it up) called directly: generated tokens per second.
 
 The server and the direct runs use `--threads` torch threads. Prints a table and writes
-bench/results/tinker_api.json, with the load average before and after.
+bench/results/tinker_api.json, with the load average before and after. On Linux it also
+counts the CPU time each side spends on a sample round (from /proc): the server's event
+loop (its main thread), the server's other threads (the engine's decode thread), the
+client process (the SDK), and the direct run: unlike the wall times, these hardly move
+with the load other work puts on the machine.
 """
 
 from __future__ import annotations
@@ -70,6 +74,56 @@ def start_server(state: Path, port: int, threads: int) -> subprocess.Popen[bytes
             if time.monotonic() > deadline:
                 raise SystemExit("the server did not come up in 180 s") from None
             time.sleep(0.2)
+
+
+def cpu_s(pid: int, tid: int | None = None) -> float | None:
+    """CPU seconds (user + system) process `pid`, or its thread `tid`, has used; None
+    without /proc (not Linux)."""
+    path = Path(f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat")
+    try:
+        fields = path.read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuCounts:
+    """CPU time per side over the sample rounds: `take` before and after each."""
+
+    SIDES = ("server_event_loop", "server_engine", "client", "direct")
+
+    def __init__(self, server_pid: int) -> None:
+        self.server_pid = server_pid
+        self.total = dict.fromkeys(self.SIDES, 0.0)
+        self.rounds = 0
+        self.available = cpu_s(server_pid, server_pid) is not None
+
+    def take(self) -> dict[str, float]:
+        if not self.available:
+            return {}
+        pid = self.server_pid
+        loop, server, me = cpu_s(pid, pid), cpu_s(pid), cpu_s(os.getpid())
+        if loop is None or server is None or me is None:  # the server went away
+            self.available = False
+            return {}
+        return {"loop": loop, "server": server, "me": me}
+
+    def add(self, before: dict[str, float], api_done: dict[str, float],
+            after: dict[str, float]) -> None:
+        """One round: `before` the API's sample, `api_done` after it, `after` the direct."""
+        if not (before and api_done and after):
+            return
+        self.total["server_event_loop"] += api_done["loop"] - before["loop"]
+        self.total["server_engine"] += (api_done["server"] - before["server"]) - \
+            (api_done["loop"] - before["loop"])
+        self.total["client"] += api_done["me"] - before["me"]
+        self.total["direct"] += after["me"] - api_done["me"]
+        self.rounds += 1
+
+    def per_round_ms(self) -> dict[str, float] | None:
+        if not self.rounds:
+            return None
+        return {k: 1000 * v / self.rounds for k, v in self.total.items()}
 
 
 def token_rows(batch: int, seq: int) -> list[list[int]]:
@@ -168,13 +222,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             api.train(), direct.train(), api.sample(0), direct.sample(0)
         times: dict[str, list[float]] = {k: [] for k in
                                          ("api_train", "direct_train", "api_tps", "direct_tps")}
+        cpu = CpuCounts(proc.pid)
         for r in range(1, args.rounds + 1):
             times["api_train"].append(api.train())
             times["direct_train"].append(direct.train())
+            before = cpu.take()
             s, n = api.sample(r)
             times["api_tps"].append(n / s)
+            api_done = cpu.take()
             s, n = direct.sample(r)
             times["direct_tps"].append(n / s)
+            cpu.add(before, api_done, cpu.take())
             print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in times.items()),
                   file=sys.stderr)
         direct.close()
@@ -183,9 +241,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     med = {k: statistics.median(v) for k, v in times.items()}
+    paired = [a / d for a, d in zip(times["api_tps"], times["direct_tps"], strict=True)]
     return {"rounds": times, "median": med,
             "train_overhead_ms": 1000 * (med["api_train"] - med["direct_train"]),
-            "sample_ratio": med["api_tps"] / med["direct_tps"]}
+            "sample_ratio": med["api_tps"] / med["direct_tps"],
+            # each round's API run beside its own direct run: less moved by load drifting
+            "sample_ratio_paired": statistics.median(paired),
+            "sample_cpu_ms_per_round": cpu.per_round_ms()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,7 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"train round trip  API {1000 * m['api_train']:.1f} ms   direct "
           f"{1000 * m['direct_train']:.1f} ms   overhead {result['train_overhead_ms']:.1f} ms")
     print(f"sampling tokens/s API {m['api_tps']:.0f}   direct {m['direct_tps']:.0f}   "
-          f"ratio {result['sample_ratio']:.2f}x")
+          f"ratio {result['sample_ratio']:.2f}x (round by round {result['sample_ratio_paired']:.2f}x)")
+    if (c := result["sample_cpu_ms_per_round"]) is not None:
+        print(f"CPU ms a sample round: server event loop {c['server_event_loop']:.1f}, server "
+              f"engine {c['server_engine']:.1f}, client {c['client']:.1f}; direct "
+              f"{c['direct']:.1f}")
     print(f"load {load_before[0]:.2f} -> {result['load_after'][0]:.2f}")
     return 0
 

@@ -4,6 +4,8 @@ the same work done directly both run, and the summary says what it measured."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,3 +26,21 @@ def test_the_tinker_api_bench_measures_both_paths(tmp_path: Path,
     assert all(med[k] > 0 for k in ("api_train", "direct_train", "api_tps", "direct_tps"))
     assert result["sample_ratio"] == pytest.approx(med["api_tps"] / med["direct_tps"])
     assert result["config"]["max_tokens"] == 4 and len(result["load_before"]) == 3
+    assert result["sample_ratio_paired"] == pytest.approx(
+        result["rounds"]["api_tps"][0] / result["rounds"]["direct_tps"][0])
+    cpu = result["sample_cpu_ms_per_round"]
+    if sys.platform == "linux":  # from /proc: each side's CPU time on the sample rounds
+        assert set(cpu) == {"server_event_loop", "server_engine", "client", "direct"}
+        assert all(v >= 0 for v in cpu.values())
+
+
+def test_cpu_seconds_come_from_proc_for_a_process_and_its_threads() -> None:
+    pid = os.getpid()
+    whole = tinker_api.cpu_s(pid)
+    if sys.platform != "linux":
+        assert whole is None
+        return
+    assert whole is not None and whole > 0  # this process has imported torch
+    main = tinker_api.cpu_s(pid, pid)
+    assert main is not None and 0 < main <= whole + 0.02  # one thread's share of the whole
+    assert tinker_api.cpu_s(pid, 2 ** 22 + 7) is None  # no such thread
