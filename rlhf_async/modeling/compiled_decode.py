@@ -38,7 +38,8 @@ log = get_logger(component="decode")
 # expect to run before compiling pays for its warm-up
 COMPILE_MIN_STEPS = 20_000
 BACKEND = "inductor"  # torch.compile's backend (tests trace with a fast one)
-_GRAPHS: dict[str, Callable[..., Any]] = {}  # architecture -> its compiled layer
+# (architecture, its config's constants) -> the compiled step
+_GRAPHS: dict[tuple[Any, ...], Callable[..., Any]] = {}
 _FAILED: set[str] = set()
 
 
@@ -106,30 +107,55 @@ def _gpt2_layer(x: Tensor, b_old: Tensor, b_new: Tensor, keys: Tensor, values: T
     return x, k, v
 
 
-def _gpt2_forward(tok: Tensor, pos: Tensor, mask: Tensor, keys: list[Tensor],
-                  values: list[Tensor], blocks: list[list[Tensor]], outer: list[Tensor],
-                  heads: int, eps: float, gelu: str,
-                  ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-    """One decode step of GPT-2 over the cached keys/values of every layer [b, H, T, D]:
-    (logits [b, V], each layer's new k, v [b, H, 1, D]). `outer`: wte, wpe, ln_f's."""
-    wte, wpe, lnf_w, lnf_b = outer
-    x = wte[tok] + wpe[pos[:, 0]]  # [b, E]
-    b_old, b_new = _bias(mask, x.dtype)
-    new_k, new_v = [], []
-    for w, k_cache, v_cache in zip(blocks, keys, values, strict=True):
-        x, k, v = _gpt2_layer(x, b_old, b_new, k_cache, v_cache, w, heads, eps, gelu)
-        new_k.append(k)
-        new_v.append(v)
-    x = F.layer_norm(x, (x.shape[-1],), lnf_w, lnf_b, eps)
-    return F.linear(x, wte), new_k, new_v
+def _gpt2_forward(heads: int, eps: float, gelu: str) -> Callable[..., Any]:
+    """One decode step of GPT-2 with `heads` heads over the cached keys/values of every
+    layer, buffers [b, H, C, D] of which the first T = mask.shape[1] - 1 columns are
+    filled: (tok, pos, mask, keys, values, blocks, outer) -> (logits [b, V],
+    each layer's new k, v [b, H, 1, D]); `outer`: wte, wpe, ln_f's. The config's numbers
+    are constants of the graph (closed over, not inputs): with them symbolic, inductor's
+    kernels computed the head dim at run time and vectorized its tail with masks."""
+
+    def forward(tok: Tensor, pos: Tensor, mask: Tensor, keys: list[Tensor],
+                values: list[Tensor], blocks: list[list[Tensor]], outer: list[Tensor],
+                ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        wte, wpe, lnf_w, lnf_b = outer
+        x = wte[tok] + wpe[pos[:, 0]]  # [b, E]
+        b_old, b_new = _bias(mask, x.dtype)
+        T = mask.shape[1] - 1  # cached positions: the buffers' first T columns
+        new_k, new_v = [], []
+        for w, k_cache, v_cache in zip(blocks, keys, values, strict=True):
+            x, k, v = _gpt2_layer(x, b_old, b_new, k_cache[:, :, :T], v_cache[:, :, :T], w,
+                                  heads, eps, gelu)
+            new_k.append(k)
+            new_v.append(v)
+        x = F.layer_norm(x, (x.shape[-1],), lnf_w, lnf_b, eps)
+        return F.linear(x, wte), new_k, new_v
+
+    return forward
 
 
-def _compiled(arch: str, fn: Callable[..., Any]) -> Callable[..., Any] | None:
-    if arch in _FAILED:
+def _compiled(key: tuple[Any, ...], make: Callable[[], Callable[..., Any]],
+              ) -> Callable[..., Any] | None:
+    """The compiled graph of `key` (architecture and config constants), made once a process
+    (None after a failure of that architecture)."""
+    if key[0] in _FAILED:
         return None
-    if arch not in _GRAPHS:
-        _GRAPHS[arch] = torch.compile(fn, backend=BACKEND, dynamic=True, fullgraph=True)
-    return _GRAPHS[arch]
+    if key not in _GRAPHS:
+        # dynamic only where `_vary` marks (rows, cached positions): dynamic=True made every
+        # dimension symbolic, the head count too, and inductor's kernels then computed the
+        # head dim at run time and vectorized its tail with masks
+        _GRAPHS[key] = torch.compile(make(), backend=BACKEND, dynamic=False, fullgraph=True)
+    return _GRAPHS[key]
+
+
+def _vary(tok: Tensor, pos: Tensor, mask: Tensor, keys: list[Tensor], values: list[Tensor],
+          ) -> None:
+    """Mark the dimensions that change between calls dynamic: rows (finished ones leave) and
+    cached positions (one more a step), so neither recompiles; the rest stay constants."""
+    for t in (tok, pos, mask, *keys, *values):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    for t in (mask, *keys, *values):
+        torch._dynamo.maybe_mark_dynamic(t, t.dim() - 2 if t.dim() == 4 else 1)
 
 
 def _bias(mask: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -142,10 +168,12 @@ def _bias(mask: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 
 def _gpt2_compiled(model: Any) -> DecodeStep | None:
     tr, config = model.transformer, model.config
-    forward = _compiled("gpt2", _gpt2_forward)
-    if forward is None or model.lm_head.weight is not tr.wte.weight:
+    if model.lm_head.weight is not tr.wte.weight:
         return None  # (an untied head: not written here)
     H, eps, gelu = config.n_head, config.layer_norm_epsilon, _GELU[config.activation_function]
+    forward = _compiled(("gpt2", H, eps, gelu), lambda: _gpt2_forward(H, eps, gelu))
+    if forward is None:
+        return None
     outer = [tr.wte.weight, tr.wpe.weight, tr.ln_f.weight, tr.ln_f.bias]
     blocks = [[blk.ln_1.weight, blk.ln_1.bias, blk.ln_2.weight, blk.ln_2.bias,
                blk.attn.c_attn.weight, blk.attn.c_attn.bias, blk.attn.c_proj.weight,
@@ -154,8 +182,13 @@ def _gpt2_compiled(model: Any) -> DecodeStep | None:
 
     def step(tok: Tensor, pos: Tensor, mask: Tensor, cache: Any) -> Tensor:
         layers = cache.layers
-        logits, ks, vs = forward(tok, pos, mask, [la.keys for la in layers],
-                                 [la.values for la in layers], blocks, outer, H, eps, gelu)
+        # whole buffers, not views of their filled columns: a view's strides carry the
+        # buffer's capacity, which a new call's prompt length changes (a recompile)
+        keys = [la.key_buffer for la in layers]
+        values = [la.value_buffer for la in layers]
+        mask = mask.contiguous()  # (a view of the call's whole mask: the same reason)
+        _vary(tok, pos, mask, keys, values)
+        logits, ks, vs = forward(tok, pos, mask, keys, values, blocks, outer)
         for layer, k, v in zip(layers, ks, vs, strict=True):
             layer.update(k, v)  # the cache's own write: this token's column
         return logits  # [b, V]

@@ -31,10 +31,11 @@ def _gpt2() -> GPT2LMHeadModel:
                                       n_head=4, eos_token_id=EOS, pad_token_id=PAD)).eval()
 
 
-def _sample(model, compiled: bool):
+def _sample(model, compiled: bool, new_tokens: int = 12, prompt: int = 6):
     ids = torch.tensor([[0, 0, 1, 5, 6, 2], [1, 7, 8, 9, 4, 2], [0, 1, 4, 4, 5, 2]]).repeat(4, 1)
+    ids = ids[:, -prompt:]
     mask = (ids != PAD).long()  # left padding
-    sp = SamplingParams(max_new_tokens=12, eos_id=EOS, pad_id=PAD)  # rows end early
+    sp = SamplingParams(max_new_tokens=new_tokens, eos_id=EOS, pad_id=PAD)  # rows end early
     u = sampling_uniforms(0, 0, list(range(len(ids))), sp.max_new_tokens)
     cd._ENABLED[0] = compiled
     return sample(model, ids, mask, sp, u)
@@ -47,7 +48,28 @@ def test_compiled_samples_what_eager_samples(traced):
     assert torch.equal(eager.response_mask, compiled.response_mask)
     assert 0 < int(compiled.response_mask.sum()) < compiled.response_mask.numel()  # rows ended
     torch.testing.assert_close(eager.logprobs, compiled.logprobs, rtol=1e-5, atol=1e-5)
-    assert "gpt2" in cd._GRAPHS and not cd._FAILED
+    assert [k[0] for k in cd._GRAPHS] == ["gpt2"] and not cd._FAILED
+
+
+def test_rows_leaving_and_new_lengths_compile_once(traced, monkeypatch):
+    """One graph for a call whose rows end at different steps and for later calls with
+    other prompt and response lengths (other cache capacities): rows and cached positions
+    are dynamic, the config's numbers constants."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    monkeypatch.setattr(cd, "BACKEND", counting)
+    model = _gpt2()
+    for new_tokens, prompt in ((12, 6), (7, 4), (15, 5)):
+        out = _sample(model, True, new_tokens, prompt)
+        assert torch.equal(out.response_ids, _sample(model, False, new_tokens, prompt).response_ids)
+    assert len(graphs) == 1
+    # heads and head dim are constants of the graph (4 x 8), the rows a symbol
+    views = [line for line in graphs[0].code.splitlines() if "addmm.view(" in line]
+    assert views and all(line.rstrip(";").split("view(")[1].split(")")[0].endswith(
+        ", 3, 4, 1, 8") for line in views)
 
 
 def test_a_compiler_failure_falls_back_to_the_eager_step(traced, monkeypatch):
@@ -56,7 +78,7 @@ def test_a_compiler_failure_falls_back_to_the_eager_step(traced, monkeypatch):
 
     def broken(*a, **k):
         raise RuntimeError("no compiler")
-    monkeypatch.setattr(cd, "_GRAPHS", {"gpt2": broken})
+    monkeypatch.setattr(cd, "_gpt2_forward", lambda *config: broken)
     out = _sample(model, True)
     assert torch.equal(out.response_ids, eager.response_ids)
     torch.testing.assert_close(out.logprobs, eager.logprobs)
