@@ -200,24 +200,27 @@ def compiled_decode_step(model: nn.Module, steps: int = 0) -> DecodeStep | None:
     """The compiled decode step for `model` where one is written (GPT-2), else the eager
     `decode_step` (or None where that has none either). The first call compiles (or loads
     inductor's cached kernels); a failure there logs once and falls back to eager."""
-    eager = decode_step(model, steps)
-    if eager is None or getattr(model.config, "model_type", "") != "gpt2":
-        return eager
+    if getattr(model.config, "model_type", "") != "gpt2" or decode_step(model) is None:
+        return decode_step(model, steps)  # (unpacked above: only asking whether it has one)
     fast = _gpt2_compiled(model)
     if fast is None:
-        return eager
-    state = {"step": fast}
+        return decode_step(model, steps)
+    # the eager step only once needed: it packs its weights (CPU), ~0.1 ms a weight at
+    # every call, which the compiled step does not use
+    fallback: list[DecodeStep] = []
 
     def step(tok: Tensor, pos: Tensor, mask: Tensor, cache: Any) -> Tensor:
-        if state["step"] is eager:
-            return eager(tok, pos, mask, cache)
+        if fallback:
+            return fallback[0](tok, pos, mask, cache)
         try:
-            return state["step"](tok, pos, mask, cache)
+            return fast(tok, pos, mask, cache)
         except Exception as e:  # any compiler failure: the eager step instead
             _FAILED.add("gpt2")
             log.warning("decode step not compiled: eager instead", error=str(e)[:500])
-  # nothing was written to the cache
-            state["step"] = eager
+            eager = decode_step(model, steps)  # nothing was written to the cache
+            if eager is None:  # pragma: no cover - it had one above
+                raise
+            fallback.append(eager)
             return eager(tok, pos, mask, cache)
 
     return step

@@ -12,6 +12,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from rlhf_async.modeling import compiled_decode as cd
+from rlhf_async.modeling.decode_step import PACK_MIN_STEPS, decode_step
 from rlhf_async.modeling.generation import SamplingParams, sample, sampling_uniforms
 
 EOS, PAD, V = 3, 0, 24
@@ -83,6 +84,20 @@ def test_a_compiler_failure_falls_back_to_the_eager_step(traced, monkeypatch):
     assert torch.equal(out.response_ids, eager.response_ids)
     torch.testing.assert_close(out.logprobs, eager.logprobs)
     assert "gpt2" in cd._FAILED and len(cd._FAILED) == 1
+
+
+def test_the_compiled_step_packs_no_eager_weights(traced, monkeypatch):
+    """The eager step packs its weights for oneDNN at every call from PACK_MIN_STEPS steps
+    (CPU): the compiled step makes it only at a compiler failure."""
+    made = []
+
+    def spy(model, steps=0):
+        made.append(steps)
+        return decode_step(model, steps)
+    monkeypatch.setattr(cd, "decode_step", spy)
+    model = _gpt2()
+    step = cd.compiled_decode_step(model, 100)
+    assert step is not None and all(s < PACK_MIN_STEPS for s in made)
 
 
 def test_compile_only_where_it_pays():
