@@ -1,16 +1,17 @@
-"""The decode step compiled: the whole step one torch.compile graph (inductor).
+"""The decode step compiled: the whole step one torch.compile graph (inductor), for GPT-2
+and Llama-shaped models (Llama, Qwen2, Mistral: SmolLM2).
 
 `decode_step`'s eager step launches ~15 small operators a layer from Python; at the sizes
 this project trains on a CPU most of a step is their fixed cost, not arithmetic. Here the
 step's arithmetic (embedding, every layer's norms, projections, attention over the cached
 positions and this token, MLP, residuals; the head) is a pure function of tensors, weights
-included, compiled once per process for every model of an architecture (`_compiled`: the
-weights are inputs, so one graph serves any model of the same depth; `dynamic=True`: rows
-and cache length vary without recompiling). The new keys and values come back out of the
-graph and are written into the
-preallocated cache by its own `update` (a write into a graph input would copy the whole
-buffer back), and the new token attends to them as a second softmax block beside the
-cached positions, the same arithmetic as attending over the cache with it written.
+included, compiled once per process for every model of an architecture and config
+(`_compiled`: the weights are inputs, so one graph serves any model of the same depth and
+head count; only rows and cache length are dynamic, `_vary`, so neither recompiles). The
+new keys and values come back out of the graph and are written into the preallocated
+cache by its own `update` (a write into a graph input would copy the whole buffer back),
+and the new token attends to them as a second softmax block beside the cached positions,
+the same arithmetic as attending over the cache with it written.
 
 Whether to compile is the caller's (`compile_pays`: a warm-up of tens of seconds pays only
 over many decode steps); anything that fails to compile falls back to the eager step, once
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlhf_async.log import get_logger
-from rlhf_async.modeling.decode_step import _GELU, DecodeStep, decode_step
+from rlhf_async.modeling.decode_step import _GELU, DecodeStep, _rms, _rotate, decode_step
 
 log = get_logger(component="decode")
 
@@ -196,13 +197,87 @@ def _gpt2_compiled(model: Any) -> DecodeStep | None:
     return step
 
 
+LLAMA_LIKE = ("llama", "qwen2", "mistral")
+
+
+def _llama_forward(heads: int, kv_heads: int, eps: float, scaling: float,
+                   ) -> Callable[..., Any]:
+    """One decode step of a Llama-shaped model (Llama, Qwen2, Mistral: RMSNorm, rotary
+    q and k, grouped-query attention, SiLU-gated MLP), as `_gpt2_forward`: (tok, cos, sin
+    [b, D] of this position, mask, keys, values, blocks, outer) -> (logits [b, V], each
+    layer's new k, v [b, Hkv, 1, D]); `outer`: the embedding, final norm, head and its bias
+    (None without one). The rotary tables come in from the model's own rotary module."""
+    G = heads // kv_heads
+
+    def forward(tok: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, keys: list[Tensor],
+                values: list[Tensor], blocks: list[list[Any]], outer: list[Any],
+                ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        embed, norm, head_w, head_b = outer
+        x = embed[tok]  # [b, E]
+        b, T = x.shape[0], mask.shape[1] - 1
+        b_old, b_new = _bias(mask, x.dtype)
+        cos, sin = cos[:, None], sin[:, None]  # [b, 1, D] over heads
+        new_k, new_v = [], []
+        for w, k_cache, v_cache in zip(blocks, keys, values, strict=True):
+            ln1, ln2, q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b, g_w, g_b, u_w, u_b, d_w, d_b = w
+            h = _rms(x, ln1, eps)
+            q = _rotate(F.linear(h, q_w, q_b).view(b, heads, -1), cos, sin)
+            D = q.shape[-1]
+            k = _rotate(F.linear(h, k_w, k_b).view(b, kv_heads, D), cos, sin)[:, :, None]
+            v = F.linear(h, v_w, v_b).view(b, kv_heads, 1, D)
+            a = _two_block_attention(q.view(b, kv_heads, G, D), k, v, k_cache[:, :, :T],
+                                     v_cache[:, :, :T], b_old, b_new, scaling)
+            x = x + F.linear(a.reshape(b, heads * D), o_w, o_b)
+            h = _rms(x, ln2, eps)
+            x = x + F.linear(F.silu(F.linear(h, g_w, g_b)) * F.linear(h, u_w, u_b), d_w, d_b)
+            new_k.append(k)
+            new_v.append(v)
+        return F.linear(_rms(x, norm, eps), head_w, head_b), new_k, new_v
+
+    return forward
+
+
+def _llama_compiled(model: Any) -> DecodeStep | None:
+    base, config = model.model, model.config
+    H, Hkv = config.num_attention_heads, config.num_key_value_heads
+    eps, scaling = config.rms_norm_eps, base.layers[0].self_attn.scaling
+    forward = _compiled((config.model_type, H, Hkv, eps, scaling),
+                        lambda: _llama_forward(H, Hkv, eps, scaling))
+    if forward is None:
+        return None
+    outer = [base.embed_tokens.weight, base.norm.weight, model.lm_head.weight,
+             model.lm_head.bias]
+    blocks = [[blk.input_layernorm.weight, blk.post_attention_layernorm.weight,
+               *(t for lin in (blk.self_attn.q_proj, blk.self_attn.k_proj, blk.self_attn.v_proj,
+                               blk.self_attn.o_proj, blk.mlp.gate_proj, blk.mlp.up_proj,
+                               blk.mlp.down_proj) for t in (lin.weight, lin.bias))]
+              for blk in base.layers]
+
+    def step(tok: Tensor, pos: Tensor, mask: Tensor, cache: Any) -> Tensor:
+        layers = cache.layers
+        keys = [la.key_buffer for la in layers]
+        values = [la.value_buffer for la in layers]
+        cos, sin = base.rotary_emb(outer[0][:1], pos)  # [b, 1, D]: the model's own RoPE
+        cos, sin, mask = cos[:, 0], sin[:, 0], mask.contiguous()
+        _vary(tok, cos, mask, keys, values)
+        torch._dynamo.maybe_mark_dynamic(sin, 0)
+        logits, ks, vs = forward(tok, cos, sin, mask, keys, values, blocks, outer)
+        for layer, k, v in zip(layers, ks, vs, strict=True):
+            layer.update(k, v)
+        return logits
+
+    return step
+
+
 def compiled_decode_step(model: nn.Module, steps: int = 0) -> DecodeStep | None:
-    """The compiled decode step for `model` where one is written (GPT-2), else the eager
-    `decode_step` (or None where that has none either). The first call compiles (or loads
-    inductor's cached kernels); a failure there logs once and falls back to eager."""
-    if getattr(model.config, "model_type", "") != "gpt2" or decode_step(model) is None:
+    """The compiled decode step for `model` where one is written (GPT-2, Llama-shaped),
+    else the eager `decode_step` (or None where that has none either). The first call
+    compiles (or loads inductor's cached kernels); a failure there logs once and falls back
+    to eager."""
+    arch = getattr(model.config, "model_type", "")
+    if arch not in ("gpt2", *LLAMA_LIKE) or decode_step(model) is None:
         return decode_step(model, steps)  # (unpacked above: only asking whether it has one)
-    fast = _gpt2_compiled(model)
+    fast = _gpt2_compiled(model) if arch == "gpt2" else _llama_compiled(model)
     if fast is None:
         return decode_step(model, steps)
     # the eager step only once needed: it packs its weights (CPU), ~0.1 ms a weight at
@@ -215,7 +290,7 @@ def compiled_decode_step(model: nn.Module, steps: int = 0) -> DecodeStep | None:
         try:
             return fast(tok, pos, mask, cache)
         except Exception as e:  # any compiler failure: the eager step instead
-            _FAILED.add("gpt2")
+            _FAILED.add(arch)
             log.warning("decode step not compiled: eager instead", error=str(e)[:500])
             eager = decode_step(model, steps)  # nothing was written to the cache
             if eager is None:  # pragma: no cover - it had one above

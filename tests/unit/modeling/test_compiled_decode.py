@@ -9,7 +9,14 @@ gcc on a loaded box), which reports whether the tokens are equal too."""
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from rlhf_async.modeling import compiled_decode as cd
 from rlhf_async.modeling.decode_step import PACK_MIN_STEPS, decode_step
@@ -109,8 +116,31 @@ def test_compile_only_where_it_pays():
     assert not cd.compile_pays(cpu, 10**9, "off")[0]
 
 
+def _llama(**config) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=40, eos_token_id=EOS,
+        pad_token_id=PAD, bos_token_id=1, **config)).eval()
+
+
+@pytest.mark.parametrize("config", [
+    {"num_key_value_heads": 2},  # grouped-query heads, as SmolLM2's
+    {"num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True,
+     "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+])
+def test_llama_shaped_compiled_samples_what_eager_samples(traced, config):
+    model = _llama(**config)
+    eager, compiled = _sample(model, False), _sample(model, True)
+    assert torch.equal(eager.response_ids, compiled.response_ids)
+    assert 0 < int(compiled.response_mask.sum()) < compiled.response_mask.numel()
+    torch.testing.assert_close(eager.logprobs, compiled.logprobs, rtol=1e-5, atol=1e-5)
+    assert [k[0] for k in cd._GRAPHS] == ["llama"] and not cd._FAILED
+
+
 def test_other_architectures_keep_the_eager_step(traced):
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=1, num_attention_heads=4))
-    step = cd.compiled_decode_step(llama, 0)
-    assert step is not None and cd._GRAPHS == {}
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=V, hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=1, num_attention_heads=4,
+                                           num_key_value_heads=4, head_dim=8))
+    step = cd.compiled_decode_step(gemma, 0)
+    assert step is None and cd._GRAPHS == {}
