@@ -27,7 +27,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig
 
 from rlhf_async.modeling import generation
-from rlhf_async.modeling.compiled_decode import compiled_decode_step
+from rlhf_async.modeling.compiled_decode import choose, compiled_decode_step
 from rlhf_async.modeling.decode_step import decode_step
 from rlhf_async.modeling.generation import SamplingParams
 
@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="with --compiled: the decode steps alone, no sampler")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if args.compiled:  # every size, as generation.compile = on (auto leaves big ones eager)
+        choose(torch.device("cpu"), 0, "on")
     if args.step_only:
         print(f"load average before {os.getloadavg()}; {args.rows} rows x {args.new_tokens} "
               f"fed tokens, steps alone, medians of {args.rounds} calls, one thread")

@@ -38,6 +38,10 @@ log = get_logger(component="decode")
 # decode steps (rows x tokens do not matter: a step's saving is per call) this process must
 # expect to run before compiling pays for its warm-up
 COMPILE_MIN_STEPS = 20_000
+# ... and, under auto, models of at most this many parameters: the step alone at 32 rows
+# ran 1.6x eager's tokens/s at 0.8M (4x128), 1.15x at 10.7M (6x384, memory-bound) and 0.95x
+# at SmolLM2-135M's shape, whose weights' reads are the step (bench/README.md)
+COMPILE_MAX_PARAMS = 30_000_000
 BACKEND = "inductor"  # torch.compile's backend (tests trace with a fast one)
 # (architecture, its config's constants) -> the compiled step
 _GRAPHS: dict[tuple[Any, ...], Callable[..., Any]] = {}
@@ -45,6 +49,8 @@ _FAILED: set[str] = set()
 
 
 _ENABLED = [False]  # this process's choice (`choose`)
+_SETTING = ["auto"]  # ... and the setting it came from (`on`: every model compiles)
+_TOO_BIG: set[int] = set()  # models' sizes already logged as left eager
 
 
 def compile_pays(device: torch.device, expected_steps: int, setting: str = "auto",
@@ -65,7 +71,7 @@ def compile_pays(device: torch.device, expected_steps: int, setting: str = "auto
 def choose(device: torch.device, expected_steps: int, setting: str = "auto") -> bool:
     """Decide (and log) once per process whether `step_for` compiles."""
     on, why = compile_pays(device, expected_steps, setting)
-    _ENABLED[0] = on
+    _ENABLED[0], _SETTING[0] = on, setting
     log.info("decode step", compiled=on, why=why)
     return on
 
@@ -78,6 +84,19 @@ def compiling() -> bool:
 def step_for(model: nn.Module, steps: int = 0) -> DecodeStep | None:
     """The decode step this process uses: compiled where `choose` said so, else eager."""
     return compiled_decode_step(model, steps) if _ENABLED[0] else decode_step(model, steps)
+
+
+def _too_big(model: nn.Module) -> bool:
+    """Under auto: whether `model` is past COMPILE_MAX_PARAMS, where compiling lost (logged
+    once a size)."""
+    n = sum(p.numel() for p in model.parameters())
+    if _SETTING[0] == "on" or n <= COMPILE_MAX_PARAMS:
+        return False
+    if n not in _TOO_BIG:
+        _TOO_BIG.add(n)
+        log.info("decode step", compiled=False, why=f"auto: {n} parameters > "
+                 f"{COMPILE_MAX_PARAMS}, where the compiled step no longer paid")
+    return True
 
 
 def _two_block_attention(q: Tensor, k: Tensor, v: Tensor, keys: Tensor, values: Tensor,
@@ -275,7 +294,7 @@ def compiled_decode_step(model: nn.Module, steps: int = 0) -> DecodeStep | None:
     compiles (or loads inductor's cached kernels); a failure there logs once and falls back
     to eager."""
     arch = getattr(model.config, "model_type", "")
-    if arch not in ("gpt2", *LLAMA_LIKE) or decode_step(model) is None:
+    if arch not in ("gpt2", *LLAMA_LIKE) or decode_step(model) is None or _too_big(model):
         return decode_step(model, steps)  # (unpacked above: only asking whether it has one)
     fast = _gpt2_compiled(model) if arch == "gpt2" else _llama_compiled(model)
     if fast is None:

@@ -31,6 +31,8 @@ def traced(monkeypatch):
     monkeypatch.setattr(cd, "_GRAPHS", {})
     monkeypatch.setattr(cd, "_FAILED", set())
     monkeypatch.setattr(cd, "_ENABLED", [False])
+    monkeypatch.setattr(cd, "_SETTING", ["auto"])
+    monkeypatch.setattr(cd, "_TOO_BIG", set())
 
 
 def _gpt2() -> GPT2LMHeadModel:
@@ -105,6 +107,19 @@ def test_the_compiled_step_packs_no_eager_weights(traced, monkeypatch):
     model = _gpt2()
     step = cd.compiled_decode_step(model, 100)
     assert step is not None and all(s < PACK_MIN_STEPS for s in made)
+
+
+def test_auto_leaves_big_models_eager_and_on_compiles_them(traced, monkeypatch):
+    model = _gpt2()
+    monkeypatch.setattr(cd, "COMPILE_MAX_PARAMS", sum(p.numel() for p in model.parameters()) - 1)
+    cd.choose(torch.device("cpu"), cd.COMPILE_MIN_STEPS, "auto")
+    assert cd.compiling()
+    eager = _sample(model, True)  # (compiling() stays on: the size decides per model)
+    assert cd._GRAPHS == {} and len(cd._TOO_BIG) == 1
+    cd.choose(torch.device("cpu"), 1, "on")
+    compiled = _sample(model, True)
+    assert [k[0] for k in cd._GRAPHS] == ["gpt2"]
+    assert torch.equal(eager.response_ids, compiled.response_ids)
 
 
 def test_compile_only_where_it_pays():
