@@ -188,3 +188,22 @@ class _NotFound(BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         """No request log on the test's stderr."""
+
+
+def test_the_local_server_takes_another_port_when_its_port_was_taken(monkeypatch):
+    """The free port is found by binding and closing it, so on a busy host another process
+    may bind it before uvicorn does ("address already in use"): the run tries another."""
+    pytest.importorskip("openenv")
+    from rlhf_async.task.adapters import openenv
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        ports = iter([busy.getsockname()[1], _closed_port()])
+        monkeypatch.setattr(openenv, "free_port", lambda: next(ports))
+        server = openenv._LocalServer(GUESS_APP)
+        try:
+            assert server.url.rsplit(":", 1)[1] != str(busy.getsockname()[1])
+            assert action_field(server.url) == "guess"
+        finally:
+            server.stop()
