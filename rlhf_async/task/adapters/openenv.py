@@ -249,6 +249,29 @@ class _LocalServer:
                 self.proc.kill()
 
 
+_SERVERS: dict[str, _LocalServer] = {}  # this process's local servers, by app
+_SERVERS_LOCK = threading.Lock()
+
+
+def local_server(target: str) -> _LocalServer:
+    """This process's server of `target` ('module:app'), started at the first call: a run
+    makes its task more than once (the job's evaluation, the strategy's training), and
+    each would otherwise start a server of its own (~0.5 GB, seconds to start)."""
+    with _SERVERS_LOCK:
+        server = _SERVERS.get(target)
+        if server is None or server.proc.poll() is not None:  # none yet, or it died
+            server = _SERVERS[target] = _LocalServer(target)
+        return server
+
+
+def stop_local_servers() -> None:
+    """Stop this process's local servers (they also stop when it exits)."""
+    with _SERVERS_LOCK:
+        for server in _SERVERS.values():
+            server.stop()
+        _SERVERS.clear()
+
+
 class OpenEnvEpisode:
     """One episode: one client session of the server."""
 
@@ -288,7 +311,7 @@ class OpenEnvFactory:
         with self._lock:
             if self._ready is None:
                 if not self.remote:
-                    self._server = _LocalServer(self.target)
+                    self._server = local_server(self.target)
                 url = self.target if self.remote else self._server.url  # type: ignore[union-attr]
                 self._ready = (url, action_field(url, prefix=self.prefix))
             return self._ready

@@ -207,3 +207,18 @@ def test_the_local_server_takes_another_port_when_its_port_was_taken(monkeypatch
             assert action_field(server.url) == "guess"
         finally:
             server.stop()
+
+
+def test_one_local_server_per_app_in_a_process():
+    """A run makes its task more than once (the job's evaluation and the strategy's
+    training): both reach one server of the app, not one each (~0.5 GB and a start each)."""
+    pytest.importorskip("openenv")
+    from rlhf_async.task.adapters import openenv
+
+    first = OpenEnvFactory(f"openenv:{GUESS_APP}")
+    second = OpenEnvFactory(f"openenv:{GUESS_APP}")
+    try:
+        assert first._connection() == second._connection()
+        assert first._server is second._server
+    finally:
+        openenv.stop_local_servers()
