@@ -25,6 +25,7 @@ FROM_REPO = {
     "examples/calculator_agent.md": "examples/calculator_agent/README.md",
     "examples/reasoning_gym.md": "examples/reasoning_gym/README.md",
     "examples/verifiers_env.md": "examples/verifiers_env/README.md",
+    "examples/openenv_guess.md": "examples/openenv_guess/README.md",
 }
 PAGE_OF = {source: page for page, source in FROM_REPO.items()}
 LINK = re.compile(r"(\]\()([^)\s#]+)(#[^)\s]*)?(\))")

@@ -13,6 +13,7 @@ import pytest
 from rlhf_async import job
 from rlhf_async.config import load_config
 from rlhf_async.metrics import read_metrics
+from tests.example_commands import readme_command
 from tests.text_model import make_text_model
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -79,6 +80,35 @@ def test_an_openenv_environment_trains(model, tmp_path, strategy, guess_server):
         assert sum(m[f"episodes/{k}"] for k in ("done", "max_turns", "truncated",
                                                  "timeout")) == 8
         assert m["episodes/timeout"] == 0 and 0.0 <= m["hidden_score"] <= 1.0
+
+
+OPENENV_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "openenv_guess"
+# the README's command on the tiny model, sized to a test (one step, few episodes)
+SMALL = {"model.path", "train.steps", "train.prompts_per_step", "algo.group_size",
+         "run.eval_samples", "run.eval_prompts"}
+
+
+def test_the_openenv_examples_command_runs(model, tmp_path, monkeypatch):
+    """The command examples/openenv_guess/README.md shows, as a user runs it from the
+    repository root (its prompts file, its server started by the run), on the tiny model:
+    every episode plays the game (reset, then the server's answers) to one of its ends."""
+    pytest.importorskip("openenv")
+    monkeypatch.chdir(OPENENV_EXAMPLE.parents[1])
+    args = [a for a in readme_command(OPENENV_EXAMPLE / "README.md")
+            if a.partition("=")[0] not in SMALL]
+    summary, metrics = _run(model, tmp_path, "example", *args, "train.steps=1",
+                            "train.prompts_per_step=2", "algo.group_size=2",
+                            "run.eval_prompts=2", "run.eval_samples=1")
+    assert [m["step"] for m in metrics] == [0]
+    m = metrics[0]
+    assert sum(m[f"episodes/{k}"] for k in ("done", "max_turns", "truncated")) == 4
+    assert m["episodes/timeout"] == m["episodes/failed"] == 0
+    assert summary["sft_hidden_score"] is not None and summary["final_hidden_score"] is not None
+    logged = [s for x in (tmp_path / "example" / "samples.jsonl").read_text().splitlines()
+              for s in json.loads(x)["samples"]]
+    # the server's opening answers each prompt before the policy's first turn
+    assert logged and all([t["role"] for t in s["turns"][:3]] ==
+                          ["prompt", "environment", "policy"] for s in logged)
 
 
 VF_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "verifiers_env"

@@ -44,6 +44,7 @@ TEXT_KEYS = ("text", "prompt", "message", "observation", "content", "output")
 START_TIMEOUT_S = 180.0  # its imports alone take ~10 s on an idle core
 URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
 IMPORT_TIMEOUT_S = 120.0  # a fresh interpreter importing the user's app (openenv: ~4-10 s)
+PORT_TRIES = 3  # ports tried for the local server (another process may take one first)
 
 
 def accepted(prefix: str) -> str:
@@ -190,6 +191,14 @@ def check_server(spec: str) -> None:
         raise ConfigError([f"task.env: {spec!r}: {problem}; {accepted(_split(spec)[0])}"])
 
 
+def free_port() -> int:
+    """A local port nothing listens on now (bound, then closed: another process may still
+    take it before our server binds it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 class _LocalServer:
     """`uvicorn <module:app>` on a free local port, stopped when this process exits.
 
@@ -198,9 +207,17 @@ class _LocalServer:
     and not the server, whose shutdown would fail that step's episodes in flight."""
 
     def __init__(self, target: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        atexit.register(self.stop)
+        for _ in range(PORT_TRIES):
+            problem = self._start(target, free_port())
+            if problem is None:
+                return
+            if "address already in use" not in problem:  # a port taken between our
+                break  # probe and uvicorn's bind (a busy host) is worth another port
+        raise ConfigError([f"task.env: the OpenEnv server {target!r} {problem}"])
+
+    def _start(self, target: str, port: int) -> str | None:
+        """Start the server on `port` and wait for its /health; what went wrong, or None."""
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115  (lives as the server does)
         self.proc = subprocess.Popen(
@@ -208,31 +225,51 @@ class _LocalServer:
              str(os.getpid())],
             # a file, not a pipe: a pipe nobody reads fills and blocks the server's logging
             stdout=subprocess.DEVNULL, stderr=self.log, start_new_session=True)
-        atexit.register(self.stop)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.log.seek(0)
                 err = self.log.read().strip()
-                raise ConfigError([f"task.env: the OpenEnv server {target!r} exited "
-                                   f"({self.proc.returncode}) on start: "
-                                   f"{err.splitlines()[-1] if err else 'no output'}"])
+                return (f"exited ({self.proc.returncode}) on start: "
+                        f"{err.splitlines()[-1] if err else 'no output'}")
             try:
                 _get(f"{self.url}/health", 1.0)
-                return
+                return None
             except (OSError, ValueError):
                 time.sleep(0.2)
         self.stop()
-        raise ConfigError([f"task.env: the OpenEnv server {target!r} did not answer "
-                           f"{self.url}/health within {START_TIMEOUT_S:.0f} s"])
+        return f"did not answer {self.url}/health within {START_TIMEOUT_S:.0f} s"
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        if getattr(self, "proc", None) is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+_SERVERS: dict[str, _LocalServer] = {}  # this process's local servers, by app
+_SERVERS_LOCK = threading.Lock()
+
+
+def local_server(target: str) -> _LocalServer:
+    """This process's server of `target` ('module:app'), started at the first call: a run
+    makes its task more than once (the job's evaluation, the strategy's training), and
+    each would otherwise start a server of its own (~0.5 GB, seconds to start)."""
+    with _SERVERS_LOCK:
+        server = _SERVERS.get(target)
+        if server is None or server.proc.poll() is not None:  # none yet, or it died
+            server = _SERVERS[target] = _LocalServer(target)
+        return server
+
+
+def stop_local_servers() -> None:
+    """Stop this process's local servers (they also stop when it exits)."""
+    with _SERVERS_LOCK:
+        for server in _SERVERS.values():
+            server.stop()
+        _SERVERS.clear()
 
 
 class OpenEnvEpisode:
@@ -274,7 +311,7 @@ class OpenEnvFactory:
         with self._lock:
             if self._ready is None:
                 if not self.remote:
-                    self._server = _LocalServer(self.target)
+                    self._server = local_server(self.target)
                 url = self.target if self.remote else self._server.url  # type: ignore[union-attr]
                 self._ready = (url, action_field(url, prefix=self.prefix))
             return self._ready

@@ -188,3 +188,37 @@ class _NotFound(BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         """No request log on the test's stderr."""
+
+
+def test_the_local_server_takes_another_port_when_its_port_was_taken(monkeypatch):
+    """The free port is found by binding and closing it, so on a busy host another process
+    may bind it before uvicorn does ("address already in use"): the run tries another."""
+    pytest.importorskip("openenv")
+    from rlhf_async.task.adapters import openenv
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        ports = iter([busy.getsockname()[1], _closed_port()])
+        monkeypatch.setattr(openenv, "free_port", lambda: next(ports))
+        server = openenv._LocalServer(GUESS_APP)
+        try:
+            assert server.url.rsplit(":", 1)[1] != str(busy.getsockname()[1])
+            assert action_field(server.url) == "guess"
+        finally:
+            server.stop()
+
+
+def test_one_local_server_per_app_in_a_process():
+    """A run makes its task more than once (the job's evaluation and the strategy's
+    training): both reach one server of the app, not one each (~0.5 GB and a start each)."""
+    pytest.importorskip("openenv")
+    from rlhf_async.task.adapters import openenv
+
+    first = OpenEnvFactory(f"openenv:{GUESS_APP}")
+    second = OpenEnvFactory(f"openenv:{GUESS_APP}")
+    try:
+        assert first._connection() == second._connection()
+        assert first._server is second._server
+    finally:
+        openenv.stop_local_servers()
