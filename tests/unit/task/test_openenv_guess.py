@@ -12,6 +12,7 @@ import pytest
 from rlhf_async.config import load_config
 from rlhf_async.task.text import heldout_split
 from tests.example_commands import readme_command
+from tests.text_model import make_text_model
 
 pytest.importorskip("openenv")
 from examples.openenv_guess import make_prompts
@@ -72,10 +73,14 @@ def test_the_prompts_are_the_game_and_some_are_held_out(tmp_path, monkeypatch):
     assert len(held) >= 8 and len(train) >= 100
 
 
-def test_the_readme_and_the_howto_show_one_command_and_it_loads():
+def test_the_readme_and_the_howto_show_one_command_and_it_loads(tmp_path):
     args = readme_command(EXAMPLE / "README.md")
     assert args == readme_command(HOWTO)
-    cfg = load_config(None, args)
+    # the model `prepare-smollm2` writes is not in a fresh checkout: a tiny one in its place
+    model = make_text_model(tmp_path / "model")
+    cfg = load_config(None, [a if not a.startswith("model.path=") else f"model.path={model}"
+                             for a in args])
+    assert "model.path=runs/models/smollm2-135m-instruct" in args
     assert cfg.task.prompts == "examples/openenv_guess/prompts.jsonl"
     assert cfg.task.env == "openenv:examples.openenv_guess.server:app"
     assert (EXAMPLE.parents[1] / cfg.task.prompts).is_file()
