@@ -361,6 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", nargs="+", default=["7B"])
     ap.add_argument("--gpus", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--time-scale", type=float, default=0.1)
+    ap.add_argument("--gpu", default="H100", choices=sorted(DEVICES),
+                    help="grid: the simulated GPU (33B's scorers fit an H200, not an H100)")
     ap.add_argument("--min-available-gb", type=float, default=6.0)
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     ap.add_argument("--dir", default="runs/twin")
@@ -389,9 +391,11 @@ def main(argv: list[str] | None = None) -> None:
         jobs = [(f"{a.what}{n}", [*layout(n, max(n // 8, fitting_ranks("7B"))),
                                   f"train.steps={a.steps}", scale]) for n in a.nodes]
     else:
-        jobs = [(f"grid_{m}_{g}", [*layout(g, max(g // 8, fitting_ranks(m))),
-                                   f"train.steps={a.steps}", f"sim.model={m}", scale])
-                for m in a.models for g in a.gpus if fitting_ranks(m) < g]
+        tag = "" if a.gpu == "H100" else f"_{a.gpu}"
+        jobs = [(f"grid_{m}_{g}{tag}", [*layout(g, max(g // 8, fitting_ranks(m, a.gpu))),
+                                        f"train.steps={a.steps}", f"sim.model={m}", scale,
+                                        f"placement.gpu={a.gpu}"])
+                for m in a.models for g in a.gpus if fitting_ranks(m, a.gpu) < g]
     results = []
     for name, overrides in jobs:
         r = run_job(out_dir, name, overrides, a.min_available_gb, a.timeout_s)

@@ -6,16 +6,13 @@
         async for event in coord.events(): ...       # app events + node_dead / node_restarted
 
 Nodes connect a DEALER (identity = node_id#incarnation, `NodeSpec.peer_id`) to the
-coordinator's ROUTER and beat every `heartbeat_s` (a fifth of `time_to_dead` unless given;
-the coordinator writes it into each spec it launches). Nodes on this host beat into a
-shared board (runtime/beats.py) and read the coordinator's stamp there: no message per
-beat. Nodes elsewhere (Ray) beat over the socket, and the coordinator answers only the
-beats that ask (a node that has not heard from it for a third of its `orphan_timeout_s`),
-so a node notices a vanished coordinator and exits by itself. A node silent for
-`time_to_dead` is dead: a hung one is declared so at most `time_to_dead` + min(0.5 s,
-`heartbeat_s` / 2) after it hangs. `RUN_DIR/coordinator.json` names the control endpoint
-for the CLI's `status` and `stop`. The nodes' lives (launch, ready, liveness, restarts) are
-its `Supervisor`'s (supervisor.py); the coordinator tells it what the control socket hears.
+coordinator's ROUTER and beat every `heartbeat_s` (`time_to_dead` / 5 unless given; written
+into each spec it launches): on this host into a shared board (runtime/beats.py), where they
+also read the coordinator's stamp, elsewhere over the socket, answered only when a node asks
+(silent a third of its `orphan_timeout_s`): a node notices a vanished coordinator by itself.
+A hung node is dead at most `time_to_dead` + 0.5 s after it hangs. `RUN_DIR/coordinator.json`
+names the control endpoint for the CLI's `status` and `stop`. The nodes' lives (launch, ready,
+liveness, restarts) are its `Supervisor`'s (supervisor.py), told what the socket hears.
 
 Security: the control socket is an owner-only ipc file. Nodes get the coordinator's CURVE
 keys directory (`keys=`) in their spec; a spec using tcp without keys gets a fresh set in
