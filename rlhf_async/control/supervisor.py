@@ -155,14 +155,14 @@ class Supervisor:
         return last_log_line(path) if path is not None and rc is not None and rc > 0 else ""
 
     async def watch(self, period: float) -> None:
-        """`check` every `period` seconds until `close`."""
+        """`check` every `period` seconds until `close`; stamp the coordinator's slot of the
+        board until cancelled (nodes given a grace to stop read it meanwhile)."""
         while True:
             await asyncio.sleep(period)
-            if self._closed:
-                return
             if self.board is not None:  # we live: what the nodes here read as our answer
                 self.board.stamp(COORDINATOR, self.clock())
-            self.check()
+            if not self._closed:
+                self.check()
 
     def check(self) -> None:
         """One liveness pass over every node still starting or ready."""

@@ -250,3 +250,27 @@ def test_a_node_that_ends_is_seen_at_once_without_a_liveness_pass(tmp_path):
         assert events[0].kind == "node_dead" and events[0].payload["exit_code"] == 1
 
     asyncio.run(main())
+
+
+def test_the_coordinators_stamp_goes_on_while_its_nodes_stop(tmp_path):
+    """Nodes told to stop may take their grace (a trainer's checkpoint, a minute) and read
+    the coordinator's stamp meanwhile: a closed supervisor declares no death but keeps
+    stamping, or they would exit as orphans mid-checkpoint."""
+    async def main():
+        clock = FakeClock()
+        board = BeatBoard.create(tmp_path / "beats", slots=2)
+        sup = Supervisor(tmp_path, FakeLauncher(), publish=lambda e: None,
+                         stopping=lambda: False, time_to_dead=5.0, ready_timeout=60.0,
+                         restart_limit=0, log=structlog.get_logger(), clock=clock, board=board)
+        watching = asyncio.ensure_future(sup.watch(0.001))
+        sup.close()
+        clock.now = 42.0
+        for _ in range(30_000):  # a hang guard, not a timing: the stamp comes or it fails
+            if board.read(0) == 42.0:
+                break
+            await asyncio.sleep(0.001)
+        assert board.read(0) == 42.0 and not watching.done()
+        watching.cancel()
+        board.close()
+
+    asyncio.run(main())
