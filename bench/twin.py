@@ -182,35 +182,21 @@ def run_job(out_dir: Path, name: str, overrides: list[str], min_available_gb: fl
             "sim_step_s": med("time_step"), "real_step_s": med("real/time_step"),
             "control_real_s": med("control/real_s"), "control_share": med("control/share"),
             "samples_per_s": med("samples_per_s"), "predicted_step_s": predicted(args),
-            "gate_cycle_s": gate_cycle(args),
+            "time_scale": cfg.sim.time_scale, "args": overrides,
             "load_start": [round(x, 2) for x in load0],
             "load_end": [round(x, 2) for x in os.getloadavg()]}
 
 
 def predicted(args: list[str]) -> float:
-    """The cost model's step time of the same placement and simulated workload."""
-    return _prediction(args)[0]
-
-
-def gate_cycle(args: list[str]) -> float:
-    """The step the staleness gate allows at best: step s + k's generation waits for the
-    weights of step s - 1, so over k + 1 steps one chunk's generation, scoring, training
-    and broadcast happen in turn, (generate + score + train + sync) / (k + 1); the cost
-    model's Separation step (the busiest side) leaves this cycle out."""
-    step, phases, k = _prediction(args)
-    cycle = sum(phases.get(p, 0.0) for p in ("generate", "score", "train", "sync")) / (k + 1)
-    return max(step, cycle)
-
-
-def _prediction(args: list[str]) -> tuple[float, dict[str, float], int]:
+    """The cost model's step time of the same placement and simulated workload (with the
+    staleness gate's cycle: `strategies/separation/pricing.gate_cycle`)."""
     cfg = load_config(None, args)
     spec = SimSpec.of(cfg)
     placement = plan_placement(cfg.placement, cfg.algo.name)
     w = Workload(spec.samples, spec.prompt_tokens, spec.response_tokens, spec.epochs,
                  spec.minibatches, True, cfg.algo.max_staleness,
                  checkpointing=cfg.train.gradient_checkpointing)
-    pred = predict(placement, spec.shape, w, spec.device, spec.cal)
-    return pred.step_s, pred.phases, cfg.algo.max_staleness
+    return predict(placement, spec.shape, w, spec.device, spec.cal).step_s
 
 
 # trainer ranks enough that generation bounds the step (one epoch a batch)
@@ -296,40 +282,70 @@ def _nodes(r: dict[str, Any]) -> int:
     return int(r.get("nodes") or re.sub(r"^\D*", "", r["name"]).split("_")[0])
 
 
+def _rows(results_dir: Path) -> list[dict[str, Any]]:
+    """Every run of bench/results/twin_*.json with a step, its file's time scale and
+    heartbeats (results before the heartbeat board: one message per beat, each answered),
+    and the cost model's step as it prices now (staleness gate included) where its
+    overrides are known."""
+    rows = []
+    for f in sorted(results_dir.glob("twin_*.json")):
+        body = json.loads(f.read_text())
+        for r in body["results"]:
+            if not r.get("steps"):
+                continue
+            r = {"time_scale": body.get("time_scale"),
+                 "heartbeats": body.get("heartbeats", "messages"), **r}
+            known = r.get("args") or (_args_of(r)[len(BASE):] if r["name"].startswith(
+                ("acceptance", "overhead", "grid")) else None)
+            if known is not None:
+                r["predicted_step_s"] = predicted([*BASE, *known])
+            rows.append(r)
+    return rows
+
+
 def report(results_dir: Path) -> str:
     """One markdown table of every bench/results/twin_*.json run, and a plot
-    (twin_overhead.png: the control plane's real seconds per step against node count; the
-    twin's step against the cost model's)."""
-    rows = [r for f in sorted(results_dir.glob("twin_*.json"))
-            for r in json.loads(f.read_text())["results"] if r.get("steps")]
-    head = ("| run | nodes | steps | once | twin step (sim s) | cost model (s) | twin / model | "
-            "model + gate cycle (s) | twin / that | "
-            "real s/step | control s/step | control share | peak PSS GB | peak RSS GB | "
-            "load |\n| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | "
-            "---: | ---: | --- | ---: | ---: |")
-    lines = [head]
+    (twin_overhead.png: the control plane's CPU against the simulated step by node count,
+    one line per time scale and heartbeat kind; the twin's step against the cost
+    model's)."""
+    rows = _rows(results_dir)
+    lines = ["| run | scale | heartbeats | nodes | steps | once | twin step (sim s) | cost model "
+             "(s) | twin / model | real s/step | control CPU s/step | control share | peak "
+             "PSS GB | load |", "| --- | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | "
+             "---: | ---: | ---: | ---: | --- |"]
     for r in rows:
-        ratio = r["sim_step_s"] / r["predicted_step_s"]
-        cycle = r.get("gate_cycle_s") or gate_cycle(_args_of(r))
         lines.append(
-            f"| {r['name']} | {_nodes(r)} | {r['steps']} | {r['exactly_once']} | "
-            f"{r['sim_step_s']:.1f} | {r['predicted_step_s']:.1f} | {ratio:.2f} | "
-            f"{cycle:.1f} | {r['sim_step_s'] / cycle:.2f} | "
+            f"| {r['name']} | {r['time_scale']} | {r['heartbeats']} | {_nodes(r)} | "
+            f"{r['steps']} | {r['exactly_once']} | {r['sim_step_s']:.1f} | "
+            f"{r['predicted_step_s']:.1f} | {r['sim_step_s'] / r['predicted_step_s']:.2f} | "
             f"{r['real_step_s']:.2f} | {r['control_real_s']:.3f} | "
             f"{100 * r['control_share']:.2f}% | {r['peak_pss_gb']:.1f} | "
-            f"{r['peak_rss_gb']:.1f} | {r['load_start'][0]:.1f}-{r['load_end'][0]:.1f} |")
+            f"{r['load_start'][0]:.1f}-{r['load_end'][0]:.1f} |")
     plt = pyplot()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    over = sorted((_nodes(r), r["control_real_s"]) for r in rows
-                  if r["name"].startswith(("acceptance", "overhead")))
-    a.plot([n for n, _ in over], [c for _, c in over], "o-")
-    a.set(xlabel="nodes (simulated GPUs)", ylabel="control plane CPU s / step",
-          title="control-plane cost vs nodes")
-    b.scatter([r["predicted_step_s"] for r in rows], [r["sim_step_s"] for r in rows])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        if r["name"].startswith(("acceptance", "overhead", "grid_7B_")):
+            label = f"time scale {r['time_scale']}, heartbeats: {r['heartbeats']}"
+            curves.setdefault(label, []).append((_nodes(r), 100 * r["control_share"]))
+    for label, points in sorted(curves.items()):
+        points.sort()
+        a.plot([n for n, _ in points], [c for _, c in points], "o-", label=label)
+    a.axhline(1.0, color="k", ls="--", lw=0.8)
+    a.set(xlabel="nodes (simulated GPUs)", ylabel="control CPU, % of the simulated step",
+          title="control-plane cost vs nodes (7B)")
+    a.legend(fontsize=7)
+    for real, style in ((False, {"c": "0.6", "marker": "x", "label": "dilated or long-tail"}),
+                        (True, {"c": "C0", "label": "time scale 1.0, fixed lengths"})):
+        some = [r for r in rows if (r["time_scale"] == 1.0 and r["name"] != "elastic") == real]
+        b.scatter([r["predicted_step_s"] for r in some], [r["sim_step_s"] for r in some],
+                  **style)  # type: ignore[arg-type]
+    b.legend(fontsize=7)
     top = max([r["sim_step_s"] for r in rows] + [1.0])
-    b.plot([0, top], [0, top], "k--", lw=0.8)
+    for f in (1.0, 1.1):
+        b.plot([0, top / f], [0, top], "k--" if f == 1.0 else "k:", lw=0.8)
     b.set(xlabel="cost model step (s)", ylabel="twin step (simulated s)",
-          title="twin vs analytical")
+          title="twin vs analytical (dotted: +10%)")
     fig.tight_layout()
     fig.savefig(results_dir / "twin_overhead.png", dpi=100)
     return "\n".join(lines)
@@ -345,6 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", nargs="+", default=["7B"])
     ap.add_argument("--gpus", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--time-scale", type=float, default=0.1)
+    ap.add_argument("--gpu", default="H100", choices=sorted(DEVICES),
+                    help="grid: the simulated GPU (33B's scorers fit an H200, not an H100)")
     ap.add_argument("--min-available-gb", type=float, default=6.0)
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     ap.add_argument("--dir", default="runs/twin")
@@ -373,9 +391,11 @@ def main(argv: list[str] | None = None) -> None:
         jobs = [(f"{a.what}{n}", [*layout(n, max(n // 8, fitting_ranks("7B"))),
                                   f"train.steps={a.steps}", scale]) for n in a.nodes]
     else:
-        jobs = [(f"grid_{m}_{g}", [*layout(g, max(g // 8, fitting_ranks(m))),
-                                   f"train.steps={a.steps}", f"sim.model={m}", scale])
-                for m in a.models for g in a.gpus if fitting_ranks(m) < g]
+        tag = "" if a.gpu == "H100" else f"_{a.gpu}"
+        jobs = [(f"grid_{m}_{g}{tag}", [*layout(g, max(g // 8, fitting_ranks(m, a.gpu))),
+                                        f"train.steps={a.steps}", f"sim.model={m}", scale,
+                                        f"placement.gpu={a.gpu}"])
+                for m in a.models for g in a.gpus if fitting_ranks(m, a.gpu) < g]
     results = []
     for name, overrides in jobs:
         r = run_job(out_dir, name, overrides, a.min_available_gb, a.timeout_s)
@@ -384,7 +404,8 @@ def main(argv: list[str] | None = None) -> None:
         if r["aborted"]:
             break
     write_json(Path(a.out or f"bench/results/twin_{a.what}.json"),
-               {"what": a.what, "time_scale": a.time_scale, "results": results})
+               {"what": a.what, "time_scale": a.time_scale, "heartbeats": "board",
+                "results": results})
 
 
 if __name__ == "__main__":

@@ -260,7 +260,10 @@ class WeightSyncConfig:
 
 @dataclass
 class RuntimeConfig:
-    time_to_dead: float = opt(10.0, "seconds without a heartbeat before a node is dead", gt=0.0)
+    time_to_dead: float = opt(10.0, "seconds without a heartbeat before a node is dead; nodes "
+                              "beat every fifth of it, so a hung node is declared dead at most "
+                              "time_to_dead + 0.5 s after it hangs, and killed and restarted",
+                              gt=0.0)
     restart_limit: int = opt(3, "consecutive restarts of a node before the run stops with a "
                              "checkpoint; a node healthy for stable_after_s has its count reset",
                              ge=0)

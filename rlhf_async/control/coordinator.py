@@ -6,10 +6,13 @@
         async for event in coord.events(): ...       # app events + node_dead / node_restarted
 
 Nodes connect a DEALER (identity = node_id#incarnation, `NodeSpec.peer_id`) to the
-coordinator's ROUTER; the coordinator answers each heartbeat, so a node notices a vanished
-coordinator and exits by itself. `RUN_DIR/coordinator.json` names the control endpoint for
-the CLI's `status` and `stop`. The nodes' lives (launch, ready, liveness, restarts) are its
-`Supervisor`'s (supervisor.py); the coordinator tells it what the control socket hears.
+coordinator's ROUTER and beat every `heartbeat_s` (`time_to_dead` / 5 unless given; written
+into each spec it launches): on this host into a shared board (runtime/beats.py), where they
+also read the coordinator's stamp, elsewhere over the socket, answered only when a node asks
+(silent a third of its `orphan_timeout_s`): a node notices a vanished coordinator by itself.
+A hung node is dead at most `time_to_dead` + 0.5 s after it hangs. `RUN_DIR/coordinator.json`
+names the control endpoint for the CLI's `status` and `stop`. The nodes' lives (launch, ready,
+liveness, restarts) are its `Supervisor`'s (supervisor.py), told what the socket hears.
 
 Security: the control socket is an owner-only ipc file. Nodes get the coordinator's CURVE
 keys directory (`keys=`) in their spec; a spec using tcp without keys gets a fresh set in
@@ -44,6 +47,7 @@ from rlhf_async.control.client import (
     read_coordinator_file,
 )
 from rlhf_async.control.supervisor import NodeRecord, Supervisor
+from rlhf_async.runtime.beats import BeatBoard
 from rlhf_async.runtime.ipc_dir import make_ipc_dir
 from rlhf_async.runtime.launcher import Launcher, LocalLauncher
 from rlhf_async.runtime.loop import in_main_thread
@@ -68,11 +72,12 @@ __all__ = ["COORDINATOR_FILE", "CommandError", "Coordinator", "CoordinatorError"
            "NodeEvent", "NodeNotReady", "call_coordinator", "read_coordinator_file"]
 T = TypeVar("T")
 R = TypeVar("R")
+BEAT_SLOTS = 4096  # node starts with a heartbeat slot; later ones beat over the socket
 
 
 class Coordinator:
     def __init__(self, run_dir: str | Path, *, launcher: Launcher | None = None,
-                 control: str | None = None, heartbeat_s: float = 0.5,
+                 control: str | None = None, heartbeat_s: float | None = None,
                  time_to_dead: float = 5.0, ready_timeout: float = 120.0,
                  restart_limit: int = 0, stable_after_s: float = 300.0, stop_timeout: float = 5.0,
                  keys: str | Path | None = None, insecure: bool = False) -> None:
@@ -82,9 +87,12 @@ class Coordinator:
         self.insecure = insecure
         self._ctl_dir: str | None = None
         self.control = control
-        self.heartbeat_s, self.stop_timeout = heartbeat_s, stop_timeout
+        # five beats to miss before a node is dead: slack for a loaded host, few messages
+        self.heartbeat_s = heartbeat_s or time_to_dead / 5
+        self.stop_timeout = stop_timeout
         self.log = structlog.get_logger().bind(role="coordinator")
         self.stop_requested = asyncio.Event()
+        self._beat_dir: str | None = None
         self.supervisor = Supervisor(
             self.run_dir, launcher or LocalLauncher(), publish=self._publish,
             stopping=self.stop_requested.is_set, time_to_dead=time_to_dead,
@@ -131,6 +139,11 @@ class Coordinator:
             self.control = f"ipc://{path}"
         elif self.control.startswith("tcp://") and not self.insecure:
             self._ensure_keys()
+        if getattr(self.supervisor.launcher, "same_host", False):
+            # the nodes it starts on our host beat into a shared board (runtime/beats.py)
+            self._beat_dir = make_ipc_dir()
+            self.supervisor.board = BeatBoard.create(os.path.join(self._beat_dir, "beats"),
+                                                     BEAT_SLOTS)
         try:
             self._router = self._transport.channel(
                 Endpoint("router", self.control, bind=True, hwm=10000))
@@ -138,7 +151,7 @@ class Coordinator:
             await self._transport.close()
             raise
         self._transport.spawn(self._control_loop(), name="coordinator-control")
-        self._transport.spawn(self.supervisor.watch(self.heartbeat_s / 2),
+        self._transport.spawn(self.supervisor.watch(min(self.heartbeat_s / 2, 0.5)),
                               name="coordinator-monitor")
         info = {"control": self.control, "pid": os.getpid(), "run_dir": str(self.run_dir),
                 "keys": self.keyring.directory if self.keyring else None}
@@ -154,8 +167,11 @@ class Coordinator:
         finally:
             await self._transport.close()
             (self.run_dir / COORDINATOR_FILE).unlink(missing_ok=True)
-            if self._ctl_dir is not None:
-                shutil.rmtree(self._ctl_dir, ignore_errors=True)
+            for private in (self._ctl_dir, self._beat_dir):
+                if private is not None:
+                    shutil.rmtree(private, ignore_errors=True)
+            if self.supervisor.board is not None:
+                self.supervisor.board.close()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 if in_main_thread():
@@ -204,7 +220,8 @@ class Coordinator:
         if dup:
             raise CoordinatorError(f"duplicate node ids: {dup}")
         for spec in specs:
-            self.supervisor.start(self._with_keys(spec.with_control(self.control or "")))
+            spec = replace(spec.with_control(self.control or ""), heartbeat_s=self.heartbeat_s)
+            self.supervisor.start(self._with_keys(spec))
         if wait_ready:
             await self.wait_ready(ids)
 
@@ -377,7 +394,9 @@ class Coordinator:
             await handler(peer, msg, node)
 
     async def _heartbeat(self, peer: bytes, msg: Message, node: NodeRecord) -> None:
-        await self._router.send(msg.reply("heartbeat", source="coordinator"), to=peer)
+        self._transport.counters["control.heartbeats"] += 1
+        if msg.meta.get("ask"):  # the node has not heard from us for a while
+            await self._router.send(msg.reply("heartbeat", source="coordinator"), to=peer)
 
     async def _reply(self, peer: bytes, msg: Message, node: NodeRecord) -> None:
         future = self._pending.get(msg.parent or "")

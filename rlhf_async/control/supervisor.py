@@ -17,11 +17,16 @@ Each start of a node is a new incarnation (`NodeSpec.incarnation`, 0 for the fir
 node's control identity carries it (`NodeSpec.peer_id`), so a process declared dead that
 wakes up later (SIGCONT of a frozen node, a partitioned host coming back) is no longer the
 node: the coordinator rejects and counts what it sends.
+
+Nodes on this host beat into a shared board (`board`, runtime/beats.py) instead of sending
+messages: each start gets a slot of its own, read in each `check`; the supervisor stamps
+the coordinator's slot on each pass of `watch`, which the nodes read as its answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -35,6 +40,7 @@ from rlhf_async.control.client import (
     NodeNotReady,
     NodeRestarted,
 )
+from rlhf_async.runtime.beats import COORDINATOR, BeatBoard
 from rlhf_async.runtime.launcher import Launcher, NodeProcess, last_log_line
 from rlhf_async.runtime.messages import tag, to_payload
 from rlhf_async.runtime.spec import NodeSpec
@@ -67,7 +73,8 @@ class Supervisor:
                  publish: Callable[[NodeEvent], None], stopping: Callable[[], bool],
                  time_to_dead: float, ready_timeout: float, restart_limit: int,
                  log: Any, stable_after_s: float = 300.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 board: BeatBoard | None = None) -> None:
         self.run_dir, self.launcher = run_dir, launcher
         self.time_to_dead, self.ready_timeout = time_to_dead, ready_timeout
         self.restart_limit, self.stable_after_s = restart_limit, stable_after_s
@@ -76,15 +83,38 @@ class Supervisor:
         self._publish, self._stopping = publish, stopping
         self.log = log
         self._closed = False  # shutting down: no more deaths declared, no restarts
+        # heartbeats of the nodes on this host (runtime/beats.py): a slot per start
+        self.board, self._slots = board, itertools.count(COORDINATOR + 1)
 
     def start(self, spec: NodeSpec, restarts: int = 0, failures: int = 0) -> None:
-        spec = replace(spec, incarnation=restarts)
-        process = self.launcher.launch(spec, self.run_dir)
+        spec = replace(spec, incarnation=restarts, beats="", beat_slot=0)
         now = self.clock()
-        self.nodes[spec.node_id] = NodeRecord(spec, process, now, now, restarts=restarts,
-                                              failures=failures)
+        if self.board is not None and (slot := next(self._slots)) < self.board.slots:
+            self.board.stamp(slot, now)
+            spec = replace(spec, beats=self.board.path, beat_slot=slot)
+        process = self.launcher.launch(spec, self.run_dir)
+        node = NodeRecord(spec, process, now, now, restarts=restarts, failures=failures)
+        self.nodes[spec.node_id] = node
         self.log.info("node_launched", node=spec.node_id, role=spec.role, pid=process.pid,
                       incarnation=spec.incarnation)
+        self._watch_exit(node)
+
+    def _watch_exit(self, node: NodeRecord) -> None:
+        """A process with a `sentinel` (a descriptor readable once it has ended: a forked
+        node's) is checked the moment it ends, so `watch` need not poll often for a fast
+        restart; one without (exec, Ray) waits for the next `check`."""
+        fd = getattr(node.process, "sentinel", None)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # started outside an event loop (a test's fake launcher)
+            return
+        if fd is not None:
+            loop.add_reader(fd, self._ended, loop, fd, node)
+
+    def _ended(self, loop: asyncio.AbstractEventLoop, fd: int, node: NodeRecord) -> None:
+        loop.remove_reader(fd)
+        if not self._closed and self.nodes.get(node.spec.node_id) is node:
+            self._check_node(node, self.clock())
 
     def _will_restart(self, node: NodeRecord) -> bool:
         return node.failures < self.restart_limit and not self._stopping()
@@ -125,33 +155,40 @@ class Supervisor:
         return last_log_line(path) if path is not None and rc is not None and rc > 0 else ""
 
     async def watch(self, period: float) -> None:
-        """`check` every `period` seconds until `close`."""
+        """`check` every `period` seconds until `close`; stamp the coordinator's slot of the
+        board until cancelled (nodes given a grace to stop read it meanwhile)."""
         while True:
             await asyncio.sleep(period)
-            if self._closed:
-                return
-            self.check()
+            if self.board is not None:  # we live: what the nodes here read as our answer
+                self.board.stamp(COORDINATOR, self.clock())
+            if not self._closed:
+                self.check()
 
     def check(self) -> None:
         """One liveness pass over every node still starting or ready."""
         now = self.clock()
         for node in list(self.nodes.values()):
-            if node.state in ("dead", "exited", "retiring"):
-                continue
-            self._note_health(node, now)
-            rc = node.process.poll()
-            if rc == 0:  # finished or stopped on request: not a failure
-                node.state, node.exit_code = "exited", 0
-                self._publish(NodeEvent(node.spec.node_id, tag(NodeExited), node.goodbye))
-            elif rc is not None:
-                # a node that could not say goodbye (a crash) leaves its last word in its log
-                reason = (node.goodbye or {}).get("reason", "") or self.last_words(node, rc)
-                why = f"exited with code {rc}" + (f" ({reason})" if reason else "")
-                self._dead(node, why, rc)
-            elif node.state == "ready" and now - node.last_seen > self.time_to_dead:
-                self._dead(node, f"no heartbeat for {now - node.last_seen:.1f}s", None)
-            elif node.state == "starting" and now - node.started > self.ready_timeout:
-                self._dead(node, f"not ready after {self.ready_timeout}s", None)
+            self._check_node(node, now)
+
+    def _check_node(self, node: NodeRecord, now: float) -> None:
+        if node.state in ("dead", "exited", "retiring"):
+            return
+        if node.spec.beats and self.board is not None:  # its beats, written in place
+            node.last_seen = max(node.last_seen, self.board.read(node.spec.beat_slot))
+        self._note_health(node, now)
+        rc = node.process.poll()
+        if rc == 0:  # finished or stopped on request: not a failure
+            node.state, node.exit_code = "exited", 0
+            self._publish(NodeEvent(node.spec.node_id, tag(NodeExited), node.goodbye))
+        elif rc is not None:
+            # a node that could not say goodbye (a crash) leaves its last word in its log
+            reason = (node.goodbye or {}).get("reason", "") or self.last_words(node, rc)
+            why = f"exited with code {rc}" + (f" ({reason})" if reason else "")
+            self._dead(node, why, rc)
+        elif node.state == "ready" and now - node.last_seen > self.time_to_dead:
+            self._dead(node, f"no heartbeat for {now - node.last_seen:.1f}s", None)
+        elif node.state == "starting" and now - node.started > self.ready_timeout:
+            self._dead(node, f"not ready after {self.ready_timeout}s", None)
 
     def _note_health(self, node: NodeRecord, now: float) -> None:
         """A node ready and heard from for `stable_after_s` has its failures forgiven."""

@@ -25,6 +25,7 @@ import ctypes
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -44,6 +45,9 @@ PRELOAD = ("rlhf_async.runtime.fork_signals", "torch", "transformers",
 
 
 class NodeProcess(Protocol):
+    """A node's process. One may also have a `sentinel`: a descriptor readable once it has
+    ended (a forked node's), which the supervisor watches instead of polling."""
+
     pid: int | None
 
     def poll(self) -> int | None: ...
@@ -121,9 +125,18 @@ class ForkedProcess:
     def __init__(self, process: multiprocessing.process.BaseProcess, log_path: Path) -> None:
         self.process, self.log_path = process, log_path
         self.pid: int | None = process.pid
+        self.sentinel: int = process.sentinel  # readable once the node has ended
+        self._rc: int | None = None
 
     def poll(self) -> int | None:
-        return self.process.exitcode
+        # a zero-timeout poll of the sentinel first: `exitcode` builds a selector per call,
+        # and the supervisor polls every node twice a second
+        if self._rc is None:
+            ready = select.poll()
+            ready.register(self.sentinel, select.POLLIN)
+            if ready.poll(0):
+                self._rc = self.process.exitcode
+        return self._rc
 
     async def wait(self, timeout: float | None = None) -> int | None:
         """Exit code, or None if still running after `timeout` seconds."""
@@ -296,6 +309,7 @@ class LocalLauncher:
             raise ValueError(f"node start {start!r}: accepted: {', '.join(NODE_STARTS)}")
         self.python, self.preload = python, tuple(preload)
         self.fork = start == "fork" and python == sys.executable and can_fork()
+        self.same_host = True  # its nodes beat into the coordinator's board (runtime/beats.py)
 
     def launch(self, spec: NodeSpec, run_dir: Path) -> LocalProcess | ForkedProcess:
         if self.fork:

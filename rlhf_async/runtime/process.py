@@ -26,6 +26,7 @@ import structlog
 import torch
 
 from rlhf_async.log import configure_logging
+from rlhf_async.runtime.beats import COORDINATOR, BeatBoard
 from rlhf_async.runtime.loop import run_loop
 from rlhf_async.runtime.node import Node
 from rlhf_async.runtime.spec import NodeSpec, SpecError
@@ -60,9 +61,39 @@ async def _control_loop(node: Node, heard: list[float]) -> None:
             node.transport.spawn(node.handle_command(msg), name=f"command-{msg.id}")
 
 
+def beat_every(heartbeat_s: float, orphan_timeout_s: float) -> float:
+    """Seconds between a node's heartbeats: the coordinator's `heartbeat_s`, and often
+    enough that a node asking for an answer (`asks_answer`) hears one before
+    `orphan_timeout_s`."""
+    return min(heartbeat_s, orphan_timeout_s / 4)
+
+
+def asks_answer(silent_s: float, orphan_timeout_s: float) -> bool:
+    """Whether a heartbeat asks the coordinator to answer: only once it has been silent a
+    third of `orphan_timeout_s`. A coordinator that answered every beat spent most of its
+    CPU on them at 100+ nodes; whatever else it sends (a command, a reply) proves it alive
+    as well."""
+    return silent_s > orphan_timeout_s / 3
+
+
+def _board(node: Node) -> BeatBoard | None:
+    """The coordinator's heartbeat board, when the node shares its host (runtime/beats.py)."""
+    path = getattr(node.spec, "beats", "")
+    if not path:
+        return None
+    try:
+        return BeatBoard.open(path)
+    except (OSError, ValueError) as e:  # gone (its coordinator too), or cut short
+        node.log.warning("heartbeat_board_unusable", path=path, error=str(e))
+        return None
+
+
 async def _heartbeat_loop(node: Node, heard: list[float], orphaned: asyncio.Event) -> None:
-    spec, stalled = node.spec, False
+    spec, stalled, board = node.spec, False, _board(node)
+    every = beat_every(spec.heartbeat_s, spec.orphan_timeout_s)
     while True:
+        if board is not None:  # the coordinator stamps its slot while it lives
+            heard[0] = max(heard[0], board.read(COORDINATOR))
         silent = time.monotonic() - heard[0]
         if silent > spec.orphan_timeout_s:
             node.log.error("coordinator_lost", silent_s=round(silent, 1))
@@ -74,13 +105,18 @@ async def _heartbeat_loop(node: Node, heard: list[float], orphaned: asyncio.Even
                 node.log.error("operation_overdue", operations={o.what: round(o.late_s, 1)
                                                                 for o in late})
             stalled = True
-            await asyncio.sleep(spec.heartbeat_s)
+            await asyncio.sleep(every)
             continue
-        beat = Message("heartbeat", source=node.node_id, meta={"paused": node.paused})
+        if board is not None and spec.beat_slot < board.slots:
+            board.stamp(spec.beat_slot, time.monotonic())
+            await asyncio.sleep(every)
+            continue
+        meta = {"paused": node.paused, "ask": asks_answer(silent, spec.orphan_timeout_s)}
+        beat = Message("heartbeat", source=node.node_id, meta=meta)
         # control queue full: the coordinator is not reading; the check above decides
         with contextlib.suppress(TimeoutError):
-            await node._control.send(beat, timeout=spec.heartbeat_s)
-        await asyncio.sleep(spec.heartbeat_s)
+            await node._control.send(beat, timeout=every)
+        await asyncio.sleep(every)
 
 
 async def _run_main(node: Node, fn: NodeMain) -> int:

@@ -31,7 +31,7 @@ class NodeSpec:
     env: dict[str, str] = field(default_factory=dict)
     num_threads: int = 1  # torch.set_num_threads in the node process
     control: str = ""  # coordinator control endpoint; the coordinator fills it in
-    heartbeat_s: float = 0.5
+    heartbeat_s: float = 0.5  # between heartbeats; a coordinator launching the node sets its own
     orphan_timeout_s: float = 10.0  # exit when the coordinator is silent this long
     stop_grace_s: float = 1.0  # after a stop request, main gets this long before cancel
     max_message_bytes: int = DEFAULT_MAX_BYTES
@@ -43,10 +43,15 @@ class NodeSpec:
     # which start of the node this process is (0 first, +1 a restart; the supervisor sets
     # it): a process declared dead is fenced off by it (`peer_id`)
     incarnation: int = 0
+    # on the coordinator's host, the shared heartbeat board and this incarnation's slot in
+    # it (runtime/beats.py; the supervisor sets both): beats go there, not over the socket
+    beats: str = ""
+    beat_slot: int = 0
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("role", "node_id", "entry", "device", "control", "log_level", "keys"):
+        for name in ("role", "node_id", "entry", "device", "control", "log_level", "keys",
+                     "beats"):
             if not isinstance(getattr(self, name), str):
                 problems.append(f"{name} must be a string")
         if isinstance(self.node_id, str) and not _NODE_ID.match(self.node_id):
@@ -69,6 +74,8 @@ class NodeSpec:
             problems.append("endpoints must map names to Endpoint")
         if type(self.incarnation) is not int or self.incarnation < 0:
             problems.append(f"incarnation {self.incarnation!r} must be an int >= 0")
+        if type(self.beat_slot) is not int or self.beat_slot < 0:
+            problems.append(f"beat_slot {self.beat_slot!r} must be an int >= 0")
         if type(self.insecure) is not bool:
             problems.append(f"insecure {self.insecure!r} must be true or false")
         if problems:

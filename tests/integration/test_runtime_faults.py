@@ -130,6 +130,31 @@ def test_a_frozen_node_is_restarted_and_its_old_incarnation_is_fenced_off(tmp_pa
     asyncio.run(main())
 
 
+async def idle_node(node) -> None:
+    await node.wait_stop()
+
+
+@pytest.mark.timeout(120)
+def test_nodes_on_the_coordinators_host_beat_without_a_message(tmp_path):
+    """They stamp the shared board; the coordinator, read nothing on its socket for them,
+    still finds them alive past several times `time_to_dead` (a coordinator that answered
+    a message per beat spent most of its CPU on them at 100+ nodes)."""
+    async def main():
+        async with Coordinator(tmp_path / "run", heartbeat_s=HEARTBEAT,
+                               time_to_dead=TIME_TO_DEAD) as coord:
+            specs = [NodeSpec("worker", f"w{i}", f"{__name__}:idle_node") for i in range(3)]
+            await coord.launch(specs)
+            with coord.events() as events, contextlib.suppress(TimeoutError):
+                event = await events.get(timeout=3 * TIME_TO_DEAD)
+                raise AssertionError(f"no event expected, got {event}")
+            assert {n["state"] for n in coord.status()["nodes"].values()} == {"ready"}
+            assert coord.counters.get("control.heartbeats", 0) == 0
+            assert all(n.spec.beats and n.spec.heartbeat_s == HEARTBEAT
+                       for n in coord.nodes.values())
+
+    asyncio.run(main())
+
+
 async def hung_node(node) -> None:
     """A node program whose collective never returns while its event loop stays free."""
     await node.watchdog.run("collective", 1.0, asyncio.to_thread(time.sleep, 3600))

@@ -18,6 +18,7 @@ pinned none of the stage sizes.
     layouts(base)                                    -> the splits, unless the user pinned one
     grid(base)                                       -> splits x tensor-parallel sizes
     price(placement, costs)                          -> the step, stages overlapped
+    gate_cycle(costs)                                -> the staleness gate's bound on it
 """
 
 from __future__ import annotations
@@ -112,11 +113,21 @@ def grid(base: PlacementConfig) -> list[PlacementConfig]:
     return out
 
 
+def gate_cycle(c: StepCosts) -> float:
+    """The step the staleness gate allows at best with `max_staleness = k > 0`: step s + k's
+    generation waits for the weights trained on step s - 1, so over k + 1 steps one batch's
+    generation, scoring, training and broadcast run in turn: (generate + score + train +
+    sync) / (k + 1). A pipeline whose sides are balanced (each ~ half the cycle at k = 1)
+    runs at this bound, not at its busiest side."""
+    return (c.generate + c.score + c.train + c.sync) / (c.max_staleness + 1)
+
+
 def price(p: Placement, c: StepCosts) -> tuple[float, dict[str, float]]:
     """Generators and scorers on their own devices overlap each other (chunk by chunk);
     they take turns where they share devices; scorers beside the trainer take its time.
     With algo.max_staleness > 0 the inference side overlaps the trainer too (the step is
-    the busiest side), else a step waits for its weights (the sides add up)."""
+    the busiest side, or the staleness gate's cycle where that is longer: `gate_cycle`),
+    else a step waits for its weights (the sides add up)."""
     phases = c.phases()
     gen, actor = p.model("shadow_actor"), p.model("actor")
     assert gen is not None and actor is not None  # every Separation placement has both
@@ -132,5 +143,5 @@ def price(p: Placement, c: StepCosts) -> tuple[float, dict[str, float]]:
     train_side = c.train * (c.slowdown if len(actor.devices) > 1 else 1.0) + c.sync + \
         (c.score if beside else 0.0)
     step = c.pipeline_s + (infer + train_side if c.max_staleness == 0
-                           else c.slowdown * max(infer, train_side))
+                           else c.slowdown * max(infer, train_side, gate_cycle(c)))
     return step, phases

@@ -3,6 +3,7 @@ deaths it declares, which it restarts, and when it stops restarting."""
 
 import asyncio
 import itertools
+import os
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import structlog
 
 from rlhf_async.control.client import NodeEvent, NodeNotReady
 from rlhf_async.control.supervisor import Supervisor
+from rlhf_async.runtime.beats import BeatBoard
 from rlhf_async.runtime.spec import NodeSpec
 
 PIDS = itertools.count(1000)
@@ -188,3 +190,87 @@ def test_a_node_is_stable_only_while_ready_and_heard_from(tmp_path):
     assert sup.nodes["w0"].failures == 1  # seen healthy at the first check, 28 s ago
     _live_for(sup, clock, 2.0)
     assert sup.nodes["w0"].failures == 0 and sup.nodes["w0"].restarts == 1
+
+
+def test_nodes_here_beat_into_the_board_each_start_in_a_slot_of_its_own(tmp_path):
+    clock, events = FakeClock(), []
+    board = BeatBoard.create(tmp_path / "beats", slots=3)
+    sup = Supervisor(tmp_path, FakeLauncher(), publish=events.append, stopping=lambda: False,
+                     time_to_dead=5.0, ready_timeout=60.0, restart_limit=1,
+                     log=structlog.get_logger(), clock=clock, board=board)
+    sup.start(NodeSpec("worker", "w0", "mod.sub:main"))
+    first = sup.nodes["w0"]
+    assert first.spec.beats == board.path and first.spec.beat_slot == 1
+    first.mark_ready()
+    for t in (4.0, 8.0, 12.0):  # beats written in place, no message: alive
+        board.stamp(1, t)
+        clock.now = t + 1.0
+        sup.check()
+    assert events == []
+    clock.now = 18.0  # its last beat 6 s ago
+    sup.check()
+    assert [e.kind for e in events] == ["node_dead", "node_restarted"]
+    second = sup.nodes["w0"]
+    assert second.spec.beat_slot == 2 and second.spec.incarnation == 1
+    second.mark_ready()
+    board.stamp(1, 30.0)  # the first incarnation, woken up: its slot is no longer read
+    clock.now = 30.0
+    sup.check()
+    assert events[-1].kind == "node_dead" and not events[-1].payload["will_restart"]
+    sup.start(NodeSpec("worker", "w1", "mod.sub:main"))  # the board is full: the socket
+    assert sup.nodes["w1"].spec.beats == "" and sup.nodes["w1"].spec.beat_slot == 0
+    board.close()
+
+
+class SentinelProcess(FakeProcess):
+    """A process whose end a pipe tells, as a forked node's sentinel does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sentinel, self._end = os.pipe()
+
+    def end(self, rc: int) -> None:
+        self.rc = rc
+        os.write(self._end, b"x")
+
+
+def test_a_node_that_ends_is_seen_at_once_without_a_liveness_pass(tmp_path):
+    async def main():
+        events = []
+        got = asyncio.Event()
+        launcher = FakeLauncher()
+        launcher.launch = lambda spec, run_dir: launcher.launched.append(  # type: ignore
+            SentinelProcess()) or launcher.launched[-1]
+        sup = Supervisor(tmp_path, launcher, publish=lambda e: (events.append(e), got.set()),
+                         stopping=lambda: False, time_to_dead=5.0, ready_timeout=60.0,
+                         restart_limit=0, log=structlog.get_logger())
+        sup.start(NodeSpec("worker", "w0", "mod.sub:main"))
+        sup.nodes["w0"].process.end(1)
+        await asyncio.wait_for(got.wait(), timeout=30)  # a hang guard; `check` never runs
+        assert events[0].kind == "node_dead" and events[0].payload["exit_code"] == 1
+
+    asyncio.run(main())
+
+
+def test_the_coordinators_stamp_goes_on_while_its_nodes_stop(tmp_path):
+    """Nodes told to stop may take their grace (a trainer's checkpoint, a minute) and read
+    the coordinator's stamp meanwhile: a closed supervisor declares no death but keeps
+    stamping, or they would exit as orphans mid-checkpoint."""
+    async def main():
+        clock = FakeClock()
+        board = BeatBoard.create(tmp_path / "beats", slots=2)
+        sup = Supervisor(tmp_path, FakeLauncher(), publish=lambda e: None,
+                         stopping=lambda: False, time_to_dead=5.0, ready_timeout=60.0,
+                         restart_limit=0, log=structlog.get_logger(), clock=clock, board=board)
+        watching = asyncio.ensure_future(sup.watch(0.001))
+        sup.close()
+        clock.now = 42.0
+        for _ in range(30_000):  # a hang guard, not a timing: the stamp comes or it fails
+            if board.read(0) == 42.0:
+                break
+            await asyncio.sleep(0.001)
+        assert board.read(0) == 42.0 and not watching.done()
+        watching.cancel()
+        board.close()
+
+    asyncio.run(main())

@@ -44,16 +44,18 @@ def test_work_is_busy_seconds_per_step_summed_over_a_stages_processes():
 
 def test_a_generation_bound_job_moves_a_scorer_device_to_the_generators():
     work = Work(generate=1.0, score=0.6, train=0.5)
-    # generators and scorers apart, staleness 1: step = max(max(gen, score), train)
+    # generators and scorers apart, staleness 1: step = max(max(gen, score), train) and the
+    # staleness gate's cycle (gen + score + train) / 2 = (1.0 + 0.2 + 0.5) / 2 = 0.85
     assert predicted_step(P, work, 1) == pytest.approx(1.0)
     (scale, shape), = neighbours(P)  # one generator: only scorer -> generator
     assert scale == Scale(generators=2, scorers=2)
     assert [q.node_id for q in shape.by_role("generator")] == ["gen0", "gen1"]
-    assert predicted_step(shape, work, 1) == pytest.approx(0.5)  # max(0.5, 0.3, 0.5)
+    # max(0.5, 0.3, 0.5) = 0.5, but the gate's cycle (0.5 + 0.3 + 0.5) / 2 = 0.65 binds
+    assert predicted_step(shape, work, 1) == pytest.approx(0.65)
     rb = Rebalancer(SimpleNamespace(placement=P), 2, 0.1, 1, lambda t: None)  # type: ignore[arg-type]
     d = rb.decide([_record(1.0, 0.2)])
     assert d["scale"] == Scale(generators=2, scorers=2)
-    assert (d["predicted_step_s"], d["best_step_s"], d["gain"]) == pytest.approx((1.0, 0.5, 0.5))
+    assert (d["predicted_step_s"], d["best_step_s"], d["gain"]) == pytest.approx((1.0, 0.65, 0.35))
 
 
 def test_no_move_below_the_threshold():
@@ -83,7 +85,7 @@ def test_a_window_decides_once_and_waits_while_the_move_is_under_way():
         rb.observe(first)
         assert "rebalance/gain" not in first  # half a window
         rb.observe(second)
-        assert second["rebalance/moved"] == 1 and second["rebalance/gain"] == pytest.approx(0.5)
+        assert second["rebalance/moved"] == 1 and second["rebalance/gain"] == pytest.approx(0.35)
         await asyncio.sleep(0)
         assert moves == [Scale(generators=2, scorers=2)]
         for _ in range(4):  # steps during the move measure neither shape: not counted
@@ -107,17 +109,17 @@ def test_every_decision_is_a_line_on_the_console_and_a_record_in_the_log(capsys,
     configure_logging("warning", json=False)
     rb = Rebalancer(SimpleNamespace(placement=P), 2, 0.1, 1, lambda t: None)  # type: ignore[arg-type]
     with log_to_file(tmp_path / "job.log"):
-        rb.decide([_record(1.0, 0.2) | {"step": 7}])  # gain 0.5: moves
+        rb.decide([_record(1.0, 0.2) | {"step": 7}])  # gain 0.35: moves
         rb.decide([_record(0.3, 0.2) | {"step": 9}])  # gain 0: kept
     moved, kept = capsys.readouterr().err.splitlines()
     assert moved == ("[rebalance] after 8 steps: moving a device from the scorers to the "
                      "generators (1 generator + 3 scorers -> 2 generators + 2 scorers): "
-                     "predicted step 1 s -> 0.5 s, gain 50% > placement.rebalance_gain 10%")
+                     "predicted step 1 s -> 0.65 s, gain 35% > placement.rebalance_gain 10%")
     assert kept == ("[rebalance] after 10 steps: keeping 1 generator + 3 scorers: the best "
                     "shape one device away predicts 0.5 s against 0.5 s now, gain 0% <= "
                     "placement.rebalance_gain 10%")
     records = [json.loads(x) for x in (tmp_path / "job.log").read_text().splitlines()]
-    assert [(r["event"], r["gain"]) for r in records] == [("rebalance_decision", 0.5),
+    assert [(r["event"], r["gain"]) for r in records] == [("rebalance_decision", 0.35),
                                                           ("rebalance_decision", 0.0)]
     assert records[0]["shape"] == {"generator": 1, "scorer": 3}
 
