@@ -85,11 +85,6 @@ def persist(run_dir: Path, p: Placement) -> None:
     (run_dir / "placement.txt").write_text(p.table() + "\n")
 
 
-def rollouts_peers(specs: dict[str, NodeSpec]) -> list[str]:
-    """Where a generator sends its rollouts: every scorer's bound address."""
-    return [s.endpoints["rollouts"].address for s in specs.values() if s.role == "scorer"]
-
-
 class Devices(Protocol):
     """Devices beyond the placement's, for a launcher that can reserve more (Ray)."""
 
@@ -192,15 +187,16 @@ class Scaler:
 
     async def _repeer(self, specs: dict[str, NodeSpec]) -> None:
         """Every running generator sends its rollouts to the scorers of `specs` (a
-        generator restarted later starts with them too)."""
-        peers = rollouts_peers(specs)
+        generator restarted later starts with them too), in its own order (runner.py's
+        `_rollouts`); one whose scorers are the same keeps the order it has."""
         for node, record in list(self.coord.nodes.items()):
             if record.spec.role != "generator" or node not in specs:
                 continue
-            ep = record.spec.endpoints["rollouts"]
-            if [ep.address, *ep.also] == peers:
+            ep, new = record.spec.endpoints["rollouts"], specs[node].endpoints["rollouts"]
+            peers = [new.address, *new.also]
+            if {ep.address, *ep.also} == set(peers):
                 continue
-            eps = {**record.spec.endpoints, "rollouts": specs[node].endpoints["rollouts"]}
+            eps = {**record.spec.endpoints, "rollouts": new}
             record.spec = replace(record.spec, endpoints=eps)
             try:
                 await self.coord.call(node, Peers("rollouts", peers))

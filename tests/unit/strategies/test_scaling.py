@@ -23,7 +23,9 @@ from rlhf_async.pipeline.protocol import (
 from rlhf_async.runtime.messages import Peers, tag
 from rlhf_async.runtime.spec import NodeSpec
 from rlhf_async.strategies.registry import runnable_placement
+from rlhf_async.strategies.separation.runner import build_specs
 from rlhf_async.strategies.separation.scaling import Scaler, persist, reshaped
+from rlhf_async.task.artefacts import Artefacts
 from rlhf_async.wire.transport import Endpoint
 from tests.unit.strategies.test_driver import LINEAGE, FakeCoord, Harness
 
@@ -236,3 +238,21 @@ def test_devices_that_cannot_be_reserved_refuse_the_scale_and_nothing_starts(tmp
         assert "gen1" not in h.driver.roles
         h.task.cancel()  # type: ignore[union-attr]
     asyncio.run(main())
+
+
+def test_generators_deal_their_rollouts_over_the_scorers_from_different_starts(tmp_path):
+    """A PUSH socket deals its messages over its peers in the order it connected to them,
+    one chunk a generator a step: with one order for all, every generator sent step s's
+    chunk to the same scorer (the twin: two of four scorers busy a step, a whole step's
+    scoring on one). Each generator starts at its own scorer; a scale keeps the order of
+    the peers a generator has (a Peers command only where the set changes)."""
+    cfg = load_config(None, ["placement.strategy=separation", "placement.devices=7",
+                             "placement.generator=[1,2,3,4]", "placement.reward=[5,6]"])
+    p = runnable_placement(cfg)
+    specs = build_specs(cfg, Artefacts(tmp_path / "sft", None, {}, {}), tmp_path, p, "/s")[0]
+    firsts = [s.endpoints["rollouts"].address for s in specs if s.role == "generator"]
+    assert firsts == ["ipc:///s/scorer0", "ipc:///s/scorer1"] * 2
+    for s in specs:
+        if s.role == "generator":  # every scorer, each once
+            ep = s.endpoints["rollouts"]
+            assert sorted([ep.address, *ep.also]) == ["ipc:///s/scorer0", "ipc:///s/scorer1"]
