@@ -2,8 +2,9 @@
 sim`, docs/howto/twin.md) scaled, rebalanced and killed while they run, each node process
 running its real program.
 
-    python -m bench.twin_scenarios elastic                    # 8 -> 16 -> 8 generators
-    python -m bench.twin_scenarios chaos --nodes 64 --kills 20  # SIGKILLs + a SIGSTOP
+    python -m bench.twin_scenarios elastic            # 8 -> 16 -> 8 generators, one run
+    python -m bench.twin_scenarios rebalance          # static splits, then rebalancing
+    python -m bench.twin_scenarios chaos --nodes 64   # 20 SIGKILLs + a SIGSTOP (~4 GB)
 
 Every job is `bench.twin.run_job` (its own process and session, memory watched); the
 results go to bench/results/twin_*.json beside the steady-state runs of bench/twin.py.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -193,16 +195,22 @@ def chaos(out_dir: Path, nodes: int, steps: int, kills: int, scale: float,
                                 daemon=True)]
     for t in threads:
         t.start()
+    # a broadcast that a killed generator leaves hanging fails after weight_sync.timeout_s
+    # and is sent again to the regrouped generators: short, the tiny stand-in's bytes
     r = run_job(out_dir, "chaos", [*layout(nodes, max(nodes // 8, fitting_ranks("7B"))),
                                    f"train.steps={steps}", f"sim.time_scale={scale}",
                                    "run.checkpoint_every=1", "runtime.restart_limit=30",
-                                   "runtime.time_to_dead=10"], min_available_gb, 3600)
+                                   "runtime.time_to_dead=10", "weight_sync.timeout_s=15"],
+                min_available_gb, 3600)
     ended.set()
     for t in threads:
         t.join()
     recs = _records(run_dir)
-    return {**r, "killed": killed, "frozen": frozen,
-            "restarts": recs[-1].get("faults/restarts", 0) if recs else None}
+    roles = Counter("trainer" if n.startswith("trainer") else n.rstrip("0123456789")
+                    for n, _ in killed)
+    return {**r, "killed": killed, "killed_roles": dict(roles), "frozen": frozen,
+            "faults": {k.removeprefix("faults/"): v for k, v in (recs[-1] if recs else {})
+                       .items() if k.startswith("faults/")}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -213,12 +221,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--static-steps", type=int, default=10)
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--nodes", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--time-scale", type=float, default=0.5)
+    ap.add_argument("--steps", type=int, default=0,
+                    help="0: elastic 24, rebalance 30 (the rebalancing run), chaos 40")
+    ap.add_argument("--time-scale", type=float, default=0.0, help="0: chaos 0.1, else 0.2")
     ap.add_argument("--min-available-gb", type=float, default=6.0)
     ap.add_argument("--dir", default="runs/twin")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
+    a.steps = a.steps or {"elastic": 24, "rebalance": 30, "chaos": 40}[a.what]
+    a.time_scale = a.time_scale or (0.1 if a.what == "chaos" else 0.2)
     out_dir = Path(a.dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     if a.what == "rebalance":
