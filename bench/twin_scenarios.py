@@ -134,14 +134,16 @@ def split_args(trainers: int, gens: int, scorers: int) -> list[str]:
 
 
 def rebalance(out_dir: Path, shape: str, steps: int, scale: float, every: int,
-              min_available_gb: float, static_steps: int) -> dict[str, Any]:
-    """Each static split of `shape` for `static_steps`, then `placement.rebalance = true`
-    from the bad split for `steps`: samples/s of each static split (once its first k + 1
-    steps are through) and of the rebalancing run after its last move, against the best."""
+              min_available_gb: float, static_steps: int,
+              static: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Each static split of `shape` for `static_steps` (or `static`, the results of an
+    earlier run), then `placement.rebalance = true` from the bad split for `steps`:
+    samples/s of each static split (once its first k + 1 steps are through) and of the
+    rebalancing run after its last move, against the best."""
     over, trainers, _, bad, splits = SHAPES[shape]
     settle = load_config(None, [*BASE, *over]).algo.max_staleness + 1
-    static = {}
-    for g, sc in splits:
+    static = dict(static or {})
+    for g, sc in splits if not static else []:
         name = f"rebalance_{shape}_{g}g{sc}s"
         r = run_job(out_dir, name, [*over, *split_args(trainers, g, sc),
                                     f"train.steps={static_steps}", f"sim.time_scale={scale}"],
@@ -219,6 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--every", type=int, default=3, help="placement.rebalance_every")
     ap.add_argument("--static-steps", type=int, default=10)
+    ap.add_argument("--reuse", default="", help="rebalance: the static splits of this "
+                    "earlier result file (its shapes'), not run again")
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--nodes", type=int, default=64)
     ap.add_argument("--steps", type=int, default=0,
@@ -233,8 +237,10 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(a.dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     if a.what == "rebalance":
+        earlier = {r["shape"]: r["static"] for r in json.loads(Path(a.reuse).read_text())
+                   ["results"]} if a.reuse else {}
         rs = [rebalance(out_dir, shape, a.steps, a.time_scale, a.every, a.min_available_gb,
-                        a.static_steps) for shape in a.shapes]
+                        a.static_steps, earlier.get(shape)) for shape in a.shapes]
         write_json(Path(a.out or "bench/results/twin_rebalance.json"),
                    {"what": a.what, "time_scale": a.time_scale, "results": rs})
         return
