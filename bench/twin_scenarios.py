@@ -197,12 +197,13 @@ def chaos(out_dir: Path, nodes: int, steps: int, kills: int, scale: float,
                                 daemon=True)]
     for t in threads:
         t.start()
-    # weight_sync.timeout_s stays BASE's 120 s: 49 gloo ranks on two loaded cores did not
-    # form a group within 15 s (every regroup failed, each time on another generator)
+    # a generator killed while a weight-sync group forms leaves the others waiting out
+    # weight_sync.timeout_s (a rendezvous is not cut short): 30 s, where 49 ranks form in ~1 s
     r = run_job(out_dir, "chaos", [*layout(nodes, max(nodes // 8, fitting_ranks("7B"))),
                                    f"train.steps={steps}", f"sim.time_scale={scale}",
                                    "run.checkpoint_every=1", "runtime.restart_limit=30",
-                                   "runtime.time_to_dead=10"], min_available_gb, 3600)
+                                   "runtime.time_to_dead=10", "weight_sync.timeout_s=30"],
+                min_available_gb, 3600)
     ended.set()
     for t in threads:
         t.join()
