@@ -129,6 +129,11 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               "the real control plane at 128 simulated GPUs, its overhead against node count, "
               "the twin against the cost model (docs/howto/twin.md, docs/benchmarks/twin.md)",
               ("twin_*.json",), "The cluster in a box: Separation on simulated GPUs"),
+    Benchmark("twin-scenarios", "twin_scenarios.py",
+              "a twin job scaled 8 -> 16 generators, rebalanced from a bad split, and under "
+              "SIGKILLs at 64 nodes (docs/benchmarks/twin.md)",
+              ("twin_elastic*.json", "twin_rebalance*.json", "twin_chaos*.json"),
+              "The cluster in a box: Separation on simulated GPUs"),
 )}
 
 # modules in bench/ that are shared parts, not benchmarks

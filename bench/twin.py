@@ -4,8 +4,6 @@ sim`, docs/howto/twin.md), each node process running its real program.
     python -m bench.twin acceptance --nodes 128 --steps 50   # one job; RSS/PSS, s/step
     python -m bench.twin overhead --nodes 8 32 64 128        # control plane vs node count
     python -m bench.twin grid --models 7B 13B --gpus 8 16    # twin vs the cost model
-    python -m bench.twin elastic                             # 8 -> 16 -> 8 generators
-    python -m bench.twin chaos --nodes 64 --kills 20         # SIGKILLs + a SIGSTOP
     python -m bench.twin report                              # table + plot of all results
 
 Every job is `rlhf-async run` in a process of its own (a session of its own, so it can be
@@ -20,7 +18,8 @@ first two), the real seconds per step, the control plane's real CPU seconds per 
 (`control/real_s`: the coordinator, driver and transport) and its share of a simulated
 step, exactly-once (trainer's log), and the cost model's prediction of the same placement
 (`planning.costmodel.predict`). Load average with
-every number. Results: bench/results/twin_*.json.
+every number. Results: bench/results/twin_*.json. Scaling, rebalancing and chaos jobs:
+bench/twin_scenarios.py.
 """
 
 from __future__ import annotations
@@ -44,15 +43,12 @@ import psutil
 
 from bench.output import write_json
 from rlhf_async.config import load_config
-from rlhf_async.control.chaos import freeze_nodes, kill_random
-from rlhf_async.control.reshape import Scale
 from rlhf_async.engines.sim import SimSpec
 from rlhf_async.metrics import read_metrics
 from rlhf_async.modeling.roofline import DEVICES, LLAMA
 from rlhf_async.ops.plotting import pyplot
 from rlhf_async.planning.costmodel import Workload, predict
-from rlhf_async.runtime import run_loop
-from rlhf_async.strategies.registry import plan_placement, request_scale
+from rlhf_async.strategies.registry import plan_placement
 
 GiB = 1024**3
 BASE = ["model.hidden=16", "model.layers=1", "model.heads=2", "sft.steps=1",
@@ -199,77 +195,12 @@ def predicted(args: list[str]) -> float:
     return predict(placement, spec.shape, w, spec.device, spec.cal).step_s
 
 
-# trainer ranks enough that generation bounds the step (one epoch a batch)
-ELASTIC = ["placement.devices=40", f"placement.actor={list(range(16))}",
-           f"placement.generator={list(range(16, 24))}", "placement.reward=[24,25]",
-           "train.prompts_per_step=512", "train.epochs=1", "sim.lengths=long_tail",
-           "algo.max_staleness=1"]
-
-
-def elastic(out_dir: Path, steps: int, scale: float, min_available_gb: float) -> dict[str, Any]:
-    """A generation-bound job (long-tail lengths: the KV cache holds few rows, so a
-    generator decodes its chunk in several waves), scaled 8 -> 16 generators after step
-    `steps // 3` and back after `2 * steps // 3`; samples/s in each phase (simulated)."""
-    run_dir = out_dir / "elastic"
-    marks: list[tuple[int, Any]] = []
-    ended = threading.Event()
-
-    def scaler() -> None:
-        for at, n in ((steps // 3, 16), (2 * steps // 3, 8)):
-            while len(_records(run_dir)) < at:
-                if ended.wait(0.5):
-                    return
-            got = run_loop(request_scale(run_dir, Scale(generators=n), timeout=300))
-            marks.append((len(_records(run_dir)), got.counts))
-    thread = threading.Thread(target=scaler, daemon=True)
-    thread.start()
-    r = run_job(out_dir, "elastic", [*ELASTIC, f"train.steps={steps}",
-                                     f"sim.time_scale={scale}"], min_available_gb, 3600)
-    ended.set()
-    thread.join()
-    recs = _records(run_dir)
-    bounds = [m[0] for m in marks] + [len(recs)]
-    phases, start = [], 0
-    for end in bounds:  # a phase's steps after the scale's own step
-        part = [x["samples_per_s"] for x in recs[start + 1: end]] or \
-            [x["samples_per_s"] for x in recs[start:end]]
-        phases.append(statistics.median(part) if part else None)
-        start = end
-    return {**r, "scaled_at": marks, "samples_per_s_phases": phases}
-
-
 def _args_of(r: dict[str, Any]) -> list[str]:
     """The overrides a result of `main` ran with (for results written before they were
     kept): its layout by its name."""
     model = r["name"].split("_")[1] if r["name"].startswith("grid_") else "7B"
     n = _nodes(r)
     return [*BASE, *layout(n, max(n // 8, fitting_ranks(model))), f"sim.model={model}"]
-
-
-def chaos(out_dir: Path, nodes: int, steps: int, kills: int, scale: float,
-          min_available_gb: float) -> dict[str, Any]:
-    """`kills` SIGKILLs of random ready nodes (every step from step 2: generators,
-    scorers, trainer ranks alike) and one generator SIGSTOPped (declared dead, replaced,
-    then SIGCONTed), during one job; its exactly-once record."""
-    run_dir, ended = out_dir / "chaos", threading.Event()
-    killed: list[tuple[str, int]] = []
-    frozen: list[dict[str, Any]] = []
-    threads = [threading.Thread(target=kill_random, args=(run_dir, kills, 1, ended, killed, 7),
-                                daemon=True),
-               threading.Thread(target=freeze_nodes, args=(run_dir, ["gen1"], 3, ended, frozen),
-                                daemon=True)]
-    for t in threads:
-        t.start()
-    r = run_job(out_dir, "chaos", [*layout(nodes, max(nodes // 8, fitting_ranks("7B"))),
-                                   f"train.steps={steps}", f"sim.time_scale={scale}",
-                                   "run.checkpoint_every=1", "runtime.restart_limit=30",
-                                   "runtime.time_to_dead=10"], min_available_gb, 3600)
-    ended.set()
-    for t in threads:
-        t.join()
-    recs = _records(run_dir)
-    return {**r, "killed": killed, "frozen": frozen,
-            "restarts": recs[-1].get("faults/restarts", 0) if recs else None}
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
@@ -353,9 +284,7 @@ def report(results_dir: Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("acceptance", "overhead", "grid", "elastic", "chaos",
-                                     "report"))
-    ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("what", choices=("acceptance", "overhead", "grid", "report"))
     ap.add_argument("--nodes", type=int, nargs="+", default=[32])
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--models", nargs="+", default=["7B"])
@@ -374,18 +303,6 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(a.dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     scale = f"sim.time_scale={a.time_scale}"
-    if a.what == "chaos":
-        r = chaos(out_dir, a.nodes[0], a.steps, a.kills, a.time_scale, a.min_available_gb)
-        print(json.dumps(r), flush=True)
-        write_json(Path(a.out or "bench/results/twin_chaos.json"),
-                   {"what": "chaos", "time_scale": a.time_scale, "results": [r]})
-        return
-    if a.what == "elastic":
-        r = elastic(out_dir, a.steps, a.time_scale, a.min_available_gb)
-        print(json.dumps(r), flush=True)
-        write_json(Path(a.out or "bench/results/twin_elastic.json"),
-                   {"what": "elastic", "time_scale": a.time_scale, "results": [r]})
-        return
     jobs: list[tuple[str, list[str]]] = []
     if a.what in ("acceptance", "overhead"):
         jobs = [(f"{a.what}{n}", [*layout(n, max(n // 8, fitting_ranks("7B"))),

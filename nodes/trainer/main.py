@@ -246,7 +246,12 @@ class Trainer:
             return WeightSync()
         version = learner.version // every
         layout = learner.weight_layout()  # names, dtypes, shapes: nothing gathered yet
-        plan = sender.plan(layout, version, self.tied)
+        try:
+            plan = sender.plan(layout, version, self.tied)
+        except WeightSyncError as e:  # no group (a regroup failed, the next not formed):
+            # the coordinator asks for the weights again once one stands
+            self.node.log.warning("publish_skipped", version=version, error=str(e))
+            return WeightSync()
         await self.node.send_event(Published(plan, self.lineage), weight_version=version)
         t0 = time.perf_counter()
 

@@ -105,3 +105,26 @@ def test_a_twin_job_scales_up_and_down_without_losing_a_prompt(tmp_path, cache):
     worked = {n for n in up.added for r in records if r.get(f"util/{n}", 0) > 0}  # type: ignore[attr-defined]
     assert worked, up.added  # type: ignore[attr-defined]
     assert records[-1].get("faults/restarts", 0) == 0  # a retirement is no failure
+
+
+def test_a_twin_job_rebalances_from_a_bad_split_toward_its_bound_stage(tmp_path, cache):
+    """One generator against three scorers, 2048-token responses: generation takes many
+    times what scoring does, so whatever the host adds, the first decision moves a
+    scorer's device to a second generator (through the scale path: no restart, every
+    prompt once)."""
+    steps = 8
+    cfg = _config(tmp_path, cache, "rebalance", f"train.steps={steps}",
+                  "train.prompts_per_step=8", "placement.devices=6", "placement.gpu=H200",
+                  "placement.actor=[0,1]", "placement.generator=[2]",
+                  "placement.reward=[3,4,5]", "algo.max_staleness=1",
+                  "sim.prompt_tokens=256", "sim.response_tokens=2048",
+                  "placement.rebalance=true", "placement.rebalance_every=2",
+                  "weight_sync.timeout_s=10")
+    job.run(cfg)
+    records = _exactly_once(tmp_path / "rebalance", steps, 16)
+    first = next(r for r in records if "rebalance/moved" in r)
+    assert first["rebalance/moved"] == 1, first
+    assert (first["rebalance/generators"], first["rebalance/scorers"]) == (1, 3)
+    last = {k.removeprefix("util/") for k in records[-1] if k.startswith("util/")}
+    assert {n for n in last if n.startswith("gen")} >= {"gen0", "gen1"}, last
+    assert records[-1].get("faults/restarts", 0) == 0  # a move is no failure

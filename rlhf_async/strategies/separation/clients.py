@@ -121,11 +121,17 @@ async def connect_weight_sync(trainer: TrainerClient, generators: list[Generator
     joins = [asyncio.ensure_future(g.connect_weight_sync(spec, 1 + i * ranks_each, limit))
              for i, g in enumerate(generators)]
     await asyncio.sleep(0)  # let the generators' join commands go out first
-    try:
-        await asyncio.gather(trainer.connect_weight_sync(spec, limit), *joins)
-    except (TimeoutError, RuntimeError) as e:
-        for j in joins:
-            j.cancel()
-        raise PipelineError(f"weight-sync group {spec.group_name}: {e}") from None
+    joins.insert(0, asyncio.ensure_future(trainer.connect_weight_sync(spec, limit)))
+    # every join returns (each bounded by `limit`) before a failure is raised: a member
+    # joins in a rendezvous its node cannot cut short, so a next epoch started while some
+    # still wait in this one would meet without them (and fail again, on another member)
+    got = await asyncio.gather(*joins, return_exceptions=True)
+    errors = [x for x in got if isinstance(x, BaseException)]
+    unexpected = [x for x in errors if not isinstance(x, TimeoutError | RuntimeError)]
+    if unexpected:
+        raise unexpected[0]
+    if errors:  # the cause first: a member that failed, before those left waiting on it
+        first = next((x for x in errors if not isinstance(x, TimeoutError)), errors[0])
+        raise PipelineError(f"weight-sync group {spec.group_name}: {first}") from None
     log.info("weight_sync_connected", group=spec.group_name, world=spec.world_size)
     return spec

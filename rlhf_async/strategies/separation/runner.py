@@ -92,10 +92,9 @@ def build_specs(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placem
         "adapters": adapter_lines(cfg.task)}
     endpoints = {
         "trainer": {"scored": Endpoint("pull", scored, bind=True, hwm=hwm)},
-        "generator": {"prompts": Endpoint("pull", prompts, hwm=hwm),
-                      "rollouts": Endpoint("push", scorers[0], hwm=hwm,
-                                           also=tuple(scorers[1:]))},
+        "generator": {"prompts": Endpoint("pull", prompts, hwm=hwm)},
     }
+    gens = [p.node_id for p in placement.by_role("generator")]
     trainers = [p.node_id for p in placement.by_role("trainer")]
     tp = generator_ranks(placement)
     specs = []
@@ -104,6 +103,8 @@ def build_specs(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placem
             "rollouts": Endpoint("pull", f"ipc://{sock_dir}/{proc.node_id}", bind=True, hwm=hwm),
             "scored": Endpoint("push", scored, hwm=hwm)}
         mine = params
+        if proc.role == "generator":
+            eps = {**eps, "rollouts": _rollouts(scorers, gens.index(proc.node_id), hwm)}
         if proc.role == "trainer":  # rank 0 takes the scored chunks; the others follow it
             rank = trainers.index(proc.node_id)
             mine = {**params, "rank": rank, "world": len(trainers)}
@@ -122,6 +123,17 @@ def build_specs(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placem
                               # ~10% in a 10-minute soak; two arenas kept it flat
                               env={"MALLOC_ARENA_MAX": "2", **env}))
     return specs, prompts
+
+
+def _rollouts(scorers: list[str], i: int, hwm: int) -> Endpoint:
+    """Generator i's rollouts endpoint: every scorer, from scorer i mod n on. A PUSH socket
+    deals its messages over its peers in the order it connected to them, and a generator
+    sends one chunk a step: with one order for all, every generator sent a step's chunk to
+    the same scorer, which scored the whole step while the others waited (the twin showed
+    two of four scorers busy in each step, the step's scoring n times as long)."""
+    k = i % len(scorers)
+    order = scorers[k:] + scorers[:k]
+    return Endpoint("push", order[0], hwm=hwm, also=tuple(order[1:]))
 
 
 def sync_backend(cfg: JobConfig, placement: Placement) -> JobConfig:

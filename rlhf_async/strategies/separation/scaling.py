@@ -85,11 +85,6 @@ def persist(run_dir: Path, p: Placement) -> None:
     (run_dir / "placement.txt").write_text(p.table() + "\n")
 
 
-def rollouts_peers(specs: dict[str, NodeSpec]) -> list[str]:
-    """Where a generator sends its rollouts: every scorer's bound address."""
-    return [s.endpoints["rollouts"].address for s in specs.values() if s.role == "scorer"]
-
-
 class Devices(Protocol):
     """Devices beyond the placement's, for a launcher that can reserve more (Ray)."""
 
@@ -158,8 +153,7 @@ class Scaler:
                     await self.devices.settle(self.placement)
                 raise
             await self._repeer(specs)
-            for node in plan.remove:
-                await self._retire(node)
+            await self._retire(list(plan.remove))
             self.driver.chunks = self.chunks_for(new)
             self.placement = new
             if self.devices is not None:
@@ -192,28 +186,45 @@ class Scaler:
 
     async def _repeer(self, specs: dict[str, NodeSpec]) -> None:
         """Every running generator sends its rollouts to the scorers of `specs` (a
-        generator restarted later starts with them too)."""
-        peers = rollouts_peers(specs)
+        generator restarted later starts with them too), in its own order (runner.py's
+        `_rollouts`); one whose scorers are the same keeps the order it has."""
         for node, record in list(self.coord.nodes.items()):
             if record.spec.role != "generator" or node not in specs:
                 continue
-            ep = record.spec.endpoints["rollouts"]
-            if [ep.address, *ep.also] == peers:
+            ep, new = record.spec.endpoints["rollouts"], specs[node].endpoints["rollouts"]
+            peers = [new.address, *new.also]
+            if {ep.address, *ep.also} == set(peers):
                 continue
-            eps = {**record.spec.endpoints, "rollouts": specs[node].endpoints["rollouts"]}
+            eps = {**record.spec.endpoints, "rollouts": new}
             record.spec = replace(record.spec, endpoints=eps)
             try:
                 await self.coord.call(node, Peers("rollouts", peers))
             except (TimeoutError, CoordinatorError) as e:  # restarting: its spec has them
                 log.warning("peers_not_changed", node=node, error=str(e))
 
-    async def _retire(self, node: str) -> None:
+    async def _retire(self, nodes: list[str]) -> None:
+        """Retire `nodes` together: generators leave the weight-sync group in one regroup,
+        all stop at once, then the chunks they may have held go out again, once. (Which
+        generator holds which chunk is not known, so each retirement sends every chunk
+        not yet generated: one by one, n retirements queued n copies of each.)"""
+        if not nodes:
+            return
         d = self.driver
-        role = d.roles[node]
-        if role == "generator":  # out of the weight-sync group before it stops; until the
-            # new group stands it still takes the current group's broadcasts
-            d.leaving.add(node)
+        roles = {n: d.roles[n] for n in nodes}
+        gens = [n for n, r in roles.items() if r == "generator"]
+        if gens:  # out of the weight-sync group before they stop; until the new group
+            # stands they still take the current group's broadcasts
+            d.leaving.update(gens)
             await self._regroup()
+        await asyncio.gather(*(self._stop(n, r) for n, r in roles.items()))
+        # chunks they may have held (queued or half done) go out again; duplicates of those
+        # that got through are dropped by the trainer
+        d.resend((ChunkState.DISPATCHED,) if not set(roles.values()) - {"generator"} else
+                 (ChunkState.DISPATCHED, ChunkState.GENERATED))
+        d.gate.set()  # the oldest weights held may be newer now
+
+    async def _stop(self, node: str, role: str) -> None:
+        d = self.driver
         d.down.add(node)
         d.applied.pop(node, None)
         try:
@@ -222,11 +233,6 @@ class Scaler:
             log.warning("retire_stop_unanswered", node=node, error=str(e))
         rc = await self.coord.supervisor.retire(node, self.grace)
         self._forget(node)
-        # chunks it may have held (queued or half done) go out again; duplicates of those
-        # that got through are dropped by the trainer
-        d.resend((ChunkState.DISPATCHED,) if role == "generator" else
-                 (ChunkState.DISPATCHED, ChunkState.GENERATED))
-        d.gate.set()  # the oldest weights held may be newer now
         log.info("node_scaled_down", node=node, role=role, exit_code=rc)
 
     async def _regroup(self) -> None:

@@ -111,7 +111,7 @@ class Harness:
         self.coord, self.events, self.prompts = FakeCoord(), Events(), Prompts()
         spec = GroupSpec("gloo", "127.0.0.1", 0, 3, timeout_s=5)
         ranks = TrainerRanks(self.coord, ["trainer"], "127.0.0.1", 5.0)
-        self.driver = Driver(cfg, self.coord, self.events, self.prompts, ROLES,
+        self.driver = Driver(cfg, self.coord, self.events, self.prompts, dict(ROLES),
                              spec, tmp_path, 2, 0, LINEAGE, ranks, backlog)
         self.task: asyncio.Task | None = None
 
