@@ -114,8 +114,10 @@ def random_order(nodes: list[str], kills: int, seed: int = 0) -> list[str]:
 
 def kill_at_start(run_dir: str | Path, order: list[str], stop: threading.Event,
                   victims: list[tuple[str, float]], within_s: float = 3.0) -> None:
-    """Kill each node of `order` in turn within `within_s` seconds of its process starting
-    (the first launch, or the restart an earlier kill caused); appends (node, age in s)."""
+    """Kill each node of `order` in turn while it starts (the first launch, or the restart
+    an earlier kill caused): not yet ready, however long a loaded host takes, or within
+    `within_s` seconds of its process starting (a node may report ready before it loads its
+    models); appends (node, age of its process in s)."""
     killed: set[int] = set()
     while len(victims) < len(order) and not stop.is_set():
         time.sleep(0.02)
@@ -128,7 +130,7 @@ def kill_at_start(run_dir: str | Path, order: list[str], stop: threading.Event,
             continue
         try:
             age = time.time() - psutil.Process(pid).create_time()
-            if age > within_s:
+            if age > within_s and node.get("state") != "starting":
                 continue  # too late for this incarnation; wait for a restart
             os.kill(pid, signal.SIGKILL)
         except (psutil.NoSuchProcess, ProcessLookupError):
