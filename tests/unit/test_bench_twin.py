@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.twin import BASE, _prompts, fitting_ranks, gate_cycle, layout, predicted
+from bench.twin import BASE, _prompts, fitting_ranks, layout, predicted
 from rlhf_async.config import load_config
 
 
@@ -19,6 +19,9 @@ def test_layouts_put_every_role_on_gpus_of_its_own_and_prompts_divide():
     assert _prompts(3, 4) == 12
 
 
-def test_the_gate_cycle_bounds_a_step_at_least_as_the_cost_model_does():
+def test_the_prediction_prices_the_staleness_gate():
+    """With k = 0 every stage runs in turn (the gate's cycle is the whole step); with k = 1
+    two steps overlap: the cost model's step (`pricing.gate_cycle` inside) is no longer."""
     args = [*BASE, *layout(8, 4), "sim.model=7B"]
-    assert gate_cycle(args) >= predicted(args) > 0
+    serial, overlapped = (predicted([*args, f"algo.max_staleness={k}"]) for k in (0, 1))
+    assert serial > overlapped > 0
