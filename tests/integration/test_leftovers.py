@@ -1,5 +1,5 @@
-"""A SIGKILLed Separation run leaves its socket directory behind (no cleanup runs); the
-next start sweeps it."""
+"""A SIGKILLed Separation run leaves its private directories behind (its sockets, its nodes'
+heartbeat board: no cleanup runs); the next start sweeps them."""
 
 import json
 import os
@@ -33,6 +33,7 @@ def test_a_killed_separation_runs_socket_directory_is_swept(tmp_path):
     finally:
         job.send_signal(signal.SIGKILL)  # its nodes get SIGTERM (they die with it)
         job.wait()
-    assert left[0].is_dir()  # nothing cleaned up after a SIGKILL
-    assert sweep_ipc_dirs(str(tmp)) == [str(left[0])]
-    assert not left[0].exists()
+    left = list(tmp.glob(f"rlhf-{job.pid}-*"))
+    assert left and all(d.is_dir() for d in left)  # nothing cleaned up after a SIGKILL
+    assert sorted(sweep_ipc_dirs(str(tmp))) == sorted(str(d) for d in left)
+    assert not any(d.exists() for d in left)
