@@ -29,25 +29,9 @@ from rlhf_async.rl import algorithms as A
 from rlhf_async.rl.distill import distill_advantages, reverse_kl_per_token
 from rlhf_async.rl.guards import require_finite
 from rlhf_async.rl.microbatches import MicroBatcher, minibatch_rows
-from rlhf_async.rl.registry import (
-    ADVANTAGE_ESTIMATORS,
-    POLICY_LOSSES,
-    POLICY_STATS,
-    AdvantageInputs,
-    name_problems,
-)
+from rlhf_async.rl.objective import Forward, Objective
+from rlhf_async.rl.registry import ADVANTAGE_ESTIMATORS, AdvantageInputs, name_problems
 from rlhf_async.rl.step_stats import global_stats, mismatch_stats
-
-
-@dataclass
-class Forward:
-    """One forward pass over a minibatch: the actor's log-probs of the response tokens,
-    its entropy (a graph only for an entropy bonus) and the critic's values (None without
-    a critic), each [b, R]."""
-
-    logprobs: Tensor
-    entropy: Tensor
-    values: Tensor | None
 
 
 @dataclass
@@ -255,50 +239,9 @@ class Learner:
         v = None if self.critic_backend is None else view.restore(self._critic_values(view))
         return Forward(view.restore(lp), view.restore(ent), v)
 
-    def _loss(self, mb: RolloutBatch, fwd: Forward, adv: Tensor, ret: Tensor | None,
-              old_lp: Tensor, old_v: Tensor | None, n_tokens: Tensor,
-              n_seqs: Tensor) -> tuple[Tensor, Tensor | None, dict]:
-        """-> actor loss, critic loss (already scaled by vf_coef; PPO only), stats, of the
-        rows `mb` (their forward `fwd`, and their rows of advantages, returns, old
-        log-probs and old values)."""
-        algo, rc, lp = self.algo, self.recipe, fwd.logprobs
-        m = mb.loss_mask
-        weights = None if rc.mismatch == "none" else A.importance_weights(
-            old_lp, mb.behaviour_logprobs, rc.mismatch_cap, rc.mismatch, m, rc.ratio_level)
-        if rc.proximal and weights is None:  # (algo.mismatch's weights are pi_prox / mu too)
-            stale = A.stale_tokens(mb.token_versions, mb.version, m,
-                                   mb.step // self.train.publish_every)
-            weights = A.proximal_weights(old_lp, mb.behaviour_logprobs, stale,
-                                         rc.mismatch_cap, "tis", m, rc.ratio_level)
-        pg, st = POLICY_LOSSES[rc.surrogate](
-            lp, old_lp, adv, m, rc.clip_low, rc.clip_high, weights=weights,
-            ratio_level=rc.ratio_level, loss_agg=rc.loss_agg, normaliser=n_tokens, n_seqs=n_seqs)
-        if sorted(st) != sorted(POLICY_STATS):  # every rank reduces the same list of stats
-            raise ValueError(f"policy loss {rc.surrogate!r} returned stats {sorted(st)}, not "
-                             f"{list(POLICY_STATS)}")
-        ent = A.masked_token_mean(fwd.entropy, m, n_tokens)
-        loss = pg - algo.entropy_coef * ent if algo.entropy_coef > 0 else pg
-        stats = {"policy_loss": pg.detach(), "entropy": ent.detach(), **st}
-        if rc.kl_mode == "loss":
-            assert mb.ref_logprobs is not None
-            # per token, then aggregated as the policy term (GRPO's beta*KL inside its mean)
-            kl = A.kl_per_token(lp, mb.ref_logprobs, rc.kl_estimator)
-            kl_loss = A.aggregate(kl, m, rc.loss_agg, n_tokens, n_seqs)
-            loss = loss + self.kl_coef * kl_loss
-            stats["kl_loss"] = kl_loss.detach()
-        if fwd.values is not None:
-            assert old_v is not None and ret is not None
-            vl = A.value_loss(fwd.values, old_v, ret, m, algo.value_clip, n_tokens)
-            stats["value_loss"] = vl.detach()
-            require_finite("the critic loss", vl, mb.step, "a reward or value out of range?")
-            return loss, algo.vf_coef * vl, stats
-        require_finite("the actor loss", loss, mb.step, "train.lr too high?")
-        return loss, None, stats
-
-    def _stat_names(self) -> list[str]:
-        names = ["policy_loss", "entropy", *POLICY_STATS]
-        names += ["kl_loss"] if self.recipe.kl_mode == "loss" else []
-        return names + (["value_loss"] if self.critic_backend is not None else [])
+    def _objective(self) -> Objective:
+        """The loss as this step sets it (`kl_coef` moves between steps)."""
+        return Objective(self.recipe, self.algo, self.kl_coef, self.train.publish_every)
 
     def _optimizer_step(self, step: int) -> dict[str, float]:
         """One update of each model; a non-finite gradient norm stops the step (the plain
@@ -328,6 +271,7 @@ class Learner:
             idx, torch.arange(len(b), device=idx.device)))
         stats: dict[str, Tensor] = {}
         own: list[Tensor] = []
+        objective = self._objective()
         for j, i in enumerate(micro):
             mb = b.select(i)
             fwd = old.forward if old.forward is not None else self._forward(mb)
@@ -335,7 +279,7 @@ class Learner:
                 own.append(fwd.logprobs.detach() * mb.loss_mask)
             old_lp = own[-1] if old.logprobs is None else old.logprobs[i]
             old_v = None if old.values is None else old.values[i]
-            actor_loss, critic_loss, st = self._loss(
+            actor_loss, critic_loss, st = objective.loss(
                 mb, fwd, adv[i], None if ret is None else ret[i], old_lp, old_v, n_tokens,
                 n_seqs)
             last = j == len(micro) - 1
@@ -377,7 +321,8 @@ class Learner:
                     stats, mine = self._backward(b, idx, adv, ret, old, n_tokens, n_seqs)
                     own += mine
                 else:  # this rank holds none of the minibatch; it still joins the all-reduce
-                    stats = {k: m.new_zeros(()) for k in self._stat_names()}
+                    stats = {k: m.new_zeros(()) for k in self._objective().stat_names(
+                        self.critic_backend is not None)}
                 grad_norms = self._optimizer_step(b.step)
                 for k, v in stats.items():
                     sums[k] = sums.get(k, m.new_zeros(())) + v.float()
