@@ -220,8 +220,10 @@ class AgentEpisodes:
 
     def _where(self, e: BaseException) -> str:
         """' (at file.py:LINE)': the innermost frame in the agent's own file (an error the
-        client raised is reported where the agent called it), else the innermost."""
-        mine = getattr(getattr(self.agent, "__code__", None), "co_filename", None)
+        client raised is reported where the agent called it; a decorated agent's own file,
+        not its decorator's), else the innermost."""
+        mine = getattr(getattr(inspect.unwrap(self.agent), "__code__", None), "co_filename",
+                       None)
         frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == mine]
         return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else where(e)
 

@@ -4,26 +4,19 @@ HTTP, a scripted policy turn in place of a model, and what each episode records.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 
-import httpcore
-import httpx
 import pytest
 import torch
-from openai import AsyncOpenAI, BadRequestError
+from openai import BadRequestError
 from structlog.testing import capture_logs
 
 from bench.agent_endpoint import Setup
-from rlhf_async.modeling.env_calls import env_loop
-from rlhf_async.modeling.environment import EpisodeSpec
-from rlhf_async.modeling.episodes import ENDS, Episode, episode_batch, play
-from rlhf_async.modeling.generation import SamplingParams
-from rlhf_async.modeling.rollout import ENV, POLICY, PromptBatch
-from rlhf_async.task.agents import endpoint as endpoint_module
-from rlhf_async.task.agents.agent import AgentEpisodes, agent_loop
-from rlhf_async.task.agents.agent_session import NO_ENV, parse_tool_calls
+from rlhf_async.modeling.episodes import ENDS, Episode, episode_batch
+from rlhf_async.modeling.rollout import ENV, POLICY
+from rlhf_async.task.agents.agent_session import parse_tool_calls
 from rlhf_async.task.sources.tokens import encode_prompt
+from tests.agent_episodes import closing, run_agent
 from tests.chat_tokenizers import chatml_tokenizer, llama3_tokenizer
 
 pytestmark = [pytest.mark.timeout(60)]
@@ -31,46 +24,6 @@ TOOLS = [{"type": "function", "function": {
     "name": "calc", "description": "evaluates arithmetic",
     "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}}]
 CALL = '<tool_call>\n{"name": "calc", "arguments": {"expr": "2+3"}}\n</tool_call>'
-
-
-def _closing(agent):
-    """The agent given an `openai` client on its episode's base URL, closed after it (an
-    unclosed client's sockets are left to the garbage collector)."""
-    @functools.wraps(agent)
-    async def run(base_url, row):
-        async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
-            return await agent(client, row)
-    return run
-
-
-def _run(tok, agent, replies, prompts=("what is two plus three",), timeout_s=20.0,
-         width=None, name="agent.py:run", max_tokens=400):
-    """Each row's episode; the policy answers turn k with replies[k] + its end token."""
-    end = tok.eos_token_id
-    rows = [encode_prompt(tok, p, True) for p in prompts]
-    P = width or max(len(r) for r in rows)
-    ids = torch.full((len(rows), P), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, P - len(r):], mask[i, P - len(r):] = torch.tensor(r), 1
-    batch = PromptBatch(ids, mask, torch.arange(len(rows)), torch.arange(len(rows)))
-    calls: list[tuple[int, int]] = []
-
-    async def turn(k, eps, sids):
-        calls.extend((k, s) for s in sids)
-        out = []
-        for _ in eps:
-            toks = [*tok(replies[k], add_special_tokens=False).input_ids, end]
-            out.append((toks, [-0.5] * len(toks), True))
-        return out
-
-    texts = {tuple(r): p for r, p in zip(rows, prompts, strict=True)}
-    spec = EpisodeSpec(lambda: NO_ENV, lambda t: {"prompt": texts[tuple(t)]}, lambda _: [],
-                       lambda t: tok.decode(t, skip_special_tokens=True), 5, max_tokens, timeout_s,
-                       name, AgentEpisodes(agent, tok, True))
-    params = SamplingParams(64, end, tok.pad_token_id, episode=spec)
-    eps = env_loop().run(play(batch, params, spec, 0, 0, turn))
-    return eps, batch, calls
 
 
 def _whole(tok, messages, tools=None) -> list[int]:
@@ -92,7 +45,7 @@ def test_a_three_turn_chat_records_exactly_the_templates_tokens(make):
     replies = ["the answer is five", "it is twenty four", "six"]
     final: list = []
 
-    @_closing
+    @closing
     async def agent(client, row):
         msgs = [{"role": "system", "content": "you are a helpful assistant ."},
                 {"role": "user", "content": "what is two plus three"}]
@@ -104,7 +57,7 @@ def test_a_three_turn_chat_records_exactly_the_templates_tokens(make):
         final.extend(msgs)
         return 1.0
 
-    (ep,), _, calls = _run(tok, agent, replies)
+    (ep,), _, calls = run_agent(tok, agent, replies)
     assert [m["content"] for m in final if m["role"] == "assistant"] == replies
     assert ep.end == "done" and ep.reward == 1.0 and ep.segments == 1 and calls == [
         (0, 0), (1, 0), (2, 0)]
@@ -122,7 +75,7 @@ def test_an_agent_that_rewrites_its_history_opens_a_new_segment_counted():
     tok = chatml_tokenizer()
     final: list = []
 
-    @_closing
+    @closing
     async def agent(client, row):
         msgs = [{"role": "user", "content": "what is two plus three"}]
         r = await client.chat.completions.create(model="policy", messages=msgs)
@@ -133,7 +86,7 @@ def test_an_agent_that_rewrites_its_history_opens_a_new_segment_counted():
         return 0.5
 
     replies = ["the answer is five", "it is twenty four"]
-    (ep,), batch, _ = _run(tok, agent, replies)
+    (ep,), batch, _ = run_agent(tok, agent, replies)
     assert ep.segments == 2 and ep.end == "done" and len(ep.earlier) == 1
     _assert_records_the_conversation(tok, ep, final)  # the row is the last segment
     b = episode_batch(batch, [ep], 400, tok.pad_token_id, 0, 0)
@@ -155,7 +108,7 @@ def test_a_tool_call_round_trips_through_the_template():
     final: list = []
     seen: list = []
 
-    @_closing
+    @closing
     async def agent(client, row):
         msgs = [{"role": "user", "content": "what is two plus three"}]
         r = await client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS)
@@ -170,7 +123,7 @@ def test_a_tool_call_round_trips_through_the_template():
         final.extend(msgs)
         return 1.0
 
-    (ep,), _, _ = _run(tok, agent, [CALL, "the answer is five"])
+    (ep,), _, _ = run_agent(tok, agent, [CALL, "the answer is five"])
     finish, calls = seen[0]
     assert finish == "tool_calls" and len(calls) == 1
     assert calls[0].function.name == "calc"
@@ -194,7 +147,7 @@ def test_tool_call_blocks_that_are_not_calls_stay_text():
 def test_failing_agents_fail_their_episodes_and_the_others_go_on():
     tok = chatml_tokenizer()
 
-    @_closing
+    @closing
     async def agent(client, row):
         kind = row["prompt"]
         if kind == "six":
@@ -209,7 +162,7 @@ def test_failing_agents_fail_their_episodes_and_the_others_go_on():
 
     prompts = ("six", "the answer is five", "it is twenty four", "what is two plus three")
     with capture_logs() as logs:
-        eps, batch, _ = _run(tok, agent, ["six"], prompts=prompts, timeout_s=1.0,
+        eps, batch, _ = run_agent(tok, agent, ["six"], prompts=prompts, timeout_s=1.0,
                              name="failing.py:run")
     errors = {e["event"]: str(e.get("error")) for e in logs}
     line = agent.__wrapped__.__code__.co_firstlineno + 4  # the raise (after a decorator)
@@ -229,7 +182,7 @@ def test_unserved_requests_are_clear_400s():
     tok = chatml_tokenizer()
     errors: list[str] = []
 
-    @_closing
+    @closing
     async def agent(client, row):
         msgs = [{"role": "user", "content": "six"}]
         for kwargs in ({"stream": True}, {"n": 2}, {"messages": [{"role": "robot"}]}):
@@ -242,7 +195,7 @@ def test_unserved_requests_are_clear_400s():
         r = await client.completions.create(model="policy", prompt="what is two")
         return float(len(models.data) + len(r.choices))
 
-    (ep,), _, _ = _run(tok, agent, ["six"])
+    (ep,), _, _ = run_agent(tok, agent, ["six"])
     assert ep.reward == 2.0 and ep.end == "done"
     assert "streaming is not served" in errors[0] and "one choice" in errors[1]
     assert "role one of system" in errors[2]
@@ -252,7 +205,7 @@ def test_completions_continue_text_and_token_ids_without_retokenising():
     tok = chatml_tokenizer()
     seen: list = []
 
-    @_closing
+    @closing
     async def agent(client, row):
         r = await client.completions.create(model="policy", prompt="what is two")
         text = "what is two" + r.choices[0].text + " plus three"
@@ -262,7 +215,7 @@ def test_completions_continue_text_and_token_ids_without_retokenising():
         await client.completions.create(model="policy", prompt=ids)  # another history
         return 1.0
 
-    (ep,), _, calls = _run(tok, agent, [" is", " five", "six"])
+    (ep,), _, calls = run_agent(tok, agent, [" is", " five", "six"])
     assert ep.segments == 2 and [k for k, _ in calls] == [0, 1, 2]
     assert seen == ["what is two is plus three five"]
     six = list(tok("six", add_special_tokens=False).input_ids)
@@ -284,82 +237,14 @@ def test_an_agent_records_the_same_tokens_as_the_environment_episode():
 def test_a_failing_generation_stops_the_run_rather_than_failing_the_agents():
     tok = chatml_tokenizer()
 
-    @_closing
+    @closing
     async def agent(client, row):
         await client.chat.completions.create(model="policy", messages=[
             {"role": "user", "content": "six"}])
         return 1.0
 
     with pytest.raises(IndexError):  # the scripted policy has no reply: the engine's error
-        _run(tok, agent, [])
-
-
-class _LateWrites(httpcore.AsyncNetworkBackend):
-    """A network backend whose streams, once `late` is set, write `late` seconds after
-    the request took its pooled connection: an agent's loop busy with other agents."""
-
-    def __init__(self) -> None:
-        self.inner, self.late, self.connects = httpcore.AnyIOBackend(), 0.0, 0
-
-    async def connect_tcp(self, *args, **kwargs):
-        self.connects += 1
-        stream = await self.inner.connect_tcp(*args, **kwargs)
-        backend = self
-
-        class Late(httpcore.AsyncNetworkStream):
-            async def write(self, buffer, timeout=None):
-                if backend.late:
-                    await asyncio.sleep(backend.late)
-                    backend.late = 0.0
-                await stream.write(buffer, timeout)
-
-            def __getattr__(self, name):
-                return getattr(stream, name)
-
-        for name in ("read", "aclose", "start_tls", "get_extra_info"):
-            setattr(Late, name, lambda self, *a, _n=name, **k: getattr(stream, _n)(*a, **k))
-        return Late()
-
-
-def test_a_pooled_connection_is_not_closed_under_a_request_on_its_way():
-    """One keep-alive client shared by the agents: a request that takes a pooled
-    connection and goes out 2.5 s later (its loop busy) is answered on that connection."""
-    tok = chatml_tokenizer()
-    backend = _LateWrites()
-    transport = httpx.AsyncHTTPTransport()
-    transport._pool._network_backend = backend  # the pool's connections: `backend`'s
-
-    async def agent(base_url, row):
-        async with AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0,
-                               http_client=httpx.AsyncClient(transport=transport)) as c:
-            msgs = [{"role": "user", "content": "six"}]
-            await c.chat.completions.create(model="policy", messages=msgs)
-            backend.late = 2.5
-            r = await c.chat.completions.create(model="policy", messages=msgs)
-            return float(r.choices[0].message.content == "six")
-
-    (ep,), _, _ = _run(tok, agent, ["six", "six"])
-    assert (ep.end, ep.reward, backend.connects) == ("done", 1.0, 1)
-
-
-def test_clients_never_closed_leave_at_most_max_idle_connections(monkeypatch):
-    monkeypatch.setattr(endpoint_module, "MAX_IDLE", 2)
-    tok = chatml_tokenizer()
-    leaked: list[AsyncOpenAI] = []
-
-    async def agent(base_url, row):  # a client per episode, never closed
-        leaked.append(AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0))
-        await leaked[-1].chat.completions.create(model="policy", messages=[
-            {"role": "user", "content": row["prompt"]}])
-        return 1.0
-
-    eps, _, _ = _run(tok, agent, ["six"], prompts=("six", "five", "four", "three"))
-    assert [e.end for e in eps] == ["done"] * 4
-    server = env_loop().run(endpoint_module.endpoint())
-    assert len(server.idle.conns) == 2 and not any(c.is_closing() for c in server.idle.conns)
-    assert server._runner is not None and len(server._runner.server.connections) == 2
-    for client in leaked:
-        asyncio.run_coroutine_threadsafe(client.close(), agent_loop()).result()
+        run_agent(tok, agent, [])
 
 
 def test_an_agents_prompt_past_the_batch_width_is_named_once_with_its_room():
@@ -369,7 +254,7 @@ def test_an_agents_prompt_past_the_batch_width_is_named_once_with_its_room():
     tok = chatml_tokenizer()
     system = {"role": "system", "content": "you answer questions about numbers . " * 6}
 
-    @_closing
+    @closing
     async def agent(client, row):
         msgs = [system, {"role": "user", "content": row["prompt"]}]
         await client.chat.completions.create(model="policy", messages=msgs)
@@ -379,8 +264,8 @@ def test_an_agents_prompt_past_the_batch_width_is_named_once_with_its_room():
     rendered = [len(encode_prompt(tok, [system, {"role": "user", "content": p}], True))
                 for p in prompts]
     with capture_logs() as logs:
-        eps, batch, _ = _run(tok, agent, ["five"], prompts=prompts, name="long.py:run")
-        roomy, _, _ = _run(tok, agent, ["five"], prompts=prompts, width=max(rendered))
+        eps, batch, _ = run_agent(tok, agent, ["five"], prompts=prompts, name="long.py:run")
+        roomy, _, _ = run_agent(tok, agent, ["five"], prompts=prompts, width=max(rendered))
     width = batch.prompt_ids.shape[1]
     over = [e for e in logs if e["event"] == "agent prompt over task.max_prompt_tokens"]
     assert len(over) == 1 and over[0]["env"] == "long.py:run"
@@ -397,7 +282,7 @@ def test_messages_past_the_episodes_tokens_are_answered_length_never_recorded():
     tok = chatml_tokenizer()
     seen: list = []
 
-    @_closing
+    @closing
     async def agent(client, row):
         msgs = [{"role": "user", "content": row["prompt"]}]
         r = await client.chat.completions.create(model="policy", messages=msgs, tools=TOOLS)
@@ -413,7 +298,7 @@ def test_messages_past_the_episodes_tokens_are_answered_length_never_recorded():
         return 0.0
 
     # the prompt with its tools fits the width; the call fits the 64 tokens, its result not
-    (ep,), batch, calls = _run(tok, agent, [CALL, "five"], width=140, max_tokens=64)
+    (ep,), batch, calls = run_agent(tok, agent, [CALL, "five"], width=140, max_tokens=64)
     assert seen == [("length", ""), ("length", "")] and calls == [(0, 0)]
     assert ep.end == "truncated" and ep.kinds == [POLICY] * len(ep.tokens)
     b = episode_batch(batch, [ep], 64, tok.pad_token_id, 0, 0)
