@@ -114,8 +114,11 @@ class CpuCounts:
         if not (before and api_done and after):
             return
         self.total["server_event_loop"] += api_done["loop"] - before["loop"]
-        self.total["server_engine"] += (api_done["server"] - before["server"]) - \
-            (api_done["loop"] - before["loop"])
+        # the rest of the server's process: two clock-tick counters read one after the
+        # other, so a tick the loop takes between the reads can make it -1 tick when the
+        # engine used none (seen under load)
+        self.total["server_engine"] += max(0.0, (api_done["server"] - before["server"])
+                                           - (api_done["loop"] - before["loop"]))
         self.total["client"] += api_done["me"] - before["me"]
         self.total["direct"] += after["me"] - api_done["me"]
         self.rounds += 1

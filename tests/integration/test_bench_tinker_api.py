@@ -44,3 +44,14 @@ def test_cpu_seconds_come_from_proc_for_a_process_and_its_threads() -> None:
     main = tinker_api.cpu_s(pid, pid)
     assert main is not None and 0 < main <= whole + 0.02  # one thread's share of the whole
     assert tinker_api.cpu_s(pid, 2 ** 22 + 7) is None  # no such thread
+
+
+def test_the_engine_share_is_never_negative_when_the_counters_are_read_a_tick_apart() -> None:
+    counts = tinker_api.CpuCounts(os.getpid())
+    # the loop took a tick between the reads of its counter and the process's: the process
+    # counter moved by one tick less than the loop's own, with the engine idle
+    before = {"loop": 1.00, "server": 2.00, "me": 5.0}
+    api_done = {"loop": 1.02, "server": 2.01, "me": 5.1}
+    counts.add(before, api_done, {**api_done, "me": 5.3})
+    assert counts.per_round_ms() == pytest.approx(
+        {"server_event_loop": 20.0, "server_engine": 0.0, "client": 100.0, "direct": 200.0})
