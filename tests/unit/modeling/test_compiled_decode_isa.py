@@ -31,6 +31,7 @@ print(int((y != 3).sum()), pick_vec_isa().bit_width())
 
 def _probe(cache: str, capability: str | None) -> tuple[int, int]:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1",
+           "TORCHINDUCTOR_COMPILE_THREADS": "1",  # no pool of compile workers to start
            "PYTHONPATH": os.pathsep.join(sys.path)}
     env.pop("ATEN_CPU_CAPABILITY", None)
     if capability is not None:
