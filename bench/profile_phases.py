@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from rlhf_async.config import load_config
 from rlhf_async.log import configure_logging
+from rlhf_async.modeling.compiled_decode import choose as choose_decode
 from rlhf_async.modeling.generation import generate
 from rlhf_async.planning.planner import prepare_run
 from rlhf_async.rl.learner import Learner
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg, placement = prepare_run(load_config(None, [*GEN_HEAVY, *args.overrides]))
     torch.set_num_threads(cfg.placement.cpu_threads)
     device, precision = torch.device("cpu"), placement.precision()
+    # as the lock-step loop decides it (`generation.compile=on`: the compiled decode step;
+    # the warm-up steps then hold its compile)
+    choose_decode(device, (args.steps + args.warmup) * cfg.generation.max_new_tokens,
+                  cfg.generation.compile)
     task = make_task(cfg)
     art = prepare_artefacts(cfg, task)
     actor = load_sft(art.sft_dir)

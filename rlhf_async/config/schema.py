@@ -133,7 +133,7 @@ class GenerationConfig:
     max_new_tokens: int = opt(8, "response length limit (tokens, EOS included); with an "
                               "environment, of each policy turn", ge=1)
     compile: str = opt("auto", "our torch engine's decode step compiled by torch.compile "
-                       "(inductor; GPT-2 shapes): on, off, or auto = on CPU when the run "
+                       "(inductor; GPT-2 and Llama shapes): on, off, or auto = on CPU when the run "
                        "decodes enough steps to repay the warm-up (logged)",
                        choices=("auto", "on", "off"))
     max_episode_tokens: int = opt(32, "with an environment: an episode's tokens after its "
