@@ -8,8 +8,8 @@ import pytest
 from openai import BadRequestError
 
 from rlhf_async.modeling.rollout import POLICY
+from tests.agent_episodes import closing, run_agent
 from tests.chat_tokenizers import chatml_tokenizer
-from tests.unit.task.test_agent_endpoint import _closing, _run
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -18,7 +18,7 @@ def test_a_request_for_another_sampler_is_refused_naming_the_runs():
     tok = chatml_tokenizer()
     errors: list[str] = []
 
-    @_closing
+    @closing
     async def agent(client, row):
         msgs = [{"role": "user", "content": "six"}]
         for kwargs in ({"temperature": 0.7}, {"top_p": 0.9}, {"extra_body": {"top_k": 5}},
@@ -36,7 +36,7 @@ def test_a_request_for_another_sampler_is_refused_naming_the_runs():
             errors.append(e.body["message"])
         return 1.0
 
-    (ep,), _, calls = _run(tok, agent, ["six", "six"])
+    (ep,), _, calls = run_agent(tok, agent, ["six", "six"])
     assert errors[0] == ("temperature: this run samples with generation.temperature = 1.0, "
                          "and trains on that sampler's log-probs; send temperature = 1.0 "
                          "or leave it out (got 0.7)")
@@ -55,7 +55,7 @@ def test_stop_cuts_the_reply_and_the_record_keeps_the_sampled_prefix():
     tok = chatml_tokenizer()
     seen: list = []
 
-    @_closing
+    @closing
     async def agent(client, row):
         msgs = [{"role": "user", "content": "what is two plus three"}]
         r = await client.chat.completions.create(model="policy", messages=msgs,
@@ -68,7 +68,7 @@ def test_stop_cuts_the_reply_and_the_record_keeps_the_sampled_prefix():
         seen.append((r.choices[0].message.content, r.choices[0].finish_reason))
         return 1.0
 
-    (ep,), _, _ = _run(tok, agent, ["the answer is five . and more", "it is six"])
+    (ep,), _, _ = run_agent(tok, agent, ["the answer is five . and more", "it is six"])
     assert seen == [("the answer is five ", "stop"), ("it is", "length")]
     assert ep.segments == 1 and ep.end == "done"
     policy = [t for t, k in zip(ep.tokens, ep.kinds, strict=True) if k == POLICY]
