@@ -29,13 +29,40 @@ from torch.distributed import BroadcastOptions, PrefixStore, TCPStore
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroupGloo, ProcessGroupNCCL
 
-from rlhf_async.weight_sync.errors import WeightSyncError, WeightSyncTimeout
+from rlhf_async.weight_sync.errors import (
+    WeightSyncError,
+    WeightSyncSuperseded,
+    WeightSyncTimeout,
+)
 from rlhf_async.weight_sync.spec import GroupSpec
 
 # A lazy proxy: picks up configure_logging() even when called after this import.
 log = structlog.get_logger(component="weight_sync")
 
 _POLL_S = 0.02
+
+# the newest epoch of each group (its store's address and its name) this process was asked
+# to join: a join of an older one gives up (joins.py says why)
+_newest: dict[tuple[str, int, str], int] = {}
+
+
+def _key(spec: GroupSpec) -> tuple[str, int, str]:
+    return spec.master_addr, spec.master_port, spec.name
+
+
+def ask_epoch(spec: GroupSpec) -> None:
+    """Note that this process is asked to join `spec`'s epoch of its group."""
+    key = _key(spec)
+    _newest[key] = max(_newest.get(key, spec.epoch), spec.epoch)
+
+
+def check_current(spec: GroupSpec, rank: int) -> None:
+    """Raise `WeightSyncSuperseded` when a newer epoch of `spec`'s group was asked."""
+    newest = _newest.get(_key(spec), spec.epoch)
+    if newest > spec.epoch:
+        raise WeightSyncSuperseded(
+            f"{spec.describe(rank)} left weight-sync group '{spec.group_name}': epoch "
+            f"{newest} of '{spec.name}' was asked since")
 
 
 def is_loopback(spec: GroupSpec) -> bool:
@@ -137,6 +164,7 @@ class BroadcastGroup:
         deadline = time.monotonic() + spec.timeout_s
         pending = [r for r in range(spec.world_size) if r != self.rank]
         while pending:
+            check_current(spec, self.rank)
             pending = [r for r in pending if not store.check([f"joined/{r}"])]
             if pending and time.monotonic() > deadline:
                 missing = ", ".join(spec.describe(r) for r in pending)

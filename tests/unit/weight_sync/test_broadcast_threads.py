@@ -19,9 +19,10 @@ from rlhf_async.weight_sync import (
     TorchBroadcastReceiver,
     TorchBroadcastSender,
     WeightSyncPlanError,
+    WeightSyncSuperseded,
     WeightSyncTimeout,
 )
-from rlhf_async.weight_sync.group import BroadcastGroup
+from rlhf_async.weight_sync.group import BroadcastGroup, ask_epoch
 from tests.unit.weight_sync.sample import tensors as _tensors
 
 
@@ -96,6 +97,35 @@ def test_threaded_missing_receiver_names_it() -> None:
     finally:
         sender.close()
         rx.close()
+
+
+def test_a_join_waiting_for_its_peers_leaves_when_a_newer_epoch_is_asked() -> None:
+    """The coordinator gave up on epoch 0 (a member is late) and asks for epoch 1: the
+    receiver waiting in epoch 0 leaves it then, not at its timeout, so it is free to join
+    epoch 1 (it waited out the timeout, and the next epoch queued behind it)."""
+    sender = TorchBroadcastSender("gloo")
+    spec = sender.prepare(GroupSpec("gloo", "127.0.0.1", 0, 3, name="left-early", timeout_s=30,
+                                    peers=("trainer", "generator g0", "generator g1")))
+    rx = TorchBroadcastReceiver("gloo")
+    try:
+        joining = threading.Thread(target=lambda: out.append(_catch(lambda: rx.connect(spec, 1))))
+        out: list[BaseException | None] = []
+        joining.start()
+        ask_epoch(spec.with_epoch(1))
+        joining.join(60)
+        assert len(out) == 1 and isinstance(out[0], WeightSyncSuperseded), out
+        assert "rank 1 (generator g0) left weight-sync group 'left-early@0'" in str(out[0])
+    finally:
+        sender.close()
+        rx.close()
+
+
+def _catch(fn: Callable[[], Any]) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as exc:  # the test inspects it
+        return exc
+    return None
 
 
 def test_transfer_timeout_names_the_step_and_rank() -> None:
