@@ -40,6 +40,16 @@ from rlhf_async.weight_sync.spec import GroupSpec
 log = structlog.get_logger(component="weight_sync")
 
 _POLL_S = 0.02
+_MESH_FLOOR_S = 5.0
+
+
+def mesh_timeout_s(spec: GroupSpec) -> float:
+    """How long gloo may take to connect the full mesh, once every rank has joined: a
+    quarter of the group's timeout, at least 5 s (never more than the whole). Only
+    handshakes are left then, so this need not cover a transfer; it bounds a failed
+    mesh, which gloo waits out a peer at a time (a member killed in it held every other
+    for 5x the timeout: 150 s at 30 s). Transfers keep the whole timeout."""
+    return min(spec.timeout_s, max(_MESH_FLOOR_S, spec.timeout_s / 4))
 
 # the newest epoch of each group (its store's address and its name) this process was asked
 # to join: a join of an older one gives up (joins.py says why)
@@ -149,6 +159,7 @@ class BroadcastGroup:
         self._opts = BroadcastOptions()
         self._opts.rootRank = 0
         self._opts.rootTensor = 0
+        self._opts.timeout = self.timeout  # the backend's own is the mesh's (shorter)
         log.info(
             "weight_sync_group_ready",
             group=spec.group_name,
@@ -189,7 +200,7 @@ class BroadcastGroup:
             from torch.distributed import ProcessGroupGloo
 
             gloo: Any = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in the stubs
-            gloo._timeout = self.timeout
+            gloo._timeout = datetime.timedelta(seconds=mesh_timeout_s(spec))
             # by default gloo listens on the address the host name resolves to (a LAN one
             # on most machines); a single-host group stays on loopback
             gloo._devices = _gloo_devices(spec)

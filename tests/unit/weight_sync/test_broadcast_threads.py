@@ -14,6 +14,7 @@ import psutil
 import pytest
 import torch
 
+import rlhf_async.weight_sync.group as group_mod
 from rlhf_async.weight_sync import (
     GroupSpec,
     TorchBroadcastReceiver,
@@ -22,7 +23,7 @@ from rlhf_async.weight_sync import (
     WeightSyncSuperseded,
     WeightSyncTimeout,
 )
-from rlhf_async.weight_sync.group import BroadcastGroup, ask_epoch
+from rlhf_async.weight_sync.group import BroadcastGroup, ask_epoch, mesh_timeout_s
 from tests.unit.weight_sync.sample import tensors as _tensors
 
 
@@ -126,6 +127,35 @@ def _catch(fn: Callable[[], Any]) -> BaseException | None:
     except BaseException as exc:  # the test inspects it
         return exc
     return None
+
+
+def test_the_mesh_has_a_shorter_timeout_than_a_transfer(monkeypatch) -> None:
+    """gloo's own timeout bounds connecting the mesh (a failed one held every member for
+    several times the group's timeout); each broadcast still has the whole timeout: one
+    sent later than the mesh's timeout arrives."""
+    assert mesh_timeout_s(GroupSpec("gloo", "h", 1, 2, timeout_s=120)) == 30
+    assert mesh_timeout_s(GroupSpec("gloo", "h", 1, 2, timeout_s=8)) == 5
+    assert mesh_timeout_s(GroupSpec("gloo", "h", 1, 2, timeout_s=1)) == 1
+    monkeypatch.setattr(group_mod, "mesh_timeout_s", lambda spec: 3.0)
+    sender = TorchBroadcastSender("gloo")
+    spec = sender.prepare(GroupSpec("gloo", "127.0.0.1", 0, 2, name="mesh", timeout_s=60))
+    rx = TorchBroadcastReceiver("gloo")
+    try:
+        assert _run_threads([lambda: sender.connect(spec), lambda: rx.connect(spec, 1)]) == [
+            None, None]
+        assert rx._group is not None and sender._group is not None
+        for group in (rx._group, sender._group):
+            assert group._pg.options._timeout.total_seconds() == 3.0
+        tensors = _tensors()
+        plan = sender.plan(tensors, 1)
+        late = threading.Timer(6.0, lambda: sender.send(tensors, plan))  # past the mesh's 3 s
+        late.start()
+        got = rx.receive(plan)
+        late.join()
+        assert all(torch.equal(got.tensors[k], t) for k, t in tensors.items())
+    finally:
+        sender.close()
+        rx.close()
 
 
 def test_transfer_timeout_names_the_step_and_rank() -> None:
