@@ -66,13 +66,19 @@ def ask_epoch(spec: GroupSpec) -> None:
     _newest[key] = max(_newest.get(key, spec.epoch), spec.epoch)
 
 
-def check_current(spec: GroupSpec, rank: int) -> None:
-    """Raise `WeightSyncSuperseded` when a newer epoch of `spec`'s group was asked."""
+def _superseded(spec: GroupSpec, rank: int) -> str | None:
+    """Why `rank` leaves `spec`'s epoch, when a newer one of its group was asked."""
     newest = _newest.get(_key(spec), spec.epoch)
     if newest > spec.epoch:
-        raise WeightSyncSuperseded(
-            f"{spec.describe(rank)} left weight-sync group '{spec.group_name}': epoch "
-            f"{newest} of '{spec.name}' was asked since")
+        return (f"{spec.describe(rank)} left weight-sync group '{spec.group_name}': epoch "
+                f"{newest} of '{spec.name}' was asked since")
+    return None
+
+
+def check_current(spec: GroupSpec, rank: int) -> None:
+    """Raise `WeightSyncSuperseded` when a newer epoch of `spec`'s group was asked."""
+    if (why := _superseded(spec, rank)) is not None:
+        raise WeightSyncSuperseded(why)
 
 
 def is_loopback(spec: GroupSpec) -> bool:
@@ -170,22 +176,37 @@ class BroadcastGroup:
         )
 
     def _join(self, store: PrefixStore) -> None:
+        """Every rank joined: the group forms; one left (a newer epoch asked of it, or its
+        timeout passed with ranks missing): it is abandoned. Every member reads the same
+        outcome, set once (compare-and-set on the store), so none goes on into a mesh that
+        another has left (it would wait out the mesh's timeout there)."""
         spec = self.spec
+        check_current(spec, self.rank)  # before announcing itself: nothing to undo
         store.set(f"joined/{self.rank}", spec.describe(self.rank))
         deadline = time.monotonic() + spec.timeout_s
         pending = [r for r in range(spec.world_size) if r != self.rank]
-        while pending:
-            check_current(spec, self.rank)
+        while True:
             pending = [r for r in pending if not store.check([f"joined/{r}"])]
-            if pending and time.monotonic() > deadline:
+            why = _superseded(spec, self.rank) if pending else None
+            cls: type[WeightSyncError] = WeightSyncSuperseded
+            if pending and why is None and time.monotonic() > deadline:
+                cls = WeightSyncTimeout
                 missing = ", ".join(spec.describe(r) for r in pending)
                 verb = "did" if len(pending) == 1 else "do"
-                raise WeightSyncTimeout(
-                    f"{missing} {verb} not join weight-sync group '{spec.group_name}' within "
-                    f"{spec.timeout_s:g} s (waiting: {spec.describe(self.rank)})"
-                )
-            if pending:
-                time.sleep(_POLL_S)
+                why = (f"{missing} {verb} not join weight-sync group '{spec.group_name}' "
+                       f"within {spec.timeout_s:g} s (waiting: {spec.describe(self.rank)})")
+            if not pending or why is not None or store.check(["outcome"]):
+                wanted = "formed" if not pending else f"abandoned: {why or ''}"
+                outcome = store.compare_set("outcome", "", wanted).decode()
+                if outcome == "formed":
+                    return
+                reason = outcome.removeprefix("abandoned: ")
+                if why is not None and reason == why:  # this rank's own reason
+                    raise cls(why)
+                raise WeightSyncTimeout(f"weight-sync group '{spec.group_name}' was abandoned "
+                                        f"before {spec.describe(self.rank)} could form it: "
+                                        f"{reason}")
+            time.sleep(_POLL_S)
 
     def _make_backend(self, store: PrefixStore) -> ProcessGroupGloo | ProcessGroupNCCL:
         spec = self.spec

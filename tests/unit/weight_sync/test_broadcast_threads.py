@@ -13,6 +13,7 @@ import msgpack
 import psutil
 import pytest
 import torch
+from torch.distributed import PrefixStore
 
 import rlhf_async.weight_sync.group as group_mod
 from rlhf_async.weight_sync import (
@@ -127,6 +128,29 @@ def _catch(fn: Callable[[], Any]) -> BaseException | None:
     except BaseException as exc:  # the test inspects it
         return exc
     return None
+
+
+@pytest.mark.parametrize("others", [(0, 2), (0,)])
+def test_a_member_of_an_abandoned_epoch_does_not_go_on_into_its_mesh(others) -> None:
+    """Rank 2 left the epoch (a newer one was asked of it) while rank 1 waited: rank 1
+    reads that and leaves too, naming why, whether or not every rank had joined by then.
+    (It went on into gloo's mesh when all had joined, and waited out the mesh's timeout
+    there for rank 2's address: a superseded epoch then cost its members that long.)"""
+    sender = TorchBroadcastSender("gloo")
+    spec = sender.prepare(GroupSpec("gloo", "127.0.0.1", 0, 3, name="abandoned", timeout_s=20,
+                                    peers=("trainer", "generator g0", "generator g1")))
+    assert sender._store is not None
+    epoch = PrefixStore("weight_sync/abandoned@0/", sender._store)  # as the group's keys
+    for r in others:
+        epoch.set(f"joined/{r}", "x")
+    why = "rank 2 (generator g1) left weight-sync group 'abandoned@0': epoch 1 was asked since"
+    epoch.set("outcome", f"abandoned: {why}")
+    try:
+        with pytest.raises(WeightSyncTimeout, match="was abandoned before rank 1 "
+                           r"\(generator g0\) could form it: rank 2 \(generator g1\) left"):
+            BroadcastGroup(sender._store, spec, 1, torch.device("cpu"))
+    finally:
+        sender.close()
 
 
 def test_the_mesh_has_a_shorter_timeout_than_a_transfer(monkeypatch) -> None:
