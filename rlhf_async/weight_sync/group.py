@@ -51,6 +51,7 @@ def mesh_timeout_s(spec: GroupSpec) -> float:
     for 5x the timeout: 150 s at 30 s). Transfers keep the whole timeout."""
     return min(spec.timeout_s, max(_MESH_FLOOR_S, spec.timeout_s / 4))
 
+
 # the newest epoch of each group (its store's address and its name) this process was asked
 # to join: a join of an older one gives up (joins.py says why)
 _newest: dict[tuple[str, int, str], int] = {}
