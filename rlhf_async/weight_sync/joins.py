@@ -7,8 +7,8 @@ starts the next ones; a node that served its connect commands in order then join
 abandoned epoch in turn, alone, after its members had left, and was never in the current
 one (the 64-node twin under SIGKILLs: every regroup failed from step 7). So a join asked
 while a newer epoch of the same group has been asked of this process is refused at once,
-and a join still waiting for its peers leaves when a newer epoch is asked
-(`group.check_current`).
+and a join still waiting for its peers leaves when a newer epoch is asked, the epoch
+abandoned for every member (`group.BroadcastGroup._join`).
 """
 
 from __future__ import annotations
