@@ -153,6 +153,31 @@ def test_a_member_of_an_abandoned_epoch_does_not_go_on_into_its_mesh(others) -> 
         sender.close()
 
 
+def test_a_receiver_reaches_a_restarted_senders_store_on_the_same_port() -> None:
+    """The trainer restarted and its new store was given the old one's port: the
+    receiver's cached client of the dead store failed every join (a raw 'Broken pipe'),
+    for good. Now it opens a new client and joins."""
+    sender = TorchBroadcastSender("gloo")
+    spec = sender.prepare(GroupSpec("gloo", "127.0.0.1", 0, 2, name="restarted", timeout_s=20))
+    rx = TorchBroadcastReceiver("gloo")
+    again = TorchBroadcastSender("gloo")
+    try:
+        assert _run_threads([lambda: sender.connect(spec), lambda: rx.connect(spec, 1)]) == [
+            None, None]
+        sender.close()  # the trainer died: its store with it
+        later = again.prepare(spec.with_epoch(1))  # the same port, asked for explicitly
+        assert later.master_port == spec.master_port
+        assert _run_threads([lambda: again.connect(later), lambda: rx.connect(later, 1)]) == [
+            None, None]
+        tensors = _tensors()
+        plan = again.plan(tensors, 1)
+        got = _run_threads([lambda: again.send(tensors, plan), lambda: rx.receive(plan)])
+        assert all(torch.equal(got[1].tensors[k], t) for k, t in tensors.items())
+    finally:
+        again.close()
+        rx.close()
+
+
 def test_the_mesh_has_a_shorter_timeout_than_a_transfer(monkeypatch) -> None:
     """gloo's own timeout bounds connecting the mesh (a failed one held every member for
     several times the group's timeout); each broadcast still has the whole timeout: one
