@@ -43,6 +43,7 @@ import psutil
 
 from bench.output import write_json
 from rlhf_async.config import load_config
+from rlhf_async.config.presets import resolve
 from rlhf_async.engines.sim import SimSpec
 from rlhf_async.metrics import read_metrics
 from rlhf_async.modeling.roofline import DEVICES, LLAMA
@@ -190,7 +191,7 @@ def predicted(args: list[str]) -> float:
     spec = SimSpec.of(cfg)
     placement = plan_placement(cfg.placement, cfg.algo.name)
     w = Workload(spec.samples, spec.prompt_tokens, spec.response_tokens, spec.epochs,
-                 spec.minibatches, True, cfg.algo.max_staleness,
+                 spec.minibatches, resolve(cfg.algo).has_critic, cfg.algo.max_staleness,
                  checkpointing=cfg.train.gradient_checkpointing)
     return predict(placement, spec.shape, w, spec.device, spec.cal).step_s
 

@@ -184,14 +184,14 @@ def last_shape_change(records: list[dict[str, Any]]) -> int:
 
 
 def chaos(out_dir: Path, nodes: int, steps: int, kills: int, scale: float,
-          min_available_gb: float) -> dict[str, Any]:
+          min_available_gb: float, seed: int = 7) -> dict[str, Any]:
     """`kills` SIGKILLs of random ready nodes (every step from step 2: generators,
     scorers, trainer ranks alike) and one generator SIGSTOPped (declared dead, replaced,
     then SIGCONTed), during one job; its exactly-once record."""
     run_dir, ended = out_dir / "chaos", threading.Event()
     killed: list[tuple[str, int]] = []
     frozen: list[dict[str, Any]] = []
-    threads = [threading.Thread(target=kill_random, args=(run_dir, kills, 1, ended, killed, 7),
+    threads = [threading.Thread(target=kill_random, args=(run_dir, kills, 1, ended, killed, seed),
                                 daemon=True),
                threading.Thread(target=freeze_nodes, args=(run_dir, ["gen1"], 3, ended, frozen),
                                 daemon=True)]
@@ -210,7 +210,7 @@ def chaos(out_dir: Path, nodes: int, steps: int, kills: int, scale: float,
     recs = _records(run_dir)
     roles = Counter("trainer" if n.startswith("trainer") else n.rstrip("0123456789")
                     for n, _ in killed)
-    return {**r, "killed": killed, "killed_roles": dict(roles), "frozen": frozen,
+    return {**r, "seed": seed, "killed": killed, "killed_roles": dict(roles), "frozen": frozen,
             "faults": {k.removeprefix("faults/"): v for k, v in (recs[-1] if recs else {})
                        .items() if k.startswith("faults/")}}
 
@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reuse", default="", help="rebalance: the static splits of this "
                     "earlier result file (its shapes'), not run again")
     ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=7, help="chaos: of the victims' draw (7 drew "
+                    "no trainer rank at 64 nodes; 23 draws some)")
     ap.add_argument("--nodes", type=int, default=64)
     ap.add_argument("--steps", type=int, default=0,
                     help="0: elastic 24, rebalance 30 (the rebalancing run), chaos 40")
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
                    {"what": a.what, "time_scale": a.time_scale, "results": rs})
         return
     if a.what == "chaos":
-        r = chaos(out_dir, a.nodes, a.steps, a.kills, a.time_scale, a.min_available_gb)
+        r = chaos(out_dir, a.nodes, a.steps, a.kills, a.time_scale, a.min_available_gb, a.seed)
     else:
         r = elastic(out_dir, a.steps, a.time_scale, a.min_available_gb)
     print(json.dumps(r), flush=True)

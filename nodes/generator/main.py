@@ -44,7 +44,7 @@ from rlhf_async.pipeline.protocol import (
     rollout_message,
 )
 from rlhf_async.runtime import Node
-from rlhf_async.weight_sync import WeightSyncError
+from rlhf_async.weight_sync import Joins, WeightSyncError
 
 
 async def main(node: Node) -> None:
@@ -59,11 +59,11 @@ async def main(node: Node) -> None:
     scheduler = Scheduler(engine, weights, job.sampling, job.cfg.run.seed,
                           gen.batch_slots if gen.continuous_batching else None)
     received = asyncio.Lock()  # one update in flight: the receiver's staging is reused
+    joins = Joins(received)  # a regroup's epochs: only the newest is joined
 
     async def connect(cmd: WeightSyncConnect) -> Connected:
         """Join (or re-join under a new epoch) the trainer's broadcast group."""
-        async with received:
-            await asyncio.to_thread(engine.connect, cmd.spec, cmd.rank)
+        await joins.join(cmd.spec, cmd.rank, lambda: engine.connect(cmd.spec, cmd.rank))
         return Connected(cmd.spec.group_name)
 
     async def update(cmd: UpdateWeights) -> Receiving:

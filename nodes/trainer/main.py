@@ -64,7 +64,7 @@ from rlhf_async.rl.staleness import StalenessPolicy
 from rlhf_async.rl.token_versions import token_version_metrics
 from rlhf_async.runtime import Node
 from rlhf_async.task.evaluation import StepLogs
-from rlhf_async.weight_sync import WeightSyncError, make_sender, tied_names
+from rlhf_async.weight_sync import Joins, WeightSyncError, make_sender, tied_names
 from rlhf_async.wire.protocol import Message
 
 
@@ -123,6 +123,7 @@ class Trainer:
         # the actor must not change while a broadcast reads it, and the trainer ranks must
         # run their collectives in one order: every use of the learner holds this lock
         self.lock = asyncio.Lock()
+        self.joins = Joins(self.lock)  # a regroup's epochs: only the newest is joined
         self.lineage = os.urandom(4).hex()  # this incarnation's weights (events.SFT_LINEAGE)
         self.clock = StageClock()
         self.batches = BatchAssembler(start)  # restored at `start`
@@ -142,8 +143,8 @@ class Trainer:
                                           self.lineage))
 
     async def _connect(self, cmd: WeightSyncConnect) -> Connected:
-        async with self.lock:  # (re)build the group; never under a send
-            await asyncio.to_thread(self.sender.connect, cmd.spec)
+        # (re)build the group; never under a send
+        await self.joins.join(cmd.spec, 0, lambda: self.sender.connect(cmd.spec))
         return Connected(cmd.spec.group_name)
 
     async def _republish(self, _: Republish) -> Republished:

@@ -40,6 +40,7 @@ from rlhf_async.weight_sync.errors import (
     WeightSyncBaseMismatch,
     WeightSyncError,
     WeightSyncPlanError,
+    WeightSyncSuperseded,
     WeightSyncTimeout,
 )
 from rlhf_async.weight_sync.interface import (
@@ -50,6 +51,7 @@ from rlhf_async.weight_sync.interface import (
     make_sender,
     register_backend,
 )
+from rlhf_async.weight_sync.joins import Joins
 from rlhf_async.weight_sync.module import load_into_module, weights_of
 from rlhf_async.weight_sync.plan import tied_names
 from rlhf_async.weight_sync.spec import GroupSpec
@@ -57,6 +59,7 @@ from rlhf_async.weight_sync.spec import GroupSpec
 __all__ = [
     "DEFAULT_BUCKET_MB",
     "GroupSpec",
+    "Joins",
     "ReceivedWeights",
     "TorchBroadcastReceiver",
     "TorchBroadcastSender",
@@ -65,6 +68,7 @@ __all__ = [
     "WeightSyncBaseMismatch",
     "WeightSyncError",
     "WeightSyncPlanError",
+    "WeightSyncSuperseded",
     "WeightSyncTimeout",
     "backends",
     "load_into_module",

@@ -336,10 +336,19 @@ class TorchBroadcastReceiver:
             self._group.close()
             self._group = None
         addr = (spec.master_addr, spec.master_port)
-        if self._store is None or self._store_addr != addr:
-            self._store = open_store(spec, is_master=False, who=spec.describe(rank))
-            self._store_addr = addr
-        self._group = BroadcastGroup(self._store, spec, rank, self.device)
+        cached = self._store is not None and self._store_addr == addr
+        for fresh in ((False, True) if cached else (True,)):
+            if fresh:
+                self._store = open_store(spec, is_master=False, who=spec.describe(rank))
+                self._store_addr = addr
+            assert self._store is not None
+            try:
+                self._group = BroadcastGroup(self._store, spec, rank, self.device)
+                return
+            except torch.distributed.DistNetworkError as exc:  # the store is gone (a
+                self._store, lost = None, exc  # restarted trainer's may reuse its port)
+        raise WeightSyncError(f"{spec.describe(rank)} lost the weight-sync store at "
+                              f"{spec.master_addr}:{spec.master_port}: {lost}")
 
     def receive(self, plan: Mapping[str, Any]) -> ReceivedWeights:
         """Receive one update described by `plan`; returns it once every bucket arrived."""

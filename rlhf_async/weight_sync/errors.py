@@ -18,3 +18,8 @@ class WeightSyncPlanError(WeightSyncError, ValueError):
 class WeightSyncBaseMismatch(WeightSyncError):
     """A delta update arrived at a receiver that does not hold its base (or whose bytes
     differ from it): nothing was applied; the group must be rebuilt and a full update sent."""
+
+
+class WeightSyncSuperseded(WeightSyncError):
+    """A join of a group epoch that a newer epoch of the same group replaced before this
+    process got to it (or while it waited for its peers): nothing was joined."""

@@ -29,13 +29,57 @@ from torch.distributed import BroadcastOptions, PrefixStore, TCPStore
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroupGloo, ProcessGroupNCCL
 
-from rlhf_async.weight_sync.errors import WeightSyncError, WeightSyncTimeout
+from rlhf_async.weight_sync.errors import (
+    WeightSyncError,
+    WeightSyncSuperseded,
+    WeightSyncTimeout,
+)
 from rlhf_async.weight_sync.spec import GroupSpec
 
 # A lazy proxy: picks up configure_logging() even when called after this import.
 log = structlog.get_logger(component="weight_sync")
 
 _POLL_S = 0.02
+_MESH_FLOOR_S = 5.0
+
+
+def mesh_timeout_s(spec: GroupSpec) -> float:
+    """How long gloo may take to connect the full mesh, once every rank has joined: a
+    quarter of the group's timeout, at least 5 s (never more than the whole). Only
+    handshakes are left then, so this need not cover a transfer; it bounds a failed
+    mesh, which gloo waits out a peer at a time (a member killed in it held every other
+    for 5x the timeout: 150 s at 30 s). Transfers keep the whole timeout."""
+    return min(spec.timeout_s, max(_MESH_FLOOR_S, spec.timeout_s / 4))
+
+
+# the newest epoch of each group (its store's address and its name) this process was asked
+# to join: a join of an older one gives up (joins.py says why)
+_newest: dict[tuple[str, int, str], int] = {}
+
+
+def _key(spec: GroupSpec) -> tuple[str, int, str]:
+    return spec.master_addr, spec.master_port, spec.name
+
+
+def ask_epoch(spec: GroupSpec) -> None:
+    """Note that this process is asked to join `spec`'s epoch of its group."""
+    key = _key(spec)
+    _newest[key] = max(_newest.get(key, spec.epoch), spec.epoch)
+
+
+def _superseded(spec: GroupSpec, rank: int) -> str | None:
+    """Why `rank` leaves `spec`'s epoch, when a newer one of its group was asked."""
+    newest = _newest.get(_key(spec), spec.epoch)
+    if newest > spec.epoch:
+        return (f"{spec.describe(rank)} left weight-sync group '{spec.group_name}': epoch "
+                f"{newest} of '{spec.name}' was asked since")
+    return None
+
+
+def check_current(spec: GroupSpec, rank: int) -> None:
+    """Raise `WeightSyncSuperseded` when a newer epoch of `spec`'s group was asked."""
+    if (why := _superseded(spec, rank)) is not None:
+        raise WeightSyncSuperseded(why)
 
 
 def is_loopback(spec: GroupSpec) -> bool:
@@ -122,6 +166,7 @@ class BroadcastGroup:
         self._opts = BroadcastOptions()
         self._opts.rootRank = 0
         self._opts.rootTensor = 0
+        self._opts.timeout = self.timeout  # the backend's own is the mesh's (shorter)
         log.info(
             "weight_sync_group_ready",
             group=spec.group_name,
@@ -132,21 +177,37 @@ class BroadcastGroup:
         )
 
     def _join(self, store: PrefixStore) -> None:
+        """Every rank joined: the group forms; one left (a newer epoch asked of it, or its
+        timeout passed with ranks missing): it is abandoned. Every member reads the same
+        outcome, set once (compare-and-set on the store), so none goes on into a mesh that
+        another has left (it would wait out the mesh's timeout there)."""
         spec = self.spec
+        check_current(spec, self.rank)  # before announcing itself: nothing to undo
         store.set(f"joined/{self.rank}", spec.describe(self.rank))
         deadline = time.monotonic() + spec.timeout_s
         pending = [r for r in range(spec.world_size) if r != self.rank]
-        while pending:
+        while True:
             pending = [r for r in pending if not store.check([f"joined/{r}"])]
-            if pending and time.monotonic() > deadline:
+            why = _superseded(spec, self.rank) if pending else None
+            cls: type[WeightSyncError] = WeightSyncSuperseded
+            if pending and why is None and time.monotonic() > deadline:
+                cls = WeightSyncTimeout
                 missing = ", ".join(spec.describe(r) for r in pending)
                 verb = "did" if len(pending) == 1 else "do"
-                raise WeightSyncTimeout(
-                    f"{missing} {verb} not join weight-sync group '{spec.group_name}' within "
-                    f"{spec.timeout_s:g} s (waiting: {spec.describe(self.rank)})"
-                )
-            if pending:
-                time.sleep(_POLL_S)
+                why = (f"{missing} {verb} not join weight-sync group '{spec.group_name}' "
+                       f"within {spec.timeout_s:g} s (waiting: {spec.describe(self.rank)})")
+            if not pending or why is not None or store.check(["outcome"]):
+                wanted = "formed" if not pending else f"abandoned: {why or ''}"
+                outcome = store.compare_set("outcome", "", wanted).decode()
+                if outcome == "formed":
+                    return
+                reason = outcome.removeprefix("abandoned: ")
+                if why is not None and reason == why:  # this rank's own reason
+                    raise cls(why)
+                raise WeightSyncTimeout(f"weight-sync group '{spec.group_name}' was abandoned "
+                                        f"before {spec.describe(self.rank)} could form it: "
+                                        f"{reason}")
+            time.sleep(_POLL_S)
 
     def _make_backend(self, store: PrefixStore) -> ProcessGroupGloo | ProcessGroupNCCL:
         spec = self.spec
@@ -161,7 +222,7 @@ class BroadcastGroup:
             from torch.distributed import ProcessGroupGloo
 
             gloo: Any = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in the stubs
-            gloo._timeout = self.timeout
+            gloo._timeout = datetime.timedelta(seconds=mesh_timeout_s(spec))
             # by default gloo listens on the address the host name resolves to (a LAN one
             # on most machines); a single-host group stays on loopback
             gloo._devices = _gloo_devices(spec)

@@ -25,3 +25,11 @@ def test_the_prediction_prices_the_staleness_gate():
     args = [*BASE, *layout(8, 4), "sim.model=7B"]
     serial, overlapped = (predicted([*args, f"algo.max_staleness={k}"]) for k in (0, 1))
     assert serial > overlapped > 0
+
+
+def test_the_prediction_prices_a_critic_only_where_the_algorithm_has_one():
+    """PPO trains a critic beside the actor; GRPO (group baseline) has none: its step is
+    shorter. The prediction priced a critic for every algorithm."""
+    args = [*BASE, *layout(8, 4), "sim.model=7B"]
+    ppo, grpo = (predicted([*args, f"algo.name={a}"]) for a in ("ppo", "grpo"))
+    assert ppo > grpo > 0

@@ -54,6 +54,7 @@ from rlhf_async.strategies.separation.clients import (
     PipelineError,
     TrainerClient,
 )
+from rlhf_async.strategies.separation.holdings import Holdings
 from rlhf_async.strategies.separation.records import StepRecords
 from rlhf_async.strategies.separation.sync_group import SyncGroup
 from rlhf_async.strategies.separation.trainer_ranks import TrainerRanks
@@ -103,7 +104,7 @@ class Driver:
         self.policy = StalenessPolicy(cfg.algo.max_staleness, cfg.train.publish_every)
         self.task = make_task(cfg)
         # generator -> (version, lineage) of the weights it holds; all start from the SFT
-        self.applied = {n: (0, SFT_LINEAGE) for n, r in roles.items() if r == "generator"}
+        self.applied = Holdings(n for n, r in roles.items() if r == "generator")
         self.lineage = lineage  # the live trainer's incarnation
         self.gate = asyncio.Event()
         self.next_step = self.start_step = start_step
@@ -194,11 +195,7 @@ class Driver:
 
     def _published(self) -> int | None:
         """Oldest version the live generators hold, if all hold the live trainer's weights."""
-        held = [self.applied[g] for g in self.generators]
-        if not held or any(lin not in (self.lineage, SFT_LINEAGE) or
-                           (lin == SFT_LINEAGE and v != 0) for v, lin in held):
-            return None
-        return min(v for v, _ in held)
+        return self.applied.published(self.lineage, self.down)
 
     async def _dispatch_loop(self) -> None:
         g = self.cfg.algo.group_size

@@ -13,15 +13,18 @@ import msgpack
 import psutil
 import pytest
 import torch
+from torch.distributed import PrefixStore
 
+import rlhf_async.weight_sync.group as group_mod
 from rlhf_async.weight_sync import (
     GroupSpec,
     TorchBroadcastReceiver,
     TorchBroadcastSender,
     WeightSyncPlanError,
+    WeightSyncSuperseded,
     WeightSyncTimeout,
 )
-from rlhf_async.weight_sync.group import BroadcastGroup
+from rlhf_async.weight_sync.group import BroadcastGroup, ask_epoch, mesh_timeout_s
 from tests.unit.weight_sync.sample import tensors as _tensors
 
 
@@ -93,6 +96,112 @@ def test_threaded_missing_receiver_names_it() -> None:
             assert isinstance(err, WeightSyncTimeout)
             assert "rank 2 (generator g1)" in str(err)
             assert "not join weight-sync group 'actor@0' within 1 s" in str(err)
+    finally:
+        sender.close()
+        rx.close()
+
+
+def test_a_join_waiting_for_its_peers_leaves_when_a_newer_epoch_is_asked() -> None:
+    """The coordinator gave up on epoch 0 (a member is late) and asks for epoch 1: the
+    receiver waiting in epoch 0 leaves it then, not at its timeout, so it is free to join
+    epoch 1 (it waited out the timeout, and the next epoch queued behind it)."""
+    sender = TorchBroadcastSender("gloo")
+    spec = sender.prepare(GroupSpec("gloo", "127.0.0.1", 0, 3, name="left-early", timeout_s=30,
+                                    peers=("trainer", "generator g0", "generator g1")))
+    rx = TorchBroadcastReceiver("gloo")
+    try:
+        joining = threading.Thread(target=lambda: out.append(_catch(lambda: rx.connect(spec, 1))))
+        out: list[BaseException | None] = []
+        joining.start()
+        ask_epoch(spec.with_epoch(1))
+        joining.join(60)
+        assert len(out) == 1 and isinstance(out[0], WeightSyncSuperseded), out
+        assert "rank 1 (generator g0) left weight-sync group 'left-early@0'" in str(out[0])
+    finally:
+        sender.close()
+        rx.close()
+
+
+def _catch(fn: Callable[[], Any]) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as exc:  # the test inspects it
+        return exc
+    return None
+
+
+@pytest.mark.parametrize("others", [(0, 2), (0,)])
+def test_a_member_of_an_abandoned_epoch_does_not_go_on_into_its_mesh(others) -> None:
+    """Rank 2 left the epoch (a newer one was asked of it) while rank 1 waited: rank 1
+    reads that and leaves too, naming why, whether or not every rank had joined by then.
+    (It went on into gloo's mesh when all had joined, and waited out the mesh's timeout
+    there for rank 2's address: a superseded epoch then cost its members that long.)"""
+    sender = TorchBroadcastSender("gloo")
+    spec = sender.prepare(GroupSpec("gloo", "127.0.0.1", 0, 3, name="abandoned", timeout_s=20,
+                                    peers=("trainer", "generator g0", "generator g1")))
+    assert sender._store is not None
+    epoch = PrefixStore("weight_sync/abandoned@0/", sender._store)  # as the group's keys
+    for r in others:
+        epoch.set(f"joined/{r}", "x")
+    why = "rank 2 (generator g1) left weight-sync group 'abandoned@0': epoch 1 was asked since"
+    epoch.set("outcome", f"abandoned: {why}")
+    try:
+        with pytest.raises(WeightSyncTimeout, match="was abandoned before rank 1 "
+                           r"\(generator g0\) could form it: rank 2 \(generator g1\) left"):
+            BroadcastGroup(sender._store, spec, 1, torch.device("cpu"))
+    finally:
+        sender.close()
+
+
+def test_a_receiver_reaches_a_restarted_senders_store_on_the_same_port() -> None:
+    """The trainer restarted and its new store was given the old one's port: the
+    receiver's cached client of the dead store failed every join (a raw 'Broken pipe'),
+    for good. Now it opens a new client and joins."""
+    sender = TorchBroadcastSender("gloo")
+    spec = sender.prepare(GroupSpec("gloo", "127.0.0.1", 0, 2, name="restarted", timeout_s=20))
+    rx = TorchBroadcastReceiver("gloo")
+    again = TorchBroadcastSender("gloo")
+    try:
+        assert _run_threads([lambda: sender.connect(spec), lambda: rx.connect(spec, 1)]) == [
+            None, None]
+        sender.close()  # the trainer died: its store with it
+        later = again.prepare(spec.with_epoch(1))  # the same port, asked for explicitly
+        assert later.master_port == spec.master_port
+        assert _run_threads([lambda: again.connect(later), lambda: rx.connect(later, 1)]) == [
+            None, None]
+        tensors = _tensors()
+        plan = again.plan(tensors, 1)
+        got = _run_threads([lambda: again.send(tensors, plan), lambda: rx.receive(plan)])
+        assert all(torch.equal(got[1].tensors[k], t) for k, t in tensors.items())
+    finally:
+        again.close()
+        rx.close()
+
+
+def test_the_mesh_has_a_shorter_timeout_than_a_transfer(monkeypatch) -> None:
+    """gloo's own timeout bounds connecting the mesh (a failed one held every member for
+    several times the group's timeout); each broadcast still has the whole timeout: one
+    sent later than the mesh's timeout arrives."""
+    assert mesh_timeout_s(GroupSpec("gloo", "h", 1, 2, timeout_s=120)) == 30
+    assert mesh_timeout_s(GroupSpec("gloo", "h", 1, 2, timeout_s=8)) == 5
+    assert mesh_timeout_s(GroupSpec("gloo", "h", 1, 2, timeout_s=1)) == 1
+    monkeypatch.setattr(group_mod, "mesh_timeout_s", lambda spec: 3.0)
+    sender = TorchBroadcastSender("gloo")
+    spec = sender.prepare(GroupSpec("gloo", "127.0.0.1", 0, 2, name="mesh", timeout_s=60))
+    rx = TorchBroadcastReceiver("gloo")
+    try:
+        assert _run_threads([lambda: sender.connect(spec), lambda: rx.connect(spec, 1)]) == [
+            None, None]
+        assert rx._group is not None and sender._group is not None
+        for group in (rx._group, sender._group):
+            assert group._pg.options._timeout.total_seconds() == 3.0
+        tensors = _tensors()
+        plan = sender.plan(tensors, 1)
+        late = threading.Timer(6.0, lambda: sender.send(tensors, plan))  # past the mesh's 3 s
+        late.start()
+        got = rx.receive(plan)
+        late.join()
+        assert all(torch.equal(got.tensors[k], t) for k, t in tensors.items())
     finally:
         sender.close()
         rx.close()
