@@ -11,41 +11,40 @@ costs the distinct holdings (a few: the versions in flight) plus the nodes down.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, MutableMapping
 
 from rlhf_async.pipeline.protocol import SFT_LINEAGE
 
 Held = tuple[int, str]  # (weight version, lineage of the trainer that made it)
 
 
-class Holdings(dict[str, Held]):
-    """generator -> (version, lineage) it holds; a dict whose every write (item set,
-    `pop`, `del`) keeps `counts` in step."""
+class Holdings(MutableMapping[str, Held]):
+    """generator -> (version, lineage) it holds: a mapping whose every write (item set or
+    delete, and so `pop`, `update`, ... which go through them) keeps `counts` in step."""
 
     def __init__(self, generators: Iterable[str] = ()) -> None:
-        super().__init__()
+        self._held: dict[str, Held] = {}
         self.counts: Counter[Held] = Counter()
         for g in generators:
             self[g] = (0, SFT_LINEAGE)  # every generator starts from the SFT policy
 
+    def __getitem__(self, node: str) -> Held:
+        return self._held[node]
+
     def __setitem__(self, node: str, held: Held) -> None:
-        if node in self:
-            self.counts[self[node]] -= 1
-        super().__setitem__(node, held)
+        if (old := self._held.get(node)) is not None:
+            self.counts[old] -= 1
+        self._held[node] = held
         self.counts[held] += 1
 
     def __delitem__(self, node: str) -> None:
-        self.counts[self[node]] -= 1
-        super().__delitem__(node)
+        self.counts[self._held.pop(node)] -= 1
 
-    def pop(self, node: str, *default: Held | None) -> Held | None:  # type: ignore[override]
-        if node in self:
-            held = self[node]
-            del self[node]
-            return held
-        if default:
-            return default[0]
-        raise KeyError(node)
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
 
     def published(self, lineage: str, down: Iterable[str]) -> int | None:
         """The oldest version the live generators (those not `down`) hold, if every one
