@@ -29,6 +29,7 @@ signal (throughput only). Needs the `bench` extra. Writes bench/results/trl_comp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -36,6 +37,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,7 @@ from rlhf_async.modeling.flops import (
     train_flops,
 )
 from rlhf_async.modeling.models import sequence_scores
+from rlhf_async.runtime.cpu import flushes_denormal
 from rlhf_async.runtime.launcher import ready_fork_server
 from rlhf_async.strategies.registry import STRATEGIES
 from rlhf_async.task import SortDigitsTask
@@ -158,13 +161,16 @@ class RewardFn:
         return sequence_scores(self.rm, p_ids, p_mask, r_ids, r_mask).tolist()
 
 
-def trl_rows(args: argparse.Namespace) -> list[tuple[str, int, bool]]:
-    """(row name, torch threads, bf16): fp32 like our side at every --trl-threads count, and
-    with --trl-bf16 or --bf16 also TRL's own default (bf16 autocast) at the largest count."""
-    rows = [(f"trl {n}t", n, False) for n in args.trl_threads]
+def trl_rows(args: argparse.Namespace) -> list[tuple[str, int, bool, bool]]:
+    """(row name, torch threads, bf16, subnormals flushed): fp32 like our side at every
+    --trl-threads count, and with --trl-bf16 or --bf16 also TRL's own default (bf16 autocast)
+    at the largest count; with --trl-flush-denormal every row flushes subnormal floats to zero
+    (" ftz"), as ours does by default (`placement.flush_denormal`)."""
+    ftz, tag = args.trl_flush_denormal, " ftz" if args.trl_flush_denormal else ""
+    rows = [(f"trl {n}t{tag}", n, False, ftz) for n in args.trl_threads]
     if args.trl_bf16 or args.bf16:
         n = max(args.trl_threads)
-        rows.append((f"trl {n}t bf16", n, True))
+        rows.append((f"trl {n}t bf16{tag}", n, True, ftz))
     return rows
 
 
@@ -190,7 +196,7 @@ def train_grpo(model_path: str, tokenizer_path: str, data: Any, reward: Any, thr
         def on_step_end(self, *a: object, **k: object) -> None:
             stamps.append(time.perf_counter())
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads)  # after run_trl's flush setting: a new thread inherits it
     t_setup = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         gcfg = GRPOConfig(
@@ -210,8 +216,21 @@ def train_grpo(model_path: str, tokenizer_path: str, data: Any, reward: Any, thr
     return [b - a for a, b in itertools.pairwise(stamps)], total, t0 - t_setup
 
 
+@contextlib.contextmanager
+def flushed(on: bool) -> Iterator[None]:
+    """This thread (and each thread it starts) flushing subnormal floats to zero while
+    inside, or not: as `on` says, whatever our in-process job left; as before, after. A thread
+    pool already running keeps the setting of its start (main sets it before any starts)."""
+    before = flushes_denormal()
+    torch.set_flush_denormal(on)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(before)
+
+
 def run_trl(cfg: JobConfig, args: argparse.Namespace, threads: int, target: float,
-            bf16: bool = False) -> dict:
+            bf16: bool = False, flush_denormal: bool = False) -> dict:
     from datasets import Dataset
 
     task = SortDigitsTask(cfg.task)
@@ -222,7 +241,7 @@ def run_trl(cfg: JobConfig, args: argparse.Namespace, threads: int, target: floa
     width = args.new_tokens or task.response_len
     reward = RewardFn(load_reward_model(art.rm_dir), task, width)
     fixed = {"generation_kwargs": {"min_new_tokens": width - 1}} if args.new_tokens else {}
-    with tempfile.TemporaryDirectory() as tok:
+    with tempfile.TemporaryDirectory() as tok, flushed(flush_denormal):
         save_tokenizer(Path(tok))
         step_s, total, setup = train_grpo(
             str(art.sft_dir), tok, data, reward, threads,
@@ -334,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trl-bf16", action="store_true",
                     help="also run TRL with its default bf16 autocast (not matched: ours "
                     "computes in fp32)")
+    ap.add_argument("--trl-flush-denormal", action="store_true",
+                    help="TRL's rows with subnormal floats flushed to zero, as ours runs by "
+                    "default (placement.flush_denormal); set before any thread starts")
     ap.add_argument("--bf16", action="store_true",
                     help="bf16 rows on both sides: TRL's default autocast and ours with "
                     "every model in bf16 (placement.dtype)")
@@ -343,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.report:
         return report(Path(args.report), args.target, args.window)
+    torch.set_flush_denormal(args.trl_flush_denormal)  # before a thread pool starts (flushed())
     try:
         import trl
     except ImportError:
@@ -360,15 +383,15 @@ def main(argv: list[str] | None = None) -> int:
     for size in args.size:
         base = shared_overrides(args, size)
         cfg = load_config(None, base)
-        trl = {name: (threads, bf16) for name, threads, bf16 in trl_rows(args)}
+        trl = {name: spec for name, *spec in trl_rows(args)}
         names = [n for n in (*trl, *our_rows(args)) if not args.only or n.split()[0] in args.only
                  or n in args.only]
         rows: dict[str, dict] = {}
         for name in names:  # trl first: it trains (or reuses) the shared SFT and RM
             print(f"[{size}] {name} ...", file=sys.stderr, flush=True)
             if name in trl:
-                threads, bf16 = trl[name]
-                rows[name] = run_trl(cfg, args, threads, args.target, bf16)
+                threads, bf16, ftz = trl[name]
+                rows[name] = run_trl(cfg, args, threads, args.target, bf16, ftz)
             else:
                 rows[name] = run_ours(name, base, args.warmup, args.target,
                                       peak=args.machine_peak)

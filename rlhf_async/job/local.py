@@ -17,7 +17,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Literal
 
-import torch
 from transformers.utils import logging as hf_logging
 
 from rlhf_async.config import (
@@ -49,6 +48,7 @@ from rlhf_async.rl.checkpoint import (
     load_latest,
     resume_hint,
 )
+from rlhf_async.runtime.cpu import set_cpu_compute
 from rlhf_async.runtime.launcher import warm_fork_server
 from rlhf_async.runtime.ray_cluster import ray_cluster
 from rlhf_async.strategies.base import JobStopped, RunResult, Strategy, UserCodeFailed
@@ -82,7 +82,7 @@ def run(cfg: JobConfig, out: IO[str] | None = None, run_dir: Path | None = None,
         cfg = adopt_world(cfg, launch)
     cfg, placement = prepare_run(cfg)  # auto resolved; every problem before any work
     if cfg.placement.device == "cpu":
-        torch.set_num_threads(cfg.placement.cpu_threads)
+        set_cpu_compute(cfg.placement.cpu_threads, cfg.placement.flush_denormal)
     task = make_task(cfg)  # a bad prompts file or reward function stops the run here
     check_reachable(cfg)  # an environment server's app or URL, before any process starts
     target = run_dir_of(cfg) if run_dir is None else run_dir

@@ -76,7 +76,8 @@ def _launch(cfg: JobConfig, group: DeviceGroup, run_dir: Path,
     env = {"WORLD_SIZE": str(world), "MASTER_ADDR": master, "LOCAL_RANK": "0",
            "MASTER_PORT": str(group.port_source({master: 1})(master))}
     specs = [NodeSpec("rank", f"rank{r}", "rlhf_async.cli.main:entry", device=f"{kind}:{r}",
-                      env={**env, "RANK": str(r)}, num_threads=cfg.placement.cpu_threads)
+                      env={**env, "RANK": str(r)}, num_threads=cfg.placement.cpu_threads,
+                      flush_denormal=cfg.placement.flush_denormal)
              for r in range(world)]
     launcher = RayLauncher(group, specs)
     log.info("ray ranks starting", world=world, master=f"{master}:{env['MASTER_PORT']}",

@@ -33,6 +33,7 @@ from rlhf_async.job.lock import hold_run_dir
 from rlhf_async.log import get_logger
 from rlhf_async.metrics import MetricsWriter
 from rlhf_async.modeling.models import as_scalar_model, load_actor, load_classifier
+from rlhf_async.runtime.cpu import set_cpu_compute
 from rlhf_async.task.artefacts import atomic_dir
 from rlhf_async.task.sources.tokens import load_tokenizer
 from rlhf_async.task.sources.user_data import Tokenised, demonstration, preference, tokenise
@@ -47,7 +48,7 @@ def _read(cfg: JobConfig, stage: str, key: str, section: Any, parse: Any,
     anything is written."""
     _needs(cfg, key, section.data, stage)
     hf_logging.disable_progress_bar()
-    torch.set_num_threads(cfg.placement.cpu_threads)
+    set_cpu_compute(cfg.placement.cpu_threads, cfg.placement.flush_denormal)
     tok = load_tokenizer(cfg.model.path)
     return tok, tokenise(key, section.data, section.split, parse, section, tok,
                          cfg.task.chat_template, _token_limit(cfg, section.max_tokens))

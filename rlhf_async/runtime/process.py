@@ -27,6 +27,7 @@ import torch
 
 from rlhf_async.log import configure_logging
 from rlhf_async.runtime.beats import COORDINATOR, BeatBoard
+from rlhf_async.runtime.cpu import set_cpu_compute
 from rlhf_async.runtime.loop import run_loop
 from rlhf_async.runtime.node import Node
 from rlhf_async.runtime.spec import NodeSpec, SpecError
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         structlog.get_logger().error("bad_node_spec", error=str(e))
         return EXIT_BAD_SPEC
     configure_logging(spec.log_level)
-    torch.set_num_threads(spec.num_threads)
+    set_cpu_compute(spec.num_threads, spec.flush_denormal)  # before any thread starts
     try:
         return run_loop(serve(spec))
     except (SpecError, SecurityError) as e:

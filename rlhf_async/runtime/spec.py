@@ -30,6 +30,7 @@ class NodeSpec:
     device: str = "cpu"  # device slot, e.g. "cpu:0" or "cuda:1"; interpreted by node programs
     env: dict[str, str] = field(default_factory=dict)
     num_threads: int = 1  # torch.set_num_threads in the node process
+    flush_denormal: bool = True  # subnormal floats as zero in the node process (runtime/cpu.py)
     control: str = ""  # coordinator control endpoint; the coordinator fills it in
     heartbeat_s: float = 0.5  # between heartbeats; a coordinator launching the node sets its own
     orphan_timeout_s: float = 10.0  # exit when the coordinator is silent this long
@@ -76,6 +77,8 @@ class NodeSpec:
             problems.append(f"incarnation {self.incarnation!r} must be an int >= 0")
         if type(self.beat_slot) is not int or self.beat_slot < 0:
             problems.append(f"beat_slot {self.beat_slot!r} must be an int >= 0")
+        if type(self.flush_denormal) is not bool:
+            problems.append(f"flush_denormal {self.flush_denormal!r} must be true or false")
         if type(self.insecure) is not bool:
             problems.append(f"insecure {self.insecure!r} must be true or false")
         if problems:

@@ -47,6 +47,7 @@ from rlhf_async.pipeline.training import (
 )
 from rlhf_async.rl.dynamic_sampling import dynamic_sample, refill_prompts
 from rlhf_async.rl.learner import Learner
+from rlhf_async.runtime.cpu import set_cpu_compute
 from rlhf_async.runtime.launcher import adopt, can_fork, fork_server
 from rlhf_async.strategies.base import JobStopped, RankFailed, RunResult
 from rlhf_async.strategies.colocated import colocated_engine
@@ -286,7 +287,7 @@ def _worker(rank: int, world: int, port: int, cfg: JobConfig, art: Artefacts, ru
     # tells every rank through `stop`, so all ranks stop after the same step
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    torch.set_num_threads(cfg.placement.cpu_threads)
+    set_cpu_compute(cfg.placement.cpu_threads, cfg.placement.flush_denormal)
     hf_logging.disable_progress_bar()
     with log_to_file(run_dir / "logs" / f"rank{rank}.log", decisions=cfg.run.progress), \
             rank_group(collective_backend(cfg.placement.device), port, rank, world):

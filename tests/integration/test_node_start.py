@@ -10,6 +10,7 @@ import multiprocessing.forkserver
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,7 @@ from rlhf_async.runtime import NodeSpec
 from rlhf_async.runtime.launcher import LocalLauncher
 
 pytestmark = [pytest.mark.timeout(120)]
+REPO = str(Path(__file__).resolve().parents[2])
 
 
 def _spec(out, **kw) -> NodeSpec:
@@ -45,7 +47,8 @@ def test_a_forked_node_is_what_a_fresh_interpreter_would_be(tmp_path, monkeypatc
                 await coord.launch([_spec(out)])
                 facts = await _facts(out)
                 assert facts == {"pid": facts["pid"], "sid": facts["pid"], "cwd": str(tmp_path),
-                                 "threads": 2, "probe": "yes", "omp": "2", "site": None}
+                                 "threads": 2, "probe": "yes", "omp": "2", "site": None,
+                                 "flushes": True}
                 first = coord.nodes["probe0"].process
                 assert first.pid == facts["pid"] and first.poll() is None
                 out.unlink()
@@ -57,6 +60,26 @@ def test_a_forked_node_is_what_a_fresh_interpreter_would_be(tmp_path, monkeypatc
                 # forked, not a new interpreter: the restart is quick even on a loaded box
                 print(f"restart after SIGKILL: {time.monotonic() - t0:.2f} s")
         assert (tmp_path / "run" / "logs" / "probe0.log").read_text().count('"node_ready"') == 2
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("start", ["fork", "exec"])
+def test_a_node_computes_with_subnormals_as_its_spec_says(tmp_path, monkeypatch, start):
+    """`placement.flush_denormal` reaches every node's worker threads, either way a node
+    starts: on (the default) subnormal floats are zero, off they are IEEE's."""
+    monkeypatch.chdir(tmp_path)
+
+    async def main():
+        async with Coordinator(tmp_path / "run", launcher=LocalLauncher(start=start),
+                               heartbeat_s=0.2, time_to_dead=5.0, restart_limit=0) as coord:
+            outs = {on: tmp_path / f"{on}.json" for on in (True, False)}
+            await coord.launch([NodeSpec("probe", f"probe{on:d}", "tests.integration.node_probe:main",
+                                         params={"out": str(out)}, flush_denormal=on,
+                                         env={"PYTHONPATH": REPO})  # a new interpreter's
+                                for on, out in outs.items()])
+            assert {on: (await _facts(out))["flushes"] for on, out in outs.items()} == {
+                True: True, False: False}
 
     asyncio.run(main())
 

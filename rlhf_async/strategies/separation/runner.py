@@ -115,6 +115,7 @@ def build_specs(cfg: JobConfig, art: Artefacts, run_dir: Path, placement: Placem
             device, env = _tensor_parallel(cfg, proc)
         specs.append(NodeSpec(proc.role, proc.node_id, ENTRIES[proc.role], eps, mine,
                               device=device, num_threads=cfg.placement.cpu_threads,
+                              flush_denormal=cfg.placement.flush_denormal,
                               orphan_timeout_s=30.0,
                               # the trainer finishes its step and writes its checkpoint
                               stop_grace_s=cfg.runtime.stop_grace_s

@@ -26,9 +26,10 @@ def test_spec_json_roundtrip(tmp_path):
 def test_spec_lists_every_problem_at_once():
     with pytest.raises(SpecError) as exc:
         _spec(node_id="bad id!", entry="no-colon", num_threads=0, heartbeat_s=-1,
-              env={"A": 1})
+              env={"A": 1}, flush_denormal="yes")
     text = str(exc.value)
-    for fragment in ("node_id", "entry", "num_threads", "heartbeat_s", "env"):
+    for fragment in ("node_id", "entry", "num_threads", "heartbeat_s", "env",
+                     "flush_denormal 'yes' must be true or false"):
         assert fragment in text
 
 
