@@ -67,6 +67,9 @@ from rlhf_async.task.artefacts import load_reward_model, prepare_artefacts
 SIZES = {"2x64": (2, 64, 4), "4x128": (4, 128, 4), "6x384": (6, 384, 6)}
 OURS = {"flattening": ["placement.strategy=flattening"],
         "separation k=1": ["placement.strategy=separation", "algo.max_staleness=1"]}
+# and with the compiled decode step, which `generation.compile = auto` picks for a job of
+# >= 20,000 decode steps (this bench's are shorter; its compile falls in the warm-up steps)
+OURS["separation k=1 compiled"] = [*OURS["separation k=1"], "generation.compile=on"]
 # with --bf16 (TRL's default precision): every model computes in bf16; trained ones under
 # autocast over fp32 master weights, frozen ones and the shadow actor held in bf16
 BF16 = ['placement.dtype=["actor=bf16","shadow_actor=bf16","reward=bf16","reference=bf16"]']

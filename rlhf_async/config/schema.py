@@ -301,8 +301,8 @@ class PlacementConfig:
                            ge=1)
     flush_denormal: bool = opt(True, "every process computing on CPU reads and writes subnormal "
                                "floats (below ~1.2e-38 in fp32) as zero: x86 takes a slow "
-                               "path on them, and a trainer's backward ran ~1.7x slower on "
-                               "tiny gradients; false = IEEE subnormals")
+                               "path on them, and a trainer's step ran ~1.7x slower on the "
+                               "attention's subnormal gradients; false = IEEE subnormals")
     actor: list[int] = opt([], "explicit device ids for the actor; empty = strategy decides")  # noqa: RUF009
     critic: list[int] = opt([], "explicit device ids for the critic")  # noqa: RUF009
     reward: list[int] = opt([], "explicit device ids for the reward model")  # noqa: RUF009
