@@ -67,9 +67,10 @@ from rlhf_async.task.artefacts import load_reward_model, prepare_artefacts
 SIZES = {"2x64": (2, 64, 4), "4x128": (4, 128, 4), "6x384": (6, 384, 6)}
 OURS = {"flattening": ["placement.strategy=flattening"],
         "separation k=1": ["placement.strategy=separation", "algo.max_staleness=1"]}
-# and with the compiled decode step, which `generation.compile = auto` picks for a job of
-# >= 20,000 decode steps (this bench's are shorter; its compile falls in the warm-up steps)
-OURS["separation k=1 compiled"] = [*OURS["separation k=1"], "generation.compile=on"]
+# with --compiled, and with the compiled decode step, which `generation.compile = auto` picks
+# for a job of >= 20,000 decode steps (this bench's are shorter; its compile falls in the
+# warm-up steps)
+OURS_COMPILED = {"separation k=1 compiled": [*OURS["separation k=1"], "generation.compile=on"]}
 # with --bf16 (TRL's default precision): every model computes in bf16; trained ones under
 # autocast over fp32 master weights, frozen ones and the shadow actor held in bf16
 BF16 = ['placement.dtype=["actor=bf16","shadow_actor=bf16","reward=bf16","reference=bf16"]']
@@ -107,7 +108,7 @@ def new_tokens(args: argparse.Namespace) -> list[str]:
 
 def run_ours(name: str, base: list[str], warmup: int, target: float,
              config_path: str | None = None, peak: float = 0.0) -> dict:
-    over = {**OURS, **OURS_BF16}[name]
+    over = {**OURS, **OURS_COMPILED, **OURS_BF16}[name]
     cfg = load_config(config_path, base + over + [f"run.name=ours-{time.time_ns()}"])
     s = job.run(cfg)
     recs = read_metrics(Path(s["run_dir"]) / "metrics.jsonl")
@@ -178,8 +179,9 @@ def trl_rows(args: argparse.Namespace) -> list[tuple[str, int, bool, bool]]:
 
 
 def our_rows(args: argparse.Namespace) -> list[str]:
-    """Our rows: fp32, and with --bf16 the same strategies in bf16."""
-    return [*OURS, *(OURS_BF16 if args.bf16 else {})]
+    """Our rows: fp32, with --compiled also Separation's with the compiled decode step, and
+    with --bf16 the same strategies in bf16."""
+    return [*OURS, *(OURS_COMPILED if args.compiled else {}), *(OURS_BF16 if args.bf16 else {})]
 
 
 def train_grpo(model_path: str, tokenizer_path: str, data: Any, reward: Any, threads: int,
@@ -356,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trl-bf16", action="store_true",
                     help="also run TRL with its default bf16 autocast (not matched: ours "
                     "computes in fp32)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also our Separation k=1 with the compiled decode step "
+                    "(generation.compile=on, what auto picks for long jobs)")
     ap.add_argument("--trl-flush-denormal", action="store_true",
                     help="TRL's rows with subnormal floats flushed to zero, as ours runs by "
                     "default (placement.flush_denormal); set before any thread starts")

@@ -239,7 +239,8 @@ def _run_logged(cfg: JobConfig, placement: Placement, task: Task, out: IO[str] |
 
     t0 = time.perf_counter()
     try:
-        with on_stop_signals(_stop_now):  # before RL there is nothing to checkpoint
+        # before RL there is nothing to checkpoint; a raise that library code swallows comes again
+        with on_stop_signals(_stop_now, again_s=0.5):
             check_teacher(cfg)  # before the SFT stage: a teacher on another vocabulary
             art = prepare_artefacts(cfg, task)
             if share is not None:  # the launched job's other ranks start from these

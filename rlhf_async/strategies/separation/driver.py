@@ -260,7 +260,8 @@ class Driver:
                 key = (event.step, event.chunk)
                 if self.chunk_state.get(key) == ChunkState.DISPATCHED:  # never backwards
                     self.chunk_state[key] = ChunkState.GENERATED
-                self.records.busy[node] = event.busy_s
+                if node in self.roles:  # not a retired node's late event (`forget` was)
+                    self.records.busy[node] = event.busy_s
                 if isinstance(event, Generated) and event.episode_error:
                     self.records.episode_error(event.step, event.episode_error)
             case Received():

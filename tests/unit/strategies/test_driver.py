@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 from collections import Counter
 from typing import Any, TypeVar
 
@@ -223,6 +224,22 @@ def test_a_trained_step_is_forgotten_and_a_dropped_chunk_resent(tmp_path):
         assert h.driver.trained_ids == Counter(range(4))  # each sample once
         record = (tmp_path / "metrics.jsonl").read_text()
         assert '"step": 0' in record and '"queue/dispatched": 0' in record
+        h.task.cancel()  # type: ignore[union-attr]
+    asyncio.run(main())
+
+
+def test_a_retired_nodes_late_event_leaves_no_utilisation_behind(tmp_path):
+    async def main() -> None:
+        h = Harness(tmp_path)
+        await h.start()
+        await h.send("gen1", Generated(0, 1, 2, 0, 1.0, 0.0))
+        await h.trained(0)
+        del h.driver.roles["gen1"]  # retired by a scale-down (scaling.Scaler._forget)
+        h.driver.records.forget("gen1")
+        await h.send("gen1", Generated(0, 1, 2, 0, 2.0, 0.0))  # its last news, late
+        await h.trained(1)
+        records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [("util/gen1" in r) for r in records] == [True, False]
         h.task.cancel()  # type: ignore[union-attr]
     asyncio.run(main())
 
