@@ -42,7 +42,7 @@ import torch
 
 from bench.output import traces_path, write_json
 from bench.strategies import measured_run
-from bench.trl_compare import SIZES
+from bench.trl_rows import SIZES
 from rlhf_async.config import JobConfig, load_config
 from rlhf_async.log import configure_logging
 from rlhf_async.modeling.episodes import rollout

@@ -25,6 +25,7 @@ from bench import trl_compare
 from bench.bench_pipeline import steady
 from bench.output import write_json
 from bench.plots import plot_runs
+from bench.trl_rows import SIZES
 from rlhf_async import job
 from rlhf_async.config import JobConfig, load_config
 from rlhf_async.log import configure_logging
@@ -111,7 +112,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="2x64 model, 8 steps, 2 strategies")
     ap.add_argument("--steps", type=int, default=30, help="RL steps per strategy")
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out")
-    ap.add_argument("--size", default="4x128", choices=list(trl_compare.SIZES),
+    ap.add_argument("--size", default="4x128", choices=list(SIZES),
                     help="layers x width of the tiny GPT-2")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
     ap.add_argument("--group", type=int, default=4, help="responses per prompt")
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     configure_logging("warning")
     cores = os.cpu_count() or 1
-    layers, hidden, heads = trl_compare.SIZES[args.size]
+    layers, hidden, heads = SIZES[args.size]
     base = [f"model.layers={layers}", f"model.hidden={hidden}", f"model.heads={heads}",
             "algo.name=grpo", f"algo.group_size={args.group}", f"train.steps={args.steps}",
             f"train.prompts_per_step={args.prompts}", f"placement.devices={cores}",

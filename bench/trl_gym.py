@@ -45,7 +45,7 @@ from rlhf_async.task.adapters import chosen
 from rlhf_async.task.adapters.reasoning_gym import ReasoningGymAdapter
 from rlhf_async.task.text import TextTask
 
-OURS_ROW = "flattening"  # the example's placement; bench.trl_compare.OURS names its overrides
+OURS_ROW = "flattening"  # the example's placement; bench.trl_rows.OURS names its overrides
 
 
 class GymReward:

@@ -25,15 +25,8 @@ import sys
 from pathlib import Path
 
 from bench.output import write_json
-from bench.trl_compare import (
-    OURS,
-    our_rows,
-    plot_curves,
-    print_table,
-    run_ours,
-    train_grpo,
-    trl_rows,
-)
+from bench.trl_compare import plot_curves, print_table, run_ours, train_grpo
+from bench.trl_rows import OURS, our_rows, trl_rows
 from bench.ttq import print_time_to_quality, summarise, time_to_quality
 from rlhf_async.config import ConfigError, JobConfig, load_config
 from rlhf_async.log import configure_logging
@@ -209,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ready_fork_server(STRATEGIES["separation"].fork_preload)
     load_start = os.getloadavg()
     rows: dict[str, dict] = {}
-    for name, threads, bf16 in trl_rows(args) if not args.only or "trl" in args.only else []:
+    for name, threads, bf16, _ in trl_rows(args) if not args.only or "trl" in args.only else []:
         print(f"{name} ...", file=sys.stderr)
         rows[name] = run_trl(cfg, args, threads, bf16)
     for name in [n for n in our_rows(args) if not args.only or n in args.only]:

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from bench import trl_compare, ttq
+from bench import trl_compare, trl_rows, ttq
 from bench.bench_decode import compare as decode_compare
 from bench.plots import plot_runs
 from bench.strategies import mfu_means, print_table, series
@@ -130,26 +130,26 @@ def test_bf16_rows_run_every_model_in_bf16():
 
     args = argparse.Namespace(bf16=True, trl_bf16=False, trl_threads=[1, 2], compiled=False,
                               trl_flush_denormal=False)
-    assert trl_compare.our_rows(args) == [
+    assert trl_rows.our_rows(args) == [
         "flattening", "separation k=1", "flattening bf16", "separation k=1 bf16",
         "flattening bf16 gen-fp32", "separation k=1 bf16 gen-fp32",
         "separation k=1 bf16 scorer@trainer"]
-    assert trl_compare.trl_rows(args)[-1] == ("trl 2t bf16", 2, True, False)
-    cfg = load_config(None, ["algo.name=grpo", *trl_compare.OURS_BF16["separation k=1 bf16"]])
+    assert trl_rows.trl_rows(args)[-1] == ("trl 2t bf16", 2, True, False)
+    cfg = load_config(None, ["algo.name=grpo", *trl_rows.OURS_BF16["separation k=1 bf16"]])
     assert set(cfg.placement.dtype) == {"actor=bf16", "shadow_actor=bf16", "reward=bf16",
                                         "reference=bf16"}
     for name in ("flattening bf16 gen-fp32", "separation k=1 bf16 gen-fp32"):
-        cfg = load_config(None, ["algo.name=grpo", *trl_compare.OURS_BF16[name]])
+        cfg = load_config(None, ["algo.name=grpo", *trl_rows.OURS_BF16[name]])
         assert set(cfg.placement.dtype) == {"actor=bf16", "reward=bf16", "reference=bf16"}
         placement = plan_placement(cfg.placement, "grpo")
         assert runner_problems(cfg, placement) == []  # each strategy runs its fp32 generation
     cfg = load_config(None, ["algo.name=grpo", "placement.devices=2",
-                             *trl_compare.OURS_BF16["separation k=1 bf16 scorer@trainer"]])
+                             *trl_rows.OURS_BF16["separation k=1 bf16 scorer@trainer"]])
     placement = plan_placement(cfg.placement, "grpo")
     assert placement.by_role("scorer")[0].devices == placement.by_role("trainer")[0].devices
     assert runner_problems(cfg, placement) == []
-    assert trl_compare.our_rows(argparse.Namespace(bf16=False, compiled=False)) == list(
-        trl_compare.OURS)
+    assert trl_rows.our_rows(argparse.Namespace(bf16=False, compiled=False)) == list(
+        trl_rows.OURS)
 
 
 def test_trl_rows_flushed_and_our_compiled_row_are_what_their_flags_ask():
@@ -157,13 +157,13 @@ def test_trl_rows_flushed_and_our_compiled_row_are_what_their_flags_ask():
 
     args = argparse.Namespace(bf16=False, trl_bf16=True, trl_threads=[1, 2], compiled=True,
                               trl_flush_denormal=True)
-    assert trl_compare.trl_rows(args) == [("trl 1t ftz", 1, False, True),
+    assert trl_rows.trl_rows(args) == [("trl 1t ftz", 1, False, True),
                                           ("trl 2t ftz", 2, False, True),
                                           ("trl 2t bf16 ftz", 2, True, True)]
-    assert trl_compare.our_rows(args) == ["flattening", "separation k=1",
+    assert trl_rows.our_rows(args) == ["flattening", "separation k=1",
                                           "separation k=1 compiled"]
     cfg = load_config(None, ["algo.name=grpo",
-                             *trl_compare.OURS_COMPILED["separation k=1 compiled"]])
+                             *trl_rows.OURS_COMPILED["separation k=1 compiled"]])
     assert cfg.generation.compile == "on" and cfg.placement.strategy == "separation"
     before = flushes_denormal()  # (a job run in this process earlier flushes: its default)
     with trl_compare.flushed(not before):  # this thread only, and back after

@@ -10,7 +10,7 @@ from rlhf_async.job.signals import on_stop_signals
 
 
 class Stopped(Exception):
-    pass
+    """What the stop handler raises (the job's `JobStopped`, here)."""
 
 
 def _stop(signum: int, _frame: object) -> None:
