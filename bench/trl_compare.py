@@ -19,7 +19,8 @@ rolling mean of 3 training batches) first reaches the target.
 
 MFU: both sides' model FLOPs per step (modeling/flops.py, from the same token counts:
 generation, reward and reference forwards, training's passes) over the steady wall time
-and the fp32 matmul peak of `--cores` one-thread slots, measured at start.
+and the fp32 matmul peak of `--cores` one-thread slots: the best of its measurements at
+start and after each size (`machine_peaks` in the JSON).
 
 `--new-tokens N`, generation-heavy: both sides generate N tokens (EOS only as the N-th; the
 task's answer is 7), the reward model scores all N and the hidden score is no learning
@@ -239,6 +240,13 @@ def machine_peak(cores: int) -> float:
         torch.set_num_threads(threads)
 
 
+def rescale_mfu(rows: dict[str, dict], measured: float, peak: float) -> None:
+    """Rows' `mfu_step`, divided by the peak `measured` before them, rescaled in place to
+    `peak`, the best measured: load only slows a matmul, and a low peak flatters MFU."""
+    for r in (r for r in rows.values() if "mfu_step" in r):
+        r["mfu_step"] *= measured / peak
+
+
 def step_mfu(art: Any, records: list[dict[str, float]], passes: float | None, wall: float,
              peak: float) -> float:
     """Model FLOPs of the steps of `records` (token counts; ours carry `flops/train`, else
@@ -346,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     # our nodes' imports (the fork server's) paid before any clock, as TRL's in this process
     ready_fork_server(STRATEGIES["separation"].fork_preload)
     load_start = os.getloadavg()
-    args.machine_peak = machine_peak(args.cores)
+    args.machine_peaks = [machine_peak(args.cores)]  # at start, then after each size
+    args.machine_peak = args.machine_peaks[0]
     results: dict = {}
     ttq: dict[str, dict] = {}
     for size in args.size:
@@ -365,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows[name] = run_ours(name, base, args.warmup, args.target,
                                       peak=args.machine_peak)
         label = f"{size} {args.new_tokens} tokens" if args.new_tokens else size
+        measured = args.machine_peak  # the MFU denominator: the best peak measured so far
+        args.machine_peaks.append(machine_peak(args.cores))
+        args.machine_peak = max(args.machine_peaks)
+        rescale_mfu(rows, measured, args.machine_peak)
         print_table(label, rows, args.target)
         ttq[label] = time_to_quality(rows, args.target, args.window)
         print_time_to_quality(label, ttq[label], args.target, args.steps, args.window)

@@ -329,3 +329,12 @@ def test_trl_and_ours_mfu_computed_the_same_way(tmp_path):
     # by hand (tests/unit/modeling/test_flops.py): generate 19744, score 52352, train 3/4 of
     # the 105600 of four passes
     assert trl == pytest.approx((19744 + 52352 + 79200) / 2e4)
+
+
+def test_mfu_rescaled_to_the_best_peak_measured():
+    # rows divided by a peak of 300 measured under load; a later measurement of 400 is
+    # the machine's: every row's MFU falls by 3/4, and a row without one is left alone
+    rows = {"ours": {"mfu_step": 0.6}, "trl": {"mfu_step": 0.4}, "failed": {}}
+    trl_compare.rescale_mfu(rows, measured=300.0, peak=400.0)
+    assert rows == {"ours": {"mfu_step": pytest.approx(0.45)},
+                    "trl": {"mfu_step": pytest.approx(0.3)}, "failed": {}}
