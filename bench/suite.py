@@ -138,7 +138,7 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
 
 # modules in bench/ that are shared parts, not benchmarks
 HELPERS = frozenset({"__main__.py", "output.py", "plots.py", "suite.py", "ttq.py",
-                     "grpo_proxy.py", "trl_rows.py"})
+                     "grpo_proxy.py", "trl_rows.py", "trl_mfu.py"})
 
 
 def by_script(script: str) -> Benchmark | None:

@@ -46,19 +46,14 @@ import torch
 
 from bench.output import write_json
 from bench.plots import plot_runs
+from bench.trl_mfu import machine_peak, rescale_mfu, step_mfu
 from bench.trl_rows import OURS, OURS_BF16, OURS_COMPILED, SIZES, our_rows, trl_rows
 from bench.ttq import print_time_to_quality, summarise, time_to_quality
 from rlhf_async import job
 from rlhf_async.config import JobConfig, load_config
 from rlhf_async.log import configure_logging
 from rlhf_async.metrics import read_metrics
-from rlhf_async.modeling.flops import (
-    Utilization,
-    measure_peak,
-    shape_of_dir,
-    token_counts,
-    train_flops,
-)
+from rlhf_async.modeling.flops import token_counts
 from rlhf_async.modeling.models import sequence_scores
 from rlhf_async.runtime.cpu import flushes_denormal
 from rlhf_async.runtime.launcher import ready_fork_server
@@ -103,8 +98,9 @@ def run_ours(name: str, base: list[str], warmup: int, target: float,
                     [r["samples"] * r["response_length"] for r in recs],
                     [r["hidden_score"] for r in recs], warmup, target)
     out["rl_wall_s"] = s["rl_seconds"]
-    out["mfu_step"] = step_mfu(prepare_artefacts(cfg, SortDigitsTask(cfg.task)),
-                               recs[warmup:], None, out["steady_wall_s"], peak)
+    if peak > 0:  # (trl_text and trl_gym measure none: their tasks are not sort-digits)
+        out["mfu_step"] = step_mfu(prepare_artefacts(cfg, SortDigitsTask(cfg.task)),
+                                   recs[warmup:], None, out["steady_wall_s"], peak)
     # the held-out evaluation of the policy before and after (run.eval_prompts x eval_samples)
     out["eval"] = {"initial": s["sft_hidden_score"], "final": s["final_hidden_score"],
                    "prompts": s["eval_prompts"], "samples": s.get("eval_samples", 1)}
@@ -229,39 +225,6 @@ def run_trl(cfg: JobConfig, args: argparse.Namespace, threads: int, target: floa
     return out
 
 
-def machine_peak(cores: int) -> float:
-    """The fp32 matmul peak of `cores` one-thread slots (ours runs one per core; TRL's
-    threads use the same cores): the MFU denominator of both sides."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return cores * measure_peak(torch.float32, seconds=1.0)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def rescale_mfu(rows: dict[str, dict], measured: float, peak: float) -> None:
-    """Rows' `mfu_step`, divided by the peak `measured` before them, rescaled in place to
-    `peak`, the best measured: load only slows a matmul, and a low peak flatters MFU."""
-    for r in (r for r in rows.values() if "mfu_step" in r):
-        r["mfu_step"] *= measured / peak
-
-
-def step_mfu(art: Any, records: list[dict[str, float]], passes: float | None, wall: float,
-             peak: float) -> float:
-    """Model FLOPs of the steps of `records` (token counts; ours carry `flops/train`, else
-    `passes` over the actor) over `wall` seconds of the whole machine's `peak`: ours and
-    TRL's computed the same way (modeling/flops.py)."""
-    actor = shape_of_dir(art.sft_dir, lm=True)
-    u = Utilization(actor, shape_of_dir(art.rm_dir, lm=False), actor, None, peak, 1)
-    total = 0.0
-    for r in records:
-        f = u.flops({**r, "flops/train": r.get("flops/train") or
-                     train_flops(actor, None, passes or 0.0, r)})
-        total += sum(f.values())
-    return total / (wall * peak)
-
-
 def print_table(size: str, rows: dict[str, dict], target: float) -> None:
     """One row per system; "vs TRL" is against TRL's fastest row, fp32 or bf16."""
     trl = max((r["completions_per_s"] for n, r in rows.items() if n.startswith("trl")),
@@ -272,9 +235,10 @@ def print_table(size: str, rows: dict[str, dict], target: float) -> None:
     for name, r in rows.items():
         vs = f"{r['completions_per_s'] / trl:.2f}x" if trl else "-"
         tt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"
+        mfu = f"{r['mfu_step']:.1%}" if "mfu_step" in r else "-"
         print(f"{name:28s} {r['completions_per_s']:8.1f} {r['tokens_per_s']:8.0f} {vs:>7s} "
               f"{r['rl_wall_s']:9.1f} {tt:>11s} {r['first_hidden']:8.3f} -> "
-              f"{r['last_hidden']:.3f} {r.get('mfu_step', 0.0):6.1%}")
+              f"{r['last_hidden']:.3f} {mfu:>6s}")
 
 
 def report(path: Path, target: float, window: int) -> int:

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from bench import trl_compare, trl_rows, ttq
+from bench import trl_compare, trl_mfu, trl_rows, ttq
 from bench.bench_decode import compare as decode_compare
 from bench.plots import plot_runs
 from bench.strategies import mfu_means, print_table, series
@@ -324,8 +324,8 @@ def test_trl_and_ours_mfu_computed_the_same_way(tmp_path):
     counts = dict(zip(TOKEN_KEYS, (5.0, 3.0, 1.0, 9.0, 4.0, 21.0), strict=True)) | {
         "samples": 2.0}
     ours = {**counts, "flops/train": train_flops(FlopShape.of_module(lm), None, 3.0, counts)}
-    trl = trl_compare.step_mfu(art, [counts], 3.0, wall=2.0, peak=1e4)
-    assert trl == trl_compare.step_mfu(art, [ours], None, wall=2.0, peak=1e4)
+    trl = trl_mfu.step_mfu(art, [counts], 3.0, wall=2.0, peak=1e4)
+    assert trl == trl_mfu.step_mfu(art, [ours], None, wall=2.0, peak=1e4)
     # by hand (tests/unit/modeling/test_flops.py): generate 19744, score 52352, train 3/4 of
     # the 105600 of four passes
     assert trl == pytest.approx((19744 + 52352 + 79200) / 2e4)
@@ -335,6 +335,24 @@ def test_mfu_rescaled_to_the_best_peak_measured():
     # rows divided by a peak of 300 measured under load; a later measurement of 400 is
     # the machine's: every row's MFU falls by 3/4, and a row without one is left alone
     rows = {"ours": {"mfu_step": 0.6}, "trl": {"mfu_step": 0.4}, "failed": {}}
-    trl_compare.rescale_mfu(rows, measured=300.0, peak=400.0)
+    trl_mfu.rescale_mfu(rows, measured=300.0, peak=400.0)
     assert rows == {"ours": {"mfu_step": pytest.approx(0.45)},
                     "trl": {"mfu_step": pytest.approx(0.3)}, "failed": {}}
+
+
+def test_our_row_without_a_peak_has_no_mfu(tmp_path, monkeypatch, capsys):
+    # trl_text and trl_gym run our row with no peak measured (and a task that is not
+    # sort-digits): it divided by zero after the whole job; now it has no MFU, shown as "-"
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = [{"step": i, "time_step": 2.0, "samples": 8, "response_length": 5.0,
+             "hidden_score": 0.1 * i} for i in range(3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    summary = {"run_dir": str(run), "rl_seconds": 7.0, "sft_hidden_score": 0.0,
+               "final_hidden_score": 0.3, "eval_prompts": 4}
+    monkeypatch.setattr(trl_compare.job, "run", lambda cfg: summary)
+    monkeypatch.setattr(trl_compare, "prepare_artefacts", lambda *a: pytest.fail("a sort task"))
+    row = trl_compare.run_ours("separation k=1", [], warmup=1, target=0.5)
+    assert "mfu_step" not in row and row["completions_per_s"] == pytest.approx(4.0)
+    trl_compare.print_table("text", {"separation k=1": row}, 0.5)
+    assert capsys.readouterr().out.splitlines()[-1].endswith(" -")
