@@ -108,18 +108,20 @@ def test_a_twin_job_scales_up_and_down_without_losing_a_prompt(tmp_path, cache):
 
 
 def test_a_twin_job_rebalances_from_a_bad_split_toward_its_bound_stage(tmp_path, cache):
-    """One generator against three scorers, 2048-token responses: generation takes many
-    times what scoring does, so whatever the host adds, the first decision moves a
-    scorer's device to a second generator (through the scale path: no restart, every
-    prompt once). A generator's busy time reaches the records with its chunks, one a step
-    here: a window of n records holds n - 1 to n + 1 of them, so 4 (not 2, where one chunk
-    of two made generation look no longer than training and no move pay)."""
+    """One generator against three scorers, 8192-token responses: the generator's step is
+    ~130 simulated s (2.6 s real), the trainer's ~17 plus the host's real overhead (under
+    two CI runs, ~0.3 s real, 15 simulated s: with 2048 tokens, 17 s of generation against
+    19 of training, and no move paid), so the first decision moves a scorer's device to a
+    second generator (through the scale path: no restart, every prompt once) unless the
+    trainer's real overhead passes ~2 s a step. A generator's busy time reaches the records
+    with its chunks, one a step here: a window of n records holds n - 1 to n + 1 of them,
+    so 4 (not 2, where one chunk of two made generation look no longer than training)."""
     steps = 8
     cfg = _config(tmp_path, cache, "rebalance", f"train.steps={steps}",
                   "train.prompts_per_step=8", "placement.devices=6", "placement.gpu=H200",
                   "placement.actor=[0,1]", "placement.generator=[2]",
                   "placement.reward=[3,4,5]", "algo.max_staleness=1",
-                  "sim.prompt_tokens=256", "sim.response_tokens=2048",
+                  "sim.prompt_tokens=256", "sim.response_tokens=8192",
                   "placement.rebalance=true", "placement.rebalance_every=4",
                   "weight_sync.timeout_s=10")
     job.run(cfg)
