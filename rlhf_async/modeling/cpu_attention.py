@@ -9,12 +9,15 @@ Two measured pathologies of torch's CPU attention kernel (bench/README.md, "CPU 
   as GPU attention kernels do. Forward and backward at 32 x 6 heads x 57 positions x 64
   dims: 7.5 against 12.4 ms for the kernel in fp32 (bench/README.md, "bf16 attention").
   Other bf16 calls compute in fp32 through the kernel and return bf16.
-- **Lengths off a multiple of 16 are slow**: the kernel's tail handling costs more than
-  the tail. At 32 x 4 heads x 16 dims, one forward took 523 us at 15 positions and 195 us at
-  16; 1063 at 31 and 406 at 32; 2076 at 63 and 906 at 64. Queries and keys are padded to
-  the next multiple of 16 with positions nobody attends to when that is at most 3 away
-  (further off, the extra block cost more than the tail: 56 -> 64 was 4% slower), and the
-  padded rows dropped from the output: the same function, to float rounding.
+- **Lengths off a multiple of 16 are slow** at small head dims: the kernel's tail
+  handling costs more than the tail. At 32 x 4 heads x 16 dims, one forward took 523 us at
+  15 positions and 195 us at 16; 1063 at 31 and 406 at 32; 2076 at 63 and 906 at 64.
+  Queries and keys are padded to the next multiple of 16 with positions nobody attends to
+  when that is at most 3 away (further off, the extra block cost more than the tail: 56 ->
+  64 was 4% slower) and the head dim is at most 32, and the padded rows dropped from the
+  output: the same function, to float rounding. From 64 dims the padding's copies cost
+  more than the tail saves: fwd + bwd 0.75-0.98x at 64 dims, 0.74-0.80x at 128
+  (docs/benchmarks/cpu.md, "CPU attention").
 
 `cpu_attention(module)` switches every HF model inside `module` that attends with "sdpa"
 to this function; other implementations, and transformers without the attention
@@ -37,16 +40,18 @@ except ImportError:  # pragma: no cover - older transformers: attention stays as
 
 CPU_SDPA = "sdpa_cpu"
 WIDTH = 16  # positions the CPU kernel handles at full speed: pad lengths to a multiple
-MAX_PAD = 3  # ... when at most this many short (measured: bench/README.md, "CPU attention")
+MAX_PAD = 3  # ... when at most this many short (measured: docs/benchmarks/cpu.md)
+MAX_PAD_HEAD_DIM = 32  # ... and only at head dims up to this (from 64 padding loses)
 MAX_SCORES = 1 << 22  # bf16 calls with at most this many scores are written out (16 MB fp32)
 MIN_HEAD_DIM = 32  # ... at head dims from this (bench/README.md, "bf16 attention")
 
 
-def _padding(length: int) -> int:
+def _padding(length: int, head_dim: int) -> int:
     """Positions to add to `length`: up to the next multiple of WIDTH when that is at most
-    MAX_PAD away. Further off, the extra block costs more than the tail it replaces."""
+    MAX_PAD away and `head_dim` at most MAX_PAD_HEAD_DIM. Further off, the extra block costs
+    more than the tail it replaces; at larger head dims, the padding's copies do."""
     pad = -length % WIDTH
-    return pad if pad <= MAX_PAD else 0
+    return pad if pad <= MAX_PAD and head_dim <= MAX_PAD_HEAD_DIM else 0
 
 
 def _pad_mask(mask: Tensor, rows: int, cols: int) -> Tensor:
@@ -68,9 +73,9 @@ def _padded_sdpa(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                  attention_mask: Tensor | None, **kwargs: Any) -> tuple[Tensor, Any]:
     """SDPA on lengths padded to a multiple of WIDTH. query [B, H, Tq, D], key and value
     [B, Hkv, Tk, D]; -> [B, Tq, H, D], as HF's."""
-    Tq, Tk = query.shape[2], key.shape[2]
-    rows = 0 if Tq == 1 else _padding(Tq)
-    cols = _padding(Tk)
+    Tq, Tk, D = query.shape[2], key.shape[2], query.shape[3]
+    rows = 0 if Tq == 1 else _padding(Tq, D)
+    cols = _padding(Tk, D)
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
     # without a mask only causal self-attention over 2+ positions pads safely (queries and

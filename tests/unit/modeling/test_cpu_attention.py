@@ -49,8 +49,23 @@ def same(module, q, k, v, mask, dtype=torch.float32):
 
 
 def test_lengths_pad_to_a_multiple_of_16_only_when_it_is_near():
-    assert [_padding(n) for n in (1, 12, 13, 15, 16, 17, 56, 61, 63)] == \
-        [0, 0, 3, 1, 0, 0, 0, 3, 1]
+    lengths = (1, 12, 13, 15, 16, 17, 56, 61, 63)
+    assert [_padding(n, 16) for n in lengths] == [0, 0, 3, 1, 0, 0, 0, 3, 1]
+    assert [_padding(n, 32) for n in lengths] == [0, 0, 3, 1, 0, 0, 0, 3, 1]
+    # from 64 dims (GPT-2 6x384's, SmolLM2's, most real models') the copies cost more
+    assert [_padding(n, D) for n in lengths for D in (64, 128)] == [0] * 18
+
+
+@pytest.mark.parametrize("T", [15, 47])
+def test_wide_heads_attend_unpadded_to_the_same_result(T, monkeypatch):
+    def no_pad(*args, **kwargs):
+        raise AssertionError("padded at 64 dims")
+    monkeypatch.setattr(torch.nn.functional, "pad", no_pad)
+    mask = torch.ones(T, T, dtype=torch.bool).tril().expand(2, 1, T, T).clone()
+    out, _ = _cpu_sdpa(Attn(), *(t.detach() for t in qkv(2, 2, 2, T, T, D=64)), mask)
+    want, _ = sdpa_attention_forward(Attn(), *(t.detach() for t in qkv(2, 2, 2, T, T, D=64)),
+                                     mask)
+    assert torch.equal(out, want)
 
 
 @pytest.mark.parametrize("T", [1, 5, 14, 15, 16, 17, 31, 40])
