@@ -25,8 +25,9 @@ def machine_peak(cores: int) -> float:
 def rescale_mfu(rows: dict[str, dict], measured: float, peak: float) -> None:
     """Rows' `mfu_step`, divided by the peak `measured` before them, rescaled in place to
     `peak`, the best measured: load only slows a matmul, and a low peak flatters MFU."""
-    for r in (r for r in rows.values() if "mfu_step" in r):
-        r["mfu_step"] *= measured / peak
+    for r in rows.values():
+        if "mfu_step" in r:
+            r["mfu_step"] *= measured / peak
 
 
 def step_mfu(art: Any, records: list[dict[str, float]], passes: float | None, wall: float,
